@@ -1,0 +1,1 @@
+"""Sub-commands of `weave-moe` (see weave_moe.cli)."""
