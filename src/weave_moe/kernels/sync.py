@@ -1,0 +1,82 @@
+"""Flags, bounded spin-waits and release signals: every cross-CTA and cross-GPU wait of the megakernel lives here.
+
+Protocol (checked on the H200 pair, see ../shared/PLATFORM.md):
+- A writer makes its data visible with `tl.debug_barrier()` (all threads of the CTA finished their stores) followed by
+  ONE release atomic on the flag (`signal_add`). Scalar atomics are executed once per program.
+- A reader spins with acquire atomics (`wait_at_least`) before it touches the data. `scope="sys"` for flags that a
+  peer GPU writes, `"gpu"` for flags written by CTAs of the same kernel.
+- Every spin has a deadline in nanoseconds of `%globaltimer`. On timeout the waiter records an error code in the
+  status word and returns False; every later wait sees the status word set and returns at once, so a dead peer ends
+  the kernel quickly and the host raises `WeaveTimeoutError` instead of hanging the GPU.
+
+Status word layout (int32 [4]): [0] first error code (0 = none), [1] flag index that timed out, [2] value seen,
+[3] value expected.
+"""
+
+import triton
+import triton.language as tl
+
+ERROR_NONE = 0
+ERROR_ARRIVAL_TIMEOUT = 1      # dispatch rows from a peer never arrived
+ERROR_GEMM0_TIMEOUT = 2        # a GEMM1 tile waited for its GEMM0 tiles
+ERROR_GEMM1_TIMEOUT = 3        # a combine block waited for its chunk's GEMM1 tiles
+ERROR_COMBINE_TIMEOUT = 4      # the final reduce waited for a peer's combine rows
+
+ERROR_NAMES = {
+    ERROR_ARRIVAL_TIMEOUT: "dispatch rows from a peer did not arrive",
+    ERROR_GEMM0_TIMEOUT: "a GEMM1 tile waited too long for its GEMM0 tiles",
+    ERROR_GEMM1_TIMEOUT: "a combine block waited too long for its chunk's GEMM1 tiles",
+    ERROR_COMBINE_TIMEOUT: "combine rows from a peer did not arrive",
+}
+
+
+@triton.jit
+def global_time_ns():
+    """%globaltimer (ns). Coarse (about 1 µs ticks on Hopper) but enough for deadlines and timelines."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def signal_add(flag_ptr, value, SYS_SCOPE: tl.constexpr):
+    """Release `value` onto a counter after this CTA's stores (all threads) are done."""
+    tl.debug_barrier()
+    if SYS_SCOPE:
+        tl.atomic_add(flag_ptr, value, sem="release", scope="sys")
+    else:
+        tl.atomic_add(flag_ptr, value, sem="release", scope="gpu")
+
+
+@triton.jit
+def _poll(flag_ptr, SYS_SCOPE: tl.constexpr):
+    if SYS_SCOPE:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    else:
+        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+    return seen
+
+
+@triton.jit
+def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_ns, SYS_SCOPE: tl.constexpr):
+    """Spin until *flag_ptr >= expected (acquire).
+
+    Returns 1 on success, 0 on timeout or when another wait already failed. `flag_tag` is an int the caller chooses
+    to name the flag in the error report (e.g. source rank * 16 + chunk).
+    """
+    seen = _poll(flag_ptr, SYS_SCOPE)
+    ok = (seen >= expected).to(tl.int32)
+    if ok == 0:
+        start = global_time_ns()
+        failed = (tl.load(status_ptr, volatile=True) != 0).to(tl.int32)
+        while (ok == 0) & (failed == 0):
+            seen = _poll(flag_ptr, SYS_SCOPE)
+            ok = (seen >= expected).to(tl.int32)
+            if ok == 0:
+                failed = (tl.load(status_ptr, volatile=True) != 0).to(tl.int32)
+                if global_time_ns() - start > timeout_ns:
+                    # First error wins; record which flag and what was seen for the host's message.
+                    if tl.atomic_cas(status_ptr, 0, error_code, sem="relaxed", scope="gpu") == 0:
+                        tl.store(status_ptr + 1, flag_tag)
+                        tl.store(status_ptr + 2, seen)
+                        tl.store(status_ptr + 3, expected)
+                    failed = 1
+    return ok

@@ -1,0 +1,163 @@
+"""The megakernel's task tables, executed task by task in torch on the CPU for all ranks, must reproduce the MoE.
+
+This checks every index the kernel uses (dispatch slots, arrival counts, sorted pair rows, M tiles, DAG order,
+combine positions and weights, reduce masks) without a GPU: the kernel does exactly these reads and writes.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, parse_counts
+
+
+def _routing(num_tokens, num_experts, top_k, seed, mode):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)]) \
+        if num_tokens else torch.empty(0, top_k, dtype=torch.long)
+    if mode == "one_rank" and num_tokens:
+        ids = torch.stack([torch.randperm(num_experts // 2, generator=g)[:top_k] for _ in range(num_tokens)])
+    if mode == "minus_one" and num_tokens:
+        ids[::3, 0] = -1
+        ids[1::5, :] = -1
+    w = torch.rand(num_tokens, top_k, generator=g) + 0.1
+    return ids.to(torch.int32), w
+
+
+def _reference(x, ids, w, w13, w2):
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    inter = w2.shape[2]
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            gu = w13[e] @ x[t]
+            h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            out[t] += w[t, j] * (w2[e] @ h)
+    return out
+
+
+def emulate(tokens, world_size, num_experts, top_k, hidden, inter, chunks, seed=0, mode="uniform",
+            block_m=4, block_n0=8, block_n1=8, rows=3):
+    torch.manual_seed(seed)
+    num_local = num_experts // world_size
+    max_tokens = max(max(tokens), 1) + 2
+    routing = [_routing(t, num_experts, top_k, seed + r, mode) for r, t in enumerate(tokens)]
+    xs = [torch.randn(t, hidden) for t in tokens]
+    w13 = torch.randn(num_experts, 2 * inter, hidden) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter) / inter ** 0.5
+    all_ids = torch.full((world_size, max_tokens, top_k), -1, dtype=torch.int32)
+    all_w = torch.zeros(world_size, max_tokens, top_k)
+    for r, (ids, w) in enumerate(routing):
+        all_ids[r, : tokens[r]] = ids
+        all_w[r, : tokens[r]] = w
+    flat = count_routing(all_ids, torch.tensor(tokens), num_experts).tolist()
+    counts = parse_counts(flat, world_size, num_experts)
+    layouts = [
+        build_layout(all_ids, all_w, counts, r, num_experts, chunks, hidden_size=hidden, intermediate_size=inter,
+                     block_m=block_m, block_n0=block_n0, block_n1=block_n1, dispatch_rows=rows,
+                     combine_rows=rows, reduce_rows=rows)
+        for r in range(world_size)
+    ]
+    nan = float("nan")
+    recv = [torch.full((world_size * max_tokens, hidden), nan) for _ in range(world_size)]
+    arrived = [torch.zeros(world_size, MAX_CHUNKS, dtype=torch.long) for _ in range(world_size)]
+    # dispatch
+    for r, lay in enumerate(layouts):
+        for dest, chunk, start, count in lay.dispatch_tasks[: lay.meta[0]].tolist():
+            assert count > 0
+            tok = lay.send_token[start:start + count].long()
+            slot = lay.send_slot[start:start + count].long()
+            recv[dest][r * max_tokens + slot] = xs[r][tok]
+            arrived[dest][r, chunk] += count
+        assert int(lay.dispatch_tasks[lay.meta[0]:, 3].sum()) == 0
+    for d, lay in enumerate(layouts):
+        assert torch.equal(arrived[d], lay.arrival_expected.long()), "arrival counts differ from expectations"
+    comb = [torch.full((world_size * max_tokens, hidden), nan) for _ in range(world_size)]
+    comb_rows = [torch.zeros(world_size, dtype=torch.long) for _ in range(world_size)]
+    for d, lay in enumerate(layouts):
+        h = torch.full((lay.num_pairs, inter), nan)
+        y = torch.full((lay.num_pairs, hidden), nan)
+        done0 = torch.zeros(lay.num_mtiles_bound, dtype=torch.long)
+        done1 = torch.zeros(MAX_CHUNKS, dtype=torch.long)
+        n0 = -(-inter // block_n0)
+        for kind, chunk, expert, row_start, num_rows, n_start, mtile, _ in lay.gemm_tasks[: lay.meta[1]].tolist():
+            assert num_rows > 0
+            e = d * num_local + expert
+            rows_ = slice(row_start, row_start + num_rows)
+            if kind == 0:
+                # the arrival of this chunk from every source must be complete (the kernel waits for it)
+                a = recv[d][lay.gather_rows[rows_].long()]
+                assert not a.isnan().any()
+                cols = slice(n_start, min(n_start + block_n0, inter))
+                g = a @ w13[e, cols].T
+                u = a @ w13[e, inter + cols.start: inter + cols.stop].T
+                h[rows_, cols] = torch.nn.functional.silu(g) * u
+                done0[mtile] += 1
+            else:
+                assert done0[mtile] == n0, "GEMM1 tile queued before its GEMM0 tiles"
+                cols = slice(n_start, min(n_start + block_n1, hidden))
+                y[rows_, cols] = h[rows_] @ w2[e, cols].T
+                done1[chunk] += 1
+        assert torch.equal(done1, lay.gemm1_expected.long())
+        last_chunk = -1
+        for source, chunk, start, count in lay.combine_tasks[: lay.meta[2]].tolist():
+            assert chunk >= last_chunk, "combine tasks not in chunk order"
+            last_chunk = chunk
+            pos = lay.combine_pos[start:start + count].long()
+            wt = lay.combine_weight[start:start + count]
+            acc = torch.zeros(count, hidden)
+            for j in range(top_k):
+                ok = pos[:, j] >= 0
+                acc[ok] += wt[ok, j, None] * y[pos[ok, j]]
+            tok = lay.combine_token[start:start + count].long()
+            comb[source][d * max_tokens + tok] = acc
+            comb_rows[source][d] += count
+    outs = []
+    for r, lay in enumerate(layouts):
+        assert torch.equal(comb_rows[r], lay.combine_expected.long())
+        out = torch.full((tokens[r], hidden), nan)
+        for task in range(lay.num_reduce_tasks):
+            t = torch.arange(task * rows, min((task + 1) * rows, tokens[r]))
+            acc = torch.zeros(t.numel(), hidden)
+            for d in range(world_size):
+                bit = ((lay.token_dest_mask[t] >> d) & 1).bool()
+                acc[bit] += comb[r][d * max_tokens + t[bit]]
+            out[t] = acc
+        ref = _reference(xs[r], routing[r][0], routing[r][1], w13, w2)
+        assert not out.isnan().any(), "an output row was never written"
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        outs.append(out)
+    return layouts
+
+
+@dataclass
+class Case:
+    tokens: tuple
+    experts: int = 8
+    top_k: int = 3
+    chunks: tuple = None
+    mode: str = "uniform"
+    hidden: int = 12
+    inter: int = 10
+
+
+CASES = [
+    Case((7, 5)), Case((7, 5), chunks=(2, 3)), Case((9, 4), chunks=(8, 1)), Case((0, 6)), Case((1, 1), chunks=(4, 4)),
+    Case((6, 6), mode="one_rank"), Case((10, 3), mode="minus_one", chunks=(3, 2)), Case((5,), experts=4, top_k=2),
+    Case((4, 7, 0, 5), experts=8, top_k=2, chunks=(1, 2, 3, 4)), Case((8, 8), experts=4, top_k=4, hidden=13, inter=9),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.tokens}-{c.mode}-{c.chunks}")
+def test_layout_executes_to_reference(case):
+    world_size = len(case.tokens)
+    chunks = list(case.chunks or [1] * world_size)
+    emulate(list(case.tokens), world_size, case.experts, case.top_k, case.hidden, case.inter, chunks, mode=case.mode)
+
+
+def test_bad_chunk_count_raises():
+    with pytest.raises(ValueError, match="chunks"):
+        emulate([3, 3], 2, 8, 2, 8, 8, [0, 1])
