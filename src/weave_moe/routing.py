@@ -12,8 +12,9 @@ Expert placement (DESIGN.md): rank r owns global experts [r * E_local, (r + 1) *
 
 Skew model. Real routers are unbalanced: published measurements show the busiest expert of a layer at up to ~7x the
 mean token count, and the busiest GPU at 1.5-3.5x the mean GPU load. `skewed` gives every expert a popularity that
-follows a Zipf law over a per-layer ranking, p[rank_i] ~ (i + 1) ** -alpha, and draws each token's k experts without replacement with those popularities
-(Gumbel-top-k over log-popularity, i.e. the Plackett-Luce model a softmax router with noisy logits follows). The
+follows a Zipf law over a per-layer ranking, p[rank_i] ~ (i + 1) ** -alpha, and draws each token's k experts
+without replacement with those popularities (Gumbel-top-k over log-popularity, i.e. the Plackett-Luce model a softmax
+router with noisy logits follows). The
 exponent alpha is solved so that the *expected* busiest-expert count is `skew` x the mean count; see
 `expert_popularity` for the approximation used and its accuracy. Which experts are hot depends only on the layer
 index, not on the seed, so ranks that draw their tokens with different seeds agree on the hot experts, as the ranks
@@ -364,13 +365,15 @@ def generate(
 ):
     """`uniform` or `skewed` routing for the layer shape `spec` (E = spec.num_experts, k = spec.top_k).
 
-    `skew`, `layer` and `locality` only matter for routing="skewed". Returns topk_ids [T, k] int32, topk_weights [T, k] float32.
+    `skew`, `layer` and `locality` only matter for routing="skewed".
+    Returns topk_ids [T, k] int32, topk_weights [T, k] float32.
     """
     if routing == "uniform":
         return uniform(num_tokens, spec.num_experts, spec.top_k, seed=seed, device=device)
     if routing == "skewed":
         return skewed(
-            num_tokens, spec.num_experts, spec.top_k, skew=skew, layer=layer, seed=seed, locality=locality, device=device
+            num_tokens, spec.num_experts, spec.top_k,
+            skew=skew, layer=layer, seed=seed, locality=locality, device=device,
         )
     raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
 
@@ -460,7 +463,9 @@ def load_trace(path, *, num_experts: int | None = None) -> tuple[torch.Tensor, t
             raise ValueError(f"{path}: no 'topk_ids' array (found {sorted(archive.files)})")
         version = int(archive["format_version"]) if "format_version" in archive.files else TRACE_FORMAT_VERSION
         if version > TRACE_FORMAT_VERSION:
-            raise ValueError(f"{path}: trace format version {version} is newer than this reader ({TRACE_FORMAT_VERSION})")
+            raise ValueError(
+                f"{path}: trace format version {version} is newer than this reader ({TRACE_FORMAT_VERSION})"
+            )
         ids = archive["topk_ids"]
         weights = archive["topk_weights"] if "topk_weights" in archive.files else None
     _check_trace(ids, weights, path, num_experts)
@@ -489,7 +494,9 @@ def _rank_hits(topk_ids: torch.Tensor, num_experts: int, world_size: int) -> tor
         raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     ids = topk_ids.long()
     if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= num_experts):
-        raise ValueError(f"topk_ids must lie in [-1, num_experts={num_experts}), got [{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(
+            f"topk_ids must lie in [-1, num_experts={num_experts}), got [{int(ids.min())}, {int(ids.max())}]"
+        )
     experts_per_rank = num_experts // world_size
     # Column EP collects the -1 sentinels and is dropped.
     dest = torch.where(ids >= 0, ids // experts_per_rank, world_size)
