@@ -1,0 +1,154 @@
+"""Triton tile functions of the MoE layer, shared by the staged launches and the persistent megakernel.
+
+Each function does one task of the task tables built by `weave_moe.layout` and nothing else: no waits, no signals
+(those live in `sync.py`), so each can be run and tested alone (also under TRITON_INTERPRET=1, with DOT_FP32 set
+because the interpreter's bf16 dot is wrong).
+
+Index habit: row indices are clamped instead of masked on loads (a clamped row reads valid memory and is never
+stored), so the K loops load without predicates and pipeline well; only stores are masked.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dispatch_rows(x_ptr, dst_ptr, token_ptr, slot_ptr, start, count, H,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Copy `count` (<= BLOCK_ROWS) rows of x [T, H] to dst [*, H] (a peer's receive region or our own).
+
+    Row i of the task: x[token[start + i]] -> dst[slot[start + i]].
+    """
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    mask_r = offs_r < count
+    token = tl.load(token_ptr + start + offs_r, mask=mask_r, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + start + offs_r, mask=mask_r, other=0).to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = mask_r[:, None] & (offs_h < H)[None, :]
+        rows = tl.load(x_ptr + token[:, None] * H + offs_h[None, :], mask=mask)
+        tl.store(dst_ptr + slot[:, None] * H + offs_h[None, :], rows, mask=mask)
+
+
+@triton.jit
+def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start, H, I,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """h[row_start + m, n_start + n] = silu(a_m . gate_n) * (a_m . up_n), a_m = a[gather[row_start + m]].
+
+    a: [*, H] bf16 receive buffer; gather: [pairs] int32 rows of a; w13: [E_local, 2I, H] bf16 (gate rows, then up
+    rows); h: [pairs, I] bf16. The gate and up columns of the tile are multiplied together so SiLU-mul fuses into
+    the epilogue and h is written once, rounded to bf16 (as the reference does).
+    """
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_rows
+    rows = tl.load(gather_ptr + row_start + tl.minimum(offs_m, num_rows - 1)).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    cols = tl.minimum(offs_n, I - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
+    gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I) * H + cols[None, :] * H + offs_k[:, None]
+    up_ptrs = gate_ptrs + I * H
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = (k0 + offs_k) < H
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+        up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            gate = gate.to(tl.float32)
+            up = up.to(tl.float32)
+        acc_gate = tl.dot(a, gate, acc_gate)
+        acc_up = tl.dot(a, up, acc_up)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out_ptrs = h_ptr + (row_start + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """y[row_start + m, n_start + n] = h[row_start + m] . w2[expert, n_start + n].
+
+    h: [pairs, I] bf16 (rows of one expert are contiguous); w2: [E_local, H, I] bf16; y: [pairs, H] bf16.
+    """
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_rows
+    rows = (row_start + tl.minimum(offs_m, num_rows - 1)).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    cols = tl.minimum(offs_n, H - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
+    b_ptrs = w2_ptr + expert.to(tl.int64) * H * I + cols[None, :] * I + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = (k0 + offs_k) < I
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    out_ptrs = y_ptr + (row_start + offs_m)[:, None].to(tl.int64) * H + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def combine_rows(y_ptr, pos_ptr, weight_ptr, token_ptr, dst_ptr, start, count, H,
+                 TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """For received row i of the task: dst[token[i]] = sum_j weight[i, j] * y[pos[i, j]] over pos >= 0 (fp32 sum).
+
+    y: [pairs, H] bf16; pos/weight: [received, TOP_K] int32 / fp32; dst: the source rank's combine region for this
+    rank, [T_max, H] bf16 (a peer's memory for remote tokens).
+    """
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    mask_r = offs_r < count
+    row = start + offs_r
+    token = tl.load(token_ptr + row, mask=mask_r, other=0).to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pos = tl.load(pos_ptr + row * TOP_K + j, mask=mask_r, other=-1)
+            weight = tl.load(weight_ptr + row * TOP_K + j, mask=mask_r, other=0.0)
+            ok = pos >= 0
+            values = tl.load(y_ptr + tl.maximum(pos, 0).to(tl.int64)[:, None] * H + offs_h[None, :],
+                             mask=ok[:, None] & mask_h[None, :], other=0.0)
+            acc += weight[:, None] * values.to(tl.float32)
+        tl.store(dst_ptr + token[:, None] * H + offs_h[None, :], acc.to(dst_ptr.dtype.element_ty),
+                 mask=mask_r[:, None] & mask_h[None, :])
+
+
+@triton.jit
+def reduce_rows(comb_ptr, mask_ptr, out_ptr, start, count, H, max_tokens, world_size,
+                BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over ranks d with bit d of mask[t]: comb[d * max_tokens + t], for t in [start, start + count).
+
+    comb: [EP * T_max, H] bf16 (this rank's combine buffer); mask: [T] int32 bit per destination rank; out: [T, H].
+    A token with no expert gets a zero row.
+    """
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    mask_r = offs_r < count
+    token = start + offs_r
+    bits = tl.load(mask_ptr + token, mask=mask_r, other=0)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
+        for d in range(0, world_size):
+            sent = ((bits >> d) & 1) != 0
+            row = (d * max_tokens + token).to(tl.int64)
+            values = tl.load(comb_ptr + row[:, None] * H + offs_h[None, :],
+                             mask=(sent & mask_r)[:, None] & mask_h[None, :], other=0.0)
+            acc += values.to(tl.float32)
+        tl.store(out_ptr + token.to(tl.int64)[:, None] * H + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_r[:, None] & mask_h[None, :])
