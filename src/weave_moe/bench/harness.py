@@ -1,0 +1,532 @@
+"""The benchmark harness: models x tokens per rank x routing x variants, every variant in the same run.
+
+One command spawns its own ranks (NCCL on GPUs, gloo on the CPU), or joins the ranks `torchrun` started. Per model
+each rank makes its experts' weights once; every variant loads the same weights and runs the same inputs:
+
+    for model:                       weights made once per rank, freed before the next model
+        for variant:                 one ExpertParallelMoE, freed before the next variant (weights may be re-laid out)
+            for tokens, routing:     R rotating input sets (fresh routing each: hot experts move between sets)
+                --check              set 0: output rows vs the reference (below), before any timing
+                warm-up              max(warmup, R) calls, every set seen once; records each set's plan
+                timed loop           iters calls, set i % R, each timed alone (CUDA events / perf_counter)
+
+Timing: `torch.cuda.synchronize()` + `dist.barrier()` before the timed loop only; inside it nothing but the layer
+call and two event records per call, so the loop holds no host sync beyond what the backend does itself. A call's
+latency is the max over ranks of that call's time (the layer waits for its slowest rank); the row reports the median
+(and p10 / p90) of those over calls.
+
+Check: a fixed random subset of `check_rows` rows per rank is gathered from every rank (x, ids, weights and the
+variant's output). The reference is computed distributed, without any rank holding all experts: each rank runs
+`reference_moe` on the gathered rows with ids outside its experts set to -1 (its local weights), and the fp32
+partials are summed over ranks. This equals `reference_moe` on the full weights up to the bf16 rounding of each
+partial (<= 2^-9 relative, below the 1e-2 tolerance by 5x). Every variant, nccl included, is compared with that
+reference; the full output is also checked for NaN/Inf on every rank.
+
+A variant that raises (while being built or run) is recorded as a row with its error; the ranks agree on failure
+through a collective after each step, so a failure that is the same on every rank never hangs the run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from weave_moe.bench.floor import FloorConstants, layer_floor, rank_traffic
+from weave_moe.models import MoESpec
+
+__all__ = ["Variant", "BenchConfig", "parse_variant", "launch", "run_rank", "DEFAULT_VARIANTS"]
+
+DEFAULT_VARIANTS = ("nccl", "weave:serial", "weave:static:20", "weave:per_iteration", "weave:spatial", "weave")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the comparison: a backend and, for weave, a schedule policy (None = the backend's default)."""
+
+    name: str
+    backend: str
+    policy: str | None = None
+
+
+def parse_variant(text: str) -> Variant:
+    """'nccl' -> (nccl, None); 'weave' -> (weave, 'weave'); 'weave:static:20' -> (weave, 'static:20').
+
+    Unknown backends are not rejected here: the layer rejects them, and the row records its message.
+    """
+    text = text.strip()
+    if not text:
+        raise ValueError("empty variant name")
+    backend, _, policy = text.partition(":")
+    if backend == "weave" and not policy:
+        policy = "weave"
+    return Variant(name=text, backend=backend, policy=policy or None)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a rank needs to run the benchmark (picklable: it travels to spawned ranks).
+
+    Attributes:
+        models: the MoE shapes, in order.
+        tokens: tokens per rank, e.g. (2048, 4096, 8192).
+        routings: "uniform" and/or "skewed".
+        skew: busiest-expert / mean target of skewed routing.
+        variants: the variants, in order; put nccl first so the speed-up table has its baseline.
+        iters, warmup: timed and warm-up calls per configuration.
+        rotate: input sets per configuration (R >= 1; >= 4 by default so caches do not flatter).
+        check: compare every variant with the reference before timing.
+        check_rows: rows per rank compared (all when T is smaller).
+        tolerance: relative Frobenius error allowed by the check.
+        seed: base of every seed (weights, routing, x).
+        floor: rates the physical floor uses.
+        out_dir, name: results go to out_dir/name.{json,csv,md} and pictures beside them.
+        metadata: written into the JSON as is (command line, git commit, ...), filled by the launcher.
+        timeout_s: process-group timeout: a collective stuck this long raises instead of hanging.
+        show_progress: a progress bar on rank 0.
+    """
+
+    models: tuple
+    tokens: tuple = (2048, 4096, 8192)
+    routings: tuple = ("uniform", "skewed")
+    skew: float = 3.0
+    variants: tuple = tuple(parse_variant(v) for v in DEFAULT_VARIANTS)
+    iters: int = 20
+    warmup: int = 3
+    rotate: int = 4
+    check: bool = False
+    check_rows: int = 256
+    tolerance: float = 1e-2
+    seed: int = 0
+    floor: FloorConstants = field(default_factory=FloorConstants)
+    out_dir: str = "bench/results"
+    name: str = "bench"
+    metadata: dict = field(default_factory=dict)
+    timeout_s: float = 600.0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.iters < 1 or self.warmup < 0 or self.rotate < 1:
+            raise ValueError(f"iters >= 1, warmup >= 0, rotate >= 1 needed; got {self.iters}, {self.warmup}, "
+                             f"{self.rotate}")
+        for routing in self.routings:
+            if routing not in ("uniform", "skewed"):
+                raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
+        for tokens in self.tokens:
+            if not isinstance(tokens, int) or tokens < 1:
+                raise ValueError(f"tokens per rank must be positive ints, got {tokens!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# launching
+
+
+def launch(config: BenchConfig, nproc: int | None = None, device: str = "auto") -> list[dict]:
+    """Run the benchmark on `nproc` ranks and return the rows (rank 0 also writes the result files).
+
+    Under `torchrun` (RANK / WORLD_SIZE / MASTER_ADDR set) this process is one rank and joins the existing job.
+    Otherwise it spawns `nproc` ranks: default = every GPU when there are >= 2, else 2 gloo ranks on the CPU.
+
+    Args:
+        device: "auto", "cuda" or "cpu".
+    """
+    use_cuda = _use_cuda(device)
+    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, config, use_cuda)
+    num_gpus = torch.cuda.device_count() if use_cuda else 0
+    if nproc is None:
+        nproc = num_gpus if num_gpus >= 2 else 2
+        if use_cuda and num_gpus < 2:
+            nproc = max(1, num_gpus)
+    if use_cuda and nproc > num_gpus:
+        raise ValueError(f"--nproc {nproc} needs {nproc} GPUs, found {num_gpus} (use --device cpu for gloo ranks)")
+    # NVLink multicast stays off on the lent machines (PLATFORM.md); setdefault keeps whatever the user chose.
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(name, value)
+
+    import torch.multiprocessing as mp
+
+    from weave_moe.testing import free_port
+    # Rank 0 writes the result files; the rows come back through them (a queue could fill its pipe and block the
+    # child's exit while the parent waits in join).
+    mp.start_processes(_rank_main, args=(nproc, free_port(), config, use_cuda), nprocs=nproc, join=True,
+                       start_method="spawn")
+    from weave_moe.bench import report
+
+    return report.load_rows(report.result_paths(config)["json"])
+
+
+def _use_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda but CUDA is not available")
+        return True
+    if device != "auto":
+        raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
+    return torch.cuda.is_available()
+
+
+def _rank_main(rank: int, world_size: int, port: int | None, config: BenchConfig, use_cuda: bool) -> list:
+    if port is not None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        # Ranks share the cores; oversubscription would time the OS scheduler, not the layer.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=config.timeout_s), device_id=device if use_cuda else None)
+    try:
+        return run_rank(config, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the per-rank loop
+
+
+@dataclass
+class _ConfigInputs:
+    """One (model, tokens, routing) configuration on one rank."""
+
+    tokens: int
+    routing: str
+    sets: list  # R tuples (x [T, H] bf16, topk_ids [T, k] int32, topk_weights [T, k] fp32) on the device
+    floors: list  # R LayerFloor (identical on every rank)
+    check_idx: torch.Tensor | None = None  # [S] int64 rows of set 0 compared with the reference
+    reference: torch.Tensor | None = None  # [EP * S, H] fp32 reference of the gathered check rows
+
+
+def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.device) -> list[dict]:
+    """This rank's part of the benchmark; returns the rows on rank 0 (an empty list elsewhere).
+
+    Rank 0 rewrites the result files after each model, so a run cut short keeps what it measured.
+    """
+    from weave_moe.bench import report
+    from weave_moe.testing import make_experts
+
+    progress = None
+    total = len(config.models) * len(config.variants) * len(config.tokens) * len(config.routings)
+    if rank == 0 and config.show_progress:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total, desc="bench", unit="cfg", dynamic_ncols=True)
+    rows: list[dict] = []
+    for model_index, spec in enumerate(config.models):
+        experts_per_rank = _experts_per_rank(spec, world_size)
+        w13, w2 = make_experts(spec, experts_per_rank, first_expert=rank * experts_per_rank,
+                               seed=config.seed + 1000 * model_index, device=device)
+        inputs: dict[tuple, _ConfigInputs] = {}
+        for tokens in config.tokens:
+            for routing in config.routings:
+                inputs[tokens, routing] = _make_inputs(config, spec, tokens, routing, rank, world_size, device,
+                                                       w13, w2)
+        for variant in config.variants:
+            if progress is not None:
+                progress.set_description(f"{spec.name} {variant.name}")
+            layer, error = _build_layer(spec, variant, config, device, w13, w2)
+            for tokens in config.tokens:
+                for routing in config.routings:
+                    row = _bench_config(config, spec, variant, layer, error, inputs[tokens, routing], rank,
+                                        world_size, device)
+                    if rank == 0:
+                        rows.append(row)
+                        if progress is not None:
+                            progress.set_postfix_str(_short(row))
+                            progress.update(1)
+            del layer
+            _free(device)
+        del w13, w2, inputs
+        _free(device)
+        if rank == 0:
+            report.write_all(rows, config, partial=model_index + 1 < len(config.models), world_size=world_size)
+    if progress is not None:
+        progress.close()
+    return rows
+
+
+def _experts_per_rank(spec: MoESpec, world_size: int) -> int:
+    if spec.num_experts % world_size:
+        raise ValueError(f"{spec.name}: E={spec.num_experts} is not divisible by EP={world_size}")
+    return spec.num_experts // world_size
+
+
+def _seed(config: BenchConfig, *parts) -> int:
+    """A stable seed from the base seed and a description (crc32: the same in every process, unlike hash())."""
+    return (config.seed * 7919 + zlib.crc32("/".join(map(str, parts)).encode())) % (2**31)
+
+
+def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w2) -> _ConfigInputs:
+    from weave_moe import routing as routing_lib
+
+    sets, floors = [], []
+    for set_index in range(config.rotate):
+        seed = _seed(config, spec.name, tokens, routing, set_index)
+        # Every rank draws the routing of ALL ranks (same seed) and keeps its slice: no exchange, and the floor
+        # sees the global routing.
+        if routing == "uniform":
+            ids, weights = routing_lib.uniform(tokens * world_size, spec.num_experts, spec.top_k, seed=seed)
+        else:
+            ids, weights = routing_lib.skewed(tokens * world_size, spec.num_experts, spec.top_k, skew=config.skew,
+                                              layer=set_index, seed=seed)
+        ids_per_rank = list(torch.as_tensor(ids).view(world_size, tokens, spec.top_k))
+        floors.append(layer_floor(rank_traffic(ids_per_rank, spec.num_experts), spec.hidden_size,
+                                  spec.intermediate_size, config.floor))
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_seed(config, spec.name, tokens, routing, set_index, "x", rank))
+        x = torch.randn(tokens, spec.hidden_size, generator=generator, device=device).to(torch.bfloat16)
+        local = slice(rank * tokens, (rank + 1) * tokens)
+        sets.append((x, torch.as_tensor(ids)[local].to(device=device, dtype=torch.int32).contiguous(),
+                     torch.as_tensor(weights)[local].to(device=device, dtype=torch.float32).contiguous()))
+    config_inputs = _ConfigInputs(tokens=tokens, routing=routing, sets=sets, floors=floors)
+    if config.check:
+        generator = torch.Generator().manual_seed(_seed(config, spec.name, tokens, routing, "check"))
+        num_rows = min(tokens, config.check_rows)
+        check_idx = torch.randperm(tokens, generator=generator)[:num_rows].sort().values
+        config_inputs.check_idx = check_idx.to(device)
+        config_inputs.reference = _distributed_reference(sets[0], config_inputs.check_idx, spec, rank, world_size,
+                                                         w13, w2)
+    return config_inputs
+
+
+def _gather_rows(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """[S, ...] on every rank -> [EP * S, ...] in rank order (S equal on every rank)."""
+    if world_size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def _distributed_reference(input_set, check_idx, spec, rank, world_size, w13, w2) -> torch.Tensor:
+    """reference_moe of the gathered check rows, with no rank holding more than its own experts (module docstring)."""
+    from weave_moe.reference import reference_moe
+
+    x, ids, weights = input_set
+    x_all = _gather_rows(x[check_idx], world_size)
+    ids_all = _gather_rows(ids[check_idx], world_size)
+    weights_all = _gather_rows(weights[check_idx], world_size)
+    first = rank * w13.shape[0]
+    local_ids = torch.where((ids_all >= first) & (ids_all < first + w13.shape[0]), ids_all - first,
+                            torch.full_like(ids_all, -1))
+    partial = reference_moe(x_all, local_ids, weights_all, w13, w2).float()
+    if world_size > 1:
+        dist.all_reduce(partial)
+    return partial
+
+
+def _build_layer(spec, variant, config, device, w13, w2):
+    """(layer, None) or (None, error message); every rank gets the same answer."""
+    layer, error = None, None
+    try:
+        from weave_moe.layer import ExpertParallelMoE
+
+        # The inputs are generated valid, and the id range check costs a host sync per call: off for timing.
+        options = dict(group=None, backend=variant.backend, max_tokens_per_rank=max(config.tokens), device=device,
+                       check_expert_ids=False)
+        if variant.policy is not None:
+            options["policy"] = variant.policy
+        layer = ExpertParallelMoE(spec, **options)
+        layer.load_experts(w13, w2)
+    except Exception as exc:  # noqa: BLE001 - a variant that cannot be built is a result, not a crash
+        layer, error = None, _describe(exc)
+    error = _agree(error)
+    if error is not None:
+        layer = None
+    return layer, error
+
+
+def _describe(exc: BaseException) -> str:
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {os.path.basename(frame[0].filename)}:{frame[0].lineno})" if frame else ""
+    return f"{type(exc).__name__}: {exc}{where}".replace("\n", " ")[:500]
+
+
+def _agree(error: str | None) -> str | None:
+    """Every rank's error, or None when all succeeded: a collective every rank reaches after each step."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if not failed:
+        return None
+    messages = {message for _, message in failed}
+    if len(messages) == 1:
+        return f"rank {','.join(str(r) for r, _ in failed)}: {messages.pop()}"
+    return "; ".join(f"rank {r}: {m}" for r, m in failed)
+
+
+def _bench_config(config, spec, variant, layer, error, inputs, rank, world_size, device) -> dict:
+    result = dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[])
+    if error is None:
+        try:
+            if config.check:
+                result.update(_check(layer, inputs, config, world_size))
+            result["plans"] = _warm_up(layer, inputs.sets, config.warmup)
+            local_ms = _timed_loop(layer, inputs.sets, config.iters, device)
+        except Exception as exc:  # noqa: BLE001 - recorded in the row
+            error, local_ms = _describe(exc), None
+        error = _agree(error)
+        if error is None:
+            # The layer waits for its slowest rank: per call, the max over ranks.
+            per_rank = _gather_rows(torch.tensor(local_ms, dtype=torch.float64, device=device)[None], world_size)
+            result["times_ms"] = per_rank.max(dim=0).values.tolist()
+            result["plans"] = _gather_plans(result["plans"], world_size)
+    if rank != 0:
+        return {}
+    return _make_row(config, spec, variant, inputs, world_size, error, result)
+
+
+def _check(layer, inputs, config, world_size) -> dict:
+    x, ids, weights = inputs.sets[0]
+    out = layer(x, ids, weights)
+    finite = torch.tensor([float(torch.isfinite(out).all())], device=out.device)
+    if world_size > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    out_all = _gather_rows(out[inputs.check_idx], world_size)
+    from weave_moe.reference import moe_error
+
+    rel_error, max_norm_error = moe_error(out_all.float(), inputs.reference)
+    if finite.item() < 1:
+        rel_error, max_norm_error = math.inf, math.inf
+    return dict(rel_error=rel_error, max_norm_error=max_norm_error,
+                check_passed=bool(finite.item() >= 1 and rel_error <= config.tolerance))
+
+
+def _plan_of(layer) -> dict | None:
+    plan = getattr(getattr(layer, "backend", None), "last_plan", None)
+    if plan is None:
+        return None
+    summary = {}
+    for name in ("c", "K", "n_steal", "predicted_us", "policy"):
+        value = getattr(plan, name, None)
+        summary[name] = value if isinstance(value, (int, float, str, type(None))) else str(value)
+    return summary
+
+
+def _warm_up(layer, sets, warmup: int) -> list:
+    """max(warmup, R) calls so every set is seen once; returns this rank's plan per set (None: no plan exposed)."""
+    plans = [None] * len(sets)
+    for call in range(max(warmup, len(sets))):
+        layer(*sets[call % len(sets)])
+        plans[call % len(sets)] = _plan_of(layer)
+    return plans
+
+
+def _timed_loop(layer, sets, iters: int, device) -> list[float]:
+    """This rank's time of each call, ms. Nothing in the loop syncs the host except the backend itself."""
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        for call in range(iters):
+            starts[call].record()
+            layer(*sets[call % len(sets)])
+            ends[call].record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+    times = [0.0] * iters
+    dist.barrier()
+    for call in range(iters):
+        start = time.perf_counter()
+        layer(*sets[call % len(sets)])
+        times[call] = (time.perf_counter() - start) * 1e3
+    return times
+
+
+def _gather_plans(plans: list, world_size: int) -> list:
+    """[R][EP] plans (per set, per rank)."""
+    if world_size == 1:
+        return [[plan] for plan in plans]
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, plans)
+    return [[everyone[rank][set_index] for rank in range(world_size)] for set_index in range(len(plans))]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
+    floors = inputs.floors
+    floor_ms = statistics.fmean(f.floor_s for f in floors) * 1e3
+    flops_per_gpu = statistics.fmean(f.total_flops for f in floors) / world_size
+    bytes_per_gpu = statistics.fmean(f.total_bytes_sent for f in floors) / world_size
+    bounds = {f.bound for f in floors}
+    row = dict(
+        model=spec.name, num_experts=spec.num_experts, top_k=spec.top_k, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, world_size=world_size, tokens_per_rank=inputs.tokens,
+        routing=inputs.routing, skew=config.skew if inputs.routing == "skewed" else None,
+        variant=variant.name, backend=variant.backend, policy=variant.policy or "",
+        iters=len(result["times_ms"]),
+        median_ms=None, p10_ms=None, p90_ms=None, min_ms=None, mean_ms=None, tflops=None, nvlink_gbps=None,
+        floor_ms=floor_ms,
+        floor_compute_ms=statistics.fmean(max(f.compute_s) for f in floors) * 1e3,
+        floor_comm_ms=statistics.fmean(max(f.comm_s) for f in floors) * 1e3,
+        floor_bound=bounds.pop() if len(bounds) == 1 else "mixed",
+        pct_of_floor=None, x_floor=None, c=None, K=None, n_steal=None, predicted_ms=None,
+        rel_error=result["rel_error"], max_norm_error=result["max_norm_error"], check_passed=result["check_passed"],
+        error=error or "",
+        times_ms=result["times_ms"], plans=result["plans"],
+    )
+    times = result["times_ms"]
+    if times:
+        median_ms = statistics.median(times)
+        row.update(
+            median_ms=median_ms, p10_ms=_percentile(times, 0.1), p90_ms=_percentile(times, 0.9), min_ms=min(times),
+            mean_ms=statistics.fmean(times),
+            tflops=flops_per_gpu / (median_ms * 1e-3) / 1e12,
+            nvlink_gbps=bytes_per_gpu / (median_ms * 1e-3) / 1e9,
+            pct_of_floor=100.0 * floor_ms / median_ms, x_floor=median_ms / floor_ms if floor_ms > 0 else None,
+        )
+    first_plan = next((p for p in (result["plans"][0] if result["plans"] else []) if p), None)
+    if first_plan:
+        row.update(c=first_plan.get("c"), K=first_plan.get("K"), n_steal=first_plan.get("n_steal"))
+        predicted = [max((p or {}).get("predicted_us") or 0.0 for p in per_set) for per_set in result["plans"]]
+        if any(predicted):
+            row["predicted_ms"] = statistics.fmean(predicted) * 1e-3
+    return row
+
+
+def _short(row: dict) -> str:
+    if row.get("error"):
+        return f"{row['tokens_per_rank']} {row['routing']}: error"
+    return f"{row['tokens_per_rank']} {row['routing']}: {row['median_ms']:.3f} ms ({row['pct_of_floor']:.0f}% floor)"
+
+
+def _free(device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def config_to_dict(config: BenchConfig) -> dict:
+    """The JSON form of a config (models as their shapes)."""
+    data = asdict(config)
+    data["models"] = [spec.to_dict() for spec in config.models]
+    data["variants"] = [asdict(v) for v in config.variants]
+    data.pop("metadata", None)
+    return data

@@ -1,0 +1,152 @@
+"""`weave-moe bench`: models x tokens per rank x routing x backends/policies, every variant in the same run."""
+
+from __future__ import annotations
+
+HELP = "benchmark nccl and weave (every policy) on real MoE shapes; JSON/CSV/markdown/plots with % of the floor"
+
+_DEFAULT_VARIANTS = "nccl,weave:serial,weave:static:20,weave:per_iteration,weave:spatial,weave"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--models", default=None,
+                        help="comma-separated registry names (default: the six paper models; see `weave-moe models`)")
+    parser.add_argument("--model-dims", action="append", default=[], metavar="E,k,H,I",
+                        help="a registry-free model: experts, top-k, hidden, intermediate (repeatable; alone it "
+                             "replaces the default models)")
+    parser.add_argument("--tokens", default="2048,4096,8192",
+                        help="tokens per rank, comma-separated (decode sizes such as 128,512 allowed)")
+    parser.add_argument("--routing", default="uniform,skewed", help="uniform and/or skewed")
+    parser.add_argument("--skew", type=float, default=3.0, help="busiest expert / mean count of skewed routing")
+    parser.add_argument("--variants", default=_DEFAULT_VARIANTS,
+                        help="backend[:policy], comma-separated; policies may hold a colon (weave:static:20)")
+    parser.add_argument("--iters", type=int, default=20, help="timed calls per configuration (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up calls (at least one per rotating input set)")
+    parser.add_argument("--rotate", type=int, default=4, help="input sets cycled through (fresh routing each)")
+    parser.add_argument("--check", action="store_true", help="compare every variant with the reference first")
+    parser.add_argument("--check-rows", type=int, default=256, help="rows per rank compared by --check")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--name", default=None, help="result file name (default: bench-<date>-<device>)")
+    parser.add_argument("--out", default="bench/results", help="result directory")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks to spawn (default: every GPU if >= 2, else 2 gloo ranks on the CPU)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--gemm-tflops", type=float, default=None, help="override the floor's GEMM peak")
+    parser.add_argument("--peer-gbps", type=float, default=None, help="override the floor's NVLink GB/s per direction")
+    parser.add_argument("--floor-from-profile", action="store_true",
+                        help="take the floor's rates from HardwareProfile.default() where it has them")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may hang before failing")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--replot", metavar="JSON", default=None,
+                        help="only rewrite the CSV, markdown and pictures of an existing result JSON")
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _split_variants(text: str) -> list[str]:
+    """'nccl,weave:static:20,4,weave' keeps 'static:20,4' together: a part that is only digits joins the one before."""
+    parts: list[str] = []
+    for part in _split(text):
+        if parts and part.isdigit():
+            parts[-1] += "," + part
+        else:
+            parts.append(part)
+    return parts
+
+
+def parse_models(models: str | None, model_dims: list[str]):
+    from weave_moe.models import PAPER_MODELS, MoESpec
+
+    specs = []
+    names = _split(models) if models else ([] if model_dims else list(PAPER_MODELS))
+    for name in names:
+        specs.append(MoESpec.from_name(name))
+    for dims in model_dims:
+        values = _split(dims.replace("x", ","))
+        if len(values) != 4:
+            raise ValueError(f"--model-dims wants E,k,H,I, got {dims!r}")
+        e, k, h, i = (int(v) for v in values)
+        specs.append(MoESpec(e, k, h, i, name=f"custom-{e}x{k}x{h}x{i}"))
+    return tuple(specs)
+
+
+def build_config(args, argv: list[str] | None = None):
+    """A BenchConfig from parsed arguments (metadata included)."""
+    import datetime
+
+    from weave_moe.bench.floor import FloorConstants
+    from weave_moe.bench.harness import BenchConfig, parse_variant
+    from weave_moe.bench.metadata import collect_metadata
+
+    floor = FloorConstants()
+    if args.floor_from_profile:
+        from weave_moe.plan import HardwareProfile
+
+        floor = FloorConstants.from_profile(HardwareProfile.default())
+    if args.gemm_tflops or args.peer_gbps:
+        floor = FloorConstants(
+            gemm_tflops=args.gemm_tflops or floor.gemm_tflops, peer_gbps=args.peer_gbps or floor.peer_gbps,
+            source=floor.source + "; overridden on the command line: "
+            + ", ".join(f"{k}={v}" for k, v in (("gemm", args.gemm_tflops), ("peer", args.peer_gbps)) if v),
+        )
+    metadata = collect_metadata(args.device, argv)
+    name = args.name or f"bench-{datetime.date.today().isoformat()}-{metadata['device_short']}"
+    metadata["name"] = name
+    return BenchConfig(
+        models=parse_models(args.models, args.model_dims),
+        tokens=tuple(int(t) for t in _split(args.tokens)),
+        routings=tuple(_split(args.routing)),
+        skew=args.skew,
+        variants=tuple(parse_variant(v) for v in _split_variants(args.variants)),
+        iters=args.iters, warmup=args.warmup, rotate=args.rotate, check=args.check, check_rows=args.check_rows,
+        seed=args.seed, floor=floor, out_dir=args.out, name=name, metadata=metadata, timeout_s=args.timeout,
+        show_progress=not args.no_progress,
+    )
+
+
+def run(args) -> int:
+    import sys
+
+    from weave_moe.bench import report
+
+    if args.replot:
+        import os
+
+        metadata, rows = report.load(args.replot)
+        out_dir, name = os.path.dirname(args.replot) or ".", os.path.splitext(os.path.basename(args.replot))[0]
+        paths = report.result_paths(out_dir, name)
+        report.write_csv(rows, paths["csv"])
+        with open(paths["md"], "w") as handle:
+            handle.write(report.markdown(rows, metadata, paths))
+        report.plot_latency(rows, paths["latency_png"])
+        report.plot_speedups(rows, paths["speedup_png"])
+        print(f"rewrote {paths['csv']}, {paths['md']} and the pictures")
+        return 0
+
+    from weave_moe.bench.harness import launch
+
+    config = build_config(args, sys.argv)
+    rows = launch(config, nproc=args.nproc, device=args.device)
+    if not rows:  # a torchrun rank other than 0
+        return 0
+    _print_summary(rows, report.result_paths(config))
+    failed_checks = [r for r in rows if r.get("check_passed") is False]
+    return 1 if failed_checks else 0
+
+
+def _print_summary(rows, paths) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from weave_moe.bench import report
+
+    table = Table(title="geomean over configurations")
+    for column in ("variant", "configs", "failed", "checks", "vs nccl", "uniform", "skewed", "median / floor"):
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    for s in report.summary(rows):
+        table.add_row(s["variant"], str(s["configs"]), str(s["failed"]), s["checks"],
+                      *(report._fmt(s[k]) for k in ("speedup", "speedup_uniform", "speedup_skewed", "x_floor")))
+    console = Console()
+    console.print(table)
+    console.print("results: " + ", ".join(paths.values()))
