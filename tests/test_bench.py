@@ -75,6 +75,28 @@ def test_floor_constants_from_profile():
         FloorConstants(gemm_tflops=0.0)
 
 
+def test_floor_constants_take_the_peak_of_a_profile_curve():
+    profile = SimpleNamespace(name="curves", gemm_tflops=(100.0, 700.0, 650.0), comm_gbps=(20.0, 350.0))
+    constants = FloorConstants.from_profile(profile)
+    assert (constants.gemm_tflops, constants.peer_gbps) == (700.0, 350.0)
+
+
+def test_stage_breakdown_is_median_over_sets_of_max_over_ranks():
+    from weave_moe.bench.harness import _gather_stages, _stage_times
+
+    class Layer:  # reports fixed stage times, like the nccl backend does on CUDA
+        calls = 0
+
+        def __call__(self, x, ids, weights, timings=None):
+            Layer.calls += 1
+            timings.update(dispatch=float(Layer.calls), total=10.0 * Layer.calls)
+
+    stages = _stage_times(Layer(), [(None, None, None)] * 3, SimpleNamespace(type="cuda"))
+    assert stages == {"dispatch": [1.0, 2.0, 3.0], "total": [10.0, 20.0, 30.0]}
+    assert _gather_stages(stages, 1) == {"dispatch": 2.0, "total": 20.0}
+    assert _stage_times(Layer(), [(None, None, None)], SimpleNamespace(type="cpu")) == {}
+
+
 def test_variant_names():
     assert parse_variant("nccl") == parse_variant("nccl")
     assert (parse_variant("nccl").backend, parse_variant("nccl").policy) == ("nccl", None)

@@ -70,11 +70,14 @@ class FloorConstants:
         """Rates from a `HardwareProfile` when it carries them; the PLATFORM.md defaults for whatever it lacks.
 
         Accepted attribute names (first found wins): GEMM peak `gemm_peak_tflops`, `peak_tflops`, `gemm_tflops`;
-        peer bandwidth `peer_bandwidth_gbps`, `nvlink_gbps`, `peer_gbps`, `comm_peak_gbps`.
+        peer bandwidth `peer_bandwidth_gbps`, `nvlink_gbps`, `peer_gbps`, `comm_peak_gbps`, `comm_gbps`. A curve
+        (HardwareProfile's `gemm_tflops` / `comm_gbps` against SM count) contributes its largest point: the profile's
+        own kernels at their best, so this floor is looser than the PLATFORM.md one when those kernels trail torch.
         """
         default = cls()
         gemm = _first_attribute(profile, ("gemm_peak_tflops", "peak_tflops", "gemm_tflops"))
-        peer = _first_attribute(profile, ("peer_bandwidth_gbps", "nvlink_gbps", "peer_gbps", "comm_peak_gbps"))
+        peer = _first_attribute(profile, ("peer_bandwidth_gbps", "nvlink_gbps", "peer_gbps", "comm_peak_gbps",
+                                          "comm_gbps"))
         if gemm is None and peer is None:
             return default
         name = getattr(profile, "name", type(profile).__name__)
@@ -93,8 +96,11 @@ class FloorConstants:
 
 
 def _first_attribute(obj, names):
+    """The first positive number among `names`; a curve (tuple of numbers, e.g. rate vs SM count) gives its peak."""
     for name in names:
         value = getattr(obj, name, None)
+        if isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) for v in value):
+            value = max(value)
         if isinstance(value, (int, float)) and value > 0:
             return value
     return None

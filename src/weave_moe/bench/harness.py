@@ -92,6 +92,8 @@ class BenchConfig:
         metadata: written into the JSON as is (command line, git commit, ...), filled by the launcher.
         timeout_s: process-group timeout: a collective stuck this long raises instead of hanging.
         show_progress: a progress bar on rank 0.
+        breakdown: after the timed loop, one untimed call per input set asking the backend for per-stage times
+            (`layer(..., timings=dict)`; CUDA only, backends that do not report leave the column empty).
     """
 
     models: tuple
@@ -110,8 +112,9 @@ class BenchConfig:
     out_dir: str = "bench/results"
     name: str = "bench"
     metadata: dict = field(default_factory=dict)
-    timeout_s: float = 600.0
+    timeout_s: float = 300.0
     show_progress: bool = True
+    breakdown: bool = True
 
     def __post_init__(self) -> None:
         if self.iters < 1 or self.warmup < 0 or self.rotate < 1:
@@ -158,10 +161,17 @@ def launch(config: BenchConfig, nproc: int | None = None, device: str = "auto") 
     from weave_moe.testing import free_port
     # Rank 0 writes the result files; the rows come back through them (a queue could fill its pipe and block the
     # child's exit while the parent waits in join).
-    mp.start_processes(_rank_main, args=(nproc, free_port(), config, use_cuda), nprocs=nproc, join=True,
-                       start_method="spawn")
     from weave_moe.bench import report
 
+    try:
+        mp.start_processes(_rank_main, args=(nproc, free_port(), config, use_cuda), nprocs=nproc, join=True,
+                           start_method="spawn")
+    except Exception:
+        # A rank died (CUDA error, a killed process): keep the pictures of what was measured, then fail loudly.
+        rows = report.load_rows(report.result_paths(config)["json"])
+        if rows:
+            report.write_all(rows, config, partial=True, world_size=rows[0].get("world_size"))
+        raise
     return report.load_rows(report.result_paths(config)["json"])
 
 
@@ -252,6 +262,8 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
                             progress.update(1)
             del layer
             _free(device)
+            if rank == 0:
+                report.write_tables(rows, config, partial=True, world_size=world_size)
         del w13, w2, inputs
         _free(device)
         if rank == 0:
@@ -374,13 +386,14 @@ def _agree(error: str | None) -> str | None:
 
 
 def _bench_config(config, spec, variant, layer, error, inputs, rank, world_size, device) -> dict:
-    result = dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[])
+    result = dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[], stages_ms={})
     if error is None:
         try:
             if config.check:
                 result.update(_check(layer, inputs, config, world_size))
             result["plans"] = _warm_up(layer, inputs.sets, config.warmup)
             local_ms = _timed_loop(layer, inputs.sets, config.iters, device)
+            stages = _stage_times(layer, inputs.sets, device) if config.breakdown else {}
         except Exception as exc:  # noqa: BLE001 - recorded in the row
             error, local_ms = _describe(exc), None
         error = _agree(error)
@@ -389,6 +402,7 @@ def _bench_config(config, spec, variant, layer, error, inputs, rank, world_size,
             per_rank = _gather_rows(torch.tensor(local_ms, dtype=torch.float64, device=device)[None], world_size)
             result["times_ms"] = per_rank.max(dim=0).values.tolist()
             result["plans"] = _gather_plans(result["plans"], world_size)
+            result["stages_ms"] = _gather_stages(stages, world_size)
     if rank != 0:
         return {}
     return _make_row(config, spec, variant, inputs, world_size, error, result)
@@ -452,6 +466,41 @@ def _timed_loop(layer, sets, iters: int, device) -> list[float]:
     return times
 
 
+def _stage_times(layer, sets, device) -> dict:
+    """Per-stage ms of one call per input set, from backends that fill `timings` (the nccl backend on CUDA does).
+
+    Untimed extra calls after the timed loop: a backend that fills `timings` synchronises to read its events.
+    Returns {stage: [ms per set]} for this rank ({} when the backend reports nothing).
+    """
+    if device.type != "cuda":
+        return {}
+    stages: dict[str, list] = {}
+    for input_set in sets:
+        timings: dict = {}
+        try:
+            layer(*input_set, timings=timings)
+        except TypeError:  # a layer/backend without the timings argument
+            return {}
+        for stage, ms in timings.items():
+            if isinstance(ms, (int, float)):
+                stages.setdefault(stage, []).append(float(ms))
+    return stages
+
+
+def _gather_stages(stages: dict, world_size: int) -> dict:
+    """{stage: median over sets of the max over ranks} (stages every rank reported)."""
+    everyone = [stages]
+    if world_size > 1:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, stages)
+    common = set(everyone[0]).intersection(*everyone[1:]) if everyone[0] else set()
+    result = {}
+    for stage in sorted(common):
+        per_set = [max(values) for values in zip(*(rank_stages[stage] for rank_stages in everyone))]
+        result[stage] = statistics.median(per_set) if per_set else None
+    return result
+
+
 def _gather_plans(plans: list, world_size: int) -> list:
     """[R][EP] plans (per set, per rank)."""
     if world_size == 1:
@@ -488,6 +537,7 @@ def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
         pct_of_floor=None, x_floor=None, c=None, K=None, n_steal=None, predicted_ms=None,
         rel_error=result["rel_error"], max_norm_error=result["max_norm_error"], check_passed=result["check_passed"],
         error=error or "",
+        stages_ms=";".join(f"{k}={v:.4g}" for k, v in result["stages_ms"].items() if v is not None),
         times_ms=result["times_ms"], plans=result["plans"],
     )
     times = result["times_ms"]

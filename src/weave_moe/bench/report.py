@@ -18,7 +18,7 @@ import math
 import os
 from collections import defaultdict
 
-__all__ = ["CSV_COLUMNS", "BASELINE", "result_paths", "write_all", "load", "load_rows", "add_speedups",
+__all__ = ["CSV_COLUMNS", "BASELINE", "result_paths", "write_all", "write_tables", "write_csv", "load", "load_rows", "add_speedups",
            "geomean", "summary", "markdown", "plot_latency", "plot_speedups"]
 
 #: The speed-up table's baseline variant.
@@ -28,7 +28,7 @@ CSV_COLUMNS = (
     "model", "tokens_per_rank", "routing", "skew", "variant", "backend", "policy", "world_size", "iters",
     "median_ms", "p10_ms", "p90_ms", "min_ms", "mean_ms", "tflops", "nvlink_gbps",
     "floor_ms", "floor_compute_ms", "floor_comm_ms", "floor_bound", "pct_of_floor", "x_floor", "speedup_vs_nccl",
-    "c", "K", "n_steal", "predicted_ms", "rel_error", "max_norm_error", "check_passed", "error",
+    "c", "K", "n_steal", "predicted_ms", "rel_error", "max_norm_error", "check_passed", "stages_ms", "error",
     "num_experts", "top_k", "hidden_size", "intermediate_size",
 )
 
@@ -44,6 +44,16 @@ def result_paths(config_or_out, name: str | None = None) -> dict[str, str]:
 
 def write_all(rows: list[dict], config, partial: bool = False, world_size: int | None = None) -> dict[str, str]:
     """Write every result file for `rows`; `partial` marks a run still in progress. Returns the paths."""
+    paths, metadata = write_tables(rows, config, partial, world_size)
+    with open(paths["md"], "w") as handle:
+        handle.write(markdown(rows, metadata, paths))
+    plot_latency(rows, paths["latency_png"])
+    plot_speedups(rows, paths["speedup_png"])
+    return paths
+
+
+def write_tables(rows: list[dict], config, partial: bool = False, world_size: int | None = None):
+    """Only the JSON and the CSV (cheap: written after every variant). Returns (paths, metadata)."""
     from weave_moe.bench.harness import config_to_dict
 
     paths = result_paths(config)
@@ -54,11 +64,7 @@ def write_all(rows: list[dict], config, partial: bool = False, world_size: int |
         json.dump(dict(metadata=metadata, config=config_to_dict(config), rows=rows), handle, indent=1,
                   default=_json_default, allow_nan=True)
     write_csv(rows, paths["csv"])
-    with open(paths["md"], "w") as handle:
-        handle.write(markdown(rows, metadata, paths))
-    plot_latency(rows, paths["latency_png"])
-    plot_speedups(rows, paths["speedup_png"])
-    return paths
+    return paths, metadata
 
 
 def _json_default(value):

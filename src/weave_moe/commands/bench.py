@@ -34,8 +34,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--peer-gbps", type=float, default=None, help="override the floor's NVLink GB/s per direction")
     parser.add_argument("--floor-from-profile", action="store_true",
                         help="take the floor's rates from HardwareProfile.default() where it has them")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a collective may hang before failing")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may hang before failing")
+    parser.add_argument("--no-breakdown", action="store_true",
+                        help="skip the untimed per-stage calls (dispatch / gemms / combine ms from the backend)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--git-commit", default=None,
+                        help="commit to record when the tree here is not a git checkout (e.g. a copy on a GPU box)")
     parser.add_argument("--replot", metavar="JSON", default=None,
                         help="only rewrite the CSV, markdown and pictures of an existing result JSON")
 
@@ -91,6 +95,9 @@ def build_config(args, argv: list[str] | None = None):
             + ", ".join(f"{k}={v}" for k, v in (("gemm", args.gemm_tflops), ("peer", args.peer_gbps)) if v),
         )
     metadata = collect_metadata(args.device, argv)
+    if args.git_commit:
+        metadata["git_commit"] = args.git_commit + ("" if metadata["git_commit"] == "unknown" else
+                                                    f" (checkout here: {metadata['git_commit']})")
     name = args.name or f"bench-{datetime.date.today().isoformat()}-{metadata['device_short']}"
     metadata["name"] = name
     return BenchConfig(
@@ -101,7 +108,7 @@ def build_config(args, argv: list[str] | None = None):
         variants=tuple(parse_variant(v) for v in _split_variants(args.variants)),
         iters=args.iters, warmup=args.warmup, rotate=args.rotate, check=args.check, check_rows=args.check_rows,
         seed=args.seed, floor=floor, out_dir=args.out, name=name, metadata=metadata, timeout_s=args.timeout,
-        show_progress=not args.no_progress,
+        show_progress=not args.no_progress, breakdown=not args.no_breakdown,
     )
 
 
