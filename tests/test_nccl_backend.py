@@ -179,3 +179,11 @@ def test_timings_are_ignored_off_cuda():
     timings: dict = {}
     layer(x, ids, weights, timings=timings)
     assert timings == {}
+
+
+def test_demo_command_matches_reference(capsys):
+    from weave_moe.cli import main
+
+    assert main(["demo", "--tokens", "64", "--skew", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "MATCH" in printed and "MISMATCH" not in printed

@@ -166,7 +166,7 @@ class NcclBackend:
         visits_by_rank = visits[:, :world_size].t().reshape(-1)  # [EP * T], destination-major: the send order
         send_counts = self._counts[0]
         send_counts[:, 0] = visits_by_rank.view(world_size, num_tokens).sum(1)
-        send_counts[:, 1] = torch.bincount(dest_rank.flatten(), minlength=world_size + 1)[:world_size]
+        send_counts[:, 1] = _bin_counts(dest_rank.flatten(), world_size + 1)[:world_size]
         recv_counts = self._counts[1]
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
 
@@ -220,7 +220,7 @@ class NcclBackend:
         # Group (row, slot) pairs by local expert; foreign / empty slots sort into the bucket after the last expert.
         sort_keys = torch.where(recv_ids >= 0, recv_ids, num_experts).reshape(-1)
         pair_order = torch.argsort(sort_keys, stable=True)[:num_pairs]
-        expert_counts = torch.bincount(sort_keys, minlength=num_experts + 1)[:num_experts]
+        expert_counts = _bin_counts(sort_keys, num_experts + 1)[:num_experts]
         pair_rows = pair_order // top_k
         gathered = self._recv_buffer("gathered", num_pairs, (self.spec.hidden_size,), torch.bfloat16)
         torch.index_select(recv_x, 0, pair_rows, out=gathered)
@@ -266,6 +266,13 @@ class NcclBackend:
             buffer = torch.empty((capacity, *row_shape), dtype=dtype, device=self.device)
             self._recv_buffers[name] = buffer
         return buffer[:rows]
+
+
+def _bin_counts(keys: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[num_bins] int64 occurrences of each value of `keys` (in [0, num_bins)). Unlike torch.bincount on CUDA, which
+    reads keys.max() back to the host, this never synchronizes."""
+    counts = torch.zeros(num_bins, dtype=torch.int64, device=keys.device)
+    return counts.scatter_add_(0, keys.long(), torch.ones_like(keys, dtype=torch.int64))
 
 
 def _grouped_mm_fallback(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
