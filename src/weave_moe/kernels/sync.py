@@ -16,17 +16,18 @@ Status word layout (int32 [4]): [0] first error code (0 = none), [1] flag index 
 import triton
 import triton.language as tl
 
-ERROR_NONE = 0
-ERROR_ARRIVAL_TIMEOUT = 1      # dispatch rows from a peer never arrived
-ERROR_GEMM0_TIMEOUT = 2        # a GEMM1 tile waited for its GEMM0 tiles
-ERROR_GEMM1_TIMEOUT = 3        # a combine block waited for its chunk's GEMM1 tiles
-ERROR_COMBINE_TIMEOUT = 4      # the final reduce waited for a peer's combine rows
+ERROR_NONE = tl.constexpr(0)
+ERROR_ARRIVAL_TIMEOUT = tl.constexpr(1)      # dispatch rows from a peer never arrived
+ERROR_GEMM0_TIMEOUT = tl.constexpr(2)        # a GEMM1 tile waited for its GEMM0 tiles
+ERROR_GEMM1_TIMEOUT = tl.constexpr(3)        # a combine block waited for its chunk's GEMM1 tiles
+ERROR_COMBINE_TIMEOUT = tl.constexpr(4)      # the final reduce waited for a peer's combine rows
 
+#: error code -> (what happened, how the flag tag in status[1] reads)
 ERROR_NAMES = {
-    ERROR_ARRIVAL_TIMEOUT: "dispatch rows from a peer did not arrive",
-    ERROR_GEMM0_TIMEOUT: "a GEMM1 tile waited too long for its GEMM0 tiles",
-    ERROR_GEMM1_TIMEOUT: "a combine block waited too long for its chunk's GEMM1 tiles",
-    ERROR_COMBINE_TIMEOUT: "combine rows from a peer did not arrive",
+    1: ("dispatch rows from a peer did not arrive", "source*16+chunk"),
+    2: ("a GEMM1 tile waited too long for its GEMM0 tiles", "M tile"),
+    3: ("a combine block waited too long for its chunk's GEMM1 tiles", "chunk"),
+    4: ("combine rows from a peer did not arrive", "destination rank"),
 }
 
 

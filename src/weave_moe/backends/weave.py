@@ -1,0 +1,230 @@
+"""Host side of the Weave megakernel: routing exchange, planning, task tables, launch.
+
+One call (one layer, one rank):
+  1. pack this rank's top-k ids and weights (+ its token count) and all-gather them (a few hundred KB over NVLink);
+  2. count rows per (source, destination) and pairs per expert on the device, and copy those counts to the host:
+     the one host sync of the call (it also returns the previous call's status word, so a kernel error surfaces at
+     the latest on the next call, or at `synchronize()`);
+  3. plan every rank from the same counts (deterministic, so every rank knows every destination's chunk count K);
+  4. build this rank's task tables on the device (`weave_moe.layout`) and launch the megakernel (or, for the
+     `serial` policy, the same kernel once per stage).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from weave_moe.kernels import megakernel as mk
+from weave_moe.kernels.sync import ERROR_NAMES
+from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, parse_counts
+from weave_moe.models import MoESpec
+from weave_moe.plan import HardwareProfile, Plan, Workload, plan
+from weave_moe.transport import SymmetricWorkspace
+
+__all__ = ["WeaveBackend", "WeaveError", "WeaveTimeoutError", "KernelConfig"]
+
+
+class WeaveError(RuntimeError):
+    """The megakernel reported an error; the layer's buffers are in an unknown state (rebuild the layer)."""
+
+
+class WeaveTimeoutError(WeaveError):
+    """A bounded wait in the megakernel ran past its deadline (a peer stalled or died)."""
+
+
+class KernelConfig:
+    """Tile shapes and launch settings of the megakernel (tests and calibration may override)."""
+
+    def __init__(self, block_m=128, block_n0=64, block_n1=128, block_k=64, dispatch_rows=16, combine_rows=16,
+                 reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False):
+        self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
+        self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
+        self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
+
+
+class WeaveBackend:
+    """The `weave` backend (see module docstring). Follows the Backend contract of docs/architecture.md.
+
+    Options:
+        profile: HardwareProfile for the planner (default: the shipped H200 profile).
+        timeout_s: deadline of every wait inside the kernel (default 5 s, env WEAVE_MOE_TIMEOUT_S).
+        timeline: record per-task %globaltimer events (see `last_timeline`).
+        num_sms: CTAs of the persistent grid (default: the device's SM count).
+        config: KernelConfig.
+        debug_skip_launch: test hook; this rank skips its kernel launch (a stalled peer).
+    """
+
+    def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
+                 device: torch.device, policy: str = "weave", *, profile: HardwareProfile | None = None,
+                 timeout_s: float | None = None, timeline: bool = False, num_sms: int | None = None,
+                 config: KernelConfig | None = None, debug_skip_launch: bool = False):
+        if device.type != "cuda":
+            raise RuntimeError("the weave backend runs on CUDA GPUs only; use backend='nccl' or 'reference' on CPU")
+        if world_size > 31:
+            raise ValueError(f"the weave backend supports EP <= 31 (one bit per rank in a 32-bit mask), got {world_size}")
+        self.spec, self.group, self.rank, self.world_size = spec, group, rank, world_size
+        self.max_tokens, self.device, self.policy = max_tokens_per_rank, device, policy
+        self.profile = profile or HardwareProfile.default()
+        self.timeout_ns = int(1e9 * (timeout_s if timeout_s is not None else
+                                     float(os.environ.get("WEAVE_MOE_TIMEOUT_S", "5"))))
+        self.timeline = timeline
+        self.config = config or KernelConfig()
+        self.debug_skip_launch = debug_skip_launch
+        self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
+        plan(self._workload_for(0, [[0] * world_size] * world_size, [0] * spec.num_experts, [0] * world_size),
+             self.profile, policy)  # validates the policy string now, not at the first call
+
+        E, k, H, I = spec.num_experts, spec.top_k, spec.hidden_size, spec.intermediate_size
+        self.num_local = E // world_size
+        cfg = self.config
+        self.workspace = SymmetricWorkspace(group, rank, world_size, max_tokens_per_rank, H, device)
+        max_pairs = world_size * max_tokens_per_rank * min(k, self.num_local)
+        self.h = torch.empty(max(max_pairs, 1), I, dtype=torch.bfloat16, device=device)
+        self.y = torch.empty(max(max_pairs, 1), H, dtype=torch.bfloat16, device=device)
+        max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local + 1
+        self.ctrl = torch.zeros(mk.CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
+        self.status = torch.zeros(4, dtype=torch.int32, device=device)
+        words = 2 * max_tokens_per_rank * k + 1
+        self.send_routing = torch.empty(words, dtype=torch.int32, device=device)
+        self.all_routing = torch.empty(world_size, words, dtype=torch.int32, device=device)
+        self.timeline_buf = (torch.zeros(self.num_sms, 512, 4, dtype=torch.int64, device=device)
+                             if timeline else torch.zeros(1, dtype=torch.int64, device=device))
+        self.calls = 0
+        self.compiled = set()
+        self.last_plan: Plan | None = None
+        self.last_plans: list[Plan] = []
+        self.broken: str | None = None
+        self.w13 = self.w2 = None
+
+    # ---- contract ---------------------------------------------------------------------------------------------------
+    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = w13.contiguous(), w2.contiguous()
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.broken:
+            raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
+        spec, k, T = self.spec, self.spec.top_k, x.shape[0]
+        words = self.max_tokens * k
+        # 1. routing exchange: [ids (T_max*k, -1 padded) | weights as int32 bits | T]
+        self.send_routing[:words].fill_(-1)
+        self.send_routing[:T * k].copy_(topk_ids.reshape(-1))
+        self.send_routing[words:words + T * k].copy_(topk_weights.reshape(-1).view(torch.int32))
+        self.send_routing[-1:].fill_(T)
+        if self.world_size > 1:
+            torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group)
+        else:
+            self.all_routing.copy_(self.send_routing[None])
+        all_ids = self.all_routing[:, :words].view(self.world_size, self.max_tokens, k)
+        all_weights = self.all_routing[:, words:2 * words].view(torch.float32).view(self.world_size, self.max_tokens, k)
+        num_tokens = self.all_routing[:, -1]
+        # 2. counts to the host (the one sync), with the previous call's status word
+        host = torch.cat([count_routing(all_ids, num_tokens, spec.num_experts), self.status]).tolist()
+        self._raise_on_status(host[-4:])
+        counts = parse_counts(host[:-4], self.world_size, spec.num_experts)
+        # 3. every rank's plan (same counts everywhere -> same plans everywhere)
+        plans = [plan(self._workload_for(d, counts.send_rows, counts.expert_pairs, counts.num_tokens), self.profile,
+                      self.policy) for d in range(self.world_size)]
+        my_plan = plans[self.rank]
+        self.last_plan, self.last_plans = my_plan, plans
+        # 4. task tables and launch
+        cfg = self.config
+        layout = build_layout(
+            all_ids, all_weights, counts, self.rank, spec.num_experts, [p.K for p in plans],
+            hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
+            block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
+            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+        out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=self.device)
+        self._launch(x, out, layout, my_plan)
+        self.calls += 1
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for the last call and raise WeaveError / WeaveTimeoutError if its kernel reported an error."""
+        torch.cuda.synchronize(self.device)
+        self._raise_on_status(self.status.tolist())
+
+    def last_timeline(self) -> list[tuple[int, str, int, int]]:
+        """(cta, kind, start_ns, end_ns) of the last call's tasks, times relative to its first event (timeline=True)."""
+        if not self.timeline:
+            raise RuntimeError("build the layer with timeline=True to record timelines")
+        events = self.timeline_buf.cpu()
+        rows = [(cta, int(kind), int(t0), int(t1)) for cta in range(events.shape[0])
+                for kind, t0, t1, _ in events[cta].tolist() if t1 > 0]
+        if not rows:
+            return []
+        origin = min(r[2] for r in rows)
+        return [(cta, mk.EVENT_NAMES[kind], t0 - origin, t1 - origin) for cta, kind, t0, t1 in rows]
+
+    # ---- internals --------------------------------------------------------------------------------------------------
+    def _workload_for(self, dest, send_rows, expert_pairs, num_tokens) -> Workload:
+        n = self.world_size
+        local = self.spec.num_experts // n
+        return Workload.from_counts(self.spec, n, dest, send_rows=list(send_rows[dest]),
+                                    recv_rows=[send_rows[s][dest] for s in range(n)],
+                                    expert_rows=list(expert_pairs[dest * local:(dest + 1) * local]),
+                                    num_tokens=num_tokens[dest])
+
+    def _raise_on_status(self, status: list[int]) -> None:
+        code = status[0]
+        if code == 0:
+            return
+        what, tag = ERROR_NAMES.get(code, (f"unknown error code {code}", "tag"))
+        self.broken = what
+        raise WeaveTimeoutError(
+            f"weave megakernel on rank {self.rank}: {what} within {self.timeout_ns / 1e9:.1f} s "
+            f"({tag} = {status[1]}, counter saw {status[2]} of {status[3]}); a peer stalled, died or ran a "
+            "different layer. The caller's tensors are untouched; rebuild the layer.")
+
+    def _launch(self, x, out, layout, my_plan: Plan) -> None:
+        ws, cfg, spec = self.workspace, self.config, self.spec
+        parity = self.calls % 2
+        self.ctrl.zero_()
+        ws.flags(1 - parity).zero_()
+        if self.timeline:
+            self.timeline_buf.zero_()
+        flags = ws.flags(parity)
+        grid = self.num_sms
+        serial = my_plan.c >= grid
+        if x.shape[0] == 0:  # the kernel never touches x or out then, but needs valid pointers
+            x = out = self.y[:1]
+        args = (
+            x, out,
+            self.w13, self.w2, ws.recv(), self.h, self.y, ws.comb(parity),
+            ws.peer_bases, ws.recv_offset, ws.comb_offsets[parity], ws.flags_offsets[parity],
+            flags, flags[self.world_size * MAX_CHUNKS:],
+            self.ctrl, self.status, layout.meta, self.timeline_buf,
+            layout.dispatch_tasks, layout.send_token, layout.send_slot,
+            layout.gemm_tasks, layout.gather_rows, layout.arrival_expected, layout.gemm1_expected,
+            layout.combine_tasks, layout.combine_token, layout.combine_pos, layout.combine_weight,
+            layout.token_dest_mask, layout.combine_expected,
+            self.rank, self.world_size, self.max_tokens, x.shape[0], spec.hidden_size, spec.intermediate_size,
+        )
+        constexprs = dict(
+            TOP_K=spec.top_k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=cfg.block_m, BLOCK_N0=cfg.block_n0,
+            BLOCK_N1=cfg.block_n1, BLOCK_K=cfg.block_k, DISPATCH_ROWS=cfg.dispatch_rows,
+            COMBINE_ROWS=cfg.combine_rows, REDUCE_ROWS=cfg.reduce_rows, BLOCK_H=cfg.block_h,
+            DOT_FP32=cfg.dot_fp32, TIMELINE=self.timeline, MAX_EVENTS=self.timeline_buf.shape[1] if self.timeline else 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_cooperative_grid=True,
+        )
+        stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if serial else [(0, 3)]
+        comm = grid if serial else my_plan.c
+        steal = (1 << 30) if serial else my_plan.n_steal
+        if self.debug_skip_launch:
+            return
+        self._ensure_compiled(args, constexprs, comm, steal)
+        for first, last in stages:
+            mk.moe_megakernel[(grid,)](*args, comm, steal, self.timeout_ns, first, last, **constexprs)
+
+    def _ensure_compiled(self, args, constexprs, comm, steal) -> None:
+        """Compile before the first launch and line the ranks up, so no rank's waits time out while a peer is still
+        compiling (a cold compile takes far longer than the kernel's deadlines)."""
+        key = tuple(sorted((k, v) for k, v in constexprs.items()))
+        if key in self.compiled:
+            return
+        mk.moe_megakernel.warmup(*args, comm, steal, self.timeout_ns, 0, 3, grid=(self.num_sms,), **constexprs)
+        torch.cuda.synchronize(self.device)
+        if self.world_size > 1:
+            torch.distributed.barrier(group=self.group)
+        self.compiled.add(key)

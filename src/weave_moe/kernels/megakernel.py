@@ -1,0 +1,245 @@
+"""The persistent MoE megakernel: dispatch -> GEMM0 (+SiLU-mul) -> GEMM1 -> combine -> reduce in one launch.
+
+Grid = number of SMs (one CTA each), launched cooperatively so that all CTAs are resident (a grid that cannot be
+resident fails at launch instead of hanging). Each CTA walks a small state machine over phases:
+
+    phase 0  dispatch   CTAs with index < C only: claim dispatch tasks (atomic counter), copy rows to the
+                        destination's receive buffer, release-add the row count onto the destination's arrival flag
+                        for (this source, chunk).
+    phase 1  GEMM       compute CTAs until the queue is empty; comm CTAs for at most N_STEAL tiles ("bubble
+                        stealing", right after dispatch). Tasks come in DAG order (GEMM0 of chunk c, then GEMM0 of
+                        c+1, then GEMM1 of c, ...). GEMM0 waits for chunk c to have arrived from every source;
+                        GEMM1 waits for all GEMM0 column tiles of its M tile.
+    phase 2  combine    claim combine blocks in chunk order; wait for the chunk's GEMM1 tiles; write the weighted
+                        sum over local experts to the source rank's combine buffer; release-add onto its flag.
+    phase 3  reduce     every CTA: wait for all destinations' combine rows, sum them per token into `out`.
+
+The same kernel with PHASE_FIRST == PHASE_LAST runs one stage per launch: that is the `serial` policy and the
+"stages as separate launches" path.
+
+Buffers come from `weave_moe.transport.SymmetricWorkspace`; peers are reached through `peer_base_ptr` (int64 base
+address of every rank's symmetric buffer) plus byte offsets.
+"""
+
+import triton
+import triton.language as tl
+
+from weave_moe.kernels import sync, tiles
+
+# Control block (int32, local, zeroed every call): claim counters, then per-chunk GEMM1 counters, then per-M-tile
+# GEMM0 counters.
+# (tl.constexpr: Triton reads module globals only when they are compile-time constants.)
+CTRL_DISPATCH = tl.constexpr(0)
+CTRL_GEMM = tl.constexpr(1)
+CTRL_COMBINE = tl.constexpr(2)
+CTRL_REDUCE = tl.constexpr(3)
+CTRL_GEMM1_DONE = tl.constexpr(8)    # [MAX_CHUNKS]
+CTRL_GEMM0_DONE = tl.constexpr(16)   # [num M tiles]
+CTRL_SIZE_FIXED = 16
+
+# Timeline event kinds.
+EVENT_DISPATCH = tl.constexpr(0)
+EVENT_GEMM0 = tl.constexpr(1)
+EVENT_GEMM1 = tl.constexpr(2)
+EVENT_COMBINE = tl.constexpr(3)
+EVENT_REDUCE = tl.constexpr(4)
+EVENT_STOLEN_GEMM0 = tl.constexpr(5)
+EVENT_STOLEN_GEMM1 = tl.constexpr(6)
+EVENT_NAMES = ("dispatch", "gemm0", "gemm1", "combine", "reduce", "stolen_gemm0", "stolen_gemm1")
+
+
+@triton.jit
+def _peer_ptr(peer_base_ptr, rank, byte_offset, dtype: tl.constexpr):
+    base = tl.load(peer_base_ptr + rank)
+    return (base + byte_offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _record(timeline_ptr, pid, num_events, kind, t_start, MAX_EVENTS: tl.constexpr):
+    if num_events < MAX_EVENTS:
+        event = timeline_ptr + (pid.to(tl.int64) * MAX_EVENTS + num_events) * 4
+        tl.store(event, tl.full([], 0, tl.int64) + kind)
+        tl.store(event + 1, t_start)
+        tl.store(event + 2, sync.global_time_ns())
+    return num_events + 1
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "num_tokens", "num_comm_ctas", "num_steal", "PHASE_FIRST",
+                              "PHASE_LAST", "recv_offset", "comb_offset", "flags_offset", "timeout_ns"])
+def moe_megakernel(
+    # activations and weights
+    x_ptr, out_ptr, w13_ptr, w2_ptr,
+    # local work buffers
+    recv_ptr, h_ptr, y_ptr, comb_ptr,
+    # symmetric addressing: peer bases + byte offsets of this call's regions
+    peer_base_ptr, recv_offset, comb_offset, flags_offset,
+    arrival_ptr, comb_flag_ptr,
+    # control and status
+    ctrl_ptr, status_ptr, meta_ptr, timeline_ptr,
+    # task tables (weave_moe.layout)
+    dispatch_tasks_ptr, send_token_ptr, send_slot_ptr,
+    gemm_tasks_ptr, gather_ptr, arrival_expected_ptr, gemm1_expected_ptr,
+    combine_tasks_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr,
+    token_mask_ptr, combine_expected_ptr,
+    # scalars
+    rank, world_size, max_tokens, num_tokens, H, I,
+    num_comm_ctas, num_steal, timeout_ns, PHASE_FIRST, PHASE_LAST,
+    # compile-time
+    TOP_K: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
+    DISPATCH_ROWS: tl.constexpr, COMBINE_ROWS: tl.constexpr, REDUCE_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    DOT_FP32: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_dispatch = tl.load(meta_ptr + 0)
+    num_gemm = tl.load(meta_ptr + 1)
+    num_combine = tl.load(meta_ptr + 2)
+    num_reduce = tl.load(meta_ptr + 3)
+    n0_tiles = tl.cdiv(I, BLOCK_N0)
+    row_bytes = H.to(tl.int64) * 2
+    is_comm = pid < num_comm_ctas
+    phase = tl.where(is_comm, 0, 1)
+    phase = tl.maximum(phase, PHASE_FIRST)
+    budget = tl.where(is_comm, num_steal, 1 << 30)
+    arrived_chunks = 0        # bit c set: chunk c has arrived from every source (seen by this CTA)
+    combinable_chunks = 0     # bit c set: chunk c's GEMM1 tiles are all done
+    all_combined = 0
+    num_events = 0
+    while phase <= PHASE_LAST:
+        t_start = 0
+        if TIMELINE:
+            t_start = sync.global_time_ns()
+        if phase == 0:
+            task = tl.atomic_add(ctrl_ptr + CTRL_DISPATCH, 1, sem="relaxed", scope="gpu")
+            if task < num_dispatch:
+                dest = tl.load(dispatch_tasks_ptr + task * 4 + 0)
+                chunk = tl.load(dispatch_tasks_ptr + task * 4 + 1)
+                start = tl.load(dispatch_tasks_ptr + task * 4 + 2)
+                count = tl.load(dispatch_tasks_ptr + task * 4 + 3)
+                dst = _peer_ptr(peer_base_ptr, dest, recv_offset + rank.to(tl.int64) * max_tokens * row_bytes,
+                                tl.bfloat16)
+                tiles.dispatch_rows(x_ptr, dst, send_token_ptr, send_slot_ptr, start, count, H,
+                                    DISPATCH_ROWS, BLOCK_H)
+                flag = _peer_ptr(peer_base_ptr, dest, flags_offset + (rank * MAX_CHUNKS + chunk) * 4, tl.int32)
+                sync.signal_add(flag, count, True)
+                if TIMELINE:
+                    num_events = _record(timeline_ptr, pid, num_events, EVENT_DISPATCH, t_start, MAX_EVENTS)
+            else:
+                phase = 1
+        elif phase == 1:
+            task = num_gemm
+            if budget > 0:
+                task = tl.atomic_add(ctrl_ptr + CTRL_GEMM, 1, sem="relaxed", scope="gpu")
+            if task < num_gemm:
+                budget -= 1
+                row = gemm_tasks_ptr + task * 8
+                kind = tl.load(row + 0)
+                chunk = tl.load(row + 1)
+                expert = tl.load(row + 2)
+                row_start = tl.load(row + 3)
+                num_rows = tl.load(row + 4)
+                n_start = tl.load(row + 5)
+                mtile = tl.load(row + 6)
+                if kind == 0:
+                    if ((arrived_chunks >> chunk) & 1) == 0:
+                        ok = 1
+                        for source in range(0, world_size):
+                            expected = tl.load(arrival_expected_ptr + source * MAX_CHUNKS + chunk)
+                            ok = ok & sync.wait_at_least(arrival_ptr + source * MAX_CHUNKS + chunk, expected,
+                                                         status_ptr, sync.ERROR_ARRIVAL_TIMEOUT,
+                                                         source * 16 + chunk, timeout_ns, True)
+                        if ok != 0:
+                            arrived_chunks = arrived_chunks | (1 << chunk)
+                    tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
+                                     H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32)
+                    sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
+                    if TIMELINE:
+                        num_events = _record(timeline_ptr, pid, num_events,
+                                             tl.where(is_comm, EVENT_STOLEN_GEMM0, EVENT_GEMM0), t_start, MAX_EVENTS)
+                else:
+                    sync.wait_at_least(ctrl_ptr + CTRL_GEMM0_DONE + mtile, n0_tiles, status_ptr,
+                                       sync.ERROR_GEMM0_TIMEOUT, mtile, timeout_ns, False)
+                    tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
+                                     BLOCK_M, BLOCK_N1, BLOCK_K, DOT_FP32)
+                    sync.signal_add(ctrl_ptr + CTRL_GEMM1_DONE + chunk, 1, False)
+                    if TIMELINE:
+                        num_events = _record(timeline_ptr, pid, num_events,
+                                             tl.where(is_comm, EVENT_STOLEN_GEMM1, EVENT_GEMM1), t_start, MAX_EVENTS)
+            else:
+                phase = 2
+        elif phase == 2:
+            task = tl.atomic_add(ctrl_ptr + CTRL_COMBINE, 1, sem="relaxed", scope="gpu")
+            if task < num_combine:
+                source = tl.load(combine_tasks_ptr + task * 4 + 0)
+                chunk = tl.load(combine_tasks_ptr + task * 4 + 1)
+                start = tl.load(combine_tasks_ptr + task * 4 + 2)
+                count = tl.load(combine_tasks_ptr + task * 4 + 3)
+                if ((combinable_chunks >> chunk) & 1) == 0:
+                    expected = tl.load(gemm1_expected_ptr + chunk)
+                    if sync.wait_at_least(ctrl_ptr + CTRL_GEMM1_DONE + chunk, expected, status_ptr,
+                                          sync.ERROR_GEMM1_TIMEOUT, chunk, timeout_ns, False) != 0:
+                        combinable_chunks = combinable_chunks | (1 << chunk)
+                dst = _peer_ptr(peer_base_ptr, source, comb_offset + rank.to(tl.int64) * max_tokens * row_bytes,
+                                tl.bfloat16)
+                tiles.combine_rows(y_ptr, combine_pos_ptr, combine_weight_ptr, combine_token_ptr, dst, start, count,
+                                   H, TOP_K, COMBINE_ROWS, BLOCK_H)
+                flag = _peer_ptr(peer_base_ptr, source, flags_offset + (world_size * MAX_CHUNKS + rank) * 4, tl.int32)
+                sync.signal_add(flag, count, True)
+                if TIMELINE:
+                    num_events = _record(timeline_ptr, pid, num_events, EVENT_COMBINE, t_start, MAX_EVENTS)
+            else:
+                phase = 3
+        else:
+            task = tl.atomic_add(ctrl_ptr + CTRL_REDUCE, 1, sem="relaxed", scope="gpu")
+            if task < num_reduce:
+                if all_combined == 0:
+                    ok = 1
+                    for dest in range(0, world_size):
+                        expected = tl.load(combine_expected_ptr + dest)
+                        ok = ok & sync.wait_at_least(comb_flag_ptr + dest, expected, status_ptr,
+                                                     sync.ERROR_COMBINE_TIMEOUT, dest, timeout_ns, True)
+                    all_combined = ok
+                start = task * REDUCE_ROWS
+                count = tl.minimum(num_tokens - start, REDUCE_ROWS)
+                tiles.reduce_rows(comb_ptr, token_mask_ptr, out_ptr, start, count, H, max_tokens, world_size,
+                                  REDUCE_ROWS, BLOCK_H)
+                if TIMELINE:
+                    num_events = _record(timeline_ptr, pid, num_events, EVENT_REDUCE, t_start, MAX_EVENTS)
+            else:
+                phase = 4
+
+
+# ---- ahead-of-time compilation (CI checks the PTX without a GPU) ----------------------------------------------------
+
+_POINTER_TYPES = {
+    "x_ptr": "*bf16", "out_ptr": "*bf16", "w13_ptr": "*bf16", "w2_ptr": "*bf16",
+    "recv_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "comb_ptr": "*bf16",
+    "peer_base_ptr": "*i64", "arrival_ptr": "*i32", "comb_flag_ptr": "*i32",
+    "ctrl_ptr": "*i32", "status_ptr": "*i32", "meta_ptr": "*i32", "timeline_ptr": "*i64",
+    "dispatch_tasks_ptr": "*i32", "send_token_ptr": "*i32", "send_slot_ptr": "*i32",
+    "gemm_tasks_ptr": "*i32", "gather_ptr": "*i32", "arrival_expected_ptr": "*i32", "gemm1_expected_ptr": "*i32",
+    "combine_tasks_ptr": "*i32", "combine_token_ptr": "*i32", "combine_pos_ptr": "*i32",
+    "combine_weight_ptr": "*fp32", "token_mask_ptr": "*i32", "combine_expected_ptr": "*i32",
+}
+_SCALAR_TYPES = {
+    "rank": "i32", "world_size": "i32", "max_tokens": "i32", "num_tokens": "i32", "H": "i32", "I": "i32",
+    "num_comm_ctas": "i32", "num_steal": "i32", "timeout_ns": "i64", "PHASE_FIRST": "i32", "PHASE_LAST": "i32",
+    "recv_offset": "i64", "comb_offset": "i64", "flags_offset": "i64",
+}
+
+
+def compile_ptx(constexprs: dict, capability: int = 90) -> str:
+    """Compile the megakernel for `sm_<capability>` without a GPU and return its PTX."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in moe_megakernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = _POINTER_TYPES.get(name) or _SCALAR_TYPES[name]
+    source = ASTSource(fn=moe_megakernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": 8, "num_stages": 3})
+    return compiled.asm["ptx"]

@@ -1,0 +1,122 @@
+"""The megakernel without a GPU: the whole kernel under TRITON_INTERPRET=1 at EP=1, and its sm_90 PTX.
+
+Under the interpreter programs run one after another, so only schedules in which no CTA waits for a later CTA can
+run: the staged launches (`serial`) and a single launch where every CTA is a comm CTA with an unlimited steal budget
+(CTA 0 then does every task in DAG order). That still executes every phase, every task table and every flag of the
+real kernel.
+
+Tolerance: the interpreter converts fp32 -> bf16 by truncation (checked: 1 + 3/512 -> 1.0), not round-to-nearest as
+the GPU does, so each of the three bf16 roundings (h, y, combine row) costs up to one ulp: we allow 2e-2 here; the GPU
+tests hold the DESIGN.md bound of 1e-2.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import sys
+    import torch
+    from weave_moe.kernels import megakernel as mk
+    from weave_moe.layout import build_layout, count_routing, parse_counts, MAX_CHUNKS
+    from weave_moe.transport import SymmetricWorkspace
+    from weave_moe.reference import reference_moe
+
+    def run(T, E, k, H, I, K, staged, seed):
+        torch.manual_seed(seed)
+        max_tokens = T + 3
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.zeros(0, k, dtype=torch.int32)
+        if T > 2:
+            ids[2, -1] = -1
+            ids[1, :] = -1
+        w = torch.rand(T, k)
+        x = torch.randn(T, H).bfloat16()
+        w13 = (torch.randn(E, 2 * I, H) / H ** 0.5).bfloat16()
+        w2 = (torch.randn(E, H, I) / I ** 0.5).bfloat16()
+        all_ids = torch.full((1, max_tokens, k), -1, dtype=torch.int32)
+        all_ids[0, :T] = ids
+        all_w = torch.zeros(1, max_tokens, k)
+        all_w[0, :T] = w
+        counts = parse_counts(count_routing(all_ids, torch.tensor([T]), E).tolist(), 1, E)
+        blocks = dict(block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
+        lay = build_layout(all_ids, all_w, counts, 0, E, [K], hidden_size=H, intermediate_size=I, **blocks)
+        ws = SymmetricWorkspace(None, 0, 1, max_tokens, H, torch.device("cpu"))
+        pairs = max(lay.num_pairs, 1)
+        h = torch.full((pairs, I), float("nan")).bfloat16()
+        y = torch.full((pairs, H), float("nan")).bfloat16()
+        ctrl = torch.zeros(16 + lay.num_mtiles_bound, dtype=torch.int32)
+        status = torch.zeros(4, dtype=torch.int32)
+        out = torch.full((max(T, 1), H), float("nan")).bfloat16()
+        flags = ws.flags(0)
+        grid = 3
+        stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if staged else [(0, 3)]
+        for first, last in stages:
+            mk.moe_megakernel[(grid,)](
+                x if T else out, out, w13, w2, ws.recv(), h, y, ws.comb(0), ws.peer_bases, ws.recv_offset,
+                ws.comb_offsets[0], ws.flags_offsets[0], flags, flags[MAX_CHUNKS:], ctrl, status, lay.meta,
+                torch.zeros(1, dtype=torch.int64), lay.dispatch_tasks, lay.send_token, lay.send_slot, lay.gemm_tasks,
+                lay.gather_rows, lay.arrival_expected, lay.gemm1_expected, lay.combine_tasks, lay.combine_token,
+                lay.combine_pos, lay.combine_weight, lay.token_dest_mask, lay.combine_expected,
+                0, 1, max_tokens, T, H, I, grid, 1 << 30, 10 ** 9, first, last,
+                TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, DISPATCH_ROWS=4,
+                COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1)
+        assert status.tolist() == [0, 0, 0, 0], status
+        # every flag reached its expectation
+        assert torch.equal(flags[:MAX_CHUNKS], lay.arrival_expected[0]), (flags, lay.arrival_expected)
+        assert int(flags[MAX_CHUNKS]) == int(lay.combine_expected[0])
+        if T == 0:
+            return
+        out = out[:T]
+        ref = reference_moe(x, ids, w, w13, w2)
+        assert not out.isnan().any(), "unwritten output rows"
+        if T > 2:
+            assert torch.all(out[1] == 0), "a token with no expert must get a zero row"
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 2e-2, err
+        # dispatch is bitwise: the receive buffer holds x's rows
+        recv = ws.recv()
+        assert torch.equal(recv[lay.send_slot.long()].view(torch.int16), x[lay.send_token.long()].view(torch.int16))
+
+    for case in [(9, 4, 2, 40, 24, 2, True), (9, 4, 2, 40, 24, 3, False), (21, 8, 3, 33, 20, 4, False),
+                 (1, 4, 2, 16, 16, 1, False), (0, 4, 2, 16, 16, 1, True), (17, 2, 2, 48, 16, 8, True)]:
+        run(*case, seed=sum(case))
+    print("MEGAKERNEL INTERPRETER OK")
+    """
+)
+
+
+def test_megakernel_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "MEGAKERNEL INTERPRETER OK" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    from weave_moe.kernels.megakernel import compile_ptx
+
+    return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=64, BLOCK_N1=128, BLOCK_K=64,
+                            DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
+                            TIMELINE=False, MAX_EVENTS=1))
+
+
+def test_megakernel_ptx_has_the_memory_ordering_it_relies_on(ptx):
+    # peers' flags: release adds (dispatch arrival, combine rows) and acquire polls at system scope
+    assert re.search(r"atom\.global\.sys\.release\.add", ptx)
+    assert re.search(r"ld\.global\.sys\.acquire", ptx)
+    # same-GPU flags (GEMM0 -> GEMM1 -> combine): release adds and acquire polls at GPU scope
+    assert re.search(r"atom\.global\.gpu\.release\.add", ptx)
+    assert re.search(r"ld\.global\.gpu\.acquire", ptx)
+    # bounded waits read the global timer; the timeout report uses a CAS on the status word
+    assert "%globaltimer" in ptx
+    assert re.search(r"atom\.global\.[a-z.]*cas", ptx)
+
+
+def test_megakernel_ptx_uses_hopper_tensor_cores(ptx):
+    assert "wgmma.mma_async" in ptx
