@@ -141,7 +141,7 @@ def tiny_run(tmp_path_factory):
     code = main(["bench", "--model-dims", "8,2,64,32", "--tokens", "16,24", "--routing", "uniform,skewed",
                  "--variants", "nccl,no-such-backend", "--iters", "3", "--warmup", "1", "--rotate", "2", "--check",
                  "--device", "cpu", "--nproc", "2", "--name", "tiny", "--out", str(out), "--no-progress",
-                 "--timeout", "120"])
+                 "--timeout", "120", "--attention"])
     return code, report.result_paths(str(out), "tiny")
 
 
@@ -198,3 +198,43 @@ def test_replot_rewrites_from_json(tiny_run, tmp_path):
     assert main(["bench", "--replot", str(copy)]) == 0
     for suffix in (".csv", ".md", "_latency.png", "_speedup.png"):
         assert (tmp_path / f"again{suffix}").stat().st_size > 100
+
+
+def test_tiny_run_end_to_end_estimate(tiny_run):
+    _, paths = tiny_run
+    with open(paths["e2e_csv"]) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["variant"] for r in rows] == ["nccl"] * 4  # the failing variant has no estimate
+    for row in rows:
+        assert float(row["e2e_ms"]) == pytest.approx(float(row["attention_ms"]) + float(row["shared_ms"])
+                                                     + float(row["moe_ms"]), rel=1e-4)
+        assert float(row["e2e_speedup_vs_nccl"]) == 1.0
+    with open(paths["md"]) as handle:
+        assert "End-to-end estimate" in handle.read()
+
+
+def test_e2e_rows_arithmetic():
+    rows = [_row("m", 8, "uniform", "nccl", 3.0), _row("m", 8, "uniform", "weave", 1.0)]
+    attention = [dict(model="m", tokens_per_rank=8, attention_ms=0.5, shared_ms=0.5, attention={})]
+    nccl, weave = report.e2e_rows(rows, attention)
+    assert (nccl["e2e_ms"], weave["e2e_ms"]) == (4.0, 2.0)
+    assert weave["e2e_speedup_vs_nccl"] == 2.0 and weave["moe_speedup_vs_nccl"] == 3.0
+    assert weave["moe_share"] == 0.5
+
+
+@pytest.mark.parametrize("kind", ["gqa", "gqa-gated", "mla", "mla-lora"])
+def test_attention_blocks_run_on_cpu(kind):
+    from weave_moe.bench.attention import AttentionSpec, time_attention, time_shared_experts
+    from weave_moe.models import MoESpec
+
+    spec = {
+        "gqa": AttentionSpec("gqa", 64, 4, 2, 16),
+        "gqa-gated": AttentionSpec("gqa", 64, 4, 1, 16, output_gate=True),
+        "mla": AttentionSpec("mla", 64, 2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+        "mla-lora": AttentionSpec("mla", 64, 2, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+                                  qk_rope_head_dim=4, v_head_dim=8),
+    }[kind]
+    assert time_attention(spec, 32, "cpu", seq_len=16, iters=2, warmup=1) > 0
+    shared = MoESpec(8, 2, 64, 32, num_shared_experts=2, shared_intermediate_size=16)
+    assert time_shared_experts(shared, 32, "cpu", iters=2, warmup=1) > 0
+    assert time_shared_experts(MoESpec(8, 2, 64, 32), 32, "cpu") == 0.0

@@ -94,6 +94,9 @@ class BenchConfig:
         show_progress: a progress bar on rank 0.
         breakdown: after the timed loop, one untimed call per input set asking the backend for per-stage times
             (`layer(..., timings=dict)`; CUDA only, backends that do not report leave the column empty).
+        attention: also time each model's attention block and shared experts per token count, for the end-to-end
+            estimate (bench/attention.py).
+        attention_seq_len: tokens per causal sequence in that timing (0: all of a rank's tokens in one sequence).
     """
 
     models: tuple
@@ -115,6 +118,8 @@ class BenchConfig:
     timeout_s: float = 300.0
     show_progress: bool = True
     breakdown: bool = True
+    attention: bool = False
+    attention_seq_len: int = 0
 
     def __post_init__(self) -> None:
         if self.iters < 1 or self.warmup < 0 or self.rotate < 1:
@@ -238,7 +243,10 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
 
         progress = tqdm(total=total, desc="bench", unit="cfg", dynamic_ncols=True)
     rows: list[dict] = []
+    attention_rows: list[dict] = []
     for model_index, spec in enumerate(config.models):
+        if config.attention:
+            attention_rows += _time_attention(config, spec, rank, world_size, device)
         experts_per_rank = _experts_per_rank(spec, world_size)
         w13, w2 = make_experts(spec, experts_per_rank, first_expert=rank * experts_per_rank,
                                seed=config.seed + 1000 * model_index, device=device)
@@ -263,14 +271,40 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
             del layer
             _free(device)
             if rank == 0:
-                report.write_tables(rows, config, partial=True, world_size=world_size)
+                report.write_tables(rows, config, partial=True, world_size=world_size, attention=attention_rows)
         del w13, w2, inputs
         _free(device)
         if rank == 0:
-            report.write_all(rows, config, partial=model_index + 1 < len(config.models), world_size=world_size)
+            report.write_all(rows, config, partial=model_index + 1 < len(config.models), world_size=world_size,
+                             attention=attention_rows)
     if progress is not None:
         progress.close()
     return rows
+
+
+def _time_attention(config, spec, rank, world_size, device) -> list[dict]:
+    """Attention block and shared-expert ms per token count: every rank times its own GPU, the max is kept."""
+    from weave_moe.bench.attention import attention_spec, time_attention, time_shared_experts
+
+    shape = attention_spec(spec)
+    found = []
+    for tokens in config.tokens:
+        error = None
+        try:
+            times = [time_attention(shape, tokens, device, seq_len=config.attention_seq_len, iters=config.iters,
+                                    warmup=config.warmup),
+                     time_shared_experts(spec, tokens, device, iters=config.iters, warmup=config.warmup)]
+        except Exception as exc:  # noqa: BLE001 - recorded, the MoE rows still run
+            error, times = _describe(exc), [math.nan, math.nan]
+        error = _agree(error)
+        _free(device)
+        slowest = _gather_rows(torch.tensor(times, dtype=torch.float64, device=device)[None], world_size)
+        attention_ms, shared_ms = slowest.max(dim=0).values.tolist()
+        found.append(dict(model=spec.name, tokens_per_rank=tokens,
+                          seq_len=min(config.attention_seq_len or tokens, tokens),
+                          attention_ms=None if error else attention_ms, shared_ms=None if error else shared_ms,
+                          error=error or "", attention=shape.to_dict()))
+    return found if rank == 0 else []
 
 
 def _experts_per_rank(spec: MoESpec, world_size: int) -> int:

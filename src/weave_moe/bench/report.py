@@ -19,7 +19,7 @@ import os
 from collections import defaultdict
 
 __all__ = ["CSV_COLUMNS", "BASELINE", "result_paths", "write_all", "write_tables", "write_csv", "load", "load_rows", "add_speedups",
-           "geomean", "summary", "markdown", "plot_latency", "plot_speedups"]
+           "geomean", "summary", "markdown", "plot_latency", "plot_speedups", "e2e_rows", "load_attention", "E2E_COLUMNS"]
 
 #: The speed-up table's baseline variant.
 BASELINE = "nccl"
@@ -39,31 +39,37 @@ def result_paths(config_or_out, name: str | None = None) -> dict[str, str]:
     name = name if name is not None else config_or_out.name
     base = os.path.join(out_dir, name)
     return dict(json=base + ".json", csv=base + ".csv", md=base + ".md", latency_png=base + "_latency.png",
-                speedup_png=base + "_speedup.png")
+                speedup_png=base + "_speedup.png", e2e_csv=base + "_e2e.csv")
 
 
-def write_all(rows: list[dict], config, partial: bool = False, world_size: int | None = None) -> dict[str, str]:
+def write_all(rows: list[dict], config, partial: bool = False, world_size: int | None = None,
+              attention: list | None = None) -> dict[str, str]:
     """Write every result file for `rows`; `partial` marks a run still in progress. Returns the paths."""
-    paths, metadata = write_tables(rows, config, partial, world_size)
+    paths, metadata = write_tables(rows, config, partial, world_size, attention)
     with open(paths["md"], "w") as handle:
-        handle.write(markdown(rows, metadata, paths))
+        handle.write(markdown(rows, metadata, paths, attention))
     plot_latency(rows, paths["latency_png"])
     plot_speedups(rows, paths["speedup_png"])
     return paths
 
 
-def write_tables(rows: list[dict], config, partial: bool = False, world_size: int | None = None):
-    """Only the JSON and the CSV (cheap: written after every variant). Returns (paths, metadata)."""
+def write_tables(rows: list[dict], config, partial: bool = False, world_size: int | None = None,
+                 attention: list | None = None):
+    """Only the JSON and the CSVs (cheap: written after every variant). Returns (paths, metadata)."""
     from weave_moe.bench.harness import config_to_dict
 
     paths = result_paths(config)
     os.makedirs(config.out_dir, exist_ok=True)
     add_speedups(rows)
     metadata = dict(config.metadata, partial=partial, world_size=world_size, floor_constants=config.floor.to_dict())
+    data = dict(metadata=metadata, config=config_to_dict(config), rows=rows)
+    if attention:
+        data["attention"] = attention
     with open(paths["json"], "w") as handle:
-        json.dump(dict(metadata=metadata, config=config_to_dict(config), rows=rows), handle, indent=1,
-                  default=_json_default, allow_nan=True)
+        json.dump(data, handle, indent=1, default=_json_default, allow_nan=True)
     write_csv(rows, paths["csv"])
+    if attention:
+        write_csv(e2e_rows(rows, attention), paths["e2e_csv"], E2E_COLUMNS)
     return paths, metadata
 
 
@@ -73,12 +79,12 @@ def _json_default(value):
     return str(value)
 
 
-def write_csv(rows: list[dict], path: str) -> None:
+def write_csv(rows: list[dict], path: str, columns=CSV_COLUMNS) -> None:
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({key: _csv_value(row.get(key)) for key in CSV_COLUMNS})
+            writer.writerow({key: _csv_value(row.get(key)) for key in columns})
 
 
 def _csv_value(value):
@@ -96,8 +102,19 @@ def load(path: str) -> tuple[dict, list[dict]]:
     return data.get("metadata", {}), data.get("rows", [])
 
 
+def load_attention(path: str) -> list[dict]:
+    """The attention timings of a JSON result file ([] when the run had no --attention)."""
+    with open(path) as handle:
+        return json.load(handle).get("attention", [])
+
+
 def load_rows(path: str) -> list[dict]:
     return load(path)[1] if os.path.exists(path) else []
+
+
+#: Columns of <name>_e2e.csv (written with --attention).
+E2E_COLUMNS = ("model", "tokens_per_rank", "routing", "variant", "attention_ms", "shared_ms", "moe_ms", "e2e_ms",
+               "moe_share", "e2e_speedup_vs_nccl", "moe_speedup_vs_nccl", "attention_approximate")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -152,12 +169,69 @@ def summary(rows: list[dict]) -> list[dict]:
     return table
 
 
+def e2e_rows(rows: list[dict], attention: list[dict]) -> list[dict]:
+    """Per measured row: attention + shared experts + MoE = one layer's estimate, and its speed-up vs nccl."""
+    add_speedups(rows)
+    timed = {(a["model"], a["tokens_per_rank"]): a for a in attention or [] if a.get("attention_ms") is not None}
+    found = []
+    for row in rows:
+        extra = timed.get((row["model"], row["tokens_per_rank"]))
+        if extra is None or not _ok(row):
+            continue
+        dense_ms = extra["attention_ms"] + (extra.get("shared_ms") or 0.0)
+        found.append(dict(model=row["model"], tokens_per_rank=row["tokens_per_rank"], routing=row["routing"],
+                          variant=row["variant"], attention_ms=extra["attention_ms"], shared_ms=extra.get("shared_ms"),
+                          moe_ms=row["median_ms"], e2e_ms=dense_ms + row["median_ms"],
+                          moe_share=row["median_ms"] / (dense_ms + row["median_ms"]),
+                          moe_speedup_vs_nccl=row.get("speedup_vs_nccl"),
+                          attention_approximate=bool(extra.get("attention", {}).get("approximate"))))
+    baseline = {(r["model"], r["tokens_per_rank"], r["routing"]): r["e2e_ms"] for r in found if r["variant"] == BASELINE}
+    for r in found:
+        base = baseline.get((r["model"], r["tokens_per_rank"], r["routing"]))
+        r["e2e_speedup_vs_nccl"] = base / r["e2e_ms"] if base else None
+    return found
+
+
+def _e2e_markdown(rows: list[dict], attention: list[dict]) -> list[str]:
+    table = e2e_rows(rows, attention)
+    if not table:
+        return []
+    lines = ["", "## End-to-end estimate per layer (attention + shared experts + MoE)", "",
+             "Attention and shared experts timed on each GPU with the model's shapes (bench/attention.py); "
+             "* = approximate attention shape.", "",
+             "| model | tokens | attention ms | shared ms | " + " | ".join(
+                 f"{v} e2e" for v in _variants(rows)) + " |",
+             "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in _variants(rows)) + " |"]
+    seen = set()
+    for r in table:
+        key = (r["model"], r["tokens_per_rank"], r["routing"])
+        if key in seen:
+            continue
+        seen.add(key)
+        cells = []
+        for variant in _variants(rows):
+            match = next((x for x in table if (x["model"], x["tokens_per_rank"], x["routing"]) == key
+                          and x["variant"] == variant), None)
+            if match is None:
+                cells.append("err")
+            elif variant == BASELINE:
+                cells.append(f"{match['e2e_ms']:.4g} ms")
+            else:
+                cells.append(_fmt(match["e2e_speedup_vs_nccl"]) + "x")
+        star = "*" if r["attention_approximate"] else ""
+        lines.append(f"| {r['model']}{star} | {r['tokens_per_rank']} {r['routing']} | {r['attention_ms']:.4g} | "
+                     f"{_fmt(r['shared_ms'], '.4g')} | " + " | ".join(cells) + " |")
+    geomeans = [_fmt(geomean(x["e2e_speedup_vs_nccl"] for x in table if x["variant"] == v)) for v in _variants(rows)]
+    lines.append("| **geomean** | | | | " + " | ".join(f"**{g}**" for g in geomeans) + " |")
+    return lines
+
+
 def _fmt(value, spec=".2f", missing="-") -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown(rows: list[dict], metadata: dict, paths: dict | None = None) -> str:
-    """The summary, the speed-up table (with geomeans) and the errors, as markdown."""
+def markdown(rows: list[dict], metadata: dict, paths: dict | None = None, attention: list | None = None) -> str:
+    """The summary, the speed-up table (with geomeans), the end-to-end estimate and the errors, as markdown."""
     add_speedups(rows)
     lines = [f"# Benchmark {metadata.get('name', '')}".rstrip(), ""]
     if metadata.get("partial"):
@@ -202,6 +276,7 @@ def markdown(rows: list[dict], metadata: dict, paths: dict | None = None) -> str
     geomeans = [_fmt(geomean(r.get("speedup_vs_nccl") for r in rows if r["variant"] == v and _ok(r)), ".2f")
                 for v in variants]
     lines.append("| **geomean** | | | | " + " | ".join(f"**{g}**" for g in geomeans) + " |")
+    lines += _e2e_markdown(rows, attention or [])
     errors = [r for r in rows if r.get("error")]
     if errors:
         lines += ["", "## Errors", ""]

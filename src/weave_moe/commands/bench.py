@@ -37,6 +37,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may hang before failing")
     parser.add_argument("--no-breakdown", action="store_true",
                         help="skip the untimed per-stage calls (dispatch / gemms / combine ms from the backend)")
+    parser.add_argument("--attention", action="store_true",
+                        help="also time each model's attention block and shared experts: end-to-end estimate table")
+    parser.add_argument("--attention-seq-len", type=int, default=0,
+                        help="tokens per causal sequence for --attention (0: a rank's tokens form one sequence)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--git-commit", default=None,
                         help="commit to record when the tree here is not a git checkout (e.g. a copy on a GPU box)")
@@ -108,7 +112,8 @@ def build_config(args, argv: list[str] | None = None):
         variants=tuple(parse_variant(v) for v in _split_variants(args.variants)),
         iters=args.iters, warmup=args.warmup, rotate=args.rotate, check=args.check, check_rows=args.check_rows,
         seed=args.seed, floor=floor, out_dir=args.out, name=name, metadata=metadata, timeout_s=args.timeout,
-        show_progress=not args.no_progress, breakdown=not args.no_breakdown,
+        show_progress=not args.no_progress, breakdown=not args.no_breakdown, attention=args.attention,
+        attention_seq_len=args.attention_seq_len,
     )
 
 
@@ -121,11 +126,14 @@ def run(args) -> int:
         import os
 
         metadata, rows = report.load(args.replot)
+        attention = report.load_attention(args.replot)
         out_dir, name = os.path.dirname(args.replot) or ".", os.path.splitext(os.path.basename(args.replot))[0]
         paths = report.result_paths(out_dir, name)
         report.write_csv(rows, paths["csv"])
+        if attention:
+            report.write_csv(report.e2e_rows(rows, attention), paths["e2e_csv"], report.E2E_COLUMNS)
         with open(paths["md"], "w") as handle:
-            handle.write(report.markdown(rows, metadata, paths))
+            handle.write(report.markdown(rows, metadata, paths, attention))
         report.plot_latency(rows, paths["latency_png"])
         report.plot_speedups(rows, paths["speedup_png"])
         print(f"rewrote {paths['csv']}, {paths['md']} and the pictures")
