@@ -54,12 +54,13 @@ class WeaveBackend:
         num_sms: CTAs of the persistent grid (default: the device's SM count).
         config: KernelConfig.
         debug_skip_launch: test hook; this rank skips its kernel launch (a stalled peer).
+        debug_poison: fill each output with NaN before the launch, so a row the kernel never writes fails checks.
     """
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", *, profile: HardwareProfile | None = None,
                  timeout_s: float | None = None, timeline: bool = False, num_sms: int | None = None,
-                 config: KernelConfig | None = None, debug_skip_launch: bool = False):
+                 config: KernelConfig | None = None, debug_skip_launch: bool = False, debug_poison: bool = False):
         if device.type != "cuda":
             raise RuntimeError("the weave backend runs on CUDA GPUs only; use backend='nccl' or 'reference' on CPU")
         if world_size > 31:
@@ -72,6 +73,7 @@ class WeaveBackend:
         self.timeline = timeline
         self.config = config or KernelConfig()
         self.debug_skip_launch = debug_skip_launch
+        self.debug_poison = debug_poison
         self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
         plan(self._workload_for(0, [[0] * world_size] * world_size, [0] * spec.num_experts, [0] * world_size),
              self.profile, policy)  # validates the policy string now, not at the first call
@@ -136,6 +138,8 @@ class WeaveBackend:
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
             combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
         out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if self.debug_poison:
+            out.fill_(float("nan"))
         self._launch(x, out, layout, my_plan)
         self.calls += 1
         return out
@@ -211,9 +215,9 @@ class WeaveBackend:
         stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if serial else [(0, 3)]
         comm = grid if serial else my_plan.c
         steal = (1 << 30) if serial else my_plan.n_steal
+        self._ensure_compiled(args, constexprs, comm, steal)
         if self.debug_skip_launch:
             return
-        self._ensure_compiled(args, constexprs, comm, steal)
         for first, last in stages:
             mk.moe_megakernel[(grid,)](*args, comm, steal, self.timeout_ns, first, last, **constexprs)
 
