@@ -14,7 +14,7 @@ import queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 

@@ -77,8 +77,10 @@ class NcclBackend:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.num_local_experts = spec.num_experts // world_size
         hidden, intermediate, top_k = spec.hidden_size, spec.intermediate_size, spec.top_k
-        # torch._grouped_mm (CUDA, sm90+) needs 16-byte aligned strides; other shapes take the loop fallback.
+        # torch._grouped_mm (CUDA, sm90+) needs 16-byte aligned strides; other GPUs and shapes (and the CPU) take
+        # the per-expert loop fallback, which is correct but slow.
         self.use_grouped_mm = (self.device.type == "cuda" and hasattr(torch, "_grouped_mm")
+                               and torch.cuda.get_device_capability(self.device) >= (9, 0)
                                and hidden % 8 == 0 and intermediate % 8 == 0)
         self.w13 = self.w2 = None
 
@@ -153,7 +155,7 @@ class NcclBackend:
 
     # ------------------------------------------------------------------ stages
     def _dispatch(self, x, topk_ids, topk_weights) -> Dispatched:
-        num_tokens, top_k = topk_ids.shape
+        num_tokens = topk_ids.shape[0]
         if self.world_size == 1:
             num_pairs = int((topk_ids >= 0).sum().item())
             return Dispatched(x, topk_ids, topk_weights, num_pairs, None, [num_tokens], [num_tokens])
@@ -170,7 +172,7 @@ class NcclBackend:
         recv_counts = self._counts[1]
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
 
-        # Send slot of each (rank, token) pair, computed while the counts travel; unsent pairs land in the spare slot.
+        # Send slot of each (rank, token) pair, queued behind the count exchange; unsent pairs land in the spare slot.
         spare = self._send_token_idx.shape[0] - 1
         position = torch.where(visits_by_rank, torch.cumsum(visits_by_rank, 0) - 1, spare)
         pair_index = torch.arange(world_size * num_tokens, device=device)
@@ -202,7 +204,7 @@ class NcclBackend:
 
     def _row_fields(self, rows: torch.Tensor):
         """(ids [N, k] int32, weights [N, k] fp32, x [N, H] bf16) views of packed rows [N, row_bytes] uint8."""
-        top_k, hidden = self.spec.top_k, self.spec.hidden_size
+        hidden = self.spec.hidden_size
         ids = rows[:, : self._ids_bytes].view(torch.int32)
         weights = rows[:, self._ids_bytes : self._meta_bytes].view(torch.float32)
         x = rows[:, self._meta_bytes : self._meta_bytes + 2 * hidden].view(torch.bfloat16)
