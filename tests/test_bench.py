@@ -238,3 +238,26 @@ def test_attention_blocks_run_on_cpu(kind):
     shared = MoESpec(8, 2, 64, 32, num_shared_experts=2, shared_intermediate_size=16)
     assert time_shared_experts(shared, 32, "cpu", iters=2, warmup=1) > 0
     assert time_shared_experts(MoESpec(8, 2, 64, 32), 32, "cpu") == 0.0
+
+
+def test_warm_up_records_each_sets_plan():
+    from weave_moe.bench.harness import _gather_plans, _warm_up
+
+    class Backend:
+        last_plan = None
+
+    class Layer:  # a backend whose plan depends on the input, as the weave backend's does
+        backend = Backend()
+
+        def __call__(self, x, ids, weights):
+            self.backend.last_plan = SimpleNamespace(c=x, K=2, n_steal=3, predicted_us=10.0 * x, policy="weave")
+
+    plans = _warm_up(Layer(), [(20, None, None), (24, None, None), (28, None, None)], warmup=1)  # fewer warm-up calls than sets: every set still seen
+    assert [p["c"] for p in plans] == [20, 24, 28] and plans[1]["predicted_us"] == 240.0
+    assert _gather_plans(plans, 1)[2] == [plans[2]]
+
+    class NoPlans:
+        def __call__(self, *inputs):
+            pass
+
+    assert _warm_up(NoPlans(), [(1,), (2,)], warmup=3) == [None, None]

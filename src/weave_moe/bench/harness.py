@@ -173,9 +173,11 @@ def launch(config: BenchConfig, nproc: int | None = None, device: str = "auto") 
                            start_method="spawn")
     except Exception:
         # A rank died (CUDA error, a killed process): keep the pictures of what was measured, then fail loudly.
-        rows = report.load_rows(report.result_paths(config)["json"])
+        json_path = report.result_paths(config)["json"]
+        rows = report.load_rows(json_path)
         if rows:
-            report.write_all(rows, config, partial=True, world_size=rows[0].get("world_size"))
+            report.write_all(rows, config, partial=True, world_size=rows[0].get("world_size"),
+                             attention=report.load_attention(json_path))
         raise
     return report.load_rows(report.result_paths(config)["json"])
 
@@ -241,7 +243,11 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
     if rank == 0 and config.show_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=total, desc="bench", unit="cfg", dynamic_ncols=True)
+        import sys
+
+        # Off a terminal (a log, a remote runner's captured output) redraw rarely, so the log stays readable.
+        progress = tqdm(total=total, desc="bench", unit="cfg", dynamic_ncols=True,
+                        mininterval=0.1 if sys.stderr.isatty() else 10.0)
     rows: list[dict] = []
     attention_rows: list[dict] = []
     for model_index, spec in enumerate(config.models):
@@ -427,6 +433,7 @@ def _bench_config(config, spec, variant, layer, error, inputs, rank, world_size,
                 result.update(_check(layer, inputs, config, world_size))
             result["plans"] = _warm_up(layer, inputs.sets, config.warmup)
             local_ms = _timed_loop(layer, inputs.sets, config.iters, device)
+            _sync_backend(layer)  # a kernel error of the last timed call surfaces here, not in the next config
             stages = _stage_times(layer, inputs.sets, device) if config.breakdown else {}
         except Exception as exc:  # noqa: BLE001 - recorded in the row
             error, local_ms = _describe(exc), None
@@ -445,6 +452,7 @@ def _bench_config(config, spec, variant, layer, error, inputs, rank, world_size,
 def _check(layer, inputs, config, world_size) -> dict:
     x, ids, weights = inputs.sets[0]
     out = layer(x, ids, weights)
+    _sync_backend(layer)
     finite = torch.tensor([float(torch.isfinite(out).all())], device=out.device)
     if world_size > 1:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -456,6 +464,14 @@ def _check(layer, inputs, config, world_size) -> dict:
         rel_error, max_norm_error = math.inf, math.inf
     return dict(rel_error=rel_error, max_norm_error=max_norm_error,
                 check_passed=bool(finite.item() >= 1 and rel_error <= config.tolerance))
+
+
+def _sync_backend(layer) -> None:
+    """Wait for the layer's last call and raise its deferred errors: the weave backend reads its kernel's status word
+    at the next call, or in `backend.synchronize()`. A no-op for backends without one."""
+    synchronize = getattr(getattr(layer, "backend", None), "synchronize", None)
+    if callable(synchronize):
+        synchronize()
 
 
 def _plan_of(layer) -> dict | None:
@@ -568,7 +584,7 @@ def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
         floor_compute_ms=statistics.fmean(max(f.compute_s) for f in floors) * 1e3,
         floor_comm_ms=statistics.fmean(max(f.comm_s) for f in floors) * 1e3,
         floor_bound=bounds.pop() if len(bounds) == 1 else "mixed",
-        pct_of_floor=None, x_floor=None, c=None, K=None, n_steal=None, predicted_ms=None,
+        pct_of_floor=None, x_floor=None, c=None, K=None, n_steal=None, predicted_ms=None, prediction_error_pct=None,
         rel_error=result["rel_error"], max_norm_error=result["max_norm_error"], check_passed=result["check_passed"],
         error=error or "",
         stages_ms=";".join(f"{k}={v:.4g}" for k, v in result["stages_ms"].items() if v is not None),
@@ -590,6 +606,8 @@ def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
         predicted = [max((p or {}).get("predicted_us") or 0.0 for p in per_set) for per_set in result["plans"]]
         if any(predicted):
             row["predicted_ms"] = statistics.fmean(predicted) * 1e-3
+            if row["median_ms"]:
+                row["prediction_error_pct"] = 100.0 * (row["predicted_ms"] - row["median_ms"]) / row["median_ms"]
     return row
 
 

@@ -28,7 +28,7 @@ CSV_COLUMNS = (
     "model", "tokens_per_rank", "routing", "skew", "variant", "backend", "policy", "world_size", "iters",
     "median_ms", "p10_ms", "p90_ms", "min_ms", "mean_ms", "tflops", "nvlink_gbps",
     "floor_ms", "floor_compute_ms", "floor_comm_ms", "floor_bound", "pct_of_floor", "x_floor", "speedup_vs_nccl",
-    "c", "K", "n_steal", "predicted_ms", "rel_error", "max_norm_error", "check_passed", "stages_ms", "error",
+    "c", "K", "n_steal", "predicted_ms", "prediction_error_pct", "rel_error", "max_norm_error", "check_passed", "stages_ms", "error",
     "num_experts", "top_k", "hidden_size", "intermediate_size",
 )
 
