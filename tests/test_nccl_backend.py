@@ -187,3 +187,27 @@ def test_demo_command_matches_reference(capsys):
     assert main(["demo", "--tokens", "64", "--skew", "4"]) == 0
     printed = capsys.readouterr().out
     assert "MATCH" in printed and "MISMATCH" not in printed
+
+
+def _rank_one_fails(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise RuntimeError("boom on rank one")
+    torch.distributed.barrier()  # rank 0 would wait here forever for the failed rank
+    return rank
+
+
+def _rank_one_hangs(rank: int, world_size: int) -> int:
+    if rank == 1:
+        import time
+
+        time.sleep(600)
+    return rank
+
+
+def test_run_distributed_reports_failures_and_hangs():
+    from weave_moe.testing import DistributedError
+
+    with pytest.raises(DistributedError, match="boom on rank one"):
+        run_distributed(_rank_one_fails, 2, timeout_s=60)
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish"):
+        run_distributed(_rank_one_hangs, 2, timeout_s=6)
