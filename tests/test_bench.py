@@ -261,3 +261,13 @@ def test_warm_up_records_each_sets_plan():
             pass
 
     assert _warm_up(NoPlans(), [(1,), (2,)], warmup=3) == [None, None]
+
+
+def test_merge_two_runs(tiny_run, tmp_path):
+    from weave_moe.cli import main
+
+    _, paths = tiny_run
+    assert main(["bench", "--merge", paths["json"], paths["json"], "--name", "both", "--out", str(tmp_path)]) == 0
+    metadata, rows = report.load(str(tmp_path / "both.json"))
+    assert len(rows) == 16 and len(metadata["merged_from"]) == 2
+    assert (tmp_path / "both_latency.png").stat().st_size > 100

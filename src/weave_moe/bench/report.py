@@ -18,7 +18,7 @@ import math
 import os
 from collections import defaultdict
 
-__all__ = ["CSV_COLUMNS", "BASELINE", "result_paths", "write_all", "write_tables", "write_csv", "load", "load_rows", "add_speedups",
+__all__ = ["CSV_COLUMNS", "BASELINE", "result_paths", "write_all", "write_tables", "write_csv", "merge", "rewrite", "load", "load_rows", "add_speedups",
            "geomean", "summary", "markdown", "plot_latency", "plot_speedups", "e2e_rows", "load_attention", "E2E_COLUMNS"]
 
 #: The speed-up table's baseline variant.
@@ -28,7 +28,8 @@ CSV_COLUMNS = (
     "model", "tokens_per_rank", "routing", "skew", "variant", "backend", "policy", "world_size", "iters",
     "median_ms", "p10_ms", "p90_ms", "min_ms", "mean_ms", "tflops", "nvlink_gbps",
     "floor_ms", "floor_compute_ms", "floor_comm_ms", "floor_bound", "pct_of_floor", "x_floor", "speedup_vs_nccl",
-    "c", "K", "n_steal", "predicted_ms", "prediction_error_pct", "rel_error", "max_norm_error", "check_passed", "stages_ms", "error",
+    "c", "K", "n_steal", "predicted_ms", "prediction_error_pct", "rel_error", "max_norm_error", "check_passed",
+    "stages_ms", "error",
     "num_experts", "top_k", "hidden_size", "intermediate_size",
 )
 
@@ -71,6 +72,49 @@ def write_tables(rows: list[dict], config, partial: bool = False, world_size: in
     if attention:
         write_csv(e2e_rows(rows, attention), paths["e2e_csv"], E2E_COLUMNS)
     return paths, metadata
+
+
+def merge(json_paths: list[str], out_dir: str, name: str) -> dict[str, str]:
+    """One result set from several runs (e.g. a suite split over device calls): rows and attention timings
+    concatenated in order, the first run's metadata with every source listed. Writes every file; returns the paths."""
+    rows, attention, sources, configs = [], [], [], []
+    metadata = {}
+    for path in json_paths:
+        with open(path) as handle:
+            data = json.load(handle)
+        metadata = metadata or dict(data.get("metadata", {}))
+        sources.append(dict(path=os.path.basename(path), **{k: data.get("metadata", {}).get(k)
+                                                            for k in ("date", "git_commit", "command", "partial")}))
+        rows += data.get("rows", [])
+        attention += data.get("attention", [])
+        configs.append(data.get("config", {}))
+    metadata.update(name=name, partial=any(s["partial"] for s in sources), merged_from=sources)
+    paths = result_paths(out_dir, name)
+    os.makedirs(out_dir, exist_ok=True)
+    add_speedups(rows)
+    data = dict(metadata=metadata, config=configs, rows=rows)
+    if attention:
+        data["attention"] = attention
+    with open(paths["json"], "w") as handle:
+        json.dump(data, handle, indent=1, default=_json_default, allow_nan=True)
+    rewrite(paths["json"])
+    return paths
+
+
+def rewrite(json_path: str) -> dict[str, str]:
+    """Rewrite the CSVs, markdown and pictures beside a result JSON from its contents. Returns the paths."""
+    metadata, rows = load(json_path)
+    attention = load_attention(json_path)
+    out_dir, name = os.path.dirname(json_path) or ".", os.path.splitext(os.path.basename(json_path))[0]
+    paths = result_paths(out_dir, name)
+    write_csv(rows, paths["csv"])
+    if attention:
+        write_csv(e2e_rows(rows, attention), paths["e2e_csv"], E2E_COLUMNS)
+    with open(paths["md"], "w") as handle:
+        handle.write(markdown(rows, metadata, paths, attention))
+    plot_latency(rows, paths["latency_png"])
+    plot_speedups(rows, paths["speedup_png"])
+    return paths
 
 
 def _json_default(value):

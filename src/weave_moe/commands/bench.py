@@ -46,6 +46,8 @@ def add_arguments(parser) -> None:
                         help="commit to record when the tree here is not a git checkout (e.g. a copy on a GPU box)")
     parser.add_argument("--replot", metavar="JSON", default=None,
                         help="only rewrite the CSV, markdown and pictures of an existing result JSON")
+    parser.add_argument("--merge", metavar="JSON", nargs="+", default=None,
+                        help="combine result JSONs (a suite split over several runs) into --out/--name; no run")
 
 
 def _split(text: str) -> list[str]:
@@ -123,20 +125,14 @@ def run(args) -> int:
     from weave_moe.bench import report
 
     if args.replot:
-        import os
-
-        metadata, rows = report.load(args.replot)
-        attention = report.load_attention(args.replot)
-        out_dir, name = os.path.dirname(args.replot) or ".", os.path.splitext(os.path.basename(args.replot))[0]
-        paths = report.result_paths(out_dir, name)
-        report.write_csv(rows, paths["csv"])
-        if attention:
-            report.write_csv(report.e2e_rows(rows, attention), paths["e2e_csv"], report.E2E_COLUMNS)
-        with open(paths["md"], "w") as handle:
-            handle.write(report.markdown(rows, metadata, paths, attention))
-        report.plot_latency(rows, paths["latency_png"])
-        report.plot_speedups(rows, paths["speedup_png"])
+        paths = report.rewrite(args.replot)
         print(f"rewrote {paths['csv']}, {paths['md']} and the pictures")
+        return 0
+    if args.merge:
+        if not args.name:
+            raise SystemExit("--merge needs --name for the merged result")
+        paths = report.merge(args.merge, args.out, args.name)
+        print(f"merged {len(args.merge)} runs into {paths['json']} (+ CSV, markdown, pictures)")
         return 0
 
     from weave_moe.bench.harness import launch
