@@ -215,7 +215,10 @@ def main(argv=None) -> int:
     cases = cases[args.suite]
     extra = dict(stress_calls=args.stress_calls, stall=args.stall)
     start = time.time()
-    results = run_distributed(check_worker, args.nproc, cases, args.variants.split(","), extra, backend="nccl",
+    import re
+
+    variants = re.split(r",(?=[a-z])", args.variants)  # "static:20,4" keeps its comma
+    results = run_distributed(check_worker, args.nproc, cases, variants, extra, backend="nccl",
                               timeout_s=args.timeout)
     rows = [row for per_rank in results for row in per_rank]
     failed = [r for r in rows if not r.get("passed")]
