@@ -155,7 +155,8 @@ def test_tiny_run_writes_every_file(tiny_run):
         data = json.load(handle)
     metadata = data["metadata"]
     assert metadata["world_size"] == 2 and metadata["device"] == "cpu" and not metadata["partial"]
-    assert "bench" in metadata["command"] and metadata["git_commit"]
+    assert metadata["command"].startswith("weave-moe bench") and "--model-dims 8,2,64,32" in metadata["command"]
+    assert metadata["git_commit"]
     assert metadata["floor_constants"]["gemm_tflops"] > 0
     assert len(data["rows"]) == 2 * 2 * 2  # tokens x routing x variants
 

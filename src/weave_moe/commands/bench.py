@@ -137,13 +137,30 @@ def run(args) -> int:
 
     from weave_moe.bench.harness import launch
 
-    config = build_config(args, sys.argv)
+    config = build_config(args, sys.argv if "bench" in sys.argv[1:2] else _equivalent_argv(args))
     rows = launch(config, nproc=args.nproc, device=args.device)
     if not rows:  # a torchrun rank other than 0
         return 0
     _print_summary(rows, report.result_paths(config))
     failed_checks = [r for r in rows if r.get("check_passed") is False]
     return 1 if failed_checks else 0
+
+
+def _equivalent_argv(args) -> list[str]:
+    """A command line equivalent to `args`, every option spelled out (for runs started from Python, not a shell)."""
+    argv = ["weave-moe", "bench"]
+    for key, value in sorted(vars(args).items()):
+        if key.startswith("_") or key == "command" or value is None or value is False or value == []:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _print_summary(rows, paths) -> None:
