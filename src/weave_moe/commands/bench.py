@@ -171,10 +171,12 @@ def _print_summary(rows, paths) -> None:
 
     table = Table(title="geomean over configurations")
     for column in ("variant", "configs", "failed", "checks", "vs nccl", "uniform", "skewed", "median / floor"):
-        table.add_column(column, justify="left" if column == "variant" else "right")
+        table.add_column(column, justify="left" if column == "variant" else "right", no_wrap=True)
     for s in report.summary(rows):
         table.add_row(s["variant"], str(s["configs"]), str(s["failed"]), s["checks"],
                       *(report._fmt(s[k]) for k in ("speedup", "speedup_uniform", "speedup_skewed", "x_floor")))
-    console = Console()
+    import os
+
+    console = Console(width=max(Console().width, 120))  # captured logs default to 80 columns and would cut names
     console.print(table)
-    console.print("results: " + ", ".join(paths.values()))
+    console.print("results: " + ", ".join(p for p in paths.values() if os.path.exists(p)))
