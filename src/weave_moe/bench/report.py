@@ -363,7 +363,9 @@ def plot_latency(rows: list[dict], path: str) -> None:
     variants = _variants(rows)
     if not models:
         return
-    figure, axes = plt.subplots(len(routings), len(models), figsize=(3.4 * len(models) + 1.5, 3.0 * len(routings)),
+    legend_in = 1.9  # a column at the right for the legend, whatever the number of variants
+    width_in = 3.4 * len(models) + 0.6 + legend_in
+    figure, axes = plt.subplots(len(routings), len(models), figsize=(width_in, 3.0 * len(routings) + 0.3),
                                 squeeze=False)
     colors = plt.get_cmap("tab10")
     width = 0.8 / max(1, len(variants))
@@ -398,8 +400,8 @@ def plot_latency(rows: list[dict], path: str) -> None:
                 ax.set_ylabel("layer latency (ms)")
             if i == len(routings) - 1:
                 ax.set_xlabel("tokens per rank")
-    figure.legend(loc="upper center", ncol=len(variants) + 1, fontsize=8, frameon=False)
-    figure.tight_layout(rect=(0, 0, 1, 0.92))
+    figure.legend(loc="center right", fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0, 1 - legend_in / width_in, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)
 
