@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "LayoutCounts", "count_routing", "build_layout", "MAX_CHUNKS", "META_FIELDS"]
+__all__ = ["Layout", "LayoutCounts", "hit_matrix", "count_routing", "parse_counts", "build_layout", "MAX_CHUNKS",
+           "META_FIELDS"]
 
 #: Chunk counts go up to this many (flag arrays are sized by it).
 MAX_CHUNKS = 8
@@ -84,7 +85,7 @@ class Layout:
     num_pairs: int
 
 
-def _hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+def hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """[EP, T_max, EP] bool: token t of rank s has an expert on rank d."""
     world_size, max_tokens, _ = all_ids.shape
     owner = torch.where(all_ids >= 0, all_ids.long() // num_local_experts, -1)
@@ -93,18 +94,27 @@ def _hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     return hit[:, :, 1:]
 
 
-def count_routing(all_ids: torch.Tensor, num_tokens: torch.Tensor, num_experts: int) -> torch.Tensor:
+def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
+    """bincount with a static size and no host sync (torch.bincount on CUDA reads the max back)."""
+    out = torch.zeros(size, dtype=torch.long, device=index.device)
+    return out.scatter_add_(0, index, torch.ones_like(index))
+
+
+def count_routing(all_ids: torch.Tensor, num_tokens: torch.Tensor, num_experts: int,
+                  hit: torch.Tensor | None = None) -> torch.Tensor:
     """Device-side counts, flattened for ONE host copy: [EP] tokens, [EP*EP] send rows, [E] expert pairs.
 
     Args:
         all_ids: [EP, T_max, k] int32 gathered ids, -1 beyond each rank's token count and for "no expert".
         num_tokens: [EP] int32 tokens per rank (device).
         num_experts: E.
+        hit: `hit_matrix(all_ids, E_local)` if the caller already has it.
     """
     world_size = all_ids.shape[0]
-    hit = _hit_matrix(all_ids, num_experts // world_size)
+    if hit is None:
+        hit = hit_matrix(all_ids, num_experts // world_size)
     send_rows = hit.sum(dim=1, dtype=torch.int32).flatten()
-    pairs = torch.bincount(all_ids.flatten().long() + 1, minlength=num_experts + 1)[1:].to(torch.int32)
+    pairs = _counts(all_ids.flatten().long() + 1, num_experts + 1)[1:].to(torch.int32)
     return torch.cat([num_tokens.to(torch.int32), send_rows, pairs])
 
 
@@ -153,6 +163,9 @@ def build_layout(
     dispatch_rows: int,
     combine_rows: int,
     reduce_rows: int,
+    hit: torch.Tensor | None = None,
+    device_counts: torch.Tensor | None = None,
+    chunks_device: torch.Tensor | None = None,
 ) -> Layout:
     """The task tables of `rank`.
 
@@ -164,6 +177,9 @@ def build_layout(
         num_experts: E (global).
         chunks: [EP] chunk count K_d chosen by each rank's plan (every rank needs every destination's K to send in
             the destination's chunk order).
+        hit, device_counts, chunks_device: device copies the caller already has (`hit_matrix`, the output of
+            `count_routing`, `chunks` as a long tensor); given, they save launches and host->device copies (each
+            such copy of a Python list synchronises the stream).
     """
     device = all_ids.device
     world_size, max_tokens, top_k = all_ids.shape
@@ -171,10 +187,14 @@ def build_layout(
     if len(chunks) != world_size or not all(1 <= c <= MAX_CHUNKS for c in chunks):
         raise ValueError(f"chunks must hold {world_size} values in [1, {MAX_CHUNKS}], got {chunks}")
     ids = all_ids.long()
-    hit = _hit_matrix(all_ids, num_local)                              # [EP, T_max, EP]
-    slot = torch.cumsum(hit.to(torch.int32), dim=1) - 1                 # [EP, T_max, EP]
-    tokens_dev = torch.tensor(counts.num_tokens, device=device, dtype=torch.long).clamp(min=1)
-    chunks_dev = torch.tensor(chunks, device=device, dtype=torch.long)
+    if hit is None:
+        hit = hit_matrix(all_ids, num_local)                            # [EP, T_max, EP]
+    if device_counts is None:
+        device_counts = count_routing(all_ids, torch.tensor(counts.num_tokens, device=device), num_experts, hit)
+    # scan along the contiguous last dimension (an outer-dimension scan is ~100x slower on CUDA)
+    slot = (torch.cumsum(hit.permute(0, 2, 1).to(torch.int32), dim=2) - 1).permute(0, 2, 1)  # [EP, T_max, EP]
+    tokens_dev = device_counts[:world_size].long().clamp(min=1)
+    chunks_dev = chunks_device if chunks_device is not None else torch.tensor(chunks, device=device, dtype=torch.long)
     my_chunks = chunks[rank]
     my_tokens = counts.num_tokens[rank]
     int32 = dict(dtype=torch.int32)
@@ -186,7 +206,7 @@ def build_layout(
     token = flat % max_tokens
     send_slot = slot[rank, token, dest]
     send_chunk = token * chunks_dev[dest] // tokens_dev[rank]
-    key_counts = torch.bincount(dest * MAX_CHUNKS + send_chunk, minlength=world_size * MAX_CHUNKS)
+    key_counts = _counts(dest * MAX_CHUNKS + send_chunk, world_size * MAX_CHUNKS)
     max_dispatch = num_send // dispatch_rows + world_size * MAX_CHUNKS + 1
     seg, start, length, num_dispatch = _segment_blocks(key_counts, dispatch_rows, max_dispatch)
     dispatch_tasks = torch.stack([seg // MAX_CHUNKS, seg % MAX_CHUNKS, start, length], 1).to(**int32)
@@ -207,7 +227,7 @@ def build_layout(
     pair_pos[order] = torch.arange(num_pairs, device=device)
 
     # M tiles: one segment per (chunk, expert)
-    segment_rows = torch.bincount(pair_chunk * num_local + pair_expert, minlength=my_chunks * num_local)
+    segment_rows = _counts(pair_chunk * num_local + pair_expert, my_chunks * num_local)
     max_mtiles = num_pairs // block_m + my_chunks * num_local + 1
     seg, m_start, m_rows, num_mtiles = _segment_blocks(segment_rows, block_m, max_mtiles)
     m_chunk, m_expert = seg // num_local, seg % num_local
@@ -226,7 +246,7 @@ def build_layout(
     gemm_order = torch.argsort(torch.cat([key0, key1]))
     gemm_tasks = torch.cat([gemm0, gemm1], 0)[gemm_order].to(**int32)
     num_gemm = num_mtiles * (n0 + n1)
-    gemm1_expected = torch.bincount(torch.where(valid, m_chunk, MAX_CHUNKS), minlength=MAX_CHUNKS + 1)[:MAX_CHUNKS]
+    gemm1_expected = _counts(torch.where(valid, m_chunk, MAX_CHUNKS), MAX_CHUNKS + 1)[:MAX_CHUNKS]
     gemm1_expected = (gemm1_expected * n1).to(**int32)
 
     # rows each source sends to this rank, per chunk of this rank
@@ -250,18 +270,17 @@ def build_layout(
     pos_full = pos_full.view(world_size * max_tokens, top_k)
     combine_pos = pos_full[recv_source * max_tokens + recv_token]
     combine_weight = torch.where(combine_pos >= 0, all_weights[recv_source, recv_token].float(), 0.0)
-    combine_counts = torch.bincount(recv_chunk * world_size + recv_source, minlength=my_chunks * world_size)
+    combine_counts = _counts(recv_chunk * world_size + recv_source, my_chunks * world_size)
     max_combine = num_received // combine_rows + my_chunks * world_size + 1
     seg, c_start, c_rows, num_combine = _segment_blocks(combine_counts, combine_rows, max_combine)
     combine_tasks = torch.stack([seg % world_size, seg // world_size, c_start, c_rows], 1).to(**int32)
 
     # ---- final reduce on this rank (as source)
     bits = (hit[rank, :my_tokens].long() << torch.arange(world_size, device=device)).sum(1)
-    combine_expected = torch.tensor(counts.send_rows[rank], device=device, dtype=torch.int32)
+    combine_expected = device_counts[world_size + rank * world_size: world_size + (rank + 1) * world_size]
     num_reduce = -(-my_tokens // reduce_rows)
 
-    meta = torch.stack([num_dispatch, torch.as_tensor(num_gemm, device=device), num_combine,
-                        torch.as_tensor(num_reduce, device=device), num_mtiles]).to(**int32)
+    meta = torch.stack([num_dispatch, num_gemm, num_combine, num_combine * 0 + num_reduce, num_mtiles]).to(**int32)
     return Layout(
         meta=meta,
         dispatch_tasks=dispatch_tasks,

@@ -18,7 +18,7 @@ import torch
 
 from weave_moe.kernels import megakernel as mk
 from weave_moe.kernels.sync import ERROR_NAMES
-from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, parse_counts
+from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, hit_matrix, parse_counts
 from weave_moe.models import MoESpec
 from weave_moe.plan import HardwareProfile, Plan, Workload, plan
 from weave_moe.transport import SymmetricWorkspace
@@ -42,6 +42,20 @@ class KernelConfig:
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
         self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
+
+    @classmethod
+    def from_env(cls) -> "KernelConfig":
+        """Defaults, overridden by WEAVE_MOE_KERNEL_CONFIG="block_n0=128,num_stages=4" (tuning sweeps)."""
+        text = os.environ.get("WEAVE_MOE_KERNEL_CONFIG", "").strip()
+        values = {}
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            values[key.strip()] = value.strip() not in ("0", "false", "False") if key.strip() == "dot_fp32" \
+                else int(value)
+        return cls(**values)
+
+    def __repr__(self) -> str:
+        return "KernelConfig(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")"
 
 
 class WeaveBackend:
@@ -71,7 +85,7 @@ class WeaveBackend:
         self.timeout_ns = int(1e9 * (timeout_s if timeout_s is not None else
                                      float(os.environ.get("WEAVE_MOE_TIMEOUT_S", "5"))))
         self.timeline = timeline
-        self.config = config or KernelConfig()
+        self.config = config or KernelConfig.from_env()
         self.debug_skip_launch = debug_skip_launch
         self.debug_poison = debug_poison
         self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
@@ -93,6 +107,7 @@ class WeaveBackend:
         self.all_routing = torch.empty(world_size, words, dtype=torch.int32, device=device)
         self.timeline_buf = (torch.zeros(self.num_sms, 512, 4, dtype=torch.int64, device=device)
                              if timeline else torch.zeros(1, dtype=torch.int64, device=device))
+        self.chunks_host = torch.zeros(world_size, dtype=torch.long).pin_memory()
         self.calls = 0
         self.compiled = set()
         self.last_plan: Plan | None = None
@@ -122,7 +137,9 @@ class WeaveBackend:
         all_weights = self.all_routing[:, words:2 * words].view(torch.float32).view(self.world_size, self.max_tokens, k)
         num_tokens = self.all_routing[:, -1]
         # 2. counts to the host (the one sync), with the previous call's status word
-        host = torch.cat([count_routing(all_ids, num_tokens, spec.num_experts), self.status]).tolist()
+        hit = hit_matrix(all_ids, self.num_local)
+        device_counts = count_routing(all_ids, num_tokens, spec.num_experts, hit)
+        host = torch.cat([device_counts, self.status]).tolist()
         self._raise_on_status(host[-4:])
         counts = parse_counts(host[:-4], self.world_size, spec.num_experts)
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
@@ -132,11 +149,15 @@ class WeaveBackend:
         self.last_plan, self.last_plans = my_plan, plans
         # 4. task tables and launch
         cfg = self.config
+        chunks = [p.K for p in plans]
+        self.chunks_host[: self.world_size] = torch.tensor(chunks)
+        chunks_device = self.chunks_host.to(self.device, non_blocking=True)
         layout = build_layout(
-            all_ids, all_weights, counts, self.rank, spec.num_experts, [p.K for p in plans],
+            all_ids, all_weights, counts, self.rank, spec.num_experts, chunks,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
-            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows, hit=hit, device_counts=device_counts,
+            chunks_device=chunks_device)
         out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))

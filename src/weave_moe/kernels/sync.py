@@ -38,6 +38,13 @@ def global_time_ns():
 
 
 @triton.jit
+def backoff():
+    """Sleep ~100 ns between polls, so spinning CTAs do not flood L2 with acquire loads of one line while the GEMM
+    CTAs need it (measured on H200: without backoff, GEMM0 tiles ran up to 2.6x slower while 20 CTAs spun)."""
+    tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def signal_add(flag_ptr, value, SYS_SCOPE: tl.constexpr):
     """Release `value` onto a counter after this CTA's stores (all threads) are done."""
     tl.debug_barrier()
@@ -69,6 +76,7 @@ def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_
         start = global_time_ns()
         failed = (tl.load(status_ptr, volatile=True) != 0).to(tl.int32)
         while (ok == 0) & (failed == 0):
+            backoff()
             seen = _poll(flag_ptr, SYS_SCOPE)
             ok = (seen >= expected).to(tl.int32)
             if ok == 0:
