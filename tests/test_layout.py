@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, parse_counts
+from weave_moe.layout import MAX_CHUNKS, build_layout
 
 
 def _routing(num_tokens, num_experts, top_k, seed, mode):
@@ -53,10 +53,9 @@ def emulate(tokens, world_size, num_experts, top_k, hidden, inter, chunks, seed=
     for r, (ids, w) in enumerate(routing):
         all_ids[r, : tokens[r]] = ids
         all_w[r, : tokens[r]] = w
-    flat = count_routing(all_ids, torch.tensor(tokens), num_experts).tolist()
-    counts = parse_counts(flat, world_size, num_experts)
     layouts = [
-        build_layout(all_ids, all_w, counts, r, num_experts, chunks, hidden_size=hidden, intermediate_size=inter,
+        build_layout(all_ids, all_w, torch.tensor(tokens), torch.tensor(chunks), r, num_experts,
+                     hidden_size=hidden, intermediate_size=inter,
                      block_m=block_m, block_n0=block_n0, block_n1=block_n1, dispatch_rows=rows,
                      combine_rows=rows, reduce_rows=rows)
         for r in range(world_size)
@@ -78,8 +77,8 @@ def emulate(tokens, world_size, num_experts, top_k, hidden, inter, chunks, seed=
     comb = [torch.full((world_size * max_tokens, hidden), nan) for _ in range(world_size)]
     comb_rows = [torch.zeros(world_size, dtype=torch.long) for _ in range(world_size)]
     for d, lay in enumerate(layouts):
-        h = torch.full((lay.num_pairs, inter), nan)
-        y = torch.full((lay.num_pairs, hidden), nan)
+        h = torch.full((lay.max_pairs, inter), nan)
+        y = torch.full((lay.max_pairs, hidden), nan)
         done0 = torch.zeros(lay.num_mtiles_bound, dtype=torch.long)
         done1 = torch.zeros(MAX_CHUNKS, dtype=torch.long)
         n0 = -(-inter // block_n0)
@@ -119,7 +118,7 @@ def emulate(tokens, world_size, num_experts, top_k, hidden, inter, chunks, seed=
     for r, lay in enumerate(layouts):
         assert torch.equal(comb_rows[r], lay.combine_expected.long())
         out = torch.full((tokens[r], hidden), nan)
-        for task in range(lay.num_reduce_tasks):
+        for task in range(int(lay.meta[3])):
             t = torch.arange(task * rows, min((task + 1) * rows, tokens[r]))
             acc = torch.zeros(t.numel(), hidden)
             for d in range(world_size):
@@ -156,8 +155,3 @@ def test_layout_executes_to_reference(case):
     world_size = len(case.tokens)
     chunks = list(case.chunks or [1] * world_size)
     emulate(list(case.tokens), world_size, case.experts, case.top_k, case.hidden, case.inter, chunks, mode=case.mode)
-
-
-def test_bad_chunk_count_raises():
-    with pytest.raises(ValueError, match="chunks"):
-        emulate([3, 3], 2, 8, 2, 8, 8, [0, 1])

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import sys
     import torch
     from weave_moe.kernels import megakernel as mk
-    from weave_moe.layout import build_layout, count_routing, parse_counts, MAX_CHUNKS
+    from weave_moe.layout import build_layout, MAX_CHUNKS
     from weave_moe.transport import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
@@ -42,11 +42,11 @@ SCRIPT = textwrap.dedent(
         all_ids[0, :T] = ids
         all_w = torch.zeros(1, max_tokens, k)
         all_w[0, :T] = w
-        counts = parse_counts(count_routing(all_ids, torch.tensor([T]), E).tolist(), 1, E)
         blocks = dict(block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
-        lay = build_layout(all_ids, all_w, counts, 0, E, [K], hidden_size=H, intermediate_size=I, **blocks)
+        lay = build_layout(all_ids, all_w, torch.tensor([T]), torch.tensor([K]), 0, E, hidden_size=H,
+                           intermediate_size=I, **blocks)
         ws = SymmetricWorkspace(None, 0, 1, max_tokens, H, torch.device("cpu"))
-        pairs = max(lay.num_pairs, 1)
+        pairs = lay.max_pairs
         h = torch.full((pairs, I), float("nan")).bfloat16()
         y = torch.full((pairs, H), float("nan")).bfloat16()
         ctrl = torch.zeros(16 + lay.num_mtiles_bound, dtype=torch.int32)
@@ -101,7 +101,7 @@ def test_megakernel_under_interpreter():
 def ptx():
     from weave_moe.kernels.megakernel import compile_ptx
 
-    return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=64, BLOCK_N1=128, BLOCK_K=64,
+    return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64,
                             DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
                             TIMELINE=False, MAX_EVENTS=1))
 

@@ -18,8 +18,8 @@ Buffers this layout indexes (owned by the weave backend):
 Chunks: destination r splits the rows it receives from source s into K_r chunks by the source's token index,
 chunk(t) = t * K_r // T_s. Sources send in (destination, token) order, so chunk 0 arrives first everywhere.
 
-Task tables are padded to host-known upper bounds (from the counts the planner already read), and the true number of
-tasks of each kind lives in `meta` on the device, so nothing here waits for the GPU.
+Task tables have static shapes (upper bounds from EP, T_max, k, E), and the true number of tasks of each kind lives in
+`meta` on the device, so nothing here waits for the GPU and the whole build can be one CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -79,10 +79,9 @@ class Layout:
     combine_pos: torch.Tensor          # [received rows, k] sorted pair position per top-k slot, -1 = not here
     combine_weight: torch.Tensor       # [received rows, k] fp32 top-k weight (0 where pos is -1)
     # final reduce (this rank as source)
-    token_dest_mask: torch.Tensor      # [T_r] bit d set = token went to rank d
+    token_dest_mask: torch.Tensor      # [T_max] bit d set = token went to rank d
     combine_expected: torch.Tensor     # [EP] rows each destination writes back to this rank
-    num_reduce_tasks: int
-    num_pairs: int
+    max_pairs: int                     # rows of h / y the tables may address
 
 
 def hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
@@ -150,10 +149,10 @@ def _segment_blocks(counts: torch.Tensor, block: int, max_tasks: int):
 def build_layout(
     all_ids: torch.Tensor,
     all_weights: torch.Tensor,
-    counts: LayoutCounts,
+    tokens: torch.Tensor,
+    chunks: torch.Tensor,
     rank: int,
     num_experts: int,
-    chunks: list[int],
     *,
     hidden_size: int,
     intermediate_size: int,
@@ -164,71 +163,74 @@ def build_layout(
     combine_rows: int,
     reduce_rows: int,
     hit: torch.Tensor | None = None,
-    device_counts: torch.Tensor | None = None,
-    chunks_device: torch.Tensor | None = None,
 ) -> Layout:
-    """The task tables of `rank`.
+    """The task tables of `rank`, with shapes that depend only on (EP, T_max, k, E) and the block sizes.
+
+    Static shapes and device-only inputs mean the whole function can be captured once in a CUDA graph and replayed
+    every call (the weave backend does): ~150 small torch ops cost milliseconds of host time when launched one by
+    one, and one replay costs microseconds. Lists are cut to static upper bounds with `nonzero_static`; padding
+    entries carry keys that sort after every real entry and count into a trash bin that is dropped.
 
     Args:
         all_ids: [EP, T_max, k] int32 gathered top-k ids (-1 = none, and padding past each rank's tokens).
         all_weights: [EP, T_max, k] fp32 gathered top-k weights.
-        counts: the host copy of `count_routing`.
+        tokens: [EP] int tokens on each rank (device).
+        chunks: [EP] int chunk count K_d of each rank's plan, in [1, MAX_CHUNKS] (device); every rank needs every
+            destination's K to send in that destination's chunk order.
         rank: this rank.
         num_experts: E (global).
-        chunks: [EP] chunk count K_d chosen by each rank's plan (every rank needs every destination's K to send in
-            the destination's chunk order).
-        hit, device_counts, chunks_device: device copies the caller already has (`hit_matrix`, the output of
-            `count_routing`, `chunks` as a long tensor); given, they save launches and host->device copies (each
-            such copy of a Python list synchronises the stream).
+        hit: `hit_matrix(all_ids, E_local)` if the caller already has it.
     """
     device = all_ids.device
     world_size, max_tokens, top_k = all_ids.shape
     num_local = num_experts // world_size
-    if len(chunks) != world_size or not all(1 <= c <= MAX_CHUNKS for c in chunks):
-        raise ValueError(f"chunks must hold {world_size} values in [1, {MAX_CHUNKS}], got {chunks}")
     ids = all_ids.long()
     if hit is None:
         hit = hit_matrix(all_ids, num_local)                            # [EP, T_max, EP]
-    if device_counts is None:
-        device_counts = count_routing(all_ids, torch.tensor(counts.num_tokens, device=device), num_experts, hit)
     # scan along the contiguous last dimension (an outer-dimension scan is ~100x slower on CUDA)
     slot = (torch.cumsum(hit.permute(0, 2, 1).to(torch.int32), dim=2) - 1).permute(0, 2, 1)  # [EP, T_max, EP]
-    tokens_dev = device_counts[:world_size].long().clamp(min=1)
-    chunks_dev = chunks_device if chunks_device is not None else torch.tensor(chunks, device=device, dtype=torch.long)
-    my_chunks = chunks[rank]
-    my_tokens = counts.num_tokens[rank]
+    tokens_dev = tokens.long().clamp(min=1)
+    chunks_dev = chunks.long()
+    my_chunks = chunks_dev[rank]
     int32 = dict(dtype=torch.int32)
+    ep_tokens = world_size * max_tokens
 
     # ---- dispatch: this rank's rows in (destination, token) order = (destination, chunk, token) order
-    num_send = sum(counts.send_rows[rank])
-    flat = torch.nonzero_static(hit[rank].T.reshape(-1), size=num_send).flatten()
-    dest = flat // max_tokens
+    max_send = ep_tokens
+    flat = torch.nonzero_static(hit[rank].T.reshape(-1), size=max_send, fill_value=ep_tokens).flatten()
+    valid = flat < ep_tokens
+    dest = (flat // max_tokens).clamp(max=world_size - 1)
     token = flat % max_tokens
     send_slot = slot[rank, token, dest]
     send_chunk = token * chunks_dev[dest] // tokens_dev[rank]
-    key_counts = _counts(dest * MAX_CHUNKS + send_chunk, world_size * MAX_CHUNKS)
-    max_dispatch = num_send // dispatch_rows + world_size * MAX_CHUNKS + 1
+    trash = world_size * MAX_CHUNKS
+    key_counts = _counts(torch.where(valid, dest * MAX_CHUNKS + send_chunk, trash), trash + 1)[:trash]
+    max_dispatch = max_send // dispatch_rows + world_size * MAX_CHUNKS + 1
     seg, start, length, num_dispatch = _segment_blocks(key_counts, dispatch_rows, max_dispatch)
     dispatch_tasks = torch.stack([seg // MAX_CHUNKS, seg % MAX_CHUNKS, start, length], 1).to(**int32)
 
-    # ---- expert pairs received by this rank, sorted by (chunk, expert, source, token)
-    num_pairs = sum(counts.expert_pairs[rank * num_local:(rank + 1) * num_local])
+    # ---- expert pairs received by this rank, sorted by (chunk, expert, source, token); padding sorts last
+    max_pairs = ep_tokens * min(top_k, num_local)
+    pair_space = ep_tokens * top_k
     mine = (ids >= rank * num_local) & (ids < (rank + 1) * num_local)
-    pair_flat = torch.nonzero_static(mine.reshape(-1), size=num_pairs).flatten()
-    pair_source = pair_flat // (max_tokens * top_k)
+    pair_flat = torch.nonzero_static(mine.reshape(-1), size=max_pairs, fill_value=pair_space).flatten()
+    pair_valid = pair_flat < pair_space
+    pair_source = (pair_flat // (max_tokens * top_k)).clamp(max=world_size - 1)
     pair_token = (pair_flat // top_k) % max_tokens
-    pair_expert = ids.reshape(-1)[pair_flat] - rank * num_local
+    pair_expert = (ids.reshape(-1)[pair_flat.clamp(max=pair_space - 1)] - rank * num_local).clamp(0, num_local - 1)
     pair_chunk = pair_token * my_chunks // tokens_dev[pair_source]
     recv_row = pair_source * max_tokens + slot[pair_source, pair_token, rank]
     sort_key = ((pair_chunk * num_local + pair_expert) * world_size + pair_source) * max_tokens + pair_token
+    sort_key = torch.where(pair_valid, sort_key, MAX_CHUNKS * num_local * ep_tokens)
     order = torch.argsort(sort_key)
     gather_rows = recv_row[order].to(**int32)
     pair_pos = torch.empty_like(order)
-    pair_pos[order] = torch.arange(num_pairs, device=device)
+    pair_pos[order] = torch.arange(max_pairs, device=device)
 
     # M tiles: one segment per (chunk, expert)
-    segment_rows = _counts(pair_chunk * num_local + pair_expert, my_chunks * num_local)
-    max_mtiles = num_pairs // block_m + my_chunks * num_local + 1
+    trash = MAX_CHUNKS * num_local
+    segment_rows = _counts(torch.where(pair_valid, pair_chunk * num_local + pair_expert, trash), trash + 1)[:trash]
+    max_mtiles = max_pairs // block_m + MAX_CHUNKS * num_local + 1
     seg, m_start, m_rows, num_mtiles = _segment_blocks(segment_rows, block_m, max_mtiles)
     m_chunk, m_expert = seg // num_local, seg % num_local
     n0 = -(-intermediate_size // block_n0)
@@ -257,30 +259,34 @@ def build_layout(
     arrival_expected.scatter_add_(1, chunk_of.clamp(max=MAX_CHUNKS - 1), hit_me.long())
     arrival_expected = arrival_expected.to(**int32)
 
-    # ---- combine: received tokens in (chunk, source, token) order
-    num_received = sum(row[rank] for row in counts.send_rows)
-    flat = torch.nonzero_static(hit_me.reshape(-1), size=num_received).flatten()
-    recv_source = flat // max_tokens
+    # ---- combine: received tokens in (chunk, source, token) order; padding sorts last
+    flat = torch.nonzero_static(hit_me.reshape(-1), size=ep_tokens, fill_value=ep_tokens).flatten()
+    recv_valid = flat < ep_tokens
+    recv_source = (flat // max_tokens).clamp(max=world_size - 1)
     recv_token = flat % max_tokens
     recv_chunk = recv_token * my_chunks // tokens_dev[recv_source]
-    order = torch.argsort((recv_chunk * world_size + recv_source) * max_tokens + recv_token)
+    recv_key = torch.where(recv_valid, (recv_chunk * world_size + recv_source) * max_tokens + recv_token,
+                           MAX_CHUNKS * ep_tokens)
+    order = torch.argsort(recv_key)
     recv_source, recv_token, recv_chunk = recv_source[order], recv_token[order], recv_chunk[order]
-    pos_full = torch.full((world_size * max_tokens * top_k,), -1, dtype=torch.long, device=device)
-    pos_full[pair_flat] = pair_pos
-    pos_full = pos_full.view(world_size * max_tokens, top_k)
+    recv_valid = recv_valid[order]
+    pos_full = torch.full((pair_space + 1,), -1, dtype=torch.long, device=device)
+    pos_full[pair_flat] = torch.where(pair_valid, pair_pos, -1)       # padding lands in the trash slot at the end
+    pos_full = pos_full[:pair_space].view(ep_tokens, top_k)
     combine_pos = pos_full[recv_source * max_tokens + recv_token]
     combine_weight = torch.where(combine_pos >= 0, all_weights[recv_source, recv_token].float(), 0.0)
-    combine_counts = _counts(recv_chunk * world_size + recv_source, my_chunks * world_size)
-    max_combine = num_received // combine_rows + my_chunks * world_size + 1
+    trash = MAX_CHUNKS * world_size
+    combine_counts = _counts(torch.where(recv_valid, recv_chunk * world_size + recv_source, trash), trash + 1)[:trash]
+    max_combine = ep_tokens // combine_rows + MAX_CHUNKS * world_size + 1
     seg, c_start, c_rows, num_combine = _segment_blocks(combine_counts, combine_rows, max_combine)
     combine_tasks = torch.stack([seg % world_size, seg // world_size, c_start, c_rows], 1).to(**int32)
 
     # ---- final reduce on this rank (as source)
-    bits = (hit[rank, :my_tokens].long() << torch.arange(world_size, device=device)).sum(1)
-    combine_expected = device_counts[world_size + rank * world_size: world_size + (rank + 1) * world_size]
-    num_reduce = -(-my_tokens // reduce_rows)
+    bits = (hit[rank].long() << torch.arange(world_size, device=device)).sum(1)
+    combine_expected = hit[rank].sum(0, dtype=torch.int32)
+    num_reduce = (tokens[rank].long() + reduce_rows - 1) // reduce_rows
 
-    meta = torch.stack([num_dispatch, num_gemm, num_combine, num_combine * 0 + num_reduce, num_mtiles]).to(**int32)
+    meta = torch.stack([num_dispatch, num_gemm, num_combine, num_reduce, num_mtiles]).to(**int32)
     return Layout(
         meta=meta,
         dispatch_tasks=dispatch_tasks,
@@ -297,8 +303,7 @@ def build_layout(
         combine_weight=combine_weight.contiguous(),
         token_dest_mask=bits.to(**int32),
         combine_expected=combine_expected,
-        num_reduce_tasks=num_reduce,
-        num_pairs=num_pairs,
+        max_pairs=max_pairs,
     )
 
 

@@ -18,7 +18,7 @@ import torch
 
 from weave_moe.kernels import megakernel as mk
 from weave_moe.kernels.sync import ERROR_NAMES
-from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, hit_matrix, parse_counts
+from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, parse_counts
 from weave_moe.models import MoESpec
 from weave_moe.plan import HardwareProfile, Plan, Workload, plan
 from weave_moe.transport import SymmetricWorkspace
@@ -37,11 +37,12 @@ class WeaveTimeoutError(WeaveError):
 class KernelConfig:
     """Tile shapes and launch settings of the megakernel (tests and calibration may override)."""
 
-    def __init__(self, block_m=128, block_n0=64, block_n1=128, block_k=64, dispatch_rows=16, combine_rows=16,
-                 reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False):
+    def __init__(self, block_m=128, block_n0=128, block_n1=128, block_k=64, dispatch_rows=16, combine_rows=16,
+                 reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=3, stages1=4):
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
         self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
+        self.stages0, self.stages1 = stages0, stages1  # software-pipeline depth of the GEMM0 / GEMM1 K loops
 
     @classmethod
     def from_env(cls) -> "KernelConfig":
@@ -69,12 +70,15 @@ class WeaveBackend:
         config: KernelConfig.
         debug_skip_launch: test hook; this rank skips its kernel launch (a stalled peer).
         debug_poison: fill each output with NaN before the launch, so a row the kernel never writes fails checks.
+        use_cuda_graph: build the task tables by replaying one captured CUDA graph (default) instead of ~150 eager
+            torch ops; the tables have static shapes, so one capture serves every call.
     """
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", *, profile: HardwareProfile | None = None,
                  timeout_s: float | None = None, timeline: bool = False, num_sms: int | None = None,
-                 config: KernelConfig | None = None, debug_skip_launch: bool = False, debug_poison: bool = False):
+                 config: KernelConfig | None = None, debug_skip_launch: bool = False, debug_poison: bool = False,
+                 use_cuda_graph: bool = True):
         if device.type != "cuda":
             raise RuntimeError("the weave backend runs on CUDA GPUs only; use backend='nccl' or 'reference' on CPU")
         if world_size > 31:
@@ -108,6 +112,10 @@ class WeaveBackend:
         self.timeline_buf = (torch.zeros(self.num_sms, 512, 4, dtype=torch.int64, device=device)
                              if timeline else torch.zeros(1, dtype=torch.int64, device=device))
         self.chunks_host = torch.zeros(world_size, dtype=torch.long).pin_memory()
+        self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
+        self.use_cuda_graph = use_cuda_graph
+        self.layout_graph = None
+        self.graph_layout = None
         self.calls = 0
         self.compiled = set()
         self.last_plan: Plan | None = None
@@ -134,11 +142,8 @@ class WeaveBackend:
         else:
             self.all_routing.copy_(self.send_routing[None])
         all_ids = self.all_routing[:, :words].view(self.world_size, self.max_tokens, k)
-        all_weights = self.all_routing[:, words:2 * words].view(torch.float32).view(self.world_size, self.max_tokens, k)
-        num_tokens = self.all_routing[:, -1]
         # 2. counts to the host (the one sync), with the previous call's status word
-        hit = hit_matrix(all_ids, self.num_local)
-        device_counts = count_routing(all_ids, num_tokens, spec.num_experts, hit)
+        device_counts = count_routing(all_ids, self.all_routing[:, -1], spec.num_experts)
         host = torch.cat([device_counts, self.status]).tolist()
         self._raise_on_status(host[-4:])
         counts = parse_counts(host[:-4], self.world_size, spec.num_experts)
@@ -147,17 +152,13 @@ class WeaveBackend:
                       self.policy) for d in range(self.world_size)]
         my_plan = plans[self.rank]
         self.last_plan, self.last_plans = my_plan, plans
-        # 4. task tables and launch
-        cfg = self.config
+        # 4. task tables (one CUDA-graph replay) and launch
         chunks = [p.K for p in plans]
+        if not all(1 <= c <= MAX_CHUNKS for c in chunks):
+            raise ValueError(f"planner returned chunk counts {chunks}; each must lie in [1, {MAX_CHUNKS}]")
         self.chunks_host[: self.world_size] = torch.tensor(chunks)
-        chunks_device = self.chunks_host.to(self.device, non_blocking=True)
-        layout = build_layout(
-            all_ids, all_weights, counts, self.rank, spec.num_experts, chunks,
-            hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
-            block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
-            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows, hit=hit, device_counts=device_counts,
-            chunks_device=chunks_device)
+        self.chunks_device.copy_(self.chunks_host, non_blocking=True)
+        layout = self._layout()
         out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
@@ -190,6 +191,41 @@ class WeaveBackend:
                                     recv_rows=[send_rows[s][dest] for s in range(n)],
                                     expert_rows=list(expert_pairs[dest * local:(dest + 1) * local]),
                                     num_tokens=num_tokens[dest])
+
+    def _build_layout(self):
+        cfg, spec, k = self.config, self.spec, self.spec.top_k
+        words = self.max_tokens * k
+        all_ids = self.all_routing[:, :words].view(self.world_size, self.max_tokens, k)
+        all_weights = self.all_routing[:, words:2 * words].view(torch.float32).view(self.world_size, self.max_tokens, k)
+        return build_layout(
+            all_ids, all_weights, self.all_routing[:, -1], self.chunks_device, self.rank, spec.num_experts,
+            hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
+            block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
+            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+
+    def _layout(self):
+        """This call's task tables from the static routing buffers (graph replay after the first call)."""
+        if not self.use_cuda_graph:
+            return self._build_layout()
+        if self.layout_graph is None:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._build_layout()  # warm-up outside capture (allocator, lazy inits)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.graph_layout = self._build_layout()
+            except RuntimeError as error:  # a torch op that syncs cannot be captured: fall back, loudly
+                import warnings
+
+                warnings.warn(f"weave: CUDA graph capture of the layout failed ({error}); building it eagerly")
+                self.use_cuda_graph = False
+                return self._build_layout()
+            self.layout_graph = graph
+        self.layout_graph.replay()
+        return self.graph_layout
 
     def _raise_on_status(self, status: list[int]) -> None:
         code = status[0]
@@ -231,6 +267,7 @@ class WeaveBackend:
             BLOCK_N1=cfg.block_n1, BLOCK_K=cfg.block_k, DISPATCH_ROWS=cfg.dispatch_rows,
             COMBINE_ROWS=cfg.combine_rows, REDUCE_ROWS=cfg.reduce_rows, BLOCK_H=cfg.block_h,
             DOT_FP32=cfg.dot_fp32, TIMELINE=self.timeline, MAX_EVENTS=self.timeline_buf.shape[1] if self.timeline else 1,
+            STAGES0=cfg.stages0, STAGES1=cfg.stages1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_cooperative_grid=True,
         )
         stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if serial else [(0, 3)]

@@ -89,6 +89,7 @@ def moe_megakernel(
     BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
     DISPATCH_ROWS: tl.constexpr, COMBINE_ROWS: tl.constexpr, REDUCE_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     DOT_FP32: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr,
+    STAGES0: tl.constexpr = 3, STAGES1: tl.constexpr = 4,
 ):
     pid = tl.program_id(0)
     num_dispatch = tl.load(meta_ptr + 0)
@@ -151,7 +152,7 @@ def moe_megakernel(
                         if ok != 0:
                             arrived_chunks = arrived_chunks | (1 << chunk)
                     tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
-                                     H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32)
+                                     H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
@@ -160,7 +161,7 @@ def moe_megakernel(
                     sync.wait_at_least(ctrl_ptr + CTRL_GEMM0_DONE + mtile, n0_tiles, status_ptr,
                                        sync.ERROR_GEMM0_TIMEOUT, mtile, timeout_ns, False)
                     tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
-                                     BLOCK_M, BLOCK_N1, BLOCK_K, DOT_FP32)
+                                     BLOCK_M, BLOCK_N1, BLOCK_K, DOT_FP32, STAGES1)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM1_DONE + chunk, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
@@ -233,6 +234,7 @@ def compile_ptx(constexprs: dict, capability: int = 90) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    constexprs = dict(dict(STAGES0=3, STAGES1=4), **constexprs)
     signature = {}
     for name in moe_megakernel.arg_names:
         if name in constexprs:

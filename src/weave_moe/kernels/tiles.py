@@ -32,7 +32,8 @@ def dispatch_rows(x_ptr, dst_ptr, token_ptr, slot_ptr, start, count, H,
 
 @triton.jit
 def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start, H, I,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+               STAGES: tl.constexpr = 3):
     """h[row_start + m, n_start + n] = silu(a_m . gate_n) * (a_m . up_n), a_m = a[gather[row_start + m]].
 
     a: [*, H] bf16 receive buffer; gather: [pairs] int32 rows of a; w13: [E_local, 2I, H] bf16 (gate rows, then up
@@ -51,7 +52,7 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
     up_ptrs = gate_ptrs + I * H
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < H
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
@@ -72,7 +73,8 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
 
 @triton.jit
 def gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+               STAGES: tl.constexpr = 4):
     """y[row_start + m, n_start + n] = h[row_start + m] . w2[expert, n_start + n].
 
     h: [pairs, I] bf16 (rows of one expert are contiguous); w2: [E_local, H, I] bf16; y: [pairs, H] bf16.
@@ -87,7 +89,7 @@ def gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
     a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
     b_ptrs = w2_ptr + expert.to(tl.int64) * H * I + cols[None, :] * I + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < I
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
