@@ -1,10 +1,13 @@
 """The nccl backend on 2 GPUs (NCCL, torch._grouped_mm) against the reference, for two paper models at 4096 tokens/rank.
 
 Skipped without 2 CUDA GPUs (conftest.py). Each rank checks its own output against the reference backend (which
-all-gathers the experts), with every reusable buffer poisoned first, and that the timing hooks report every stage.
+all-gathers the experts), with every reusable buffer poisoned first, that the timing hooks report every stage, and
+that a call (without the layer's id check or timings) synchronizes the host exactly once (CUDA sync debug mode).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -40,6 +43,7 @@ def _check_models(rank: int, world_size: int, model_names: list[str], num_tokens
         timings: dict = {}
         out = layer(x, ids, weights, timings=timings)
         again = layer(x[:7], ids[:7], weights[:7])  # a smaller call after a larger one reuses the buffers
+        host_syncs = _count_host_syncs(layer, x, ids, weights)
 
         reference = ExpertParallelMoE(spec, backend="reference", max_tokens_per_rank=num_tokens, device=device)
         reference.load_experts(w13, w2)
@@ -51,11 +55,29 @@ def _check_models(rank: int, world_size: int, model_names: list[str], num_tokens
             "nan": bool(torch.isnan(out.float()).any()),
             "zero_row": bool((out[0] == 0).all()),
             "grouped_mm": layer.backend.use_grouped_mm,
+            "host_syncs": host_syncs,
             "timings": timings,
         }
         del layer, reference
         torch.cuda.empty_cache()
     return results
+
+
+def _count_host_syncs(layer, x, ids, weights) -> int:
+    """Synchronizing CUDA calls (blocking copies, stream syncs) one layer call makes, the id check turned off."""
+    check, layer.check_expert_ids = layer.check_expert_ids, False
+    torch.cuda.synchronize()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                layer(x, ids, weights)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        layer.check_expert_ids = check
+    return sum("synchroniz" in str(warning.message) for warning in caught)
 
 
 @pytest.mark.multigpu
@@ -69,5 +91,6 @@ def test_nccl_backend_on_two_gpus():
             assert result["rel_fro"] <= DEFAULT_TOLERANCE, where
             assert result["rel_small"] <= DEFAULT_TOLERANCE, where
             assert result["zero_row"], where
+            assert result["host_syncs"] == 1, where  # the count exchange's .tolist(), nothing else
             assert set(result["timings"]) == {"dispatch", "gemms", "combine", "total"}, where
             assert all(value > 0 for value in result["timings"].values()), where

@@ -7,15 +7,18 @@ speed-up of the weave backend is measured against, so on the GPU it is kept stro
 
 Per call, on rank r of EP ranks (E_local = E / EP experts each; shape legend in weave_moe.models):
   1. layout: which ranks each token visits. A token goes ONCE to each rank hosting any of its experts (dedup), rows
-     ordered by destination rank then token index. Counts per destination: rows and (token, expert) pairs.
+     ordered by destination rank then token index. Counts per destination: rows and (token, expert) pairs. All of
+     it is elementwise ops, two sums, a cumsum and a scatter (no bincount, nonzero or boolean indexing).
   2. count exchange: all_to_all_single of the [EP, 2] counts, then one `.tolist()`: the host needs the split sizes
-     for all-to-all-v, so this sync is inherent to the baseline (the weave backend avoids it).
+     for all-to-all-v, so this sync is inherent to the baseline (the weave backend avoids it). It is the only one.
   3. dispatch: one all_to_all_single of packed rows [topk ids local to the destination (-1 elsewhere) | topk
      weights | x | pad to 16 bytes]; packing ids and weights with x saves two collectives per call.
-  4. experts: sort received (row, slot) pairs by local expert, gather rows, GEMM0 (gate/up) -> silu(gate) * up in
-     fp32 rounded to bf16 -> GEMM1 (down), weighted sum per received row over this rank's experts (fp32).
-  5. combine: all_to_all_single of the bf16 partial rows back to their sources; each token sums its partials from
-     the ranks it visited (fp32) -> out bf16.
+  4. experts: one stable sort of the received (row, slot) pairs by local expert (uint8 keys), group offsets by
+     searchsorted, gather rows, GEMM0 (gate/up) -> silu(gate) * up in fp32 rounded to bf16 -> GEMM1 (down),
+     weighted sum per received row over this rank's experts (fp32 index_add).
+  5. combine: all_to_all_single of the bf16 partial rows back to their sources; each token gathers its partial from
+     every rank (a zero row for ranks it did not visit) and sums them in fp32 -> out bf16.
+The forward's comment block below lists the per-call op (kernel launch) and sync budget.
 EP=1 (no process group) skips 1-3 and 5.
 """
 
@@ -44,26 +47,48 @@ class Dispatched:
         topk_ids: [R, k] int32 expert ids LOCAL to this rank (global id - rank * E_local); -1 for slots whose
             expert lives elsewhere (or was -1).
         topk_weights: [R, k] fp32 the source token's routing weights (all k slots, unmasked).
-        num_pairs: number of slots with a local expert (>= 0), summed over R.
+        num_pairs: number of slots with a local expert (>= 0), summed over R; None at EP=1 (read from the expert
+            offsets then, so that EP=1 also syncs once).
         send_token_idx: [S] int64 token index of each row this rank sent, in send order (destination-major).
         send_rows: rows sent to each rank (list of EP ints); recv_rows: rows received from each rank.
+        send_slot: [EP * T] int64, destination-major: 1 + the send row of (rank, token), 0 where the token does not
+            visit that rank (the combine gathers with it from a receive buffer whose row 0 is zero).
     """
 
-    __slots__ = ("x", "topk_ids", "topk_weights", "num_pairs", "send_token_idx", "send_rows", "recv_rows")
+    __slots__ = ("x", "topk_ids", "topk_weights", "num_pairs", "send_token_idx", "send_rows", "recv_rows",
+                 "send_slot")
 
-    def __init__(self, x, topk_ids, topk_weights, num_pairs, send_token_idx, send_rows, recv_rows):
+    def __init__(self, x, topk_ids, topk_weights, num_pairs, send_token_idx, send_rows, recv_rows, send_slot=None):
         self.x, self.topk_ids, self.topk_weights = x, topk_ids, topk_weights
         self.num_pairs, self.send_token_idx = num_pairs, send_token_idx
-        self.send_rows, self.recv_rows = send_rows, recv_rows
+        self.send_rows, self.recv_rows, self.send_slot = send_rows, recv_rows, send_slot
+
+
+def _grouped_mm_usable(device: torch.device, hidden: int, intermediate: int) -> bool:
+    """torch._grouped_mm needs 16-byte aligned strides; on CUDA sm90+, and on the CPU where this torch has it."""
+    if not hasattr(torch, "_grouped_mm") or hidden % 8 or intermediate % 8:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    if device.type != "cpu":
+        return False
+    try:  # CPU support arrived later than CUDA's: probe it once
+        probe = torch._grouped_mm(torch.zeros(2, 8, dtype=torch.bfloat16),
+                                  torch.zeros(1, 8, 8, dtype=torch.bfloat16).transpose(1, 2),
+                                  offs=torch.tensor([2], dtype=torch.int32))
+        return probe.shape == (2, 8)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 class NcclBackend:
     """all_to_all_v + grouped GEMM MoE (see the module docstring). Runs on NCCL (GPU) and gloo (CPU).
 
-    Buffers: the send side (packed dispatch rows, combine receive, fp32 output accumulator) is allocated once for
+    Buffers: the send side (packed dispatch rows, send slot tables, combine receive) is allocated once for
     `max_tokens_per_rank`. The receive side depends on what every other rank routes here, up to EP * T rows and
     EP * T * min(k, E_local) pairs; it grows on demand to the largest call seen so far and is then reused, so a
-    warmed-up layer allocates nothing but the GEMM outputs (from PyTorch's caching allocator).
+    warmed-up layer allocates nothing but small per-call temporaries and the GEMM outputs (from PyTorch's caching
+    allocator, no kernel launches).
     """
 
     name = "nccl"
@@ -77,12 +102,16 @@ class NcclBackend:
         self.max_tokens_per_rank = max_tokens_per_rank
         self.num_local_experts = spec.num_experts // world_size
         hidden, intermediate, top_k = spec.hidden_size, spec.intermediate_size, spec.top_k
-        # torch._grouped_mm (CUDA, sm90+) needs 16-byte aligned strides; other GPUs and shapes (and the CPU) take
-        # the per-expert loop fallback, which is correct but slow.
-        self.use_grouped_mm = (self.device.type == "cuda" and hasattr(torch, "_grouped_mm")
-                               and torch.cuda.get_device_capability(self.device) >= (9, 0)
-                               and hidden % 8 == 0 and intermediate % 8 == 0)
+        # torch._grouped_mm on CUDA sm90+ (and on the CPU where this torch has it); other GPUs and odd shapes take
+        # the per-expert loop fallback, which is correct but slow and syncs a second time (expert counts).
+        self.use_grouped_mm = _grouped_mm_usable(self.device, hidden, intermediate)
         self.w13 = self.w2 = None
+
+        # Sort keys of received (row, slot) pairs: the local expert id, -1 (elsewhere / none) last. As uint8 the
+        # int32 -> uint8 cast alone maps -1 to 255 (one elementwise op, and a single-pass radix sort on CUDA).
+        num_experts = self.num_local_experts
+        self._key_dtype = torch.uint8 if num_experts < 255 else torch.int32
+        self._expert_ids = torch.arange(num_experts, dtype=self._key_dtype, device=self.device)  # searchsorted
 
         # Packed dispatch row, in bytes: [ids int32 x k | weights fp32 x k | x bf16 x H | pad].
         self._ids_bytes = 4 * top_k
@@ -91,12 +120,17 @@ class NcclBackend:
         self._recv_buffers: dict[str, torch.Tensor] = {}
         if world_size > 1:
             max_send_rows = max_tokens_per_rank * min(top_k, world_size)
+            max_pairs = world_size * max_tokens_per_rank
+            self._ranks = torch.arange(world_size, dtype=torch.int32, device=self.device).view(-1, 1, 1)
+            self._pair_index = torch.arange(max_pairs, dtype=torch.int64, device=self.device)
             self._send = torch.empty(max_send_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
-            # One spare slot at the end catches the scatters of (token, rank) pairs that are not sent.
-            self._send_token_idx = torch.empty(max_send_rows + 1, dtype=torch.int64, device=self.device)
-            self._send_rank = torch.empty(max_send_rows + 1, dtype=torch.int64, device=self.device)
-            self._combine_recv = torch.empty(max_send_rows, hidden, dtype=torch.bfloat16, device=self.device)
-            self._out32 = torch.empty(max_tokens_per_rank, hidden, dtype=torch.float32, device=self.device)
+            # Slot 0 is the spare that catches the scatters of (rank, token) pairs that are not sent; rows 1.. hold
+            # the (rank * T + token) of each send row.
+            self._send_pair = torch.empty(max_send_rows + 1, dtype=torch.int64, device=self.device)
+            self._send_token_idx = torch.empty(max_send_rows, dtype=torch.int64, device=self.device)
+            # Row 0 stays zero for good (the combine gathers it for ranks a token does not visit); the combine's
+            # all-to-all writes rows 1..S.
+            self._combine_recv = torch.zeros(max_send_rows + 1, hidden, dtype=torch.bfloat16, device=self.device)
             self._counts = torch.empty(2, world_size, 2, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ weights
@@ -107,11 +141,27 @@ class NcclBackend:
         self._w13_t = w13.transpose(1, 2)  # [E_local, H, 2I]
         self._w2_t = w2.transpose(1, 2)  # [E_local, I, H]
         if not self.use_grouped_mm:
-            # Fallback (CPU): fp32 copies made once, so each call runs plain fp32 matmuls.
+            # Fallback: fp32 copies made once, so each call runs plain fp32 matmuls.
             self._w13_t = self._w13_t.float()
             self._w2_t = self._w2_t.float()
 
     # ------------------------------------------------------------------ forward
+    # Budget per call at EP > 1 with grouped_mm. CUDA and the CPU run the same code; counted on the CPU as aten ops
+    # that reach a kernel (views, allocations excluded) by tests/test_nccl_backend.py::test_op_and_sync_budget:
+    #   host syncs: exactly 1, the `.tolist()` of the exchanged [2, EP, 2] counts (all-to-all-v needs split sizes on
+    #     the host). No bincount, nonzero, boolean-mask indexing, .item(), torch.tensor(list), unique.
+    #   dispatch before the sync (11): floor_divide, eq, any, 2 sums into the count buffer, count all-to-all,
+    #     cumsum, mul_ (unsent -> spare slot 0), scatter_ (pair of each send row), remainder + where (local ids)
+    #   dispatch after the sync (5): remainder (token of each row), 3 index_selects into the packed send rows,
+    #     payload all-to-all
+    #   experts (14): zero_ partial, uint8 keys, sort, searchsorted (group offsets), div (row of each pair),
+    #     index_select (gather), grouped_mm, float + silu_ + mul (h), grouped_mm, take (pair weights), mul, index_add_
+    #   combine (4): bf16 copy, all-to-all, index_select (each token's partial from every rank, zero row 0 where it
+    #     did not visit), sum over ranks (fp32 accumulate, one bf16 rounding)
+    #   = 34 ops, 3 of them NCCL collectives (was 58). On CUDA the sort (a radix sort; uint8 keys need the fewest
+    #     passes) and the cumsum launch a few kernels each: roughly 40 launches per call in all.
+    # EP=1: 15 ops (skips dispatch and combine but the final bf16 cast); its one sync reads the pair count from the
+    # last group offset. The loop fallback (no grouped_mm) syncs a second time, for the per-expert row counts.
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 timings: dict | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 in [-1, E), topk_weights [T, k] fp32 (checked) -> [T, H] bf16.
@@ -143,41 +193,43 @@ class NcclBackend:
         return self._dispatch(x, topk_ids, topk_weights)
 
     def poison_workspace(self) -> None:
-        """Fill every reusable buffer with NaN / 0xFF bytes, so tests can check that a call writes all it reads."""
+        """Fill every reusable buffer with NaN / 0xFF bytes / -1, so tests can check that a call writes all it reads.
+
+        Row 0 of the combine receive buffer is a constant zero row (written once, at construction) and stays."""
         buffers = list(self._recv_buffers.values())
         if self.world_size > 1:
-            buffers += [self._send, self._combine_recv, self._out32]
+            buffers += [self._send, self._combine_recv[1:], self._send_pair, self._send_token_idx,
+                        self._counts]
         for buffer in buffers:
             if buffer.dtype == torch.uint8:
                 buffer.fill_(0xFF)  # bf16 NaN, int32 -1, fp32 NaN
-            else:
+            elif buffer.is_floating_point():
                 buffer.fill_(float("nan"))
+            else:
+                buffer.fill_(-1)
 
     # ------------------------------------------------------------------ stages
     def _dispatch(self, x, topk_ids, topk_weights) -> Dispatched:
-        num_tokens = topk_ids.shape[0]
+        num_tokens, top_k = topk_ids.shape
         if self.world_size == 1:
-            num_pairs = int((topk_ids >= 0).sum().item())
-            return Dispatched(x, topk_ids, topk_weights, num_pairs, None, [num_tokens], [num_tokens])
+            return Dispatched(x, topk_ids, topk_weights, None, None, [num_tokens], [num_tokens])
 
-        world_size, device = self.world_size, self.device
-        # Destination rank of every slot; -1 slots go to a dummy rank `world_size` that is never sent.
-        dest_rank = torch.where(topk_ids >= 0, topk_ids // self.num_local_experts, world_size).long()  # [T, k]
-        visits = torch.zeros(num_tokens, world_size + 1, dtype=torch.bool, device=device)
-        visits.scatter_(1, dest_rank, True)
-        visits_by_rank = visits[:, :world_size].t().reshape(-1)  # [EP * T], destination-major: the send order
-        send_counts = self._counts[0]
-        send_counts[:, 0] = visits_by_rank.view(world_size, num_tokens).sum(1)
-        send_counts[:, 1] = _bin_counts(dest_rank.flatten(), world_size + 1)[:world_size]
-        recv_counts = self._counts[1]
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        world_size, num_experts = self.world_size, self.num_local_experts
+        num_pairs_all = world_size * num_tokens  # (destination rank, token) pairs, destination-major
+        # Which ranks each slot / token visits: floor division keeps -1 (no expert) at -1, which matches no rank.
+        on_rank = torch.floor_divide(topk_ids, num_experts)[None] == self._ranks  # [EP, T, k] bool
+        visits = on_rank.any(2)  # [EP, T]: one row per (token, destination rank) it visits (dedup)
+        send_counts = self._counts[0]  # [EP, 2]: rows, (token, expert) pairs per destination
+        torch.sum(visits, 1, out=send_counts[:, 0])
+        torch.sum(on_rank.view(world_size, -1), 1, out=send_counts[:, 1])
+        dist.all_to_all_single(self._counts[1], send_counts, group=self.group)
 
-        # Send slot of each (rank, token) pair, queued behind the count exchange; unsent pairs land in the spare slot.
-        spare = self._send_token_idx.shape[0] - 1
-        position = torch.where(visits_by_rank, torch.cumsum(visits_by_rank, 0) - 1, spare)
-        pair_index = torch.arange(world_size * num_tokens, device=device)
-        self._send_token_idx.scatter_(0, position, pair_index % max(num_tokens, 1))
-        self._send_rank.scatter_(0, position, pair_index // max(num_tokens, 1))
+        # Queued behind the count exchange: the 1-based send row of every visited (rank, token) pair (0 = not sent),
+        # the pair index of each send row, and the local ids every destination gets.
+        send_slot = torch.cumsum(visits.view(-1), 0)  # int64
+        send_slot.mul_(visits.view(-1))
+        self._send_pair.scatter_(0, send_slot, self._pair_index[:num_pairs_all])
+        local_ids = torch.where(on_rank, torch.remainder(topk_ids, num_experts), -1)  # [EP, T, k] int32
 
         counts = self._counts.tolist()  # the one host sync: all-to-all-v needs split sizes on the host
         send_rows = [c[0] for c in counts[0]]
@@ -185,22 +237,19 @@ class NcclBackend:
         num_pairs = sum(c[1] for c in counts[1])
         num_send, num_recv = sum(send_rows), sum(recv_rows)
 
-        token_idx = self._send_token_idx[:num_send]
+        send_pair = self._send_pair[1 : num_send + 1]
+        token_idx = torch.remainder(send_pair, max(num_tokens, 1), out=self._send_token_idx[:num_send])
         send = self._send[:num_send]
         send_ids, send_weights, send_x = self._row_fields(send)
         torch.index_select(x, 0, token_idx, out=send_x)
-        row_rank = self._send_rank[:num_send, None]
-        row_ids = topk_ids.index_select(0, token_idx)
-        local_ids = torch.where(dest_rank.index_select(0, token_idx) == row_rank,
-                                row_ids - row_rank * self.num_local_experts, -1)
-        send_ids.copy_(local_ids)
+        torch.index_select(local_ids.view(num_pairs_all, top_k), 0, send_pair, out=send_ids)
         torch.index_select(topk_weights, 0, token_idx, out=send_weights)
 
         recv = self._recv_buffer("recv", num_recv, (self.row_bytes,), torch.uint8)
         dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows,
                                group=self.group)
         recv_ids, recv_weights, recv_x = self._row_fields(recv)
-        return Dispatched(recv_x, recv_ids, recv_weights, num_pairs, token_idx, send_rows, recv_rows)
+        return Dispatched(recv_x, recv_ids, recv_weights, num_pairs, token_idx, send_rows, recv_rows, send_slot)
 
     def _row_fields(self, rows: torch.Tensor):
         """(ids [N, k] int32, weights [N, k] fp32, x [N, H] bf16) views of packed rows [N, row_bytes] uint8."""
@@ -217,30 +266,41 @@ class NcclBackend:
         num_pairs, num_experts = dispatched.num_pairs, self.num_local_experts
         partial = self._recv_buffer("partial", num_rows, (self.spec.hidden_size,), torch.float32)
         partial.zero_()
-        if num_pairs == 0:
+        if num_pairs == 0 or num_rows == 0:
             return partial
-        # Group (row, slot) pairs by local expert; foreign / empty slots sort into the bucket after the last expert.
-        sort_keys = torch.where(recv_ids >= 0, recv_ids, num_experts).reshape(-1)
-        pair_order = torch.argsort(sort_keys, stable=True)[:num_pairs]
-        expert_counts = _bin_counts(sort_keys, num_experts + 1)[:num_experts]
-        pair_rows = pair_order // top_k
+        # Group (row, slot) pairs by local expert with one stable sort; foreign / empty slots sort last.
+        if self._key_dtype == torch.uint8:
+            sort_keys = recv_ids.to(torch.uint8)  # -1 -> 255
+        else:
+            sort_keys = torch.where(recv_ids >= 0, recv_ids, num_experts)
+        sorted_keys, order = torch.sort(sort_keys.reshape(-1), stable=True)
+        # offsets[e] = pairs of experts <= e: the end of each expert's group, as grouped_mm wants it.
+        offsets = torch.searchsorted(sorted_keys, self._expert_ids, right=True, out_int32=True)
+        counts = None
+        if num_pairs is None or not self.use_grouped_mm:  # EP=1's one sync, or the fallback's second one
+            ends = offsets.tolist()
+            num_pairs = ends[-1]
+            counts = [end - start for start, end in zip([0] + ends[:-1], ends)]
+            if num_pairs == 0:
+                return partial
+        pair_order = order[:num_pairs]
+        pair_rows = torch.div(pair_order, top_k, rounding_mode="floor")
         gathered = self._recv_buffer("gathered", num_pairs, (self.spec.hidden_size,), torch.bfloat16)
         torch.index_select(recv_x, 0, pair_rows, out=gathered)
 
         if self.use_grouped_mm:
-            offsets = torch.cumsum(expert_counts, 0, dtype=torch.int32)
             gate_up = torch._grouped_mm(gathered, self._w13_t, offs=offsets)  # [P, 2I] bf16, fp32 accumulate
         else:
-            counts = expert_counts.tolist()
             gate_up = _grouped_mm_fallback(gathered, self._w13_t, counts)
         intermediate = self.spec.intermediate_size
         h = self._recv_buffer("h", num_pairs, (intermediate,), torch.bfloat16)
-        torch.mul(F.silu(gate_up[:, :intermediate].float()), gate_up[:, intermediate:], out=h)  # fp32 math, bf16 out
+        gate = F.silu(gate_up[:, :intermediate].float(), inplace=True)
+        torch.mul(gate, gate_up[:, intermediate:], out=h)  # fp32 math, bf16 out
         if self.use_grouped_mm:
             y = torch._grouped_mm(h, self._w2_t, offs=offsets)  # [P, H] bf16
         else:
             y = _grouped_mm_fallback(h, self._w2_t, counts)
-        pair_weights = dispatched.topk_weights.reshape(-1)[pair_order]
+        pair_weights = torch.take(dispatched.topk_weights, pair_order)  # reads the strided view in place
         partial.index_add_(0, pair_rows, y * pair_weights[:, None])  # bf16 * fp32 -> fp32
         return partial
 
@@ -248,17 +308,17 @@ class NcclBackend:
         """Send each received row's partial sum back to its source and sum per token -> [T, H] bf16."""
         if self.world_size == 1:
             return partial.to(torch.bfloat16)
+        hidden = self.spec.hidden_size
         num_send = len(dispatched.send_token_idx)
-        combine_send = self._recv_buffer("combine_send", partial.shape[0], (self.spec.hidden_size,),
-                                         torch.bfloat16)
+        combine_send = self._recv_buffer("combine_send", partial.shape[0], (hidden,), torch.bfloat16)
         combine_send.copy_(partial)
-        combine_recv = self._combine_recv[:num_send]
-        dist.all_to_all_single(combine_recv, combine_send, output_split_sizes=dispatched.send_rows,
-                               input_split_sizes=dispatched.recv_rows, group=self.group)
-        out32 = self._out32[:num_tokens]
-        out32.zero_()
-        out32.index_add_(0, dispatched.send_token_idx, combine_recv.float())
-        return out32.to(torch.bfloat16)
+        dist.all_to_all_single(self._combine_recv[1 : num_send + 1], combine_send,
+                               output_split_sizes=dispatched.send_rows, input_split_sizes=dispatched.recv_rows,
+                               group=self.group)
+        # Each token's partial from every rank, the zero row 0 where it did not visit the rank; the sum over ranks
+        # accumulates in fp32 and rounds to bf16 once (as the fp32 index_add it replaces did), in a fixed order.
+        partials = self._combine_recv.index_select(0, dispatched.send_slot)
+        return partials.view(self.world_size, num_tokens, hidden).sum(0)
 
     def _recv_buffer(self, name: str, rows: int, row_shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A [rows, *row_shape] view of a reusable buffer that grows (x1.5) when a call needs more rows."""
@@ -268,13 +328,6 @@ class NcclBackend:
             buffer = torch.empty((capacity, *row_shape), dtype=dtype, device=self.device)
             self._recv_buffers[name] = buffer
         return buffer[:rows]
-
-
-def _bin_counts(keys: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """[num_bins] int64 occurrences of each value of `keys` (in [0, num_bins)). Unlike torch.bincount on CUDA, which
-    reads keys.max() back to the host, this never synchronizes."""
-    counts = torch.zeros(num_bins, dtype=torch.int64, device=keys.device)
-    return counts.scatter_add_(0, keys.long(), torch.ones_like(keys, dtype=torch.int64))
 
 
 def _grouped_mm_fallback(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
