@@ -173,8 +173,9 @@ def test_plans_are_valid_and_above_the_floor(case, policy):
     for rank, wl in enumerate(Workload.from_routing(SMALL, _case_ids(case), r) for r in range(case.world)):
         p = plan(wl, PROFILE, policy)
         assert isinstance(p, Plan) and p.policy == policy
-        if policy == "serial":
+        if policy == "serial" or (policy == "weave" and p.c == PROFILE.num_sms):
             assert (p.c, p.K, p.n_steal) == (PROFILE.num_sms, 1, 0)
+            assert not p.uses_split(PROFILE.num_sms)
         else:
             assert 1 <= p.c <= PROFILE.num_sms - 1
             assert 1 <= p.K <= MAX_CHUNKS
@@ -202,12 +203,14 @@ def test_weave_is_the_best_candidate_and_never_worse_than_its_restrictions():
     ids = [_random_ids(rng, 1024, spec) for _ in range(4)]
     wl = Workload.from_routing(spec, ids, 1)
     best = plan(wl, PROFILE, "weave")
-    for policy in ("spatial", "static:20", "static:20,4", "per_iteration"):
+    for policy in ("serial", "spatial", "static:20", "static:20,4", "per_iteration"):
         assert best.predicted_us <= plan(wl, PROFILE, policy).predicted_us + 1e-9
     for c in (1, 7, 20, 64, 131):
         for k in (1, 3, 8):
             assert best.predicted_us <= predict(wl, PROFILE, c, k)[0] + 1e-9
     assert predict(wl, PROFILE, best.c, best.K) == pytest.approx((best.predicted_us, best.n_steal))
+    serial_wins = Workload.from_routing(MoESpec.from_name("deepseek-v3"), [_random_ids(rng, 256, spec)] * 2, 0)
+    assert plan(serial_wins, PROFILE).predicted_us <= plan(serial_wins, PROFILE, "serial").predicted_us
 
 
 @pytest.mark.parametrize("policy", ["spatial", "weave"])

@@ -86,7 +86,13 @@ class Plan:
 
     @property
     def is_serial(self) -> bool:
+        """The serial schedule (every CTA runs dispatch, GEMMs, combine in turn): policy "serial", or a weave plan
+        with c = N (the planner found no split faster). Needs N to tell the second case: see `uses_split(N)`."""
         return self.policy == "serial"
+
+    def uses_split(self, num_sms: int) -> bool:
+        """True when CTAs < c are comm and the rest compute; False for the serial schedule (c == N)."""
+        return self.c < num_sms and self.policy != "serial"
 
 
 def parse_policy(policy: str) -> tuple[str, tuple[int, ...]]:
@@ -275,7 +281,8 @@ def plan(workload: Workload, profile: HardwareProfile | None = None, policy: str
 
     Policies: "serial" (c = N, K = 1), "spatial" (best c for K = 1, no stealing), "static:<c>[,<K>]" (fixed, no
     stealing), "per_iteration" (c from the token count alone, K = 1, no stealing, like Comet), "weave" (best (c, K)
-    with formula (7)'s stealing). Ties go to the smallest K, then the smallest c.
+    with formula (7)'s stealing, or c = N (the serial schedule) when formula (13) predicts less than every split).
+    Ties go to the smallest K, then the smallest c. `Plan.c == N` always means the serial schedule.
     """
     profile = HardwareProfile.default() if profile is None else profile
     name, args = parse_policy(policy)
@@ -298,7 +305,11 @@ def plan(workload: Workload, profile: HardwareProfile | None = None, policy: str
     latency, steal = predict_grid(workload, profile)
     flat = int(np.argmin(latency))
     k_index, c_index = divmod(flat, latency.shape[1])
-    return Plan(c_index + 1, k_index + 1, int(steal[k_index, c_index]), float(latency[k_index, c_index]), policy)
+    best = float(latency[k_index, c_index])
+    serial = _predict_serial(workload, profile)
+    if serial < best:  # no split at all is one of the schedules the kernel can run: c = N means serial
+        return Plan(N, 1, 0, serial, policy)
+    return Plan(c_index + 1, k_index + 1, int(steal[k_index, c_index]), best, policy)
 
 
 @lru_cache(maxsize=1024)
