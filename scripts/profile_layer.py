@@ -53,6 +53,10 @@ def worker(rank, world_size, model, tokens, variants, rows):
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
         cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
+        host_ms = getattr(layer.backend, "host_ms", None)
+        if host_ms:
+            calls = 16
+            table = "host ms per call: " + ", ".join(f"{k}={v / calls:.3f}" for k, v in host_ms.items()) + "\n" + table
         report.append((variant, times, table, cpu_table))
         del layer
         dist.barrier()

@@ -34,15 +34,33 @@ class WeaveTimeoutError(WeaveError):
     """A bounded wait in the megakernel ran past its deadline (a peer stalled or died)."""
 
 
+class _HostClock:
+    """Adds the host time between laps to `totals` (a dict) when it is not None; costs nothing otherwise."""
+
+    def __init__(self, totals):
+        import time
+
+        self.totals, self.now = totals, time.perf_counter
+        self.last = self.now() if totals is not None else 0.0
+
+    def lap(self, name: str) -> None:
+        if self.totals is not None:
+            now = self.now()
+            self.totals[name] = self.totals.get(name, 0.0) + (now - self.last) * 1e3
+            self.last = now
+
+
 class KernelConfig:
     """Tile shapes and launch settings of the megakernel (tests and calibration may override)."""
 
     def __init__(self, block_m=128, block_n0=128, block_n1=128, block_k=64, dispatch_rows=16, combine_rows=16,
-                 reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=3, stages1=4):
+                 reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=3, stages1=4,
+                 block_k1=64):
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
         self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
         self.stages0, self.stages1 = stages0, stages1  # software-pipeline depth of the GEMM0 / GEMM1 K loops
+        self.block_k1 = block_k1                        # K step of GEMM1 (its K is I, often short)
 
     @classmethod
     def from_env(cls) -> "KernelConfig":
@@ -109,8 +127,10 @@ class WeaveBackend:
         words = 2 * max_tokens_per_rank * k + 1
         self.send_routing = torch.empty(words, dtype=torch.int32, device=device)
         self.all_routing = torch.empty(world_size, words, dtype=torch.int32, device=device)
-        self.timeline_buf = (torch.zeros(self.num_sms, 512, 4, dtype=torch.int64, device=device)
+        self.timeline_buf = (torch.zeros(self.num_sms, 2048, 4, dtype=torch.int64, device=device)
                              if timeline else torch.zeros(1, dtype=torch.int64, device=device))
+        #: host milliseconds per step of forward, summed over calls (WEAVE_MOE_HOST_TIMING=1 turns it on)
+        self.host_ms = {} if os.environ.get("WEAVE_MOE_HOST_TIMING") == "1" else None
         self.chunks_host = torch.zeros(world_size, dtype=torch.long).pin_memory()
         self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
         self.use_cuda_graph = use_cuda_graph
@@ -132,6 +152,7 @@ class WeaveBackend:
             raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
         spec, k, T = self.spec, self.spec.top_k, x.shape[0]
         words = self.max_tokens * k
+        clock = _HostClock(self.host_ms)
         # 1. routing exchange: [ids (T_max*k, -1 padded) | weights as int32 bits | T]
         self.send_routing[:words].fill_(-1)
         self.send_routing[:T * k].copy_(topk_ids.reshape(-1))
@@ -144,7 +165,9 @@ class WeaveBackend:
         all_ids = self.all_routing[:, :words].view(self.world_size, self.max_tokens, k)
         # 2. counts to the host (the one sync), with the previous call's status word
         device_counts = count_routing(all_ids, self.all_routing[:, -1], spec.num_experts)
+        clock.lap("exchange")
         host = torch.cat([device_counts, self.status]).tolist()
+        clock.lap("sync")
         self._raise_on_status(host[-4:])
         counts = parse_counts(host[:-4], self.world_size, spec.num_experts)
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
@@ -152,6 +175,7 @@ class WeaveBackend:
                       self.policy) for d in range(self.world_size)]
         my_plan = plans[self.rank]
         self.last_plan, self.last_plans = my_plan, plans
+        clock.lap("plan")
         # 4. task tables (one CUDA-graph replay) and launch
         chunks = [p.K for p in plans]
         if not all(1 <= c <= MAX_CHUNKS for c in chunks):
@@ -159,10 +183,12 @@ class WeaveBackend:
         self.chunks_host[: self.world_size] = torch.tensor(chunks)
         self.chunks_device.copy_(self.chunks_host, non_blocking=True)
         layout = self._layout()
+        clock.lap("layout")
         out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
         self._launch(x, out, layout, my_plan)
+        clock.lap("launch")
         self.calls += 1
         return out
 
@@ -267,7 +293,7 @@ class WeaveBackend:
             BLOCK_N1=cfg.block_n1, BLOCK_K=cfg.block_k, DISPATCH_ROWS=cfg.dispatch_rows,
             COMBINE_ROWS=cfg.combine_rows, REDUCE_ROWS=cfg.reduce_rows, BLOCK_H=cfg.block_h,
             DOT_FP32=cfg.dot_fp32, TIMELINE=self.timeline, MAX_EVENTS=self.timeline_buf.shape[1] if self.timeline else 1,
-            STAGES0=cfg.stages0, STAGES1=cfg.stages1,
+            STAGES0=cfg.stages0, STAGES1=cfg.stages1, BLOCK_K1=cfg.block_k1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_cooperative_grid=True,
         )
         stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if serial else [(0, 3)]

@@ -89,7 +89,7 @@ def moe_megakernel(
     BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
     DISPATCH_ROWS: tl.constexpr, COMBINE_ROWS: tl.constexpr, REDUCE_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     DOT_FP32: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr,
-    STAGES0: tl.constexpr = 3, STAGES1: tl.constexpr = 4,
+    STAGES0: tl.constexpr = 3, STAGES1: tl.constexpr = 4, BLOCK_K1: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     num_dispatch = tl.load(meta_ptr + 0)
@@ -105,7 +105,9 @@ def moe_megakernel(
     arrived_chunks = 0        # bit c set: chunk c has arrived from every source (seen by this CTA)
     combinable_chunks = 0     # bit c set: chunk c's GEMM1 tiles are all done
     all_combined = 0
-    num_events = 0
+    # staged launches (serial) write each stage into its own quarter of the CTA's event rows
+    num_events = PHASE_FIRST * (MAX_EVENTS // 4)
+    is_stealer = is_comm & (num_comm_ctas < tl.num_programs(0))
     while phase <= PHASE_LAST:
         t_start = 0
         if TIMELINE:
@@ -156,16 +158,16 @@ def moe_megakernel(
                     sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
-                                             tl.where(is_comm, EVENT_STOLEN_GEMM0, EVENT_GEMM0), t_start, MAX_EVENTS)
+                                             tl.where(is_stealer, EVENT_STOLEN_GEMM0, EVENT_GEMM0), t_start, MAX_EVENTS)
                 else:
                     sync.wait_at_least(ctrl_ptr + CTRL_GEMM0_DONE + mtile, n0_tiles, status_ptr,
                                        sync.ERROR_GEMM0_TIMEOUT, mtile, timeout_ns, False)
                     tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
-                                     BLOCK_M, BLOCK_N1, BLOCK_K, DOT_FP32, STAGES1)
+                                     BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM1_DONE + chunk, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
-                                             tl.where(is_comm, EVENT_STOLEN_GEMM1, EVENT_GEMM1), t_start, MAX_EVENTS)
+                                             tl.where(is_stealer, EVENT_STOLEN_GEMM1, EVENT_GEMM1), t_start, MAX_EVENTS)
             else:
                 phase = 2
         elif phase == 2:
@@ -234,7 +236,7 @@ def compile_ptx(constexprs: dict, capability: int = 90) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = dict(dict(STAGES0=3, STAGES1=4), **constexprs)
+    constexprs = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64), **constexprs)
     signature = {}
     for name in moe_megakernel.arg_names:
         if name in constexprs:
