@@ -101,7 +101,7 @@ def test_megakernel_under_interpreter():
 def ptx():
     from weave_moe.kernels.megakernel import compile_ptx
 
-    return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64,
+    return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
                             DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
                             TIMELINE=False, MAX_EVENTS=1))
 

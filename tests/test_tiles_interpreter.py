@@ -70,6 +70,16 @@ SCRIPT = textwrap.dedent(
     torch.testing.assert_close(y[3:12].float(), want, atol=2e-2, rtol=2e-2)
     assert y[:3].isnan().all() and y[12:].isnan().all()
 
+    # gemm1 as two halves sharing A (BLOCK_N >= 256 path), H not a multiple of the tile
+    H2, I2 = 300, 24
+    w2b = (torch.randn(E, H2, I2) / I2 ** 0.5).to(torch.bfloat16)
+    y2 = torch.full((30, H2), float("nan"), dtype=torch.bfloat16)
+    for n_start in (0, 256):
+        _gemm1[(1,)](hh, w2b, y2, 2, 4, 7, n_start, H2, I2, 16, 256, 16)
+    want = hh[4:11].float() @ w2b[2].float().T
+    torch.testing.assert_close(y2[4:11].float(), want, atol=2e-2, rtol=2e-2)
+    assert y2[:4].isnan().all() and y2[11:].isnan().all()
+
     # combine: weighted sum of y rows, -1 skipped
     K = 3
     y = torch.randn(8, H).to(torch.bfloat16)

@@ -53,8 +53,8 @@ class _HostClock:
 class KernelConfig:
     """Tile shapes and launch settings of the megakernel (tests and calibration may override)."""
 
-    def __init__(self, block_m=128, block_n0=128, block_n1=128, block_k=64, dispatch_rows=16, combine_rows=16,
-                 reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=3, stages1=4,
+    def __init__(self, block_m=128, block_n0=128, block_n1=256, block_k=64, dispatch_rows=16, combine_rows=16,
+                 reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=4, stages1=4,
                  block_k1=64):
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
