@@ -167,7 +167,8 @@ def report_scale(rows: list[dict], tokens: int, figure: Path | None) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_c, ax_gain) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=120)
-    for offset, (model, entries) in zip((-0.06, 0.06), sorted(summary.items())):
+    for index, (offset, (model, entries)) in enumerate(zip((-0.06, 0.06), sorted(summary.items()))):
+        color = f"C{index}"
         eps = sorted({e for e, *_ in entries})
         xs = np.log2(eps)
         c_all = [np.concatenate([c for e, c, *_ in entries if e == ep]) for ep in eps]
@@ -175,17 +176,17 @@ def report_scale(rows: list[dict], tokens: int, figure: Path | None) -> None:
         hi = [np.max(c) for c in c_all]
         mid = [np.median(c) for c in c_all]
         ax_c.errorbar(xs + offset, mid, yerr=[np.subtract(mid, lo), np.subtract(hi, mid)], fmt="o-", capsize=4,
-                      label=f"{model} (median, min-max over ranks)")
+                      color=color, label=f"{model} (median, min-max over ranks)")
         gains = [np.mean([g for e, _, _, g in entries if e == ep]) for ep in eps]
         rank_gains = [np.mean(np.concatenate([rg for e, _, rg, _ in entries if e == ep])) for ep in eps]
-        ax_gain.plot(xs, 100 * np.array(gains), "o-", label=f"{model}: layer (slowest rank)")
-        ax_gain.plot(xs, 100 * np.array(rank_gains), "s--", alpha=0.6, label=f"{model}: mean over ranks")
+        ax_gain.plot(xs, 100 * np.array(gains), "o-", color=color, label=f"{model}: layer (slowest rank)")
+        ax_gain.plot(xs, 100 * np.array(rank_gains), "s--", color=color, alpha=0.5, label=f"{model}: mean over ranks")
     for ax in (ax_c, ax_gain):
         ax.set_xticks(np.log2([2, 4, 8, 16, 32, 64]), ["2", "4", "8", "16", "32", "64"])
         ax.set_xlabel("EP")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    ax_c.set_ylabel("c* (comm SMs of 132)")
+    ax_c.set_ylabel("c* (comm SMs of 132; 132 = serial schedule)")
     ax_c.set_title("weave's c* across ranks")
     ax_gain.set_ylabel("latency gain over static c=20, K=1 (%)")
     ax_gain.set_title("simulated gain of weave over static c=20")

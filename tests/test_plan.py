@@ -239,3 +239,12 @@ def test_plans_are_deterministic_across_ranks():
     second = [plan(Workload.from_routing(spec, [torch.from_numpy(i) for i in ids], r), HardwareProfile.default())
               for r in range(4)]
     assert first == second
+
+
+def test_plan_command(capsys):
+    from weave_moe.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--tokens", "64", "--ep", "2", "--skew", "2", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "c=20 us" in out and out.count("%") >= 4
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--tokens", "64", "--ep", "2", "--policy", "fast"]) == 2

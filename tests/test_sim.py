@@ -122,3 +122,12 @@ def test_plot_timeline_writes_png(tmp_path):
     path = tmp_path / "t.png"
     plot_timeline(result, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_command(tmp_path, capsys):
+    from weave_moe.cli import main
+
+    path = tmp_path / "timeline.png"
+    assert main(["simulate", "--model", "deepseek-v2-lite", "--tokens", "128", "--ep", "4", "--rank", "1",
+                 "--policy", "static:20,2", "--timeline", str(path)]) == 0
+    assert "simulated:" in capsys.readouterr().out and path.exists()
