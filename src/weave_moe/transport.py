@@ -57,6 +57,12 @@ class SymmetricWorkspace:
             self.handle.barrier()
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
         self.total_bytes = total
+        # Views are made once: each slicing op costs host time on every call otherwise.
+        rows = world_size * max_tokens
+        self._flags = tuple(self._view(self.flags_offsets[p], self.flag_words, torch.int32) for p in (0, 1))
+        self._recv = self._view(self.recv_offset, rows * hidden_size, torch.bfloat16).view(rows, hidden_size)
+        self._comb = tuple(self._view(self.comb_offsets[p], rows * hidden_size, torch.bfloat16).view(rows, hidden_size)
+                           for p in (0, 1))
 
     def _view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.tensor([], dtype=dtype).element_size()
@@ -64,17 +70,15 @@ class SymmetricWorkspace:
 
     def flags(self, parity: int) -> torch.Tensor:
         """[EP * MAX_CHUNKS + EP] int32 flags of this rank for `parity`."""
-        return self._view(self.flags_offsets[parity], self.flag_words, torch.int32)
+        return self._flags[parity]
 
     def recv(self) -> torch.Tensor:
         """[EP * T_max, H] bf16 receive rows of this rank."""
-        return self._view(self.recv_offset, self.world_size * self.max_tokens * self.hidden_size,
-                          torch.bfloat16).view(-1, self.hidden_size)
+        return self._recv
 
     def comb(self, parity: int) -> torch.Tensor:
         """[EP * T_max, H] bf16 combine rows written to this rank for `parity`."""
-        return self._view(self.comb_offsets[parity], self.world_size * self.max_tokens * self.hidden_size,
-                          torch.bfloat16).view(-1, self.hidden_size)
+        return self._comb[parity]
 
     def barrier(self) -> None:
         if self.handle is not None:
