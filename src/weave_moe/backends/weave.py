@@ -268,10 +268,14 @@ class WeaveBackend:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 build()  # warm-up outside capture (allocator, lazy inits)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            # Capture with nothing in flight and in thread-local mode: the NCCL watchdog thread polls events of
+            # pending collectives, and in the default ("global") mode such a call from another thread during the
+            # capture invalidates it and errors in the watchdog (suspected cause of a hang seen once on the H200
+            # pair when the counts graph was captured right behind the routing all-gather).
+            torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     output = build()
             except RuntimeError as error:  # an op that synchronises cannot be captured
                 import warnings
