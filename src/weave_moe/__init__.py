@@ -34,7 +34,8 @@ def __getattr__(name: str):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'weave_moe' has no attribute {name!r}")
     module = importlib.import_module(_PUBLIC[name])
-    value = module if module.__name__.endswith("." + name) else getattr(module, name)
+    # a function of the same name as its package (weave_moe.plan.plan) wins over the package itself
+    value = getattr(module, name) if hasattr(module, name) else module
     globals()[name] = value
     return value
 
