@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Timeline", "plot_timeline", "KINDS", "DISPATCH", "GEMM0", "GEMM1", "COMBINE", "STOLEN"]
+__all__ = ["Timeline", "plot_timeline", "measured_result", "MeasuredResult", "KINDS", "DISPATCH", "GEMM0", "GEMM1",
+           "COMBINE", "STOLEN"]
 
 #: Task kinds, by code. "idle" is not a task: it is what the picture shows where no task runs.
 KINDS = ("dispatch", "gemm0", "gemm1", "combine", "stolen")
@@ -127,3 +128,33 @@ def plot_timeline(result, path, *, title: str | None = None, width_px: int = 160
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# ---- measured timelines (the megakernel's %globaltimer events) ----------------------------------------------------
+
+#: kernel event name -> simulator kind (the final reduce is drawn as combine, stolen GEMM tiles as stolen)
+_KERNEL_KINDS = {"dispatch": DISPATCH, "gemm0": GEMM0, "gemm1": GEMM1, "combine": COMBINE, "reduce": COMBINE,
+                 "stolen_gemm0": STOLEN, "stolen_gemm1": STOLEN}
+
+
+@dataclass(frozen=True)
+class MeasuredResult:
+    """A timeline recorded inside the megakernel, shaped like a SimResult so `plot_timeline` draws it beside a
+    simulated one. `sm_active` counts time inside tasks, flag waits inside a task included (the kernel stamps a task
+    when it is claimed and when it is done), so it is an upper bound of the paper's SM Active."""
+
+    latency_us: float
+    sm_active: float
+    overlap: float
+    timeline: Timeline
+    plan: object
+
+
+def measured_result(events, num_sms: int, plan) -> MeasuredResult:
+    """Build a MeasuredResult from `WeaveBackend.last_timeline()` rows: (cta, kind name, start_ns, end_ns)."""
+    rows = [(cta, _KERNEL_KINDS[kind], t0 / 1e3, t1 / 1e3, -1, -1, -1) for cta, kind, t0, t1 in events]
+    timeline = Timeline.from_events(rows, num_sms)
+    latency = float(timeline.end.max()) if len(timeline) else 0.0
+    busy = timeline.busy_us()
+    return MeasuredResult(latency, busy / (num_sms * latency) if latency else 0.0,
+                          timeline.overlap_us() / latency if latency else 0.0, timeline, plan)
