@@ -20,7 +20,8 @@ def add_arguments(parser) -> None:
                              "on the CPU a registered model keeps E and top-k but is scaled to H <= 256")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 256 on CPU, 4096 on GPU)")
     parser.add_argument("--skew", type=float, default=3.0, help="busiest expert / mean count (1 = uniform)")
-    parser.add_argument("--backend", default="nccl", choices=["nccl", "weave"], help="backend to check")
+    parser.add_argument("--backend", default=None, choices=["nccl", "weave"],
+                        help="backend to check (default: weave with 2+ GPUs, nccl on the CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seeds tokens, routing and weights")
 
 
@@ -120,6 +121,11 @@ def run(args) -> int:
         console.print("[red]error:[/red] need --tokens >= 0 and --skew >= 1")
         return 2
     world_size, dist_backend = _world_size(spec.num_experts)
+    if args.backend is None:
+        args.backend = "weave" if dist_backend == "nccl" else "nccl"
+    if args.backend == "weave" and dist_backend != "nccl":
+        console.print("[red]error:[/red] the weave backend needs CUDA GPUs; use --backend nccl on the CPU")
+        return 2
     if spec.num_experts % world_size:
         console.print(f"[red]error:[/red] E={spec.num_experts} is not divisible by EP={world_size}")
         return 2
