@@ -177,6 +177,11 @@ def _stall(rank, world_size, group, device) -> dict:
     except WeaveTimeoutError as error:
         outcome = f"WeaveTimeoutError: {error}"
     seconds = time.perf_counter() - start
+    # Keep the stalled rank (and its symmetric buffers, which the other rank's kernel still writes after its
+    # deadline) alive until every rank has its verdict.
+    if group is not None:
+        torch.cuda.synchronize(device)
+        torch.distributed.barrier(group=group)
     expected = "no error" if stalled else "WeaveTimeoutError"
     return dict(stall=True, rank=rank, stalled=stalled, outcome=outcome[:500], seconds=seconds,
                 passed=outcome.startswith(expected) and seconds < 10)
