@@ -1,0 +1,38 @@
+"""Host-side pieces of the weave backend that run without a GPU: configuration, errors, measured timelines."""
+
+import pytest
+import torch
+
+from weave_moe.backends.weave import KernelConfig
+from weave_moe.models import MoESpec
+from weave_moe.sim.timeline import KINDS, measured_result
+
+
+def test_kernel_config_from_env(monkeypatch):
+    monkeypatch.setenv("WEAVE_MOE_KERNEL_CONFIG", "block_n0=64, stages1=3,dot_fp32=1")
+    cfg = KernelConfig.from_env()
+    assert (cfg.block_n0, cfg.stages1, cfg.dot_fp32, cfg.block_m) == (64, 3, True, 128)
+    monkeypatch.setenv("WEAVE_MOE_KERNEL_CONFIG", "no_such_field=1")
+    with pytest.raises(TypeError):
+        KernelConfig.from_env()
+
+
+def test_weave_backend_on_cpu_names_the_problem():
+    from weave_moe.layer import ExpertParallelMoE
+
+    spec = MoESpec(8, 2, 64, 32)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ExpertParallelMoE(spec, backend="weave", device=torch.device("cpu"), max_tokens_per_rank=16)
+
+
+def test_measured_timeline_figures():
+    # two SMs: SM 0 dispatches 0-10 us then combines 30-40; SM 1 runs GEMM0 5-25 and a stolen GEMM1 25-30
+    events = [(0, "dispatch", 0, 10_000), (0, "combine", 30_000, 40_000), (1, "gemm0", 5_000, 25_000),
+              (1, "stolen_gemm1", 25_000, 30_000), (1, "reduce", 30_000, 35_000)]
+    result = measured_result(events, 2, plan=None)
+    assert result.latency_us == pytest.approx(40.0)
+    assert result.sm_active == pytest.approx((10 + 10 + 20 + 5 + 5) / (2 * 40))
+    # comm (dispatch 0-10, combine 30-40, reduce 30-35) overlaps GEMM (5-30) during 5-10 only
+    assert result.overlap == pytest.approx(5 / 40)
+    assert result.timeline.count("stolen") == 1 and result.timeline.count("combine") == 2
+    assert set(KINDS) >= {"dispatch", "gemm0", "gemm1", "combine", "stolen"}
