@@ -100,6 +100,16 @@ class HardwareProfile:
         return _default_profile()
 
     @classmethod
+    def load_named(cls, name: str) -> "HardwareProfile":
+        """A profile shipped in weave_moe/plan/profiles/, by file stem (e.g. "h200_measured", "h200_default")."""
+        shipped = resources.files("weave_moe.plan").joinpath("profiles")
+        path = shipped.joinpath(f"{name}.json")
+        if not path.is_file():
+            known = sorted(p.name[:-5] for p in shipped.iterdir() if p.name.endswith(".json"))
+            raise ValueError(f"no shipped profile {name!r}; shipped: {known}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
     def from_dict(cls, data: dict) -> "HardwareProfile":
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
