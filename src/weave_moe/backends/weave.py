@@ -12,6 +12,7 @@ One call (one layer, one rank):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -117,7 +118,9 @@ class WeaveBackend:
         # ~0.3 ms of host time on the H200 machine) is skipped.
         zero_plan = plan(self._workload_for(0, [[0] * world_size] * world_size, [0] * spec.num_experts,
                                             [0] * world_size), self.profile, policy)
-        self.fixed_plan = zero_plan if parse_policy(policy)[0] in ("serial", "static") else None
+        # Its predicted_us is NaN: a prediction needs this call's workload, which these policies never look at.
+        self.fixed_plan = (dataclasses.replace(zero_plan, predicted_us=float("nan"))
+                           if parse_policy(policy)[0] in ("serial", "static") else None)
 
         E, k, H, I = spec.num_experts, spec.top_k, spec.hidden_size, spec.intermediate_size
         self.num_local = E // world_size

@@ -603,12 +603,17 @@ def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
     first_plan = next((p for p in (result["plans"][0] if result["plans"] else []) if p), None)
     if first_plan:
         row.update(c=first_plan.get("c"), K=first_plan.get("K"), n_steal=first_plan.get("n_steal"))
-        predicted = [max((p or {}).get("predicted_us") or 0.0 for p in per_set) for per_set in result["plans"]]
+        # a plan without a prediction (fixed policies carry NaN: they never model the call's workload) counts as none
+        predicted = [max(_finite((p or {}).get("predicted_us")) for p in per_set) for per_set in result["plans"]]
         if any(predicted):
             row["predicted_ms"] = statistics.fmean(predicted) * 1e-3
             if row["median_ms"]:
                 row["prediction_error_pct"] = 100.0 * (row["predicted_ms"] - row["median_ms"]) / row["median_ms"]
     return row
+
+
+def _finite(value) -> float:
+    return value if isinstance(value, (int, float)) and value == value else 0.0
 
 
 def _short(row: dict) -> str:
