@@ -19,6 +19,8 @@ if __name__ == "__main__":
     data = json.load(open(args.json))
     for rank, per_variant in enumerate(data):
         for variant, record in per_variant.items():
+            if variant.startswith("_"):
+                continue
             p = record["plan"]
             plan = SimpleNamespace(policy=variant, c=p["c"], K=p["K"], n_steal=p["n_steal"])
             result = measured_result(record["events"], args.num_sms, plan)

@@ -7,38 +7,9 @@ import argparse
 import json
 from collections import defaultdict
 
-import torch
 
-from weave_moe.testing import make_experts, run_distributed
-
-
-def worker(rank, world_size, model, tokens, variants):
-    from weave_moe import routing
-    from weave_moe.layer import ExpertParallelMoE
-    from weave_moe.models import MoESpec
-
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    spec = MoESpec.from_name(model)
-    local = spec.num_experts // world_size
-    w13, w2 = make_experts(spec, local, first_expert=rank * local, seed=1, device=device)
-    ids, w = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=rank)
-    ids, w = ids.to(device), w.to(device)
-    x = torch.randn(tokens, spec.hidden_size, device=device).to(torch.bfloat16)
-    out = {}
-    for variant in variants:
-        backend, _, policy = variant.partition(":")
-        layer = ExpertParallelMoE(spec, backend="weave", policy=policy or "weave", device=device,
-                                  max_tokens_per_rank=tokens, check_expert_ids=False, timeline=True)
-        layer.load_experts(w13, w2)
-        for _ in range(3):
-            layer(x, ids, w)
-        layer.backend.synchronize()
-        p = layer.backend.last_plan
-        out[variant] = dict(plan=dict(c=p.c, K=p.K, n_steal=p.n_steal, predicted_us=p.predicted_us),
-                            events=layer.backend.last_timeline())
-        del layer
-    return out
+from weave_moe.commands.calibrate import record_timelines
+from weave_moe.testing import run_distributed
 
 
 if __name__ == "__main__":
@@ -48,10 +19,12 @@ if __name__ == "__main__":
     parser.add_argument("--variants", default="weave,weave:static:20")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    results = run_distributed(worker, 2, args.model, args.tokens, args.variants.split(","), backend="nccl",
+    results = run_distributed(record_timelines, 2, args.model, args.tokens, args.variants.split(","), backend="nccl",
                               timeout_s=400)
     for rank, per in enumerate(results):
         for variant, rec in per.items():
+            if variant.startswith("_"):  # "_meta": tile shapes, not a variant
+                continue
             ev = rec["events"]
             span = max(e[3] for e in ev) / 1e3
             stats = defaultdict(lambda: [0, 0.0])

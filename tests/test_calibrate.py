@@ -2,12 +2,11 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from weave_moe.cli import main
 from weave_moe.models import MoESpec
-from weave_moe.plan.calibrate import CURRENT_TILES, TileShape, fit_profile, shipped_timeline_files
+from weave_moe.plan.calibrate import CURRENT_TILES, fit_profile, shipped_timeline_files
 from weave_moe.plan.profile import HardwareProfile
 
 N = 132

@@ -78,9 +78,10 @@ def _fit_and_write(files, base, args) -> int:
 
 
 # ---- --measure (GPU; untested on GPU) -----------------------------------------------------------------------------
-def _worker(rank, world_size, model, tokens, variants):
-    """One rank: build each variant's layer with timeline=True, run it 3 times, return its plan and last timeline
-    (the code path of scripts/timeline_stats.py)."""
+def record_timelines(rank, world_size, model, tokens, variants):
+    """One rank (under weave_moe.testing.run_distributed): build each weave variant's layer with timeline=True, run it
+    3 times on uniform routing, return {variant: {"plan", "events"}, "_meta": tile shapes}. Also used by
+    scripts/timeline_stats.py."""
     import torch
 
     from weave_moe import routing
@@ -139,7 +140,7 @@ def measure(args) -> list:
     files = []
     for model in [m for m in args.models.split(",") if m]:
         tokens = args.tokens or (4096 if model == "deepseek-v3" else 8192)
-        results = run_distributed(_worker, 2, model, tokens, variants, backend="nccl", timeout_s=600)
+        results = run_distributed(record_timelines, 2, model, tokens, variants, backend="nccl", timeout_s=600)
         meta = dict(results[0].pop("_meta"), model=model, tokens=tokens)
         for per_rank in results[1:]:
             per_rank.pop("_meta", None)

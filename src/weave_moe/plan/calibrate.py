@@ -325,8 +325,8 @@ def fit_profile(timeline_files, base: HardwareProfile | None = None, *, target: 
                 fitted["falloff_ratio"] = ratio
                 fitted["falloff_sms"] = sms
     # comm curves: base curve times the interpolated measured/base ratio
-    comm_sms, comm_gbps = base.comm_sms, base.comm_gbps
-    local_sms, local_gbps = base.local_sms, base.local_gbps
+    comm_gbps = base.comm_gbps
+    local_gbps = base.local_gbps
     for key, xs, ys in (("remote", base.comm_sms, base.comm_gbps), ("local", base.local_sms, base.local_gbps)):
         by_c = defaultdict(list)
         for c, gbps in comm_points[key]:
