@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # One device call: environment facts, correctness, timing. Usage: scripts/device_run.sh <stage...>
-# Results land under $OUT (the device tool brings them back).
+# Results land under $OUT/work and are packed into $OUT/results.tar.gz (the device tool brings back <= 8 files).
+# Set WEAVE_MOE_GIT_COMMIT to the commit being run (the tree copied to the GPU box has no .git).
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; W=$OUT/work; mkdir -p "$W"
+SWEEP_VARIANTS="nccl,weave:serial,weave"
+for c in 8 16 24 32 48 64 96; do for k in 1 2 4; do SWEEP_VARIANTS+=",weave:static:$c,$k"; done; done
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     env) nvidia-smi -L; nvidia-smi topo -m | head -4; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())";;
-    quick) timeout 400 python3 -m weave_moe.validate --suite quick --out "$OUT/validate-quick.json" --timeout 380;;
-    edge) timeout 500 python3 -m weave_moe.validate --suite edge --stress-calls 300 --stall --out "$OUT/validate-edge.json" --timeout 480;;
-    paper) timeout 580 python3 -m weave_moe.validate --suite paper --out "$OUT/validate-paper.json" --timeout 560;;
-    bench-small) timeout 500 python3 -m weave_moe.cli bench --models qwen3-30b-a3b,deepseek-v2-lite --tokens 2048,8192 --routing uniform,skewed --variants nccl,weave:serial,weave:static:20,weave --iters 10 --no-progress --name bench-small --out "$OUT" --timeout 480;;
+    quick) timeout 400 python3 -m weave_moe.validate --suite quick --out "$W/validate-quick.json" --timeout 380;;
+    validate-all) timeout 300 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --out "$W/validate-all.json" --timeout 280 2>&1 | grep -vE "^PASS" | tail -30;;
+    calibrate) timeout 300 python3 -m weave_moe.cli calibrate --measure --timeline-dir "$W/calib" --out "$W/h200_measured.json" --report "$W/calibrate-report.json" 2>&1 | tail -30;;
+    sweep) timeout 400 python3 -m weave_moe.cli bench --models qwen3-30b-a3b,deepseek-v2-lite,phi-3.5-moe,deepseek-v2 --tokens 1024,2048,4096,8192 --routing uniform --variants "$SWEEP_VARIANTS" --iters 10 --no-breakdown --no-progress --name ck-sweep --out "$W" --timeout 380 2>&1 | tail -5;;
+    attention) timeout 300 python3 -m weave_moe.cli bench --tokens 2048,4096,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --attention --no-progress --name e2e-attention --out "$W" --timeout 280 2>&1 | tail -5;;
+    bench) timeout 560 python3 -m weave_moe.cli bench --tokens 128,512,2048,4096,8192 --check --iters 20 --no-progress --name h200x2-eval3 --out "$W" --timeout 540 2>&1 | tail -5;;
     *) echo "unknown stage $stage";;
   esac
 done
+tar czf "$OUT/results.tar.gz" -C "$W" . && ls -la "$OUT"

@@ -227,9 +227,9 @@ def main(argv=None) -> int:
                               timeout_s=args.timeout)
     rows = [row for per_rank in results for row in per_rank]
     failed = [r for r in rows if not r.get("passed")]
-    import subprocess
+    from weave_moe.bench.metadata import git_commit
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     record = dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), device=torch.cuda.get_device_name(0),
                   num_gpus=torch.cuda.device_count(), commit=commit or "unknown",
                   command="python -m weave_moe.validate " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),

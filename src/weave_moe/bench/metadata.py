@@ -14,7 +14,9 @@ __all__ = ["collect_metadata", "git_commit"]
 
 def git_commit(directory: str | None = None) -> str:
     """`git rev-parse HEAD` of the checkout holding this package, "-dirty" appended when tracked files changed;
-    "unknown" outside a git checkout."""
+    "unknown" outside a git checkout. WEAVE_MOE_GIT_COMMIT overrides it (a copy of the tree on a GPU box has no .git)."""
+    if os.environ.get("WEAVE_MOE_GIT_COMMIT"):
+        return os.environ["WEAVE_MOE_GIT_COMMIT"]
     directory = directory or os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True,
