@@ -18,6 +18,9 @@ for stage in "$@"; do
     sweep) timeout 400 python3 -m weave_moe.cli bench --models qwen3-30b-a3b,deepseek-v2-lite,phi-3.5-moe,deepseek-v2 --tokens 1024,2048,4096,8192 --routing uniform --variants "$SWEEP_VARIANTS" --iters 10 --no-breakdown --no-progress --name ck-sweep --out "$W" --timeout 380 2>&1 | tail -5;;
     attention) timeout 300 python3 -m weave_moe.cli bench --tokens 2048,4096,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --attention --no-progress --name e2e-attention --out "$W" --timeout 280 2>&1 | tail -5;;
     bench) timeout 560 python3 -m weave_moe.cli bench --tokens 128,512,2048,4096,8192 --check --iters 20 --no-progress --name h200x2-eval3 --out "$W" --timeout 540 2>&1 | tail -5;;
+    diag-edge) timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge.json" --timeout 70 > "$W/diag-edge.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-edge.log" | tail -40;;
+    diag-edge-eager) WEAVE_MOE_CUDA_GRAPH=0 timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge-eager.json" --timeout 70 > "$W/diag-edge-eager.log" 2>&1; echo "rc=$?"; grep -vE "^PASS|^\[rank" "$W/diag-edge-eager.log" | tail -25;;
+    diag-stress) timeout 65 python3 -m weave_moe.validate --suite quick --stress-calls 300 --stall --trace 40 --out "$W/diag-stress.json" --timeout 60 > "$W/diag-stress.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-stress.log" | tail -40;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -77,6 +77,17 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
     torch.cuda.set_device(device)
     group = dist.group.WORLD if dist.is_initialized() else None
     rows = []
+    trace = extra.get("trace", 0.0)
+    if trace:  # a hang prints every rank's Python stack after `trace` seconds
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(trace, exit=False, file=sys.stderr)
+    begin = time.perf_counter()
+
+    def log(what):
+        if trace:
+            print(f"[rank {rank} {time.perf_counter() - begin:7.2f}s] {what}", flush=True)
     full_cache = {}
     for case in cases:
         spec = case.spec()
@@ -95,6 +106,7 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
             options = dict(debug_poison=True) if backend == "weave" else {}
             kwargs = dict(policy=policy) if policy else {}
             row = dict(case=asdict(case), variant=name, rank=rank)
+            log(f"{case} {name}")
             try:
                 layer = ExpertParallelMoE(spec, group=group, backend=backend, device=device,
                                           max_tokens_per_rank=max(max(case.tokens), 1), **kwargs, **options)
@@ -114,8 +126,10 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
             if dist.is_initialized():
                 dist.barrier()
     if extra.get("stress_calls"):
+        log("stress")
         rows.append(_stress(rank, world_size, group, device, extra["stress_calls"], extra.get("stress_policy", "weave")))
     if extra.get("stall"):
+        log("stall")
         rows.append(_stall(rank, world_size, group, device))
     return rows
 
@@ -214,11 +228,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="validate.json")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--trace", type=float, default=0.0, metavar="S",
+                        help="log each case and variant as it starts, and dump every rank's Python stack after S s")
     args = parser.parse_args(argv)
     cases = {"edge": EDGE_CASES, "paper": PAPER_CASES, "all": EDGE_CASES + PAPER_CASES,
              "quick": [Case("qwen3-30b-a3b", (2048, 2048)), Case("deepseek-v2-lite", (1024, 512), "skewed:6")]}
     cases = cases[args.suite]
-    extra = dict(stress_calls=args.stress_calls, stall=args.stall)
+    extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace)
     start = time.time()
     import re
 

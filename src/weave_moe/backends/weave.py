@@ -98,7 +98,7 @@ class WeaveBackend:
                  device: torch.device, policy: str = "weave", *, profile: HardwareProfile | None = None,
                  timeout_s: float | None = None, timeline: bool = False, num_sms: int | None = None,
                  config: KernelConfig | None = None, debug_skip_launch: bool = False, debug_poison: bool = False,
-                 use_cuda_graph: bool = True):
+                 use_cuda_graph: bool | None = None):
         if device.type != "cuda":
             raise RuntimeError("the weave backend runs on CUDA GPUs only; use backend='nccl' or 'reference' on CPU")
         if world_size > 31:
@@ -143,7 +143,8 @@ class WeaveBackend:
         self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
         self.last_chunks = None
         self.comb_flags = tuple(self.workspace.flags(p)[world_size * MAX_CHUNKS:] for p in (0, 1))
-        self.use_cuda_graph = use_cuda_graph
+        self.use_cuda_graph = (os.environ.get("WEAVE_MOE_CUDA_GRAPH", "1") != "0" if use_cuda_graph is None
+                               else use_cuda_graph)
         self.graphs = {}          # name -> (CUDAGraph, its static output)
         self.calls = 0
         self.compiled = set()
