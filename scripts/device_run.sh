@@ -21,7 +21,7 @@ for stage in "$@"; do
     diag-edge) timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge.json" --timeout 70 > "$W/diag-edge.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-edge.log" | tail -40;;
     diag-edge-eager) WEAVE_MOE_CUDA_GRAPH=0 timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge-eager.json" --timeout 70 > "$W/diag-edge-eager.log" 2>&1; echo "rc=$?"; grep -vE "^PASS|^\[rank" "$W/diag-edge-eager.log" | tail -25;;
     diag-stress) timeout 65 python3 -m weave_moe.validate --suite quick --stress-calls 300 --stall --trace 40 --out "$W/diag-stress.json" --timeout 60 > "$W/diag-stress.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-stress.log" | tail -40;;
-    stall-probe) for cfg in "weave 1" "weave 0" "serial 1" "static:20 1"; do timeout 40 python3 scripts/stall_probe.py $cfg 2>&1 | grep -E "^rank|probe|Error" | cut -c1-700; done;;
+    stall-probe) for cfg in "weave 1" "weave 0" "serial 1" "static:20 1"; do timeout 55 python3 scripts/stall_probe.py $cfg 2>&1 | grep -E "^rank|probe|Error" | cut -c1-700; done;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -49,7 +49,7 @@ def worker(rank, world_size, policy, graph):
 if __name__ == "__main__":
     policy, graph = sys.argv[1], sys.argv[2] == "1"
     try:
-        print(run_distributed(worker, 2, policy, graph, backend="nccl", timeout_s=25))
+        print(run_distributed(worker, 2, policy, graph, backend="nccl", timeout_s=45))
     except Exception as error:  # noqa: BLE001
         print("probe:", type(error).__name__, str(error)[:300])
     os._exit(0)
