@@ -85,7 +85,8 @@ def test_shipped_measured_profile_loads():
     profile = HardwareProfile.load_named("h200_measured")
     assert profile.name == "h200-measured" and "calibrated" in profile.source
     assert (profile.block_m, profile.block_n0, profile.block_n1) == (128, 128, 256)
-    assert HardwareProfile.default().name == "h200-default"
+    assert HardwareProfile.default().name == "h200-measured"  # the calibrated profile is the default
+    assert HardwareProfile.default().call_overhead_us > 0 and HardwareProfile.default().max_comm_sms == 48
     with pytest.raises(ValueError, match="shipped"):
         HardwareProfile.load_named("nope")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +21,7 @@ from weave_moe.plan import (
     predict,
 )
 
-PROFILE = HardwareProfile.default()
+PROFILE = HardwareProfile.load_named("h200_default")  # PLATFORM.md figures: the model's properties
 POLICIES = ["serial", "spatial", "static:20", "static:8,4", "per_iteration", "weave"]
 SMALL = MoESpec(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=768)
 
@@ -230,13 +232,31 @@ def test_more_communication_never_yields_fewer_comm_sms(policy, model):
         previous = c
 
 
+def test_measured_profile_caps_comm_ctas_and_adds_call_overhead():
+    """The default (calibrated) profile: split candidates stop at max_comm_sms; serial stays a candidate; the call
+    overhead shifts every prediction by the same amount."""
+    measured = HardwareProfile.default()
+    spec = MoESpec.from_name("phi-3.5-moe")
+    for remote in (0, 2000, 16000, 64000):
+        rows = np.full(8, (4000 + remote) * 3 // 16)
+        wl = Workload.from_counts(spec, 2, 0, [4000, remote], [4000, remote], rows, num_tokens=max(4000, remote))
+        p = plan(wl, measured, "weave")
+        assert p.c <= measured.max_comm_sms or p.c == measured.num_sms
+    wl = Workload.from_counts(spec, 2, 0, [4000, 4000], [4000, 4000], np.full(8, 1500), num_tokens=4000)
+    bare = dataclasses.replace(measured, call_overhead_us=0.0)
+    assert plan(wl, measured, "serial").predicted_us == pytest.approx(plan(wl, bare, "serial").predicted_us
+                                                                      + measured.call_overhead_us)
+    assert plan(wl, measured, "static:20,2").predicted_us == pytest.approx(
+        plan(wl, bare, "static:20,2").predicted_us + measured.call_overhead_us)
+
+
 def test_plans_are_deterministic_across_ranks():
     """Every rank can compute every rank's plan from the same counts and gets the same answer."""
     spec = MoESpec.from_name("deepseek-v2-lite")
     rng = np.random.default_rng(3)
     ids = [_random_ids(rng, 300, spec) for _ in range(4)]
     first = [plan(Workload.from_routing(spec, ids, r), PROFILE) for r in range(4)]
-    second = [plan(Workload.from_routing(spec, [torch.from_numpy(i) for i in ids], r), HardwareProfile.default())
+    second = [plan(Workload.from_routing(spec, [torch.from_numpy(i) for i in ids], r), PROFILE)
               for r in range(4)]
     assert first == second
 

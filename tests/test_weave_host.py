@@ -36,3 +36,22 @@ def test_measured_timeline_figures():
     assert result.overlap == pytest.approx(5 / 40)
     assert result.timeline.count("stolen") == 1 and result.timeline.count("combine") == 2
     assert set(KINDS) >= {"dispatch", "gemm0", "gemm1", "combine", "stolen"}
+
+
+def test_plan_key_buckets_similar_workloads_and_separates_different_ones():
+    from weave_moe.backends.weave import _plan_key
+    from weave_moe.layout import LayoutCounts
+
+    def counts(scale):
+        pairs = [int(scale * (300 + 7 * e)) for e in range(16)]
+        return LayoutCounts([int(scale * 4000), int(scale * 3900)],
+                            [[int(scale * 2000), int(scale * 1900)], [int(scale * 1800), int(scale * 2100)]], pairs)
+
+    base = _plan_key(counts(1.0), 2, 8, 128)
+    assert base == _plan_key(counts(1.0), 2, 8, 128)          # deterministic: every rank computes the same key
+    nudged = counts(1.0)
+    nudged.expert_pairs[0] += 1                               # same M tiles, same largest expert
+    assert base == _plan_key(nudged, 2, 8, 128)               # within a bucket: the memoised plans are reused
+    assert base != _plan_key(counts(1.5), 2, 8, 128)          # a different workload plans again
+    empty = LayoutCounts([0, 0], [[0, 0], [0, 0]], [0] * 16)
+    assert _plan_key(empty, 2, 8, 128) != base

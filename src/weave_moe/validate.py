@@ -185,17 +185,40 @@ def _stall(rank, world_size, group, device) -> dict:
     w = torch.full((64, 2), 0.5, device=device)
     start = time.perf_counter()
     layer(x, ids, w)
-    try:
-        layer.backend.synchronize()
-        outcome = "no error"
-    except WeaveTimeoutError as error:
-        outcome = f"WeaveTimeoutError: {error}"
+    # Watch the kernel without blocking: a device-wide synchronize would wait for every stream on the GPU, so a
+    # kernel that never ends would turn this test into the hang it exists to rule out.
+    done = torch.cuda.Event()
+    done.record()
+    finished = False
+    while time.perf_counter() - start < 10.0 and not finished:
+        finished = done.query()
+        if not finished:
+            time.sleep(0.05)
     seconds = time.perf_counter() - start
+    if finished:
+        try:
+            layer.backend.synchronize()
+            outcome = "no error"
+        except WeaveTimeoutError as error:
+            outcome = f"WeaveTimeoutError: {error}"
+    else:
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            status = layer.backend.status.to("cpu", non_blocking=True)
+        side.synchronize()
+        outcome = f"kernel still running after {seconds:.1f} s (status word {status.tolist()})"
     # Keep the stalled rank (and its symmetric buffers, which the other rank's kernel still writes after its
-    # deadline) alive until every rank has its verdict.
+    # deadline) alive until every rank has its verdict: a host-side rendezvous through the store, with a limit, so a
+    # kernel that never ends cannot hang the other rank too.
     if group is not None:
-        torch.cuda.synchronize(device)
-        torch.distributed.barrier(group=group)
+        import datetime
+
+        store = torch.distributed.distributed_c10d._get_default_store()
+        store.set(f"weave-stall/{rank}", outcome[:100])
+        try:
+            store.wait([f"weave-stall/{r}" for r in range(world_size)], datetime.timedelta(seconds=30))
+        except Exception as error:  # noqa: BLE001 - the verdict is recorded either way
+            outcome += f" (peer verdict missing: {type(error).__name__})"
     expected = "no error" if stalled else "WeaveTimeoutError"
     return dict(stall=True, rank=rank, stalled=stalled, outcome=outcome[:500], seconds=seconds,
                 passed=outcome.startswith(expected) and seconds < 10)
@@ -221,7 +244,7 @@ ALL_VARIANTS = ["nccl", "weave:serial", "weave:spatial", "weave:static:20", "wea
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--suite", default="edge", choices=["edge", "paper", "all", "quick"])
+    parser.add_argument("--suite", default="edge", choices=["edge", "paper", "all", "quick", "none"])
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS))
     parser.add_argument("--stress-calls", type=int, default=0)
     parser.add_argument("--stall", action="store_true")
@@ -231,7 +254,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", type=float, default=0.0, metavar="S",
                         help="log each case and variant as it starts, and dump every rank's Python stack after S s")
     args = parser.parse_args(argv)
-    cases = {"edge": EDGE_CASES, "paper": PAPER_CASES, "all": EDGE_CASES + PAPER_CASES,
+    cases = {"none": [], "edge": EDGE_CASES, "paper": PAPER_CASES, "all": EDGE_CASES + PAPER_CASES,
              "quick": [Case("qwen3-30b-a3b", (2048, 2048)), Case("deepseek-v2-lite", (1024, 512), "skewed:6")]}
     cases = cases[args.suite]
     extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace)

@@ -13,6 +13,7 @@ One call (one layer, one rank):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -77,6 +78,22 @@ class KernelConfig:
 
     def __repr__(self) -> str:
         return "KernelConfig(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")"
+
+
+def _quantize(value: int) -> int:
+    """~4 % wide logarithmic buckets (0 stays 0)."""
+    return 0 if value <= 0 else int(round(16.0 * math.log2(1.0 + value)))
+
+
+def _plan_key(counts, world_size: int, num_local: int, block_m: int) -> tuple:
+    """A coarse signature of every rank's workload: what the cost model reads, bucketed by `_quantize`."""
+    key = []
+    for d in range(world_size):
+        rows = counts.expert_pairs[d * num_local:(d + 1) * num_local]
+        m_tiles = sum(-(-r // block_m) for r in rows)
+        key.append((_quantize(counts.num_tokens[d]), _quantize(m_tiles), _quantize(max(rows, default=0)),
+                    tuple(_quantize(v) for v in counts.send_rows[d])))
+    return tuple(key)
 
 
 class WeaveBackend:
@@ -150,6 +167,7 @@ class WeaveBackend:
         self.compiled = set()
         self.last_plan: Plan | None = None
         self.last_plans: list[Plan] = []
+        self.plan_memo: dict = {}
         self.broken: str | None = None
         self.w13 = self.w2 = None
 
@@ -182,8 +200,7 @@ class WeaveBackend:
         if self.fixed_plan is not None:
             plans = [self.fixed_plan] * self.world_size
         else:
-            plans = [plan(self._workload_for(d, counts.send_rows, counts.expert_pairs, counts.num_tokens),
-                          self.profile, self.policy) for d in range(self.world_size)]
+            plans = self._plans(counts)
         my_plan = plans[self.rank]
         self.last_plan, self.last_plans = my_plan, plans
         clock.lap("plan")
@@ -206,8 +223,9 @@ class WeaveBackend:
         return out
 
     def synchronize(self) -> None:
-        """Wait for the last call and raise WeaveError / WeaveTimeoutError if its kernel reported an error."""
-        torch.cuda.synchronize(self.device)
+        """Wait for the last call (its stream, not the whole GPU) and raise WeaveTimeoutError if its kernel reported
+        an error."""
+        torch.cuda.current_stream(self.device).synchronize()
         self._raise_on_status(self.status.tolist())
 
     def last_timeline(self) -> list[tuple[int, str, int, int]]:
@@ -230,6 +248,25 @@ class WeaveBackend:
                                     recv_rows=[send_rows[s][dest] for s in range(n)],
                                     expert_rows=list(expert_pairs[dest * local:(dest + 1) * local]),
                                     num_tokens=num_tokens[dest])
+
+    def _plans(self, counts) -> list[Plan]:
+        """Every rank's plan for this call's counts, memoised on a coarse signature of the workload.
+
+        Planning in Python costs ~0.1 ms per rank on a fast host and ~0.3 ms on the H200 machine's, and the GPU waits
+        for it (the plan is a kernel argument). Calls whose workloads agree to within ~4 % in every quantity the cost
+        model reads (tokens, rows sent between every pair of ranks, M tiles and largest expert per rank) reuse the
+        plans of the first such call. Every rank sees the same counts in the same order, so the memo, and the plans,
+        stay identical on every rank.
+        """
+        key = _plan_key(counts, self.world_size, self.num_local, self.config.block_m)
+        plans = self.plan_memo.get(key)
+        if plans is None:
+            plans = [plan(self._workload_for(d, counts.send_rows, counts.expert_pairs, counts.num_tokens),
+                          self.profile, self.policy) for d in range(self.world_size)]
+            if len(self.plan_memo) >= 4096:
+                self.plan_memo.clear()
+            self.plan_memo[key] = plans
+        return plans
 
     def _build_layout(self):
         cfg, spec, k = self.config, self.spec, self.spec.top_k

@@ -179,7 +179,7 @@ def _tables(profile: HardwareProfile, cs=None, ks=None) -> _Tables:
            None if ks is None else tuple(int(k) for k in np.ravel(ks)))
     tables = cache.get(key)
     if tables is None:
-        cs_arr = np.arange(1, profile.num_sms, dtype=np.int64) if cs is None else np.asarray(key[0], dtype=np.int64)
+        cs_arr = np.arange(1, profile.comm_sms_limit + 1, dtype=np.int64) if cs is None else np.asarray(key[0], dtype=np.int64)
         ks_arr = np.arange(1, MAX_CHUNKS + 1) if ks is None else np.asarray(key[1])
         if cs_arr.size == 0 or cs_arr.min() < 1 or cs_arr.max() > profile.num_sms - 1:
             raise ValueError(f"comm CTA counts must lie in [1, {profile.num_sms - 1}], got {key[0]}")
@@ -232,6 +232,7 @@ def predict_grid(workload: Workload, profile: HardwareProfile, cs=None, ks=None,
     e_last_f = np.maximum(a0 + t.ks_minus_1 * g, dispatch + f) + g + tau_f
     fc = np.maximum(np.maximum(comm_free, e0_f) + combine_c, e_last_f + combine_c * t.inv_ks)  # (10)
     latency = e_last_f + (fc - e_last_f) * ratio + (profile.launch_us + f + x["reduce_us"])    # (11), (12)
+    latency = latency + profile.call_overhead_us
     return latency, steal.astype(np.int64)
 
 
@@ -248,7 +249,8 @@ def _predict_serial(workload: Workload, profile: HardwareProfile) -> float:
     tau = t1 if x["tiles"][0, 0] > 0 else 0.0
     dispatch = x["remote_bytes"] / bw + x["local_bytes"] / lbw
     combine = x["remote_bytes"] / bw + x["combine_local_bytes"] / lbw
-    return float(profile.launch_us + dispatch + f + sigma + work / N + tau + f + combine + f + x["reduce_us"])
+    return float(profile.call_overhead_us + profile.launch_us + dispatch + f + sigma + work / N + tau + f + combine + f
+                 + x["reduce_us"])
 
 
 def predict(workload: Workload, profile: HardwareProfile, c: int, K: int = 1, n_steal: int | None = None) -> tuple[float, int]:

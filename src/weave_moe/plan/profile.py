@@ -48,6 +48,12 @@ class HardwareProfile:
         flag_round_trip_us: release-store on one SM to acquire-load on another (chunk arrivals, chunk done, barriers).
         role_switch_us: a CTA changing role (comm -> stolen GEMM tiles, compute -> combine), pipeline refill.
         per_tile_overhead_us: fixed cost per GEMM tile beyond its FLOPs (claim atomic, dependency check, prologue).
+        call_overhead_us: fixed cost of one layer call outside the kernel (routing exchange, the counts sync, the
+            task tables, launches) that the GPU waits for; the same for every schedule, so it moves every prediction
+            and changes no choice. Fitted from the serial rows of a measured (c, K) sweep.
+        max_comm_sms: largest comm CTA count c a split candidate may use (0: N - 1). A split with most SMs on
+            communication is the serial schedule with extra flag traffic; a calibrated profile caps c at the range
+            its sweep measured.
         notes: free text on how each number was obtained.
     """
 
@@ -68,6 +74,8 @@ class HardwareProfile:
     flag_round_trip_us: float = 2.0
     role_switch_us: float = 1.0
     per_tile_overhead_us: float = 0.5
+    call_overhead_us: float = 0.0
+    max_comm_sms: int = 0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -89,14 +97,17 @@ class HardwareProfile:
         for name in ("block_m", "block_n0", "block_n1"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"HardwareProfile.{name} must be > 0")
-        for name in ("launch_us", "flag_round_trip_us", "role_switch_us", "per_tile_overhead_us"):
+        if not 0 <= int(self.max_comm_sms) <= self.num_sms - 1:
+            raise ValueError(f"HardwareProfile.max_comm_sms must be in [0, {self.num_sms - 1}], got {self.max_comm_sms}")
+        for name in ("launch_us", "flag_round_trip_us", "role_switch_us", "per_tile_overhead_us", "call_overhead_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"HardwareProfile.{name} must be >= 0")
 
     # ---- construction and files -------------------------------------------------------------------------------
     @classmethod
     def default(cls) -> "HardwareProfile":
-        """The shipped H200 profile (shared/PLATFORM.md figures, not calibrated)."""
+        """The shipped H200 profile: calibrated on the 2 x H200 pair (profiles/h200_measured.json). The uncalibrated
+        shared/PLATFORM.md figures remain available as `load_named("h200_default")`."""
         return _default_profile()
 
     @classmethod
@@ -128,6 +139,11 @@ class HardwareProfile:
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @property
+    def comm_sms_limit(self) -> int:
+        """The largest c a split candidate may use."""
+        return int(self.max_comm_sms) or self.num_sms - 1
 
     # ---- curves (scalar or array of SM counts) -------------------------------------------------------------------
     def comm_bandwidth_gbps(self, sms):
@@ -188,7 +204,7 @@ class HardwareProfile:
 def _default_profile() -> HardwareProfile:
     global _DEFAULT
     if _DEFAULT is None:
-        text = resources.files("weave_moe.plan").joinpath("profiles/h200_default.json").read_text()
+        text = resources.files("weave_moe.plan").joinpath("profiles/h200_measured.json").read_text()
         _DEFAULT = HardwareProfile.from_dict(json.loads(text))
     return _DEFAULT
 

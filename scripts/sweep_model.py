@@ -1,0 +1,97 @@
+"""Cost model against a measured (c, K) sweep: for every configuration of a `weave-moe bench` result (the sweep of
+scripts/device_run.sh), rebuild the routing the bench drew (same seeds), predict every measured variant with a
+HardwareProfile, and report the measured gap of the planner's choice. CPU only.
+
+    python scripts/sweep_model.py bench/results/ck-sweep-h200x2.json [--profile PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+
+import torch
+
+from weave_moe import routing as routing_lib
+from weave_moe.bench.harness import BenchConfig, _seed
+from weave_moe.models import MoESpec
+from weave_moe.plan import HardwareProfile, Workload, plan, predict
+
+
+def workloads(spec: MoESpec, tokens: int, routing: str, world_size=2, rotate=4, seed=0, skew=3.0):
+    config = BenchConfig(models=(spec,), seed=seed, rotate=rotate)
+    out = []
+    for set_index in range(rotate):
+        s = _seed(config, spec.name, tokens, routing, set_index)
+        if routing == "uniform":
+            ids, _ = routing_lib.uniform(tokens * world_size, spec.num_experts, spec.top_k, seed=s)
+        else:
+            ids, _ = routing_lib.skewed(tokens * world_size, spec.num_experts, spec.top_k, skew=skew, layer=set_index,
+                                        seed=s)
+        per_rank = list(torch.as_tensor(ids).view(world_size, tokens, spec.top_k))
+        out.append([Workload.from_routing(spec, per_rank, r) for r in range(world_size)])
+    return out
+
+
+def predicted_ms(wls, profile, variant: str) -> float:
+    """Mean over input sets of the slowest rank's prediction for a variant (ms)."""
+    values = []
+    for per_rank in wls:
+        if variant == "weave:serial":
+            lat = [predict(w, profile, profile.num_sms)[0] for w in per_rank]
+        elif variant.startswith("weave:static:"):
+            c, _, k = variant.split(":")[2].partition(",")
+            lat = [plan(w, profile, f"static:{c},{k or 1}").predicted_us for w in per_rank]
+        else:
+            lat = [plan(w, profile, variant.partition(":")[2] or "weave").predicted_us for w in per_rank]
+        values.append(max(lat))
+    return statistics.fmean(values) * 1e-3
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("result")
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    profile = HardwareProfile.load(args.profile) if args.profile else HardwareProfile.default()
+    data = json.load(open(args.result))
+    by_config = collections.defaultdict(dict)
+    for row in data["rows"]:
+        if row.get("median_ms") and row["backend"] == "weave":
+            by_config[row["model"], row["tokens_per_rank"], row["routing"]][row["variant"]] = row
+    gaps, errors, plan_us = [], [], []
+    for (model, tokens, routing), variants in by_config.items():
+        spec = MoESpec.from_name(model)
+        wls = workloads(spec, tokens, routing)
+        measured = {v: r["median_ms"] for v, r in variants.items()}
+        pred = {v: predicted_ms(wls, profile, v) for v in measured if v != "weave"}
+        for v in pred:
+            errors.append(abs(pred[v] - measured[v]) / measured[v])
+        # the planner's choice for this configuration (first input set, rank with the slowest prediction)
+        start = time.perf_counter()
+        choices = [plan(w, profile, "weave") for w in wls[0]]
+        plan_us.append((time.perf_counter() - start) * 1e6 / len(choices))
+        choice = choices[0]
+        name = "weave:serial" if choice.c >= profile.num_sms else f"weave:static:{choice.c},{choice.K}"
+        best_v = min((v for v in measured if v != "weave"), key=measured.get)
+        chosen_ms = measured.get(name)
+        gap = (chosen_ms / measured[best_v] - 1) if chosen_ms else float("nan")
+        gaps.append(gap)
+        weave_gap = measured["weave"] / measured[best_v] - 1 if "weave" in measured else float("nan")
+        print(f"{model:18s} {tokens:5d} {routing:8s} best {best_v:20s} {measured[best_v]:6.2f} ms | planner "
+              f"({choice.c:3d},{choice.K}) -> {name:20s} {chosen_ms or float('nan'):6.2f} ms gap {100 * gap:5.1f}% | "
+              f"weave measured {measured.get('weave', float('nan')):6.2f} ms ({100 * weave_gap:5.1f}%)")
+        if args.verbose:
+            for v in sorted(pred, key=measured.get)[:6]:
+                print(f"      {v:22s} measured {measured[v]:6.2f} predicted {pred[v]:6.2f}")
+    finite = [g for g in gaps if g == g]
+    print(f"profile {profile.name}: planner-choice gap mean {100 * statistics.fmean(finite):.1f}% "
+          f"(max {100 * max(finite):.1f}%, {len(finite)}/{len(gaps)} choices in the sweep grid); "
+          f"prediction error mean {100 * statistics.fmean(errors):.1f}%; planning {statistics.fmean(plan_us):.0f} us/plan")
+
+
+if __name__ == "__main__":
+    main()
