@@ -18,11 +18,12 @@ for stage in "$@"; do
     calibrate) timeout 300 python3 -m weave_moe.cli calibrate --measure --timeline-dir "$W/calib" --out "$W/h200_measured.json" --report "$W/calibrate-report.json" 2>&1 | tail -30;;
     sweep) timeout 210 python3 -m weave_moe.cli bench --models qwen3-30b-a3b,deepseek-v2-lite,phi-3.5-moe,deepseek-v2 --tokens 1024,2048,4096,8192 --routing uniform --variants "$SWEEP_VARIANTS" --iters 10 --no-breakdown --no-progress --name ck-sweep --out "$W" --timeout 200 2>&1 | tail -5;;
     attention) timeout 300 python3 -m weave_moe.cli bench --tokens 2048,4096,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --attention --no-progress --name e2e-attention --out "$W" --timeout 280 2>&1 | tail -5;;
-    bench) timeout 330 python3 -m weave_moe.cli bench --tokens 128,512,2048,4096,8192 --check --iters 20 --no-progress --name h200x2-eval3 --out "$W" --timeout 320 2>&1 | tail -5;;
+    bench) timeout 330 python3 -m weave_moe.cli bench --tokens 128,512,2048,4096,8192 --check --iters 20 --no-progress --name "${BENCH_NAME:-h200x2-eval}" --out "$W" --timeout 320 2>&1 | tail -5;;
     diag-edge) timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge.json" --timeout 70 > "$W/diag-edge.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-edge.log" | tail -40;;
     diag-edge-eager) WEAVE_MOE_CUDA_GRAPH=0 timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge-eager.json" --timeout 70 > "$W/diag-edge-eager.log" 2>&1; echo "rc=$?"; grep -vE "^PASS|^\[rank" "$W/diag-edge-eager.log" | tail -25;;
     diag-stress) timeout 65 python3 -m weave_moe.validate --suite quick --stress-calls 300 --stall --trace 40 --out "$W/diag-stress.json" --timeout 60 > "$W/diag-stress.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-stress.log" | tail -40;;
     stall-probe) for cfg in "weave 1" "weave 0" "serial 1" "static:20 1"; do timeout 55 python3 scripts/stall_probe.py $cfg 2>&1 | grep -E "^rank|probe|Error" | cut -c1-700; done;;
+    stall-repeat) for i in 1 2; do timeout 45 python3 -m weave_moe.validate --suite none --stall --out "$W/validate-stall-$i.json" --timeout 40 2>&1 | tail -2; done;;
     *) echo "unknown stage $stage";;
   esac
   tar czf "$OUT/results.tar.gz" -C "$W" .

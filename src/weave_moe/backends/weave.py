@@ -159,6 +159,9 @@ class WeaveBackend:
         self.chunks_host = torch.zeros(world_size, dtype=torch.long).pin_memory()
         self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
         self.last_chunks = None
+        n_counts = world_size + world_size * world_size + spec.num_experts + 4
+        self.counts_host = torch.zeros(n_counts, dtype=torch.int32).pin_memory()
+        self.counts_ready = torch.cuda.Event()
         self.comb_flags = tuple(self.workspace.flags(p)[world_size * MAX_CHUNKS:] for p in (0, 1))
         self.use_cuda_graph = (os.environ.get("WEAVE_MOE_CUDA_GRAPH", "1") != "0" if use_cuda_graph is None
                                else use_cuda_graph)
@@ -190,9 +193,20 @@ class WeaveBackend:
             torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group)
         else:
             self.all_routing.copy_(self.send_routing[None])
-        # 2. counts to the host (the one sync), with the previous call's status word
+        # 2. counts to the host (the one sync), with the previous call's status word. While the host waits, the GPU
+        #    already builds this call's task tables with the previous call's chunk counts (a pure function of the
+        #    routing and the counts, so it is simply built again below in the rare call whose plan changes K).
         clock.lap("exchange")
-        host = self._counts_and_status().tolist()
+        counts_device = self._counts_and_status()
+        self.counts_host.copy_(counts_device, non_blocking=True)
+        self.counts_ready.record(torch.cuda.current_stream(self.device))
+        parity = self.calls % 2
+        layout = self._layout(parity) if self.last_chunks is not None else None
+        out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if self.debug_poison:
+            out.fill_(float("nan"))
+        self.counts_ready.synchronize()
+        host = self.counts_host.tolist()
         clock.lap("sync")
         self._raise_on_status(host[-4:])
         counts = parse_counts(host[:-4], self.world_size, spec.num_experts)
@@ -204,7 +218,7 @@ class WeaveBackend:
         my_plan = plans[self.rank]
         self.last_plan, self.last_plans = my_plan, plans
         clock.lap("plan")
-        # 4. task tables (one CUDA-graph replay) and launch
+        # 4. task tables (one CUDA-graph replay, unless built above with the right chunk counts) and launch
         chunks = [p.K for p in plans]
         if not all(1 <= c <= MAX_CHUNKS for c in chunks):
             raise ValueError(f"planner returned chunk counts {chunks}; each must lie in [1, {MAX_CHUNKS}]")
@@ -212,11 +226,8 @@ class WeaveBackend:
             self.chunks_host[: self.world_size] = torch.tensor(chunks)
             self.chunks_device.copy_(self.chunks_host, non_blocking=True)
             self.last_chunks = chunks
-        layout = self._layout(self.calls % 2)
+            layout = self._layout(parity)
         clock.lap("layout")
-        out = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=self.device)
-        if self.debug_poison:
-            out.fill_(float("nan"))
         self._launch(x, out, layout, my_plan)
         clock.lap("launch")
         self.calls += 1
