@@ -118,5 +118,16 @@ def test_megakernel_ptx_has_the_memory_ordering_it_relies_on(ptx):
     assert re.search(r"atom\.global\.[a-z.]*cas", ptx)
 
 
+def test_megakernel_spin_loops_steer_on_cta_uniform_values(ptx):
+    """A per-thread load that decides whether a CTA leaves a spin loop splits its warps when the value changes
+    between two warps' loads; the warps that stay then wait forever in the next poll's bar.sync (seen on the H200
+    pair with a stalled peer). The status word is read with atomics (broadcast to the CTA), never a volatile load,
+    and the clock through a CTA-wide reduction."""
+    assert "ld.volatile" not in ptx
+    timer = ptx.index("%globaltimer")
+    window = ptx[timer:timer + 20000]
+    assert "shfl.sync.bfly" in window and "bar.sync" in window  # the CTA-wide max right after the clock reads
+
+
 def test_megakernel_ptx_uses_hopper_tensor_cores(ptx):
     assert "wgmma.mma_async" in ptx

@@ -8,6 +8,12 @@ Protocol (checked on the H200 pair, see ../shared/PLATFORM.md):
 - Every spin has a deadline in nanoseconds of `%globaltimer`. On timeout the waiter records an error code in the
   status word and returns False; every later wait sees the status word set and returns at once, so a dead peer ends
   the kernel quickly and the host raises `WeaveTimeoutError` instead of hanging the GPU.
+- Every value that steers a spin loop is the same in every thread of the CTA. Scalar atomics are (one thread does
+  the atomic, shared memory broadcasts the result behind `bar.sync`); a plain or volatile scalar load is NOT (each
+  thread loads for itself), nor is a `%globaltimer` read. If the warps of one CTA disagree on leaving the loop, the
+  ones that stay wait in the next poll's `bar.sync` for warps that never come: the kernel hangs. That happened on the
+  H200 pair when a peer stalled (the status word flipped between two warps' loads), so the status word is read with an
+  atomic and the clock through a CTA-wide max (`uniform_time_ns`).
 
 Status word layout (int32 [4]): [0] first error code (0 = none), [1] flag index that timed out, [2] value seen,
 [3] value expected.
@@ -35,6 +41,23 @@ ERROR_NAMES = {
 def global_time_ns():
     """%globaltimer (ns). Coarse (about 1 µs ticks on Hopper) but enough for deadlines and timelines."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def uniform_time_ns():
+    """%globaltimer as ONE value for the whole CTA: every thread reads the clock, a CTA-wide max (shared memory and a
+    barrier, as Triton lowers a reduction over a tensor spread across all warps) makes the result identical in every
+    thread, so a deadline test cannot split the CTA's warps."""
+    lanes = tl.arange(0, 1024)
+    clocks = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [lanes], dtype=tl.int64, is_pure=False,
+                                       pack=1)
+    return tl.max(clocks, axis=0)
+
+
+@triton.jit
+def status_set(status_ptr):
+    """1 if some wait of this kernel already failed, else 0; an atomic read, so the same in every thread."""
+    return (tl.atomic_add(status_ptr, 0, sem="relaxed", scope="gpu") != 0).to(tl.int32)
 
 
 @triton.jit
@@ -73,15 +96,15 @@ def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_
     seen = _poll(flag_ptr, SYS_SCOPE)
     ok = (seen >= expected).to(tl.int32)
     if ok == 0:
-        start = global_time_ns()
-        failed = (tl.load(status_ptr, volatile=True) != 0).to(tl.int32)
+        start = uniform_time_ns()
+        failed = status_set(status_ptr)
         while (ok == 0) & (failed == 0):
             backoff()
             seen = _poll(flag_ptr, SYS_SCOPE)
             ok = (seen >= expected).to(tl.int32)
             if ok == 0:
-                failed = (tl.load(status_ptr, volatile=True) != 0).to(tl.int32)
-                if global_time_ns() - start > timeout_ns:
+                failed = status_set(status_ptr)
+                if uniform_time_ns() - start > timeout_ns:
                     # First error wins; record which flag and what was seen for the host's message.
                     if tl.atomic_cas(status_ptr, 0, error_code, sem="relaxed", scope="gpu") == 0:
                         tl.store(status_ptr + 1, flag_tag)
