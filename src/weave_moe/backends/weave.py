@@ -58,12 +58,16 @@ class KernelConfig:
 
     def __init__(self, block_m=128, block_n0=128, block_n1=256, block_k=64, dispatch_rows=16, combine_rows=16,
                  reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=4, stages1=4,
-                 block_k1=64):
+                 block_k1=64, fused_serial=False):
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
         self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
         self.stages0, self.stages1 = stages0, stages1  # software-pipeline depth of the GEMM0 / GEMM1 K loops
         self.block_k1 = block_k1                        # K step of GEMM1 (its K is I, often short)
+        # The serial schedule (c = N) as ONE launch: every CTA dispatches, then every CTA takes GEMM tiles, combine and
+        # reduce tasks, ordered by the kernel's flags instead of three launch boundaries (saves three launches of host
+        # time and the gaps between them). Off by default until the H200 pair has measured it.
+        self.fused_serial = fused_serial
 
     @classmethod
     def from_env(cls) -> "KernelConfig":
@@ -72,8 +76,8 @@ class KernelConfig:
         values = {}
         for item in filter(None, text.split(",")):
             key, _, value = item.partition("=")
-            values[key.strip()] = value.strip() not in ("0", "false", "False") if key.strip() == "dot_fp32" \
-                else int(value)
+            values[key.strip()] = value.strip() not in ("0", "false", "False") \
+                if key.strip() in ("dot_fp32", "fused_serial") else int(value)
         return cls(**values)
 
     def __repr__(self) -> str:
@@ -381,7 +385,7 @@ class WeaveBackend:
             STAGES0=cfg.stages0, STAGES1=cfg.stages1, BLOCK_K1=cfg.block_k1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_cooperative_grid=True,
         )
-        stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if serial else [(0, 3)]
+        stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if serial and not cfg.fused_serial else [(0, 3)]
         comm = grid if serial else my_plan.c
         steal = (1 << 30) if serial else my_plan.n_steal
         self._ensure_compiled(args, constexprs, comm, steal)
