@@ -155,3 +155,22 @@ def test_layout_executes_to_reference(case):
     world_size = len(case.tokens)
     chunks = list(case.chunks or [1] * world_size)
     emulate(list(case.tokens), world_size, case.experts, case.top_k, case.hidden, case.inter, chunks, mode=case.mode)
+
+
+@pytest.mark.parametrize("T", [0, 1, 5, 7])
+def test_pack_routing_is_the_exchange_message_bit_for_bit(T):
+    from weave_moe.layout import pack_routing, routing_pad
+
+    k, max_tokens = 3, 7
+    words = max_tokens * k
+    ids = torch.randint(-1, 9, (T, k), dtype=torch.int64)
+    weights = torch.rand(T, k)
+    out = torch.full((2 * words + 1,), 12345, dtype=torch.int32)  # poisoned: every word must be written
+    pack_routing(out, ids, weights, routing_pad(words), torch.arange(max_tokens + 1, dtype=torch.int32))
+    expected = torch.cat([ids.reshape(-1).int(), torch.full((words - T * k,), -1, dtype=torch.int32),
+                          weights.reshape(-1).view(torch.int32), torch.zeros(words - T * k, dtype=torch.int32),
+                          torch.tensor([T], dtype=torch.int32)])
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="do not fit"):
+        pack_routing(out, torch.zeros(max_tokens + 1, k, dtype=torch.int32), torch.zeros(max_tokens + 1, k),
+                     routing_pad(words), torch.arange(max_tokens + 2, dtype=torch.int32))

@@ -20,7 +20,7 @@ import torch
 
 from weave_moe.kernels import megakernel as mk
 from weave_moe.kernels.sync import ERROR_NAMES
-from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, parse_counts
+from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, pack_routing, parse_counts, routing_pad
 from weave_moe.models import MoESpec
 from weave_moe.plan import HardwareProfile, Plan, Workload, plan
 from weave_moe.plan.cost_model import parse_policy
@@ -155,6 +155,8 @@ class WeaveBackend:
         self.status = torch.zeros(4, dtype=torch.int32, device=device)
         words = 2 * max_tokens_per_rank * k + 1
         self.send_routing = torch.empty(words, dtype=torch.int32, device=device)
+        self.routing_pad = routing_pad(max_tokens_per_rank * k, device)
+        self.token_counts = torch.arange(max_tokens_per_rank + 1, dtype=torch.int32, device=device)
         self.all_routing = torch.empty(world_size, words, dtype=torch.int32, device=device)
         self.timeline_buf = (torch.zeros(self.num_sms, 2048, 4, dtype=torch.int64, device=device)
                              if timeline else torch.zeros(1, dtype=torch.int64, device=device))
@@ -185,14 +187,10 @@ class WeaveBackend:
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.broken:
             raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
-        spec, k, T = self.spec, self.spec.top_k, x.shape[0]
-        words = self.max_tokens * k
+        spec, T = self.spec, x.shape[0]
         clock = _HostClock(self.host_ms)
         # 1. routing exchange: [ids (T_max*k, -1 padded) | weights as int32 bits | T]
-        self.send_routing[:words].fill_(-1)
-        self.send_routing[:T * k].copy_(topk_ids.reshape(-1))
-        self.send_routing[words:words + T * k].copy_(topk_weights.reshape(-1).view(torch.int32))
-        self.send_routing[-1:].fill_(T)
+        pack_routing(self.send_routing, topk_ids, topk_weights, self.routing_pad, self.token_counts)
         if self.world_size > 1:
             torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group)
         else:
