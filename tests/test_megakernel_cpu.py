@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     from weave_moe.transport import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
-    def run(T, E, k, H, I, K, staged, seed):
+    def run(T, E, k, H, I, K, staged, seed, tma=False):
         torch.manual_seed(seed)
         max_tokens = T + 3
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.zeros(0, k, dtype=torch.int32)
@@ -42,7 +42,8 @@ SCRIPT = textwrap.dedent(
         all_ids[0, :T] = ids
         all_w = torch.zeros(1, max_tokens, k)
         all_w[0, :T] = w
-        blocks = dict(block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
+        bn1 = 32 if tma else 16  # the TMA GEMM1 tile runs as two halves of at least 16 columns
+        blocks = dict(block_m=16, block_n0=16, block_n1=bn1, dispatch_rows=4, combine_rows=4, reduce_rows=4)
         lay = build_layout(all_ids, all_w, torch.tensor([T]), torch.tensor([K]), 0, E, hidden_size=H,
                            intermediate_size=I, **blocks)
         ws = SymmetricWorkspace(None, 0, 1, max_tokens, H, torch.device("cpu"))
@@ -55,6 +56,11 @@ SCRIPT = textwrap.dedent(
         flags = ws.flags(0)
         grid = 3
         stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if staged else [(0, 3)]
+        descs = {}
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor as TD
+            descs = dict(USE_TMA=True, w13_desc=TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
+                         w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]), h_desc=TD.from_tensor(h, [16, 16]))
         for first, last in stages:
             mk.moe_megakernel[(grid,)](
                 x if T else out, out, w13, w2, ws.recv(), h, y, ws.comb(0), ws.peer_bases, ws.recv_offset,
@@ -63,8 +69,9 @@ SCRIPT = textwrap.dedent(
                 lay.gather_rows, lay.arrival_expected, lay.gemm1_expected, lay.combine_tasks, lay.combine_token,
                 lay.combine_pos, lay.combine_weight, lay.token_dest_mask, lay.combine_expected,
                 0, 1, max_tokens, T, H, I, grid, 1 << 30, 10 ** 9, first, last,
-                TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, DISPATCH_ROWS=4,
-                COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1)
+                TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16, DISPATCH_ROWS=4,
+                COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1,
+                BLOCK_K1=16, **descs)
         assert status.tolist() == [0, 0, 0, 0], status
         # every flag reached its expectation
         assert torch.equal(flags[:MAX_CHUNKS], lay.arrival_expected[0]), (flags, lay.arrival_expected)
@@ -85,6 +92,9 @@ SCRIPT = textwrap.dedent(
     for case in [(9, 4, 2, 40, 24, 2, True), (9, 4, 2, 40, 24, 3, False), (21, 8, 3, 33, 20, 4, False),
                  (1, 4, 2, 16, 16, 1, False), (0, 4, 2, 16, 16, 1, True), (17, 2, 2, 48, 16, 8, True)]:
         run(*case, seed=sum(case))
+    # the TMA tiles (KernelConfig.tma) through the whole kernel; H and I multiples of 8 (16-byte strides)
+    for case in [(9, 4, 2, 40, 24, 2, True), (17, 2, 2, 48, 16, 8, False), (21, 8, 3, 40, 24, 4, False)]:
+        run(*case, seed=sum(case), tma=True)
     print("MEGAKERNEL INTERPRETER OK")
     """
 )
@@ -127,6 +137,15 @@ def test_megakernel_spin_loops_steer_on_cta_uniform_values(ptx):
     timer = ptx.index("%globaltimer")
     window = ptx[timer:timer + 20000]
     assert "shfl.sync.bfly" in window and "bar.sync" in window  # the CTA-wide max right after the clock reads
+
+
+def test_megakernel_ptx_with_tma_tiles_uses_the_bulk_tensor_copy_engine():
+    from weave_moe.kernels.megakernel import compile_ptx
+
+    ptx = compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
+                           DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
+                           TIMELINE=False, MAX_EVENTS=1, USE_TMA=True))
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 
 def test_megakernel_ptx_uses_hopper_tensor_cores(ptx):

@@ -111,3 +111,67 @@ def test_tiles_under_interpreter():
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "TILES OK" in result.stdout
+
+
+TMA_SCRIPT = textwrap.dedent(
+    r"""
+    import torch, triton, triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from weave_moe.kernels import tiles
+    torch.manual_seed(0)
+
+    @triton.jit
+    def _gemm0t(a, g, d, h, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        tiles.gemm0_tile_tma(a, g, d, h, e, rs, nr, ns, H, I, BM, BN, BK, True)
+
+    @triton.jit
+    def _gemm1t(hd, wd, y, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        tiles.gemm1_tile_tma(hd, wd, y, e, rs, nr, ns, H, I, BM, BN, BK, True)
+
+    H, I, E = 40, 24, 3
+    a = torch.randn(20, H).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H) / H ** 0.5).to(torch.bfloat16)
+    gather = torch.randint(0, 20, (30,), dtype=torch.int32)
+    h = torch.full((30, I), float("nan"), dtype=torch.bfloat16)
+    d = TensorDescriptor.from_tensor(w13.view(E * 2 * I, H), [16, 16])
+    for n_start in (0, 16):
+        _gemm0t[(1,)](a, gather, d, h, 2, 5, 11, n_start, H, I, 16, 16, 16)
+    gu = a[gather[5:16].long()].float() @ w13[2].float().T
+    want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
+    torch.testing.assert_close(h[5:16].float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert h[:5].isnan().all() and h[16:].isnan().all()
+    # the LAST expert (tile past the end of the tensor: zero fill) and expert 0 (tile into the up rows)
+    for e in (0, E - 1):
+        h.fill_(float("nan"))
+        for n_start in (0, 16):
+            _gemm0t[(1,)](a, gather, d, h, e, 0, 7, n_start, H, I, 16, 16, 16)
+        gu = a[gather[0:7].long()].float() @ w13[e].float().T
+        want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
+        torch.testing.assert_close(h[0:7].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+    # gemm1: H=40 not a multiple of the half width, I=24 not a multiple of BK
+    H, I, E = 40, 24, 3
+    hh = torch.randn(30, I).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I) / I ** 0.5).to(torch.bfloat16)
+    y = torch.full((30, H), float("nan"), dtype=torch.bfloat16)
+    hd = TensorDescriptor.from_tensor(hh, [16, 16])
+    wd = TensorDescriptor.from_tensor(w2.view(E * H, I), [16, 16])
+    for e, rs, nr in ((1, 4, 9), (E - 1, 20, 10), (0, 0, 3)):
+        y.fill_(float("nan"))
+        for n_start in (0, 32):
+            _gemm1t[(1,)](hd, wd, y, e, rs, nr, n_start, H, I, 16, 32, 16)
+        want = (hh[rs:rs + nr].float() @ w2[e].float().T).to(torch.bfloat16)
+        torch.testing.assert_close(y[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert y[:rs].isnan().all() and y[rs + nr:].isnan().all()
+    print("TMA TILES OK")
+    """
+)
+
+
+def test_tma_tiles_under_interpreter():
+    """The TMA GEMM tiles (KernelConfig.tma): partial tiles, K tails, a tile running past its expert into the next
+    expert's rows (never stored) and past the end of the tensor (zero fill), rows outside the tile left poisoned."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", TMA_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "TMA TILES OK" in result.stdout

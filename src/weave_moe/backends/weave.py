@@ -58,7 +58,7 @@ class KernelConfig:
 
     def __init__(self, block_m=128, block_n0=128, block_n1=256, block_k=64, dispatch_rows=16, combine_rows=16,
                  reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=4, stages1=4,
-                 block_k1=64, fused_serial=False):
+                 block_k1=64, fused_serial=False, tma=False):
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
         self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
@@ -68,6 +68,9 @@ class KernelConfig:
         # reduce tasks, ordered by the kernel's flags instead of three launch boundaries (saves three launches of host
         # time and the gaps between them). Off by default until the H200 pair has measured it.
         self.fused_serial = fused_serial
+        # Weights (and GEMM1's h) through the bulk tensor copy engine (host-built descriptors, once per layer); used when
+        # H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. Off by default until the H200 pair has measured it.
+        self.tma = tma
 
     @classmethod
     def from_env(cls) -> "KernelConfig":
@@ -77,7 +80,7 @@ class KernelConfig:
         for item in filter(None, text.split(",")):
             key, _, value = item.partition("=")
             values[key.strip()] = value.strip() not in ("0", "false", "False") \
-                if key.strip() in ("dot_fp32", "fused_serial") else int(value)
+                if key.strip() in ("dot_fp32", "fused_serial", "tma") else int(value)
         return cls(**values)
 
     def __repr__(self) -> str:
@@ -179,10 +182,25 @@ class WeaveBackend:
         self.plan_memo: dict = {}
         self.broken: str | None = None
         self.w13 = self.w2 = None
+        self.descriptors: dict = {}
+        self.use_tma = bool(self.config.tma and spec.hidden_size % 8 == 0 and spec.intermediate_size % 8 == 0
+                            and self.config.block_n1 >= 256)
 
     # ---- contract ---------------------------------------------------------------------------------------------------
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         self.w13, self.w2 = w13.contiguous(), w2.contiguous()
+        self.descriptors = self._tma_descriptors() if self.use_tma else {}
+
+    def _tma_descriptors(self) -> dict:
+        """Host tensor descriptors of w13 [E_local*2I, H], w2 [E_local*H, I] and h [pairs, I] for the TMA tiles."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        cfg, H, I = self.config, self.spec.hidden_size, self.spec.intermediate_size
+        return dict(
+            USE_TMA=True,
+            w13_desc=TensorDescriptor.from_tensor(self.w13.view(-1, H), [cfg.block_n0, cfg.block_k]),
+            w2_desc=TensorDescriptor.from_tensor(self.w2.view(-1, I), [cfg.block_n1 // 2, cfg.block_k1]),
+            h_desc=TensorDescriptor.from_tensor(self.h, [cfg.block_m, cfg.block_k1]))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.broken:
@@ -390,7 +408,8 @@ class WeaveBackend:
         if self.debug_skip_launch:
             return
         for first, last in stages:
-            mk.moe_megakernel[(grid,)](*args, comm, steal, self.timeout_ns, first, last, **constexprs)
+            mk.moe_megakernel[(grid,)](*args, comm, steal, self.timeout_ns, first, last, **constexprs,
+                                       **self.descriptors)
 
     def _ensure_compiled(self, args, constexprs, comm, steal) -> None:
         """Compile before the first launch and line the ranks up, so no rank's waits time out while a peer is still
@@ -398,7 +417,8 @@ class WeaveBackend:
         key = tuple(sorted((k, v) for k, v in constexprs.items()))
         if key in self.compiled:
             return
-        mk.moe_megakernel.warmup(*args, comm, steal, self.timeout_ns, 0, 3, grid=(self.num_sms,), **constexprs)
+        mk.moe_megakernel.warmup(*args, comm, steal, self.timeout_ns, 0, 3, grid=(self.num_sms,), **constexprs,
+                                 **self.descriptors)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             torch.distributed.barrier(group=self.group)

@@ -90,6 +90,8 @@ def moe_megakernel(
     DISPATCH_ROWS: tl.constexpr, COMBINE_ROWS: tl.constexpr, REDUCE_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     DOT_FP32: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr,
     STAGES0: tl.constexpr = 3, STAGES1: tl.constexpr = 4, BLOCK_K1: tl.constexpr = 64,
+    # TMA (KernelConfig.tma): host-built tensor descriptors of w13 [E_local*2I, H], w2 [E_local*H, I], h [pairs, I]
+    w13_desc=None, w2_desc=None, h_desc=None, USE_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_dispatch = tl.load(meta_ptr + 0)
@@ -153,8 +155,12 @@ def moe_megakernel(
                                                          source * 16 + chunk, timeout_ns, True)
                         if ok != 0:
                             arrived_chunks = arrived_chunks | (1 << chunk)
-                    tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
-                                     H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0)
+                    if USE_TMA:
+                        tiles.gemm0_tile_tma(recv_ptr, gather_ptr, w13_desc, h_ptr, expert, row_start, num_rows,
+                                             n_start, H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0)
+                    else:
+                        tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
+                                         H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
@@ -162,8 +168,12 @@ def moe_megakernel(
                 else:
                     sync.wait_at_least(ctrl_ptr + CTRL_GEMM0_DONE + mtile, n0_tiles, status_ptr,
                                        sync.ERROR_GEMM0_TIMEOUT, mtile, timeout_ns, False)
-                    tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
-                                     BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1)
+                    if USE_TMA:
+                        tiles.gemm1_tile_tma(h_desc, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
+                                             BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1)
+                    else:
+                        tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
+                                         BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM1_DONE + chunk, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
@@ -236,10 +246,20 @@ def compile_ptx(constexprs: dict, capability: int = 90) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64), **constexprs)
+    constexprs = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False), **constexprs)
+    descriptors = {}
+    if constexprs["USE_TMA"]:
+        bm, bk, bk1 = constexprs["BLOCK_M"], constexprs["BLOCK_K"], constexprs["BLOCK_K1"]
+        descriptors = {"w13_desc": f"tensordesc<bf16[{constexprs['BLOCK_N0']},{bk}]>",
+                       "w2_desc": f"tensordesc<bf16[{constexprs['BLOCK_N1'] // 2},{bk1}]>",
+                       "h_desc": f"tensordesc<bf16[{bm},{bk1}]>"}
+    else:
+        constexprs.update(w13_desc=None, w2_desc=None, h_desc=None)
     signature = {}
     for name in moe_megakernel.arg_names:
-        if name in constexprs:
+        if name in descriptors:
+            signature[name] = descriptors[name]
+        elif name in constexprs:
             signature[name] = "constexpr"
         else:
             signature[name] = _POINTER_TYPES.get(name) or _SCALAR_TYPES[name]

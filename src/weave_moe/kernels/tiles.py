@@ -156,6 +156,79 @@ def _gemm1_pair(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I
              mask=mask_m[:, None] & (offs_hi < H)[None, :])
 
 
+# ---- TMA variants (KernelConfig.tma): the weights (and GEMM1's h) come through the bulk tensor copy engine ------------
+# Descriptors are built on the host once per layer (triton.tools.tensor_descriptor.TensorDescriptor over 2-D views:
+# w13 [E_local * 2I, H], w2 [E_local * H, I], h [pairs, I]). A tile that runs past the end of its expert's rows reads
+# the next expert's rows (or zeros past the tensor); those columns / rows are never stored. The K tail past H or I is
+# zero-filled by the copy engine. GEMM0's A rows are gathered (dedup), so they stay pointer loads.
+
+
+@triton.jit
+def gemm0_tile_tma(a_ptr, gather_ptr, w13_desc, h_ptr, expert, row_start, num_rows, n_start, H, I,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                   STAGES: tl.constexpr = 3):
+    """`gemm0_tile` with the gate and up blocks of w13 loaded by TMA (w13_desc: [E_local * 2I, H], block
+    [BLOCK_N, BLOCK_K])."""
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_rows
+    rows = tl.load(gather_ptr + row_start + tl.minimum(offs_m, num_rows - 1)).to(tl.int64)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
+    gate_row = expert * (2 * I) + n_start
+    up_row = gate_row + I
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
+        k_ok = (k0 + offs_k) < H
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        gate = w13_desc.load([gate_row, k0])
+        up = w13_desc.load([up_row, k0])
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            gate = gate.to(tl.float32)
+            up = up.to(tl.float32)
+        acc_gate = tl.dot(a, gate.T, acc_gate)
+        acc_up = tl.dot(a, up.T, acc_up)
+        a_ptrs += BLOCK_K
+    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out_ptrs = h_ptr + (row_start + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def gemm1_tile_tma(h_desc, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                   STAGES: tl.constexpr = 4):
+    """`gemm1_tile` with h (h_desc: [pairs, I], block [BLOCK_M, BLOCK_K]) and w2 (w2_desc: [E_local * H, I], block
+    [BLOCK_N // 2, BLOCK_K], two halves sharing each A block as in `_gemm1_pair`) loaded by TMA. BLOCK_N >= 256 only
+    (KernelConfig checks)."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < num_rows
+    offs_lo = n_start + tl.arange(0, HALF_N)
+    offs_hi = offs_lo + HALF_N
+    w_row = expert * H + n_start
+    acc_lo = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
+        a = h_desc.load([row_start, k0])
+        lo = w2_desc.load([w_row, k0])
+        hi = w2_desc.load([w_row + HALF_N, k0])
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
+        acc_lo = tl.dot(a, lo.T, acc_lo)
+        acc_hi = tl.dot(a, hi.T, acc_hi)
+    row_ptrs = y_ptr + (row_start + offs_m)[:, None].to(tl.int64) * H
+    tl.store(row_ptrs + offs_lo[None, :], acc_lo.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & (offs_lo < H)[None, :])
+    tl.store(row_ptrs + offs_hi[None, :], acc_hi.to(y_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & (offs_hi < H)[None, :])
+
+
 @triton.jit
 def combine_rows(y_ptr, pos_ptr, weight_ptr, token_ptr, dst_ptr, start, count, H,
                  TOP_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
