@@ -13,7 +13,7 @@ for stage in "$@"; do
   case $stage in
     env) nvidia-smi -L; nvidia-smi topo -m | head -4; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())";;
     quick) timeout 400 python3 -m weave_moe.validate --suite quick --out "$W/validate-quick.json" --timeout 380;;
-    validate-all) timeout 200 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --out "$W/validate-all.json" --timeout 190 2>&1 | grep -vE "^PASS" | tail -30;;
+    validate-all) timeout 200 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --bad-ids --out "$W/validate-all.json" --timeout 190 2>&1 | grep -vE "^PASS" | tail -30;;
     validate-stall) timeout 90 python3 -m weave_moe.validate --suite none --stall --out "$W/validate-stall.json" --timeout 80 2>&1 | tail -5;;
     calibrate) timeout 300 python3 -m weave_moe.cli calibrate --measure --timeline-dir "$W/calib" --out "$W/h200_measured.json" --report "$W/calibrate-report.json" 2>&1 | tail -30;;
     sweep) timeout 210 python3 -m weave_moe.cli bench --models qwen3-30b-a3b,deepseek-v2-lite,phi-3.5-moe,deepseek-v2 --tokens 1024,2048,4096,8192 --routing uniform --variants "$SWEEP_VARIANTS" --iters 10 --no-breakdown --no-progress --name ck-sweep --out "$W" --timeout 200 2>&1 | tail -5;;
@@ -24,7 +24,7 @@ for stage in "$@"; do
     diag-stress) timeout 65 python3 -m weave_moe.validate --suite quick --stress-calls 300 --stall --trace 40 --out "$W/diag-stress.json" --timeout 60 > "$W/diag-stress.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-stress.log" | tail -40;;
     stall-probe) for cfg in "weave 1" "weave 0" "serial 1" "static:20 1"; do timeout 55 python3 scripts/stall_probe.py $cfg 2>&1 | grep -E "^rank|probe|Error" | cut -c1-700; done;;
     stall-repeat) for i in 1 2; do timeout 45 python3 -m weave_moe.validate --suite none --stall --out "$W/validate-stall-$i.json" --timeout 40 2>&1 | tail -2; done;;
-    verify) for i in 1 2 3; do timeout 150 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --out "$W/validate-all-$i.json" --timeout 140 2>&1 | grep -vE "^PASS" | tail -4; done;;
+    verify) for i in 1 2 3; do timeout 150 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --bad-ids --out "$W/validate-all-$i.json" --timeout 140 2>&1 | grep -vE "^PASS" | tail -4; done;;
     ab) # A/B of kernel configs (AB_CONFIGS="none tma=1 fused_serial=1 tma=1,fused_serial=1"): GPU correctness of
         # every policy with the config, then the same bench for each, side by side with nccl
         for cfg in ${AB_CONFIGS:-none tma=1 fused_serial=1}; do

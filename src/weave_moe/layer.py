@@ -82,8 +82,9 @@ class ExpertParallelMoE(torch.nn.Module):
         policy: schedule policy of the weave backend (serial, spatial, static:<c>[,K], per_iteration, weave).
         device: where x, ids, weights and experts live; None = the current CUDA device (unless the group is gloo),
             else CPU.
-        check_expert_ids: verify every id is in [-1, E) on each call. It costs one device-to-host sync; benchmarks
-            of sync-free backends turn it off.
+        check_expert_ids: verify every id is in [-1, E) on each call. For the nccl and reference backends it costs
+            one device-to-host sync (benchmarks turn it off) and only the rank with the bad ids raises. The weave
+            backend always checks, inside the counts it reads anyway (no extra sync), and every rank raises together.
         **backend_options: passed to the backend (each backend rejects options it does not know).
 
     Expert weights are held by the backend, not registered as parameters: `.to()` does not move them.
@@ -182,7 +183,7 @@ class ExpertParallelMoE(torch.nn.Module):
             raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(f"T={num_tokens} tokens exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
-        if self.check_expert_ids and topk_ids.numel():
+        if self.check_expert_ids and topk_ids.numel() and not getattr(self.backend, "checks_expert_ids", False):
             low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()
             if low < -1 or high >= self.spec.num_experts:
                 raise ValueError(f"topk_ids must be in [-1, {self.spec.num_experts}) (-1 = no expert), got values in "

@@ -128,6 +128,9 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
     if extra.get("stress_calls"):
         log("stress")
         rows.append(_stress(rank, world_size, group, device, extra["stress_calls"], extra.get("stress_policy", "weave")))
+    if extra.get("bad_ids"):
+        log("bad ids")
+        rows.append(_bad_ids(rank, world_size, group, device))
     if extra.get("stall"):
         log("stall")
         rows.append(_stall(rank, world_size, group, device))
@@ -165,6 +168,41 @@ def _stress(rank, world_size, group, device, calls, policy) -> dict:
                     passed=worst <= TOLERANCE, seconds=time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001
         return dict(stress=True, rank=rank, passed=False, error=f"{type(error).__name__}: {error}"[:2000])
+
+
+def _bad_ids(rank, world_size, group, device) -> dict:
+    """The last rank passes an id >= E: every rank must raise ValueError in the same call (no rank left waiting),
+    and the next call of the same layer, with valid ids, must match the reference."""
+    from weave_moe.layer import ExpertParallelMoE
+
+    spec = MoESpec(16, 2, 256, 128, name="bad-ids")
+    w13, w2 = make_experts(spec, seed=2, device=device)
+    local = spec.num_experts // world_size
+    layer = ExpertParallelMoE(spec, group=group, backend="weave", device=device, max_tokens_per_rank=64,
+                              debug_poison=True)
+    layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
+    gen = torch.Generator(device).manual_seed(rank)
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=gen, device=device)[:2] for _ in range(64)])
+    x = torch.randn(64, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+    w = torch.full((64, 2), 0.5, device=device)
+    bad = ids.clone()
+    if rank == world_size - 1:
+        bad[5, 1] = spec.num_experts
+    start = time.perf_counter()
+    try:
+        layer(x, bad, w)
+        outcome = "no error"
+    except ValueError as error:
+        outcome = f"ValueError: {error}"
+    seconds = time.perf_counter() - start
+    try:
+        out = layer(x, ids, w)
+        layer.backend.synchronize()
+        rel = moe_error(out, reference_moe(x, ids, w, w13, w2))[0]
+    except Exception as error:  # noqa: BLE001
+        rel, outcome = float("inf"), outcome + f"; next call: {type(error).__name__}: {error}"
+    return dict(bad_ids=True, rank=rank, outcome=outcome[:500], seconds=seconds, rel_error=rel,
+                passed=outcome.startswith("ValueError") and "rank" in outcome and rel <= TOLERANCE)
 
 
 def _stall(rank, world_size, group, device) -> dict:
@@ -248,6 +286,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS))
     parser.add_argument("--stress-calls", type=int, default=0)
     parser.add_argument("--stall", action="store_true")
+    parser.add_argument("--bad-ids", action="store_true",
+                        help="one rank passes an expert id >= E: every rank must raise ValueError, the layer must go on")
     parser.add_argument("--out", default="validate.json")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
@@ -257,7 +297,7 @@ def main(argv=None) -> int:
     cases = {"none": [], "edge": EDGE_CASES, "paper": PAPER_CASES, "all": EDGE_CASES + PAPER_CASES,
              "quick": [Case("qwen3-30b-a3b", (2048, 2048)), Case("deepseek-v2-lite", (1024, 512), "skewed:6")]}
     cases = cases[args.suite]
-    extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace)
+    extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids)
     start = time.time()
     import re
 
@@ -276,7 +316,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     for r in rows:
-        tag = r.get("variant") or ("stress" if r.get("stress") else "stall")
+        tag = r.get("variant") or ("stress" if r.get("stress") else "bad ids" if r.get("bad_ids") else "stall")
         print(("PASS " if r.get("passed") else "FAIL ") + f"{tag:22s} rank {r['rank']} "
               + json.dumps({k: v for k, v in r.items() if k not in ("variant", "rank", "passed")})[:300])
     print(f"{len(rows) - len(failed)}/{len(rows)} passed in {time.time() - start:.0f} s")

@@ -118,6 +118,9 @@ class WeaveBackend:
             torch ops; the tables have static shapes, so one capture serves every call.
     """
 
+    #: ids outside [-1, E) are found in the counts this backend reads anyway: the layer skips its own host sync
+    checks_expert_ids = True
+
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", *, profile: HardwareProfile | None = None,
                  timeout_s: float | None = None, timeline: bool = False, num_sms: int | None = None,
@@ -168,7 +171,7 @@ class WeaveBackend:
         self.chunks_host = torch.zeros(world_size, dtype=torch.long).pin_memory()
         self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
         self.last_chunks = None
-        n_counts = world_size + world_size * world_size + spec.num_experts + 4
+        n_counts = world_size + world_size * world_size + spec.num_experts + world_size + 4
         self.counts_host = torch.zeros(n_counts, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
         self.comb_flags = tuple(self.workspace.flags(p)[world_size * MAX_CHUNKS:] for p in (0, 1))
@@ -229,7 +232,15 @@ class WeaveBackend:
         host = self.counts_host.tolist()
         clock.lap("sync")
         self._raise_on_status(host[-4:])
-        counts = parse_counts(host[:-4], self.world_size, spec.num_experts)
+        ep = self.world_size
+        bad_ids = host[-4 - ep:-4]
+        if any(bad_ids):
+            # Every rank sees every rank's count, so every rank raises here, before any kernel of this call: no rank
+            # is left waiting for a peer, and the layer stays usable.
+            where = ", ".join(f"rank {r}: {n}" for r, n in enumerate(bad_ids) if n)
+            raise ValueError(f"topk_ids must be in [-1, {spec.num_experts}) (-1 = no expert); ids out of range on "
+                             f"{where}")
+        counts = parse_counts(host[:-4 - ep], self.world_size, spec.num_experts)
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
         if self.fixed_plan is not None:
             plans = [self.fixed_plan] * self.world_size
@@ -311,12 +322,18 @@ class WeaveBackend:
             combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
 
     def _counts_and_status(self) -> torch.Tensor:
-        """[EP tokens | EP*EP send rows | E expert pairs | 4 status words] int32, from the static routing buffers."""
+        """[EP tokens | EP*EP send rows | E expert pairs | EP bad ids | 4 status words] int32, from the static routing
+        buffers. Ids outside [-1, E) are counted per source rank and replaced by -1 in place, so nothing downstream
+        (counts, task tables) indexes out of range; the host then raises on every rank together."""
         def build():
-            k = self.spec.top_k
-            all_ids = self.all_routing[:, :self.max_tokens * k].view(self.world_size, self.max_tokens, k)
-            counts = count_routing(all_ids, self.all_routing[:, -1], self.spec.num_experts)
-            return torch.cat([counts, self.status])
+            k, E = self.spec.top_k, self.spec.num_experts
+            ids = self.all_routing[:, :self.max_tokens * k]
+            bad = (ids < -1) | (ids >= E)
+            bad_ids = bad.sum(dim=1, dtype=torch.int32)
+            ids.masked_fill_(bad, -1)
+            all_ids = ids.view(self.world_size, self.max_tokens, k)
+            counts = count_routing(all_ids, self.all_routing[:, -1], E)
+            return torch.cat([counts, bad_ids, self.status])
 
         return self._replay("counts", build)
 
