@@ -14,5 +14,5 @@ def test_torchrun_example_on_two_cpu_ranks():
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              str(EXAMPLE), "--steps", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    lines = [line for line in result.stdout.splitlines() if "error vs reference" in line]
-    assert len(lines) == 4, result.stdout  # 2 ranks x 2 steps, each checked against the reference
+    # 2 ranks x 2 steps, each checked against the reference (the ranks' lines may interleave)
+    assert result.stdout.count("error vs reference") == 4, result.stdout
