@@ -25,9 +25,9 @@ for stage in "$@"; do
     stall-probe) for cfg in "weave 1" "weave 0" "serial 1" "static:20 1"; do timeout 55 python3 scripts/stall_probe.py $cfg 2>&1 | grep -E "^rank|probe|Error" | cut -c1-700; done;;
     stall-repeat) for i in 1 2; do timeout 45 python3 -m weave_moe.validate --suite none --stall --out "$W/validate-stall-$i.json" --timeout 40 2>&1 | tail -2; done;;
     verify) for i in 1 2 3; do timeout 150 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --bad-ids --out "$W/validate-all-$i.json" --timeout 140 2>&1 | grep -vE "^PASS" | tail -4; done;;
-    ab) # A/B of kernel configs (AB_CONFIGS="none tma=1 fused_serial=1 tma=1,fused_serial=1"): GPU correctness of
+    ab) # A/B of kernel configs (AB_CONFIGS="none tma=1 fused_serial=1 compile_layout=1 ..."): GPU correctness of
         # every policy with the config, then the same bench for each, side by side with nccl
-        for cfg in ${AB_CONFIGS:-none tma=1 fused_serial=1}; do
+        for cfg in ${AB_CONFIGS:-none tma=1 fused_serial=1 compile_layout=1}; do
           kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 -m weave_moe.validate --suite quick --out "$W/validate-ab-$cfg.json" --timeout 190 2>&1 | tail -1
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 250 python3 -m weave_moe.cli bench --tokens 2048,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --no-progress --name "ab-$cfg" --out "$W" --timeout 240 2>&1 | tail -4

@@ -174,3 +174,28 @@ def test_pack_routing_is_the_exchange_message_bit_for_bit(T):
     with pytest.raises(ValueError, match="do not fit"):
         pack_routing(out, torch.zeros(max_tokens + 1, k, dtype=torch.int32), torch.zeros(max_tokens + 1, k),
                      routing_pad(words), torch.arange(max_tokens + 2, dtype=torch.int32))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_compiled_build_layout_equals_eager():
+    """KernelConfig.compile_layout: build_layout through torch.compile (fullgraph, static shapes) gives the same
+    tables bit for bit (here with Inductor's CPU backend; the GPU run compiles to Triton)."""
+    import dataclasses
+
+    from weave_moe import routing
+    from weave_moe.backends.weave import _compiled_build_layout
+
+    world, tokens, experts, k = 2, 64, 16, 4
+    ids = torch.stack([routing.uniform(tokens, experts, k, seed=r)[0].int() for r in range(world)])
+    ids[1, 40:] = -1                                    # a shorter rank: padding past its tokens
+    weights = torch.rand(world, tokens, k)
+    args = (ids, weights, torch.tensor([tokens, 40]), torch.tensor([2, 3]), 1, experts)
+    kwargs = dict(hidden_size=64, intermediate_size=32, block_m=16, block_n0=16, block_n1=32, dispatch_rows=4,
+                  combine_rows=4, reduce_rows=4)
+    eager = build_layout(*args, **kwargs)
+    compiled = _compiled_build_layout()(*args, **kwargs)
+    for field in dataclasses.fields(eager):
+        a, b = getattr(eager, field.name), getattr(compiled, field.name)
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name

@@ -58,7 +58,7 @@ class KernelConfig:
 
     def __init__(self, block_m=128, block_n0=128, block_n1=256, block_k=64, dispatch_rows=16, combine_rows=16,
                  reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=4, stages1=4,
-                 block_k1=64, fused_serial=False, tma=False):
+                 block_k1=64, fused_serial=False, tma=False, compile_layout=False):
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
         self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
@@ -71,6 +71,10 @@ class KernelConfig:
         # Weights (and GEMM1's h) through the bulk tensor copy engine (host-built descriptors, once per layer); used when
         # H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. Off by default until the H200 pair has measured it.
         self.tma = tma
+        # The task tables (~260 small torch kernels in the layout CUDA graph, ~0.45 ms of GPU time per call measured
+        # in perf-notes round 2) through torch.compile (Inductor fuses the elementwise chains into a few Triton
+        # kernels), then captured as before. Costs a compile per layer shape. Off by default until measured.
+        self.compile_layout = compile_layout
 
     @classmethod
     def from_env(cls) -> "KernelConfig":
@@ -80,11 +84,22 @@ class KernelConfig:
         for item in filter(None, text.split(",")):
             key, _, value = item.partition("=")
             values[key.strip()] = value.strip() not in ("0", "false", "False") \
-                if key.strip() in ("dot_fp32", "fused_serial", "tma") else int(value)
+                if key.strip() in ("dot_fp32", "fused_serial", "tma", "compile_layout") else int(value)
         return cls(**values)
 
     def __repr__(self) -> str:
         return "KernelConfig(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")"
+
+
+_COMPILED_BUILD_LAYOUT = None
+
+
+def _compiled_build_layout():
+    """`build_layout` through torch.compile (one compile per layer shape; static shapes, no graph breaks)."""
+    global _COMPILED_BUILD_LAYOUT
+    if _COMPILED_BUILD_LAYOUT is None:
+        _COMPILED_BUILD_LAYOUT = torch.compile(build_layout, fullgraph=True, dynamic=False)
+    return _COMPILED_BUILD_LAYOUT
 
 
 def _quantize(value: int) -> int:
@@ -315,7 +330,8 @@ class WeaveBackend:
         words = self.max_tokens * k
         all_ids = self.all_routing[:, :words].view(self.world_size, self.max_tokens, k)
         all_weights = self.all_routing[:, words:2 * words].view(torch.float32).view(self.world_size, self.max_tokens, k)
-        return build_layout(
+        builder = _compiled_build_layout() if cfg.compile_layout else build_layout
+        return builder(
             all_ids, all_weights, self.all_routing[:, -1], self.chunks_device, self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
