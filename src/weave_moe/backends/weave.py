@@ -71,9 +71,10 @@ class KernelConfig:
         # Weights (and GEMM1's h) through the bulk tensor copy engine (host-built descriptors, once per layer); used when
         # H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. Off by default until the H200 pair has measured it.
         self.tma = tma
-        # The task tables (~260 small torch kernels in the layout CUDA graph, ~0.45 ms of GPU time per call measured
-        # in perf-notes round 2) through torch.compile (Inductor fuses the elementwise chains into a few Triton
-        # kernels), then captured as before. Costs a compile per layer shape. Off by default until measured.
+        # The task tables through torch.compile (Inductor fuses the elementwise chains into a few Triton kernels),
+        # then captured as before: the eager layout graph holds ~260 small kernels, each ~1-2 us of GPU time even when
+        # replayed from a graph, on the critical path of every call. Costs a compile per layer shape (tens of
+        # seconds). Off by default until measured.
         self.compile_layout = compile_layout
 
     @classmethod
