@@ -30,7 +30,7 @@ for stage in "$@"; do
         for cfg in ${AB_CONFIGS:-none tma=1 fused_serial=1 compile_layout=1}; do
           kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 -m weave_moe.validate --suite quick --out "$W/validate-ab-$cfg.json" --timeout 190 2>&1 | tail -1
-          WEAVE_MOE_KERNEL_CONFIG=$kc timeout 250 python3 -m weave_moe.cli bench --tokens 2048,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --no-progress --name "ab-$cfg" --out "$W" --timeout 240 2>&1 | tail -4
+          WEAVE_MOE_KERNEL_CONFIG=$kc timeout 250 python3 -m weave_moe.cli bench --models "${AB_MODELS:-qwen3-30b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens 2048,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --no-progress --name "ab-$cfg" --out "$W" --timeout 240 2>&1 | tail -4
         done;;
     profile) # where a call's time goes: torch.profiler CUDA/CPU tables + host step times, default vs compiled layout
         for cfg in none compile_layout=1; do
