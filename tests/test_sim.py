@@ -130,4 +130,4 @@ def test_simulate_command(tmp_path, capsys):
     path = tmp_path / "timeline.png"
     assert main(["simulate", "--model", "deepseek-v2-lite", "--tokens", "128", "--ep", "4", "--rank", "1",
                  "--policy", "static:20,2", "--timeline", str(path)]) == 0
-    assert "simulated:" in capsys.readouterr().out and path.exists()
+    assert "simulated kernel:" in capsys.readouterr().out and path.exists()

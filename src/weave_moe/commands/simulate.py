@@ -40,8 +40,12 @@ def run(args) -> int:
     floor = physical_floor_us(wl, profile)
     print(f"{spec.name} EP={args.ep} rank {args.rank} layer {args.layer}: {args.tokens} tokens, "
           f"{wl.dispatch_send_rows} rows sent, {wl.dispatch_recv_rows} received, {wl.num_pairs} GEMM rows")
-    print(f"plan ({args.policy}): c={p.c} K={p.K} n_steal={p.n_steal}, predicted {p.predicted_us:.1f} us")
-    print(f"simulated: {result.latency_us:.1f} us (model error {100 * (p.predicted_us / result.latency_us - 1):+.1f}%), "
+    # The simulator runs the kernel; the model's prediction also holds the profile's host call overhead.
+    kernel_us = p.predicted_us - profile.call_overhead_us
+    overhead = f" = kernel {kernel_us:.1f} + call overhead {profile.call_overhead_us:.1f}" if profile.call_overhead_us \
+        else ""
+    print(f"plan ({args.policy}): c={p.c} K={p.K} n_steal={p.n_steal}, predicted {p.predicted_us:.1f} us{overhead}")
+    print(f"simulated kernel: {result.latency_us:.1f} us (model error {100 * (kernel_us / result.latency_us - 1):+.1f}%), "
           f"SM active {100 * result.sm_active:.1f}%, overlap {100 * result.overlap:.1f}%, "
           f"{100 * floor / result.latency_us:.0f}% of the physical floor's speed ({floor:.1f} us)")
     if args.timeline:
