@@ -169,3 +169,36 @@ def test_errors_that_need_a_process_group():
         assert "num_experts=9 is not divisible by the EP size 2" in messages.get("divisible", "")
         assert "w13 must have shape [4, 48, 32]" in messages.get("e_local", "")
         assert messages["placement"] == f"{rank} 2 {rank * 4}"
+
+
+def _bad_id_on_one_rank(rank, world_size):
+    import torch.distributed as dist
+
+    from weave_moe.reference import moe_error, reference_moe
+
+    spec = MoESpec(8, 2, 32, 16, name="bad-id")
+    local = spec.num_experts // world_size
+    w13, w2 = make_experts(spec, seed=3)
+    layer = ExpertParallelMoE(spec, group=dist.group.WORLD, backend="nccl", max_tokens_per_rank=16,
+                              device=torch.device("cpu"))
+    layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
+    ids = torch.tensor([[0, 5], [3, -1], [7, 2]], dtype=torch.int32)
+    weights = torch.full((3, 2), 0.5)
+    x = torch.randn(3, spec.hidden_size, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    bad = ids.clone()
+    if rank == 1:
+        bad[2, 0] = spec.num_experts
+    try:
+        layer(x, bad, weights)
+        outcome = "no error"
+    except ValueError as error:
+        outcome = str(error)
+    out = layer(x, ids, weights)  # the same layer goes on, on every rank
+    return outcome, moe_error(out, reference_moe(x, ids, weights, w13, w2))[0]
+
+
+def test_bad_id_on_one_rank_raises_on_every_rank_and_the_layer_goes_on():
+    results = run_distributed(_bad_id_on_one_rank, 2, timeout_s=60)
+    for outcome, error in results:
+        assert "ids out of range on rank 1: 1" in outcome, outcome
+        assert error < 1e-2

@@ -82,9 +82,10 @@ class ExpertParallelMoE(torch.nn.Module):
         policy: schedule policy of the weave backend (serial, spatial, static:<c>[,K], per_iteration, weave).
         device: where x, ids, weights and experts live; None = the current CUDA device (unless the group is gloo),
             else CPU.
-        check_expert_ids: verify every id is in [-1, E) on each call. For the nccl and reference backends it costs
-            one device-to-host sync (benchmarks turn it off) and only the rank with the bad ids raises. The weave
-            backend always checks, inside the counts it reads anyway (no extra sync), and every rank raises together.
+        check_expert_ids: verify every id is in [-1, E) on each call. With EP > 1 the nccl backend checks inside
+            its count exchange and the weave backend inside the counts it reads anyway (the weave backend always
+            checks): no extra sync, and every rank raises in the same call, so no peer is left waiting. At EP = 1
+            and for the reference backend it costs one device-to-host sync (benchmarks turn it off).
         **backend_options: passed to the backend (each backend rejects options it does not know).
 
     Expert weights are held by the backend, not registered as parameters: `.to()` does not move them.
@@ -115,6 +116,8 @@ class ExpertParallelMoE(torch.nn.Module):
         self.backend_name, self.policy = backend, policy
         self.backend = _backend_class(backend)(spec, self.group, self.rank, self.world_size, max_tokens_per_rank,
                                                self.device, policy=policy, **backend_options)
+        if getattr(self.backend, "checks_expert_ids", False) and hasattr(self.backend, "check_ids"):
+            self.backend.check_ids = check_expert_ids  # the backend checks inside an exchange it makes anyway
         self._loaded = False
 
     @property

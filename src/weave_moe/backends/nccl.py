@@ -131,7 +131,12 @@ class NcclBackend:
             # Row 0 stays zero for good (the combine gathers it for ranks a token does not visit); the combine's
             # all-to-all writes rows 1..S.
             self._combine_recv = torch.zeros(max_send_rows + 1, hidden, dtype=torch.bfloat16, device=self.device)
-            self._counts = torch.empty(2, world_size, 2, dtype=torch.int64, device=self.device)
+            # [sent, received] x destination x (rows, (token, expert) pairs, ids out of [-1, E) on the sender)
+            self._counts = torch.zeros(2, world_size, 3, dtype=torch.int64, device=self.device)
+        #: With EP > 1 the id check rides on the count exchange (every rank sees every rank's bad-id count and raises
+        #: in the same call; no extra sync). The layer sets `check_ids` from its `check_expert_ids`.
+        self.checks_expert_ids = world_size > 1
+        self.check_ids = True
 
     # ------------------------------------------------------------------ weights
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -222,6 +227,8 @@ class NcclBackend:
         send_counts = self._counts[0]  # [EP, 2]: rows, (token, expert) pairs per destination
         torch.sum(visits, 1, out=send_counts[:, 0])
         torch.sum(on_rank.view(world_size, -1), 1, out=send_counts[:, 1])
+        if self.check_ids:  # ids that floor-divide onto no rank are dropped above, so nothing fails before the check
+            send_counts[:, 2] = ((topk_ids < -1) | (topk_ids >= self.spec.num_experts)).sum()
         dist.all_to_all_single(self._counts[1], send_counts, group=self.group)
 
         # Queued behind the count exchange: the 1-based send row of every visited (rank, token) pair (0 = not sent),
@@ -232,6 +239,10 @@ class NcclBackend:
         local_ids = torch.where(on_rank, torch.remainder(topk_ids, num_experts), -1)  # [EP, T, k] int32
 
         counts = self._counts.tolist()  # the one host sync: all-to-all-v needs split sizes on the host
+        if self.check_ids and any(c[2] for c in counts[1]):
+            where = ", ".join(f"rank {r}: {c[2]}" for r, c in enumerate(counts[1]) if c[2])
+            raise ValueError(f"topk_ids must be in [-1, {self.spec.num_experts}) (-1 = no expert); ids out of range "
+                             f"on {where}")
         send_rows = [c[0] for c in counts[0]]
         recv_rows = [c[0] for c in counts[1]]
         num_pairs = sum(c[1] for c in counts[1])
