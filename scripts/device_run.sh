@@ -26,10 +26,11 @@ for stage in "$@"; do
     stall-repeat) for i in 1 2; do timeout 45 python3 -m weave_moe.validate --suite none --stall --out "$W/validate-stall-$i.json" --timeout 40 2>&1 | tail -2; done;;
     verify) for i in 1 2 3; do timeout 150 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --bad-ids --out "$W/validate-all-$i.json" --timeout 140 2>&1 | grep -vE "^PASS" | tail -4; done;;
     ab) # A/B of kernel configs (AB_CONFIGS="none tma=1 fused_serial=1 compile_layout=1 ..."): GPU correctness of
-        # every policy with the config, then the same bench for each, side by side with nccl
+        # serial / a chunked split / weave with the config, then the same bench for each, side by side with nccl.
+        # ~1.5-2.5 min per config (a compiled layout adds a compile per shape): four configs may need two calls.
         for cfg in ${AB_CONFIGS:-none tma=1 fused_serial=1 compile_layout=1}; do
           kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
-          WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 -m weave_moe.validate --suite quick --out "$W/validate-ab-$cfg.json" --timeout 190 2>&1 | tail -1
+          WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 -m weave_moe.validate --suite quick --variants weave:serial,weave:static:20,4,weave --out "$W/validate-ab-$cfg.json" --timeout 190 2>&1 | tail -1
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 250 python3 -m weave_moe.cli bench --models "${AB_MODELS:-qwen3-30b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens 2048,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --no-progress --name "ab-$cfg" --out "$W" --timeout 240 2>&1 | tail -4
         done;;
     profile) # where a call's time goes: torch.profiler CUDA/CPU tables + host step times, default vs compiled layout
