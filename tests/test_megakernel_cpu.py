@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent(
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor as TD
             descs = dict(USE_TMA=True, w13_desc=TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
-                         w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]), h_desc=TD.from_tensor(h, [16, 16]))
+                         w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]))
         for first, last in stages:
             mk.moe_megakernel[(grid,)](
                 x if T else out, out, w13, w2, ws.recv(), h, y, ws.comb(0), ws.peer_bases, ws.recv_offset,

@@ -125,8 +125,8 @@ TMA_SCRIPT = textwrap.dedent(
         tiles.gemm0_tile_tma(a, g, d, h, e, rs, nr, ns, H, I, BM, BN, BK, True)
 
     @triton.jit
-    def _gemm1t(hd, wd, y, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        tiles.gemm1_tile_tma(hd, wd, y, e, rs, nr, ns, H, I, BM, BN, BK, True)
+    def _gemm1t(h, wd, y, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        tiles.gemm1_tile_tma(h, wd, y, e, rs, nr, ns, H, I, BM, BN, BK, True)
 
     H, I, E = 40, 24, 3
     a = torch.randn(20, H).to(torch.bfloat16)
@@ -154,12 +154,11 @@ TMA_SCRIPT = textwrap.dedent(
     hh = torch.randn(30, I).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I) / I ** 0.5).to(torch.bfloat16)
     y = torch.full((30, H), float("nan"), dtype=torch.bfloat16)
-    hd = TensorDescriptor.from_tensor(hh, [16, 16])
     wd = TensorDescriptor.from_tensor(w2.view(E * H, I), [16, 16])
     for e, rs, nr in ((1, 4, 9), (E - 1, 20, 10), (0, 0, 3)):
         y.fill_(float("nan"))
         for n_start in (0, 32):
-            _gemm1t[(1,)](hd, wd, y, e, rs, nr, n_start, H, I, 16, 32, 16)
+            _gemm1t[(1,)](hh, wd, y, e, rs, nr, n_start, H, I, 16, 32, 16)
         want = (hh[rs:rs + nr].float() @ w2[e].float().T).to(torch.bfloat16)
         torch.testing.assert_close(y[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)
         assert y[:rs].isnan().all() and y[rs + nr:].isnan().all()

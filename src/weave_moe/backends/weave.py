@@ -68,7 +68,7 @@ class KernelConfig:
         # reduce tasks, ordered by the kernel's flags instead of three launch boundaries (saves three launches of host
         # time and the gaps between them). Off by default until the H200 pair has measured it.
         self.fused_serial = fused_serial
-        # Weights (and GEMM1's h) through the bulk tensor copy engine (host-built descriptors, once per layer); used when
+        # Expert weights through the bulk tensor copy engine (host-built descriptors, once per layer); used when
         # H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. Off by default until the H200 pair has measured it.
         self.tma = tma
         # The task tables through torch.compile (Inductor fuses the elementwise chains into a few Triton kernels),
@@ -211,15 +211,14 @@ class WeaveBackend:
         self.descriptors = self._tma_descriptors() if self.use_tma else {}
 
     def _tma_descriptors(self) -> dict:
-        """Host tensor descriptors of w13 [E_local*2I, H], w2 [E_local*H, I] and h [pairs, I] for the TMA tiles."""
+        """Host tensor descriptors of w13 [E_local*2I, H] and w2 [E_local*H, I] for the TMA tiles."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         cfg, H, I = self.config, self.spec.hidden_size, self.spec.intermediate_size
         return dict(
             USE_TMA=True,
             w13_desc=TensorDescriptor.from_tensor(self.w13.view(-1, H), [cfg.block_n0, cfg.block_k]),
-            w2_desc=TensorDescriptor.from_tensor(self.w2.view(-1, I), [cfg.block_n1 // 2, cfg.block_k1]),
-            h_desc=TensorDescriptor.from_tensor(self.h, [cfg.block_m, cfg.block_k1]))
+            w2_desc=TensorDescriptor.from_tensor(self.w2.view(-1, I), [cfg.block_n1 // 2, cfg.block_k1]))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if self.broken:

@@ -90,8 +90,8 @@ def moe_megakernel(
     DISPATCH_ROWS: tl.constexpr, COMBINE_ROWS: tl.constexpr, REDUCE_ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     DOT_FP32: tl.constexpr, TIMELINE: tl.constexpr, MAX_EVENTS: tl.constexpr,
     STAGES0: tl.constexpr = 3, STAGES1: tl.constexpr = 4, BLOCK_K1: tl.constexpr = 64,
-    # TMA (KernelConfig.tma): host-built tensor descriptors of w13 [E_local*2I, H], w2 [E_local*H, I], h [pairs, I]
-    w13_desc=None, w2_desc=None, h_desc=None, USE_TMA: tl.constexpr = False,
+    # TMA (KernelConfig.tma): host-built tensor descriptors of w13 [E_local*2I, H] and w2 [E_local*H, I]
+    w13_desc=None, w2_desc=None, USE_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_dispatch = tl.load(meta_ptr + 0)
@@ -169,7 +169,7 @@ def moe_megakernel(
                     sync.wait_at_least(ctrl_ptr + CTRL_GEMM0_DONE + mtile, n0_tiles, status_ptr,
                                        sync.ERROR_GEMM0_TIMEOUT, mtile, timeout_ns, False)
                     if USE_TMA:
-                        tiles.gemm1_tile_tma(h_desc, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
+                        tiles.gemm1_tile_tma(h_ptr, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
                                              BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1)
                     else:
                         tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
@@ -249,12 +249,11 @@ def compile_ptx(constexprs: dict, capability: int = 90) -> str:
     constexprs = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False), **constexprs)
     descriptors = {}
     if constexprs["USE_TMA"]:
-        bm, bk, bk1 = constexprs["BLOCK_M"], constexprs["BLOCK_K"], constexprs["BLOCK_K1"]
+        bk, bk1 = constexprs["BLOCK_K"], constexprs["BLOCK_K1"]
         descriptors = {"w13_desc": f"tensordesc<bf16[{constexprs['BLOCK_N0']},{bk}]>",
-                       "w2_desc": f"tensordesc<bf16[{constexprs['BLOCK_N1'] // 2},{bk1}]>",
-                       "h_desc": f"tensordesc<bf16[{bm},{bk1}]>"}
+                       "w2_desc": f"tensordesc<bf16[{constexprs['BLOCK_N1'] // 2},{bk1}]>"}
     else:
-        constexprs.update(w13_desc=None, w2_desc=None, h_desc=None)
+        constexprs.update(w13_desc=None, w2_desc=None)
     signature = {}
     for name in moe_megakernel.arg_names:
         if name in descriptors:

@@ -156,11 +156,12 @@ def _gemm1_pair(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I
              mask=mask_m[:, None] & (offs_hi < H)[None, :])
 
 
-# ---- TMA variants (KernelConfig.tma): the weights (and GEMM1's h) come through the bulk tensor copy engine ------------
+# ---- TMA variants (KernelConfig.tma): the expert weights come through the bulk tensor copy engine ---------------------
 # Descriptors are built on the host once per layer (triton.tools.tensor_descriptor.TensorDescriptor over 2-D views:
-# w13 [E_local * 2I, H], w2 [E_local * H, I], h [pairs, I]). A tile that runs past the end of its expert's rows reads
-# the next expert's rows (or zeros past the tensor); those columns / rows are never stored. The K tail past H or I is
-# zero-filled by the copy engine. GEMM0's A rows are gathered (dedup), so they stay pointer loads.
+# w13 [E_local * 2I, H], w2 [E_local * H, I]). A tile that runs past the end of its expert's rows reads the next
+# expert's rows (or zeros past the tensor); those columns are never stored. The K tail past H or I is zero-filled by
+# the copy engine. The A operands stay pointer loads: GEMM0's rows are gathered (dedup), and GEMM1's h is written by
+# other CTAs of the same kernel with ordinary stores (the async proxy would need a proxy fence to see them).
 
 
 @triton.jit
@@ -198,22 +199,27 @@ def gemm0_tile_tma(a_ptr, gather_ptr, w13_desc, h_ptr, expert, row_start, num_ro
 
 
 @triton.jit
-def gemm1_tile_tma(h_desc, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
+def gemm1_tile_tma(h_ptr, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
                    STAGES: tl.constexpr = 4):
-    """`gemm1_tile` with h (h_desc: [pairs, I], block [BLOCK_M, BLOCK_K]) and w2 (w2_desc: [E_local * H, I], block
-    [BLOCK_N // 2, BLOCK_K], two halves sharing each A block as in `_gemm1_pair`) loaded by TMA. BLOCK_N >= 256 only
-    (KernelConfig checks)."""
+    """`gemm1_tile` with w2 loaded by TMA (w2_desc: [E_local * H, I], block [BLOCK_N // 2, BLOCK_K]; two halves that
+    share each A block, as `_gemm1_pair`). h stays a pointer load: other CTAs wrote it with ordinary stores during
+    this kernel, and the copy engine (the async proxy) would need a proxy fence to see them; the weights never change
+    during a kernel."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < num_rows
+    rows = (row_start + tl.minimum(offs_m, num_rows - 1)).to(tl.int64)
     offs_lo = n_start + tl.arange(0, HALF_N)
     offs_hi = offs_lo + HALF_N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
     w_row = expert * H + n_start
     acc_lo = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
     acc_hi = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        a = h_desc.load([row_start, k0])
+        k_ok = (k0 + offs_k) < I
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
         lo = w2_desc.load([w_row, k0])
         hi = w2_desc.load([w_row + HALF_N, k0])
         if DOT_FP32:
@@ -222,6 +228,7 @@ def gemm1_tile_tma(h_desc, w2_desc, y_ptr, expert, row_start, num_rows, n_start,
             hi = hi.to(tl.float32)
         acc_lo = tl.dot(a, lo.T, acc_lo)
         acc_hi = tl.dot(a, hi.T, acc_hi)
+        a_ptrs += BLOCK_K
     row_ptrs = y_ptr + (row_start + offs_m)[:, None].to(tl.int64) * H
     tl.store(row_ptrs + offs_lo[None, :], acc_lo.to(y_ptr.dtype.element_ty),
              mask=mask_m[:, None] & (offs_lo < H)[None, :])
