@@ -22,7 +22,6 @@ for stage in "$@"; do
     diag-edge) timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge.json" --timeout 70 > "$W/diag-edge.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-edge.log" | tail -40;;
     diag-edge-eager) WEAVE_MOE_CUDA_GRAPH=0 timeout 75 python3 -m weave_moe.validate --suite edge --trace 50 --out "$W/diag-edge-eager.json" --timeout 70 > "$W/diag-edge-eager.log" 2>&1; echo "rc=$?"; grep -vE "^PASS|^\[rank" "$W/diag-edge-eager.log" | tail -25;;
     diag-stress) timeout 65 python3 -m weave_moe.validate --suite quick --stress-calls 300 --stall --trace 40 --out "$W/diag-stress.json" --timeout 60 > "$W/diag-stress.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-stress.log" | tail -40;;
-    stall-probe) for cfg in "weave 1" "weave 0" "serial 1" "static:20 1"; do timeout 55 python3 scripts/stall_probe.py $cfg 2>&1 | grep -E "^rank|probe|Error" | cut -c1-700; done;;
     stall-repeat) for i in 1 2; do timeout 45 python3 -m weave_moe.validate --suite none --stall --out "$W/validate-stall-$i.json" --timeout 40 2>&1 | tail -2; done;;
     verify) for i in 1 2 3; do timeout 150 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --bad-ids --out "$W/validate-all-$i.json" --timeout 140 2>&1 | grep -vE "^PASS" | tail -4; done;;
     ab) # A/B of kernel configs (AB_CONFIGS="none tma=1 fused_serial=1 compile_layout=1 ..."): GPU correctness of

@@ -121,12 +121,12 @@ TMA_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
 
     @triton.jit
-    def _gemm0t(a, g, d, h, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        tiles.gemm0_tile_tma(a, g, d, h, e, rs, nr, ns, H, I, BM, BN, BK, True)
+    def _gemm0t(a, g, w, d, h, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        tiles.gemm0_tile(a, g, w, h, e, rs, nr, ns, H, I, BM, BN, BK, True, 2, d, True)
 
     @triton.jit
-    def _gemm1t(h, wd, y, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        tiles.gemm1_tile_tma(h, wd, y, e, rs, nr, ns, H, I, BM, BN, BK, True)
+    def _gemm1t(h, w, wd, y, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        tiles.gemm1_tile(h, w, y, e, rs, nr, ns, H, I, BM, BN, BK, True, 2, wd, True)
 
     H, I, E = 40, 24, 3
     a = torch.randn(20, H).to(torch.bfloat16)
@@ -135,7 +135,7 @@ TMA_SCRIPT = textwrap.dedent(
     h = torch.full((30, I), float("nan"), dtype=torch.bfloat16)
     d = TensorDescriptor.from_tensor(w13.view(E * 2 * I, H), [16, 16])
     for n_start in (0, 16):
-        _gemm0t[(1,)](a, gather, d, h, 2, 5, 11, n_start, H, I, 16, 16, 16)
+        _gemm0t[(1,)](a, gather, w13, d, h, 2, 5, 11, n_start, H, I, 16, 16, 16)
     gu = a[gather[5:16].long()].float() @ w13[2].float().T
     want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
     torch.testing.assert_close(h[5:16].float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -144,7 +144,7 @@ TMA_SCRIPT = textwrap.dedent(
     for e in (0, E - 1):
         h.fill_(float("nan"))
         for n_start in (0, 16):
-            _gemm0t[(1,)](a, gather, d, h, e, 0, 7, n_start, H, I, 16, 16, 16)
+            _gemm0t[(1,)](a, gather, w13, d, h, e, 0, 7, n_start, H, I, 16, 16, 16)
         gu = a[gather[0:7].long()].float() @ w13[e].float().T
         want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
         torch.testing.assert_close(h[0:7].float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -158,7 +158,7 @@ TMA_SCRIPT = textwrap.dedent(
     for e, rs, nr in ((1, 4, 9), (E - 1, 20, 10), (0, 0, 3)):
         y.fill_(float("nan"))
         for n_start in (0, 32):
-            _gemm1t[(1,)](hh, wd, y, e, rs, nr, n_start, H, I, 16, 32, 16)
+            _gemm1t[(1,)](hh, w2, wd, y, e, rs, nr, n_start, H, I, 16, 32, 16)
         want = (hh[rs:rs + nr].float() @ w2[e].float().T).to(torch.bfloat16)
         torch.testing.assert_close(y[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)
         assert y[:rs].isnan().all() and y[rs + nr:].isnan().all()

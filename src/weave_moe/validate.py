@@ -137,17 +137,24 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
     return rows
 
 
+def _weave_layer(spec, rank, world_size, group, device, seed, max_tokens, **options):
+    """A weave layer holding this rank's experts, and the full expert set (for the reference)."""
+    from weave_moe.layer import ExpertParallelMoE
+
+    w13, w2 = make_experts(spec, seed=seed, device=device)
+    local = spec.num_experts // world_size
+    layer = ExpertParallelMoE(spec, group=group, backend="weave", device=device, max_tokens_per_rank=max_tokens,
+                              **options)
+    layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
+    return layer, w13, w2
+
+
 def _stress(rank, world_size, group, device, calls, policy) -> dict:
     """`calls` back-to-back calls with fresh routing each; every 50th (and the last) is checked."""
     from weave_moe import routing
-    from weave_moe.layer import ExpertParallelMoE
 
     spec = MoESpec(64, 6, 1024, 512, name="stress")
-    w13, w2 = make_experts(spec, seed=3, device=device)
-    local = spec.num_experts // world_size
-    layer = ExpertParallelMoE(spec, group=group, backend="weave", policy=policy, device=device,
-                              max_tokens_per_rank=1024, debug_poison=True)
-    layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
+    layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 3, 1024, policy=policy, debug_poison=True)
     worst, checked, start = 0.0, 0, time.perf_counter()
     try:
         for call in range(calls):
@@ -173,14 +180,8 @@ def _stress(rank, world_size, group, device, calls, policy) -> dict:
 def _bad_ids(rank, world_size, group, device) -> dict:
     """The last rank passes an id >= E: every rank must raise ValueError in the same call (no rank left waiting),
     and the next call of the same layer, with valid ids, must match the reference."""
-    from weave_moe.layer import ExpertParallelMoE
-
     spec = MoESpec(16, 2, 256, 128, name="bad-ids")
-    w13, w2 = make_experts(spec, seed=2, device=device)
-    local = spec.num_experts // world_size
-    layer = ExpertParallelMoE(spec, group=group, backend="weave", device=device, max_tokens_per_rank=64,
-                              debug_poison=True)
-    layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
+    layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 2, 64, debug_poison=True)
     gen = torch.Generator(device).manual_seed(rank)
     ids = torch.stack([torch.randperm(spec.num_experts, generator=gen, device=device)[:2] for _ in range(64)])
     x = torch.randn(64, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16)
@@ -208,15 +209,10 @@ def _bad_ids(rank, world_size, group, device) -> dict:
 def _stall(rank, world_size, group, device) -> dict:
     """Rank world_size-1 never launches its kernel: every other rank must raise WeaveTimeoutError within seconds."""
     from weave_moe.backends.weave import WeaveTimeoutError
-    from weave_moe.layer import ExpertParallelMoE
-
     spec = MoESpec(16, 2, 256, 128, name="stall")
-    w13, w2 = make_experts(spec, seed=1, device=device)
-    local = spec.num_experts // world_size
     stalled = rank == world_size - 1
-    layer = ExpertParallelMoE(spec, group=group, backend="weave", device=device, max_tokens_per_rank=64,
-                              timeout_s=2.0, debug_skip_launch=stalled)
-    layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
+    layer, _, _ = _weave_layer(spec, rank, world_size, group, device, 1, 64, timeout_s=2.0,
+                               debug_skip_launch=stalled)
     ids = torch.randint(0, spec.num_experts, (64, 1), device=device).repeat(1, 2)
     ids[:, 1] = (ids[:, 0] + 1) % spec.num_experts
     x = torch.randn(64, spec.hidden_size, device=device).to(torch.bfloat16)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from weave_moe.backends import raise_on_bad_ids
 from weave_moe.models import MoESpec
 
 __all__ = ["NcclBackend", "Dispatched"]
@@ -239,10 +240,8 @@ class NcclBackend:
         local_ids = torch.where(on_rank, torch.remainder(topk_ids, num_experts), -1)  # [EP, T, k] int32
 
         counts = self._counts.tolist()  # the one host sync: all-to-all-v needs split sizes on the host
-        if self.check_ids and any(c[2] for c in counts[1]):
-            where = ", ".join(f"rank {r}: {c[2]}" for r, c in enumerate(counts[1]) if c[2])
-            raise ValueError(f"topk_ids must be in [-1, {self.spec.num_experts}) (-1 = no expert); ids out of range "
-                             f"on {where}")
+        if self.check_ids:
+            raise_on_bad_ids([c[2] for c in counts[1]], self.spec.num_experts)
         send_rows = [c[0] for c in counts[0]]
         recv_rows = [c[0] for c in counts[1]]
         num_pairs = sum(c[1] for c in counts[1])

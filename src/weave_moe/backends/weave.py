@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from weave_moe.backends import raise_on_bad_ids
 from weave_moe.kernels import megakernel as mk
 from weave_moe.kernels.sync import ERROR_NAMES
 from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, pack_routing, parse_counts, routing_pad
@@ -248,13 +249,8 @@ class WeaveBackend:
         clock.lap("sync")
         self._raise_on_status(host[-4:])
         ep = self.world_size
-        bad_ids = host[-4 - ep:-4]
-        if any(bad_ids):
-            # Every rank sees every rank's count, so every rank raises here, before any kernel of this call: no rank
-            # is left waiting for a peer, and the layer stays usable.
-            where = ", ".join(f"rank {r}: {n}" for r, n in enumerate(bad_ids) if n)
-            raise ValueError(f"topk_ids must be in [-1, {spec.num_experts}) (-1 = no expert); ids out of range on "
-                             f"{where}")
+        # Every rank sees every rank's count and raises here, before any kernel of this call: the layer stays usable.
+        raise_on_bad_ids(host[-4 - ep:-4], spec.num_experts)
         counts = parse_counts(host[:-4 - ep], self.world_size, spec.num_experts)
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
         if self.fixed_plan is not None:

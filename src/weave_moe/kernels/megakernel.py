@@ -155,12 +155,8 @@ def moe_megakernel(
                                                          source * 16 + chunk, timeout_ns, True)
                         if ok != 0:
                             arrived_chunks = arrived_chunks | (1 << chunk)
-                    if USE_TMA:
-                        tiles.gemm0_tile_tma(recv_ptr, gather_ptr, w13_desc, h_ptr, expert, row_start, num_rows,
-                                             n_start, H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0)
-                    else:
-                        tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
-                                         H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0)
+                    tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
+                                     H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0, w13_desc, USE_TMA)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
@@ -168,12 +164,8 @@ def moe_megakernel(
                 else:
                     sync.wait_at_least(ctrl_ptr + CTRL_GEMM0_DONE + mtile, n0_tiles, status_ptr,
                                        sync.ERROR_GEMM0_TIMEOUT, mtile, timeout_ns, False)
-                    if USE_TMA:
-                        tiles.gemm1_tile_tma(h_ptr, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
-                                             BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1)
-                    else:
-                        tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
-                                         BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1)
+                    tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
+                                     BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1, w2_desc, USE_TMA)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM1_DONE + chunk, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,

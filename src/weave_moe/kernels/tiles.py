@@ -33,12 +33,17 @@ def dispatch_rows(x_ptr, dst_ptr, token_ptr, slot_ptr, start, count, H,
 @triton.jit
 def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start, H, I,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-               STAGES: tl.constexpr = 3):
+               STAGES: tl.constexpr = 3, w13_desc=None, USE_TMA: tl.constexpr = False):
     """h[row_start + m, n_start + n] = silu(a_m . gate_n) * (a_m . up_n), a_m = a[gather[row_start + m]].
 
     a: [*, H] bf16 receive buffer; gather: [pairs] int32 rows of a; w13: [E_local, 2I, H] bf16 (gate rows, then up
     rows); h: [pairs, I] bf16. The gate and up columns of the tile are multiplied together so SiLU-mul fuses into
     the epilogue and h is written once, rounded to bf16 (as the reference does).
+
+    USE_TMA (KernelConfig.tma): the gate and up blocks come through the bulk tensor copy engine from `w13_desc`, a
+    host-built descriptor of w13 as [E_local * 2I, H] with block [BLOCK_N, BLOCK_K]. A tile past its expert's I rows
+    reads the next rows (or zeros past the tensor): those columns are never stored; the K tail past H is zero-filled.
+    The A rows are gathered (dedup), so they stay pointer loads.
     """
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < num_rows
@@ -50,13 +55,18 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
     a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
     gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I) * H + cols[None, :] * H + offs_k[:, None]
     up_ptrs = gate_ptrs + I * H
+    gate_row = expert * (2 * I) + n_start  # TMA coordinates of the gate block; the up block is I rows further
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < H
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-        up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
+        if USE_TMA:
+            gate = w13_desc.load([gate_row, k0]).T
+            up = w13_desc.load([gate_row + I, k0]).T
+        else:
+            gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
+            up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
             gate = gate.to(tl.float32)
@@ -74,16 +84,21 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
 @triton.jit
 def gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-               STAGES: tl.constexpr = 4):
+               STAGES: tl.constexpr = 4, w2_desc=None, USE_TMA: tl.constexpr = False):
     """y[row_start + m, n_start + n] = h[row_start + m] . w2[expert, n_start + n].
 
     h: [pairs, I] bf16 (rows of one expert are contiguous); w2: [E_local, H, I] bf16; y: [pairs, H] bf16.
     A tile of BLOCK_N >= 256 columns runs as two BLOCK_N / 2 halves that share each A block (two accumulators), the
     shape GEMM0 uses for gate and up: on H200 one 128x256 dot measured slower than two 128x128 dots.
+
+    USE_TMA (KernelConfig.tma, paired tiles only): the w2 blocks come from `w2_desc`, a host-built descriptor of w2
+    as [E_local * H, I] with block [BLOCK_N // 2, BLOCK_K] (columns past H read the next rows and are never stored).
+    h stays a pointer load: other CTAs wrote it with ordinary stores during this kernel, and the copy engine (the
+    async proxy) would need a proxy fence to see them; the weights never change during a kernel.
     """
-    if BLOCK_N >= 256:
+    if BLOCK_N >= 256 or USE_TMA:
         _gemm1_pair(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
-                    BLOCK_M, BLOCK_N // 2, BLOCK_K, DOT_FP32, STAGES)
+                    BLOCK_M, BLOCK_N // 2, BLOCK_K, DOT_FP32, STAGES, w2_desc, USE_TMA)
     else:
         _gemm1_single(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
                       BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES)
@@ -120,7 +135,7 @@ def _gemm1_single(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H,
 @triton.jit
 def _gemm1_pair(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
                 BLOCK_M: tl.constexpr, HALF_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                STAGES: tl.constexpr):
+                STAGES: tl.constexpr, w2_desc=None, USE_TMA: tl.constexpr = False):
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < num_rows
     rows = (row_start + tl.minimum(offs_m, num_rows - 1)).to(tl.int64)
@@ -133,13 +148,18 @@ def _gemm1_pair(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I
     w_base = w2_ptr + expert.to(tl.int64) * H * I
     lo_ptrs = w_base + cols_lo[None, :] * I + offs_k[:, None]
     hi_ptrs = w_base + cols_hi[None, :] * I + offs_k[:, None]
+    w_row = expert * H + n_start  # TMA coordinates of the low half; the high half is HALF_N rows further
     acc_lo = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
     acc_hi = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < I
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        lo = tl.load(lo_ptrs, mask=k_ok[:, None], other=0.0)
-        hi = tl.load(hi_ptrs, mask=k_ok[:, None], other=0.0)
+        if USE_TMA:
+            lo = w2_desc.load([w_row, k0]).T
+            hi = w2_desc.load([w_row + HALF_N, k0]).T
+        else:
+            lo = tl.load(lo_ptrs, mask=k_ok[:, None], other=0.0)
+            hi = tl.load(hi_ptrs, mask=k_ok[:, None], other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
             lo = lo.to(tl.float32)
@@ -149,86 +169,6 @@ def _gemm1_pair(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I
         a_ptrs += BLOCK_K
         lo_ptrs += BLOCK_K
         hi_ptrs += BLOCK_K
-    row_ptrs = y_ptr + (row_start + offs_m)[:, None].to(tl.int64) * H
-    tl.store(row_ptrs + offs_lo[None, :], acc_lo.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & (offs_lo < H)[None, :])
-    tl.store(row_ptrs + offs_hi[None, :], acc_hi.to(y_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & (offs_hi < H)[None, :])
-
-
-# ---- TMA variants (KernelConfig.tma): the expert weights come through the bulk tensor copy engine ---------------------
-# Descriptors are built on the host once per layer (triton.tools.tensor_descriptor.TensorDescriptor over 2-D views:
-# w13 [E_local * 2I, H], w2 [E_local * H, I]). A tile that runs past the end of its expert's rows reads the next
-# expert's rows (or zeros past the tensor); those columns are never stored. The K tail past H or I is zero-filled by
-# the copy engine. The A operands stay pointer loads: GEMM0's rows are gathered (dedup), and GEMM1's h is written by
-# other CTAs of the same kernel with ordinary stores (the async proxy would need a proxy fence to see them).
-
-
-@triton.jit
-def gemm0_tile_tma(a_ptr, gather_ptr, w13_desc, h_ptr, expert, row_start, num_rows, n_start, H, I,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                   STAGES: tl.constexpr = 3):
-    """`gemm0_tile` with the gate and up blocks of w13 loaded by TMA (w13_desc: [E_local * 2I, H], block
-    [BLOCK_N, BLOCK_K])."""
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < num_rows
-    rows = tl.load(gather_ptr + row_start + tl.minimum(offs_m, num_rows - 1)).to(tl.int64)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
-    gate_row = expert * (2 * I) + n_start
-    up_row = gate_row + I
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        k_ok = (k0 + offs_k) < H
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        gate = w13_desc.load([gate_row, k0])
-        up = w13_desc.load([up_row, k0])
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            gate = gate.to(tl.float32)
-            up = up.to(tl.float32)
-        acc_gate = tl.dot(a, gate.T, acc_gate)
-        acc_up = tl.dot(a, up.T, acc_up)
-        a_ptrs += BLOCK_K
-    h = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    out_ptrs = h_ptr + (row_start + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
-    tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def gemm1_tile_tma(h_ptr, w2_desc, y_ptr, expert, row_start, num_rows, n_start, H, I,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                   STAGES: tl.constexpr = 4):
-    """`gemm1_tile` with w2 loaded by TMA (w2_desc: [E_local * H, I], block [BLOCK_N // 2, BLOCK_K]; two halves that
-    share each A block, as `_gemm1_pair`). h stays a pointer load: other CTAs wrote it with ordinary stores during
-    this kernel, and the copy engine (the async proxy) would need a proxy fence to see them; the weights never change
-    during a kernel."""
-    HALF_N: tl.constexpr = BLOCK_N // 2
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < num_rows
-    rows = (row_start + tl.minimum(offs_m, num_rows - 1)).to(tl.int64)
-    offs_lo = n_start + tl.arange(0, HALF_N)
-    offs_hi = offs_lo + HALF_N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
-    w_row = expert * H + n_start
-    acc_lo = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        k_ok = (k0 + offs_k) < I
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        lo = w2_desc.load([w_row, k0])
-        hi = w2_desc.load([w_row + HALF_N, k0])
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
-        acc_lo = tl.dot(a, lo.T, acc_lo)
-        acc_hi = tl.dot(a, hi.T, acc_hi)
-        a_ptrs += BLOCK_K
     row_ptrs = y_ptr + (row_start + offs_m)[:, None].to(tl.int64) * H
     tl.store(row_ptrs + offs_lo[None, :], acc_lo.to(y_ptr.dtype.element_ty),
              mask=mask_m[:, None] & (offs_lo < H)[None, :])
