@@ -361,33 +361,39 @@ class WeaveBackend:
     def _replay(self, name: str, build):
         """Run `build` (torch ops on static buffers, static shapes) as a captured CUDA graph: one replay instead of
         dozens of launches, each of which costs ~30 us of host time on the H200 machine. Falls back to eager
-        execution, with a warning, if capture fails."""
+        execution, with a warning, if capture fails.
+
+        The first call of a name runs `build` eagerly (the warm-up) and returns that run's result; the capture that
+        follows records without executing. `build` need not be idempotent: the counts graph masks bad expert ids in
+        place, so running it twice on one call's routing would count them once and report zero the second time.
+        """
         if not self.use_cuda_graph:
             return build()
-        if name not in self.graphs:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                build()  # warm-up outside capture (allocator, lazy inits)
-            # Capture with nothing in flight and in thread-local mode: the NCCL watchdog thread polls events of
-            # pending collectives, and in the default ("global") mode such a call from another thread during the
-            # capture invalidates it and errors in the watchdog (suspected cause of a hang seen once on the H200
-            # pair when the counts graph was captured right behind the routing all-gather).
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    output = build()
-            except RuntimeError as error:  # an op that synchronises cannot be captured
-                import warnings
+        if name in self.graphs:
+            graph, output = self.graphs[name]
+            graph.replay()
+            return output
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            first = build()  # this call's result, and the warm-up of the capture (allocator, lazy inits)
+        # Capture with nothing in flight and in thread-local mode: the NCCL watchdog thread polls events of
+        # pending collectives, and in the default ("global") mode such a call from another thread during the
+        # capture invalidates it and errors in the watchdog (suspected cause of a hang seen once on the H200
+        # pair when the counts graph was captured right behind the routing all-gather).
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                output = build()
+        except RuntimeError as error:  # an op that synchronises cannot be captured
+            import warnings
 
-                warnings.warn(f"weave: CUDA graph capture of {name} failed ({error}); running it eagerly")
-                self.use_cuda_graph = False
-                return build()
-            self.graphs[name] = (graph, output)
-        graph, output = self.graphs[name]
-        graph.replay()
-        return output
+            warnings.warn(f"weave: CUDA graph capture of {name} failed ({error}); running it eagerly")
+            self.use_cuda_graph = False
+            return first
+        self.graphs[name] = (graph, output)
+        return first
 
     def _raise_on_status(self, status: list[int]) -> None:
         code = status[0]
