@@ -59,7 +59,7 @@ class KernelConfig:
 
     def __init__(self, block_m=128, block_n0=128, block_n1=256, block_k=64, dispatch_rows=16, combine_rows=16,
                  reduce_rows=16, block_h=512, num_warps=8, num_stages=3, dot_fp32=False, stages0=4, stages1=4,
-                 block_k1=64, fused_serial=False, tma=False, compile_layout=False):
+                 block_k1=64, fused_serial=False, tma=True, compile_layout=True):
         self.block_m, self.block_n0, self.block_n1, self.block_k = block_m, block_n0, block_n1, block_k
         self.dispatch_rows, self.combine_rows, self.reduce_rows = dispatch_rows, combine_rows, reduce_rows
         self.block_h, self.num_warps, self.num_stages, self.dot_fp32 = block_h, num_warps, num_stages, dot_fp32
@@ -67,15 +67,18 @@ class KernelConfig:
         self.block_k1 = block_k1                        # K step of GEMM1 (its K is I, often short)
         # The serial schedule (c = N) as ONE launch: every CTA dispatches, then every CTA takes GEMM tiles, combine and
         # reduce tasks, ordered by the kernel's flags instead of three launch boundaries (saves three launches of host
-        # time and the gaps between them). Off by default until the H200 pair has measured it.
+        # time and the gaps between them). Off: on the H200 pair it measured 1.002x the three launches (fef48c7,
+        # bench/results/ab-h200x2-fef48c7.json), within noise.
         self.fused_serial = fused_serial
         # Expert weights through the bulk tensor copy engine (host-built descriptors, once per layer); used when
-        # H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. Off by default until the H200 pair has measured it.
+        # H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. On: 1.027x faster weave calls on the H200 pair
+        # (geomean of 12 rows, every row faster, up to 1.057x on deepseek-v3 at 8192 tokens; fef48c7).
         self.tma = tma
         # The task tables through torch.compile (Inductor fuses the elementwise chains into a few Triton kernels),
         # then captured as before: the eager layout graph holds ~260 small kernels, each ~1-2 us of GPU time even when
-        # replayed from a graph, on the critical path of every call. Costs a compile per layer shape (tens of
-        # seconds). Off by default until measured.
+        # replayed from a graph, on the critical path of every call. Costs a compile per layer shape and rank (seconds,
+        # on the first call). On: 1.19x faster weave calls on the H200 pair (geomean of 12 rows; 1.35x at 2048 tokens,
+        # where this host-side chain dominates; fef48c7). compile_layout=0 in WEAVE_MOE_KERNEL_CONFIG turns it off.
         self.compile_layout = compile_layout
 
     @classmethod
