@@ -4,6 +4,7 @@ This checks every index the kernel uses (dispatch slots, arrival counts, sorted 
 combine positions and weights, reduce masks) without a GPU: the kernel does exactly these reads and writes.
 """
 
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -199,3 +200,38 @@ def test_compiled_build_layout_equals_eager():
     for field in dataclasses.fields(eager):
         a, b = getattr(eager, field.name), getattr(compiled, field.name)
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (__import__("shutil").which("g++") or __import__("shutil").which("c++")),
+                    reason="Inductor's CPU backend needs a C++ compiler")
+def test_compiled_layout_past_the_compile_limit_falls_back_to_eager_tables(monkeypatch):
+    """More layer shapes in one process than LAYOUT_COMPILE_LIMIT: fullgraph=True makes Dynamo raise on the next
+    recompile (it did on the H200 pair in the validation suite); the builder warns and returns the eager tables."""
+    import dataclasses
+
+    import torch._dynamo
+
+    from weave_moe import routing
+    from weave_moe.backends import weave
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(weave, "LAYOUT_COMPILE_LIMIT", 1)
+    world, k = 2, 2
+    results = []
+    for tokens, experts in ((16, 8), (24, 8)):          # two shapes, limit one
+        ids = torch.stack([routing.uniform(tokens, experts, k, seed=r)[0].int() for r in range(world)])
+        args = (ids, torch.rand(world, tokens, k), torch.tensor([tokens, tokens]), torch.tensor([1, 2]), 0, experts)
+        kwargs = dict(hidden_size=64, intermediate_size=32, block_m=16, block_n0=16, block_n1=32, dispatch_rows=4,
+                      combine_rows=4, reduce_rows=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layout, compiled = weave.build_layout_compiled_or_eager(*args, **kwargs)
+        results.append((compiled, [str(w.message) for w in caught]))
+        eager = build_layout(*args, **kwargs)
+        for field in dataclasses.fields(eager):
+            a, b = getattr(eager, field.name), getattr(layout, field.name)
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, field.name
+    torch._dynamo.reset()
+    assert results[0][0] is True
+    assert results[1][0] is False and any("building them eagerly" in m for m in results[1][1])

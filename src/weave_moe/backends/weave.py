@@ -97,6 +97,10 @@ class KernelConfig:
 
 
 _COMPILED_BUILD_LAYOUT = None
+#: Layer shapes (and ranks) one process may compile the task tables for before falling back to eager tables. Dynamo
+#: keeps one cache per code object with a limit of 8 entries by default, and fullgraph=True turns hitting it into an
+#: error: a process with more than 8 layer shapes (the validation suite) failed that way on the H200 pair (bb8bd82).
+LAYOUT_COMPILE_LIMIT = 64
 
 
 def _compiled_build_layout():
@@ -105,6 +109,24 @@ def _compiled_build_layout():
     if _COMPILED_BUILD_LAYOUT is None:
         _COMPILED_BUILD_LAYOUT = torch.compile(build_layout, fullgraph=True, dynamic=False)
     return _COMPILED_BUILD_LAYOUT
+
+
+def build_layout_compiled_or_eager(*args, **kwargs):
+    """`build_layout` through torch.compile, or eagerly (with a warning) if compiling fails, e.g. past
+    LAYOUT_COMPILE_LIMIT shapes. Returns (layout, compiled: bool); the caller keeps using eager tables once it is
+    False. Both give the same tables bit for bit (tests/test_layout.py)."""
+    import torch._dynamo.config as dynamo_config
+
+    field = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    try:
+        with dynamo_config.patch(**{field: LAYOUT_COMPILE_LIMIT}):
+            return _compiled_build_layout()(*args, **kwargs), True
+    except Exception as error:  # noqa: BLE001 - any compile failure: the eager tables are the same
+        import warnings
+
+        warnings.warn(f"weave: torch.compile of the task tables failed ({type(error).__name__}: "
+                      f"{str(error)[:200]}); building them eagerly for this layer")
+        return build_layout(*args, **kwargs), False
 
 
 def _quantize(value: int) -> int:
@@ -206,6 +228,7 @@ class WeaveBackend:
         self.broken: str | None = None
         self.w13 = self.w2 = None
         self.descriptors: dict = {}
+        self.compile_layout = self.config.compile_layout  # False from the first failed compile on (eager tables)
         self.use_tma = bool(self.config.tma and spec.hidden_size % 8 == 0 and spec.intermediate_size % 8 == 0
                             and self.config.block_n1 >= 256)
 
@@ -329,12 +352,14 @@ class WeaveBackend:
         words = self.max_tokens * k
         all_ids = self.all_routing[:, :words].view(self.world_size, self.max_tokens, k)
         all_weights = self.all_routing[:, words:2 * words].view(torch.float32).view(self.world_size, self.max_tokens, k)
-        builder = _compiled_build_layout() if cfg.compile_layout else build_layout
-        return builder(
-            all_ids, all_weights, self.all_routing[:, -1], self.chunks_device, self.rank, spec.num_experts,
-            hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
-            block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
-            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+        args = (all_ids, all_weights, self.all_routing[:, -1], self.chunks_device, self.rank, spec.num_experts)
+        kwargs = dict(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
+                      block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
+                      combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+        if self.compile_layout:
+            layout, self.compile_layout = build_layout_compiled_or_eager(*args, **kwargs)
+            return layout
+        return build_layout(*args, **kwargs)
 
     def _counts_and_status(self) -> torch.Tensor:
         """[EP tokens | EP*EP send rows | E expert pairs | EP bad ids | 4 status words] int32, from the static routing
