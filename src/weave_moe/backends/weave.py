@@ -476,7 +476,8 @@ class WeaveBackend:
 
     def _ensure_compiled(self, args, constexprs, comm, steal) -> None:
         """Compile before the first launch and line the ranks up, so no rank's waits time out while a peer is still
-        compiling (a cold compile takes far longer than the kernel's deadlines)."""
+        compiling (a cold compile takes far longer than the kernel's deadlines). The first call's task-table compile
+        (KernelConfig.compile_layout, ~10 s per layer shape cold) happens before this barrier too."""
         key = tuple(sorted((k, v) for k, v in constexprs.items()))
         if key in self.compiled:
             return
