@@ -3,11 +3,17 @@ scripts/device_run.sh), rebuild the routing the bench drew (same seeds), predict
 HardwareProfile, and report the measured gap of the planner's choice. CPU only.
 
     python scripts/sweep_model.py bench/results/ck-sweep-h200x2.json [--profile PATH]
+
+With --fit, first refit the two fields that move with the kernel and the host path, gemm_tile_efficiency and
+call_overhead_us, to this sweep (grid over the efficiency; for each, the overhead is the median of measured minus
+predicted serial; keep the pair with the smallest mean prediction error over every measured variant), report with the
+refitted profile, and write it with --write PATH.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import statistics
 import time
@@ -50,11 +56,32 @@ def predicted_ms(wls, profile, variant: str) -> float:
     return statistics.fmean(values) * 1e-3
 
 
+def fit(by_config, profile):
+    """(profile with refitted gemm_tile_efficiency and call_overhead_us, mean error, rows used)."""
+    cases = []
+    for (model, tokens, routing), variants in by_config.items():
+        wls = workloads(MoESpec.from_name(model), tokens, routing)
+        cases.append((wls, {v: r["median_ms"] for v, r in variants.items() if v != "weave"}))
+    best = None
+    for step in range(45, 101):
+        trial = dataclasses.replace(profile, gemm_tile_efficiency=step / 100, call_overhead_us=0.0)
+        preds = [(measured, {v: predicted_ms(wls, trial, v) for v in measured}) for wls, measured in cases]
+        overhead = statistics.median(m["weave:serial"] - p["weave:serial"] for m, p in preds if "weave:serial" in m)
+        if overhead < 0:  # the kernel alone is predicted slower than measured: efficiency too low
+            continue
+        error = statistics.fmean(abs(p[v] + overhead - m[v]) / m[v] for m, p in preds for v in m)
+        if best is None or error < best[1]:
+            best = (dataclasses.replace(trial, call_overhead_us=round(overhead * 1e3, 1)), error)
+    return best
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("result")
     parser.add_argument("--profile", default=None)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--fit", action="store_true", help="refit gemm_tile_efficiency and call_overhead_us first")
+    parser.add_argument("--write", default=None, help="with --fit: write the refitted profile here (JSON)")
     args = parser.parse_args(argv)
     profile = HardwareProfile.load(args.profile) if args.profile else HardwareProfile.default()
     data = json.load(open(args.result))
@@ -62,6 +89,14 @@ def main(argv=None):
     for row in data["rows"]:
         if row.get("median_ms") and row["backend"] == "weave":
             by_config[row["model"], row["tokens_per_rank"], row["routing"]][row["variant"]] = row
+    if args.fit:
+        before = (profile.gemm_tile_efficiency, profile.call_overhead_us)
+        profile, error = fit(by_config, profile)
+        print(f"fit: gemm_tile_efficiency {before[0]:.3f} -> {profile.gemm_tile_efficiency:.3f}, call_overhead_us "
+              f"{before[1]:.0f} -> {profile.call_overhead_us:.0f} (mean prediction error {100 * error:.1f}%, in sample)")
+        if args.write:
+            with open(args.write, "w") as handle:
+                json.dump(dataclasses.asdict(profile), handle, indent=2)
     gaps, errors, plan_us = [], [], []
     for (model, tokens, routing), variants in by_config.items():
         spec = MoESpec.from_name(model)
