@@ -245,7 +245,7 @@ def build_layout(
     recv_row = pair_source * max_tokens + slot[pair_source, pair_token, rank]
     sort_key = ((pair_chunk * num_local + pair_expert) * world_size + pair_source) * max_tokens + pair_token
     sort_key = torch.where(pair_valid, sort_key, MAX_CHUNKS * num_local * ep_tokens)
-    order = torch.argsort(sort_key)
+    order = _argsort(sort_key, MAX_CHUNKS * num_local * ep_tokens)
     gather_rows = recv_row[order].to(**int32)
     pair_pos = torch.empty_like(order)
     pair_pos[order] = torch.arange(max_pairs, device=device)
@@ -268,7 +268,7 @@ def build_layout(
     num_n = max(n0, n1)
     gemm0, key0 = _tile_rows(0, m_chunk, m_expert, m_start, m_rows, mtile, n0, block_n0, rank0, num_n)
     gemm1, key1 = _tile_rows(1, m_chunk, m_expert, m_start, m_rows, mtile, n1, block_n1, rank1, num_n)
-    gemm_order = torch.argsort(torch.cat([key0, key1]))
+    gemm_order = _argsort(torch.cat([key0, key1]), (big + 1) * max_mtiles * num_n)
     gemm_tasks = torch.cat([gemm0, gemm1], 0)[gemm_order].to(**int32)
     num_gemm = num_mtiles * (n0 + n1)
     gemm1_expected = _counts(torch.where(valid, m_chunk, MAX_CHUNKS), MAX_CHUNKS + 1)[:MAX_CHUNKS]
@@ -290,7 +290,7 @@ def build_layout(
     recv_chunk = recv_token * my_chunks // tokens_dev[recv_source]
     recv_key = torch.where(recv_valid, (recv_chunk * world_size + recv_source) * max_tokens + recv_token,
                            MAX_CHUNKS * ep_tokens)
-    order = torch.argsort(recv_key)
+    order = _argsort(recv_key, MAX_CHUNKS * ep_tokens)
     recv_source, recv_token, recv_chunk = recv_source[order], recv_token[order], recv_chunk[order]
     recv_valid = recv_valid[order]
     pos_full = torch.full((pair_space + 1,), -1, dtype=torch.long, device=device)
@@ -328,6 +328,16 @@ def build_layout(
         combine_expected=combine_expected,
         max_pairs=max_pairs,
     )
+
+
+def _argsort(key: torch.Tensor, bound: int) -> torch.Tensor:
+    """argsort of non-negative keys <= `bound`, in 32 bits when they fit. CUDA sorts by radix, one pass per key byte:
+    int64 keys cost 8 passes where these bounds (tens of millions) need 4; the three sorts of a layout were ~40% of its
+    GPU time in the H200 profile (bench/results/ab/profile-compile_layout_1.txt). Stable, so padding entries (equal
+    keys) keep their order on every device and in compiled and eager tables alike."""
+    if bound < 2**31:
+        key = key.to(torch.int32)
+    return torch.argsort(key, stable=True)
 
 
 def _tile_rows(kind, m_chunk, m_expert, m_start, m_rows, mtile, num_n, block_n, dag_rank, num_n_max):
