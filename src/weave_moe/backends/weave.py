@@ -68,11 +68,12 @@ class KernelConfig:
         # The serial schedule (c = N) as ONE launch: every CTA dispatches, then every CTA takes GEMM tiles, combine and
         # reduce tasks, ordered by the kernel's flags instead of three launch boundaries (saves three launches of host
         # time and the gaps between them). Off: on the H200 pair it measured 1.002x the three launches (fef48c7,
-        # bench/results/ab-h200x2-fef48c7.json), within noise.
+        # bench/results/ab/summary.json), within noise.
         self.fused_serial = fused_serial
         # Expert weights through the bulk tensor copy engine (host-built descriptors, once per layer); used when
         # H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. On: 1.027x faster weave calls on the H200 pair
-        # (geomean of 12 rows, every row faster, up to 1.057x on deepseek-v3 at 8192 tokens; fef48c7).
+        # (geomean of 12 rows, every row faster, up to 1.057x on deepseek-v3 at 8192 tokens; fef48c7,
+        # bench/results/ab/summary.json).
         self.tma = tma
         # The task tables through torch.compile (Inductor fuses the elementwise chains into a few Triton kernels),
         # then captured as before: the eager layout graph holds ~260 small kernels, each ~1-2 us of GPU time even when
@@ -404,7 +405,11 @@ class WeaveBackend:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            first = build()  # this call's result, and the warm-up of the capture (allocator, lazy inits)
+            # this call's result, and the warm-up of the capture (allocator, lazy inits). Its tensors come from the
+            # side stream's pool and the kernel reads them on the current stream; the synchronize below orders that
+            # read after they are written, and a block freed later can only be reused by another warm-up on a side
+            # stream, which first waits for the current stream (the wait_stream above), so after the kernel.
+            first = build()
         # Capture with nothing in flight and in thread-local mode: the NCCL watchdog thread polls events of
         # pending collectives, and in the default ("global") mode such a call from another thread during the
         # capture invalidates it and errors in the watchdog (suspected cause of a hang seen once on the H200
@@ -477,7 +482,8 @@ class WeaveBackend:
     def _ensure_compiled(self, args, constexprs, comm, steal) -> None:
         """Compile before the first launch and line the ranks up, so no rank's waits time out while a peer is still
         compiling (a cold compile takes far longer than the kernel's deadlines). The first call's task-table compile
-        (KernelConfig.compile_layout, ~10 s per layer shape cold) happens before this barrier too."""
+        (KernelConfig.compile_layout: ~22 s for a fresh process's first layer shape on a fresh machine, ~5 s for each
+        further shape; bench/results/first-call-h200x2-6d28893.json) happens before this barrier too."""
         key = tuple(sorted((k, v) for k, v in constexprs.items()))
         if key in self.compiled:
             return
