@@ -60,6 +60,20 @@ def test_layer_floor_by_hand():
     assert (floor.floor_s, floor.bound, floor.slowest_rank) == (pytest.approx(6.0), "comm", 0)
 
 
+def test_weights_bound_by_hand():
+    # Experts hit: rank 0 {0, 1} (both), rank 1 {2, 3} (both); a third layout leaves expert 1 unused.
+    traffic = rank_traffic([np.array(IDS_RANK0), np.array(IDS_RANK1)], num_experts=4)
+    assert traffic.experts_hit.tolist() == [2, 2]
+    # 3 * H * I * 2 B = 300 B per expert; 1e-7 GB/s = 100 B/s -> 6 s per rank; not part of the floor.
+    floor = layer_floor(traffic, HIDDEN, INTERMEDIATE, FloorConstants(gemm_tflops=1e-9, peer_gbps=1e-7, hbm_gbps=1e-7))
+    assert floor.weights_s == pytest.approx([6.0, 6.0]) and floor.weights_floor_s == pytest.approx(6.0)
+    assert floor.floor_s == pytest.approx(1.5)
+    sparse = rank_traffic([np.array([[0, 2], [0, -1]]), np.array([[3, 0]])], num_experts=4)
+    assert sparse.experts_hit.tolist() == [1, 2]
+    # ids outside [0, E) are not experts (the layer rejects them; the floor must not crash on -1 padding)
+    assert rank_traffic([np.array([[-1, -1]])], num_experts=4).experts_hit.tolist() == [0]
+
+
 def test_single_rank_has_no_nvlink_bytes():
     traffic = rank_traffic([np.array(IDS_RANK0)], num_experts=4)
     floor = layer_floor(traffic, HIDDEN, INTERMEDIATE, FloorConstants(gemm_tflops=1e-9, peer_gbps=1.0))

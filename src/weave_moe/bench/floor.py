@@ -23,6 +23,14 @@ GPU); NVLink is full duplex, so sending and receiving overlap; GEMMs and copies 
 The floor does not depend on the backend: an all-to-all that does not dedup moves more bytes than the floor counts,
 which is part of what the floor exposes.
 
+A third bound, reported beside the floor (`weights_floor_s`, the bench's `floor_weights_ms`) and not part of it:
+every local expert that receives at least one row must have its weights read from HBM at least once,
+
+    weights_s[r] = experts_hit[r] * 3 * H * I * 2 B / hbm_bandwidth
+
+At decode sizes this dominates (DeepSeek-V3 at EP=2 reads ~11 GB of expert weights per rank per call, ~2.3 ms at the
+H200's 4.8 TB/s), so the two-term floor alone is far below what any kernel can reach there.
+
 Shape legend: T = tokens on a rank, E = routed experts, E_local = E / EP, k = top-k, H = hidden, I = intermediate.
 """
 
@@ -60,10 +68,14 @@ class FloorConstants:
         "shared/PLATFORM.md 2026-11-29, 2 x H200 SXM: gemm = dense torch bf16 GEMM 8192^3 (791 TFLOP/s); "
         "peer = copy-engine peer copy, both directions at once (388 GB/s per direction)"
     )
+    #: HBM read bandwidth for the weights bound, GB/s: the H200's specified 4.8 TB/s (not measured here; no kernel
+    #: reads faster, so the bound stays a lower bound).
+    hbm_gbps: float = 4800.0
 
     def __post_init__(self) -> None:
-        if self.gemm_tflops <= 0 or self.peer_gbps <= 0:
-            raise ValueError(f"FloorConstants rates must be > 0, got {self.gemm_tflops} TFLOP/s, {self.peer_gbps} GB/s")
+        if self.gemm_tflops <= 0 or self.peer_gbps <= 0 or self.hbm_gbps <= 0:
+            raise ValueError(f"FloorConstants rates must be > 0, got {self.gemm_tflops} TFLOP/s, {self.peer_gbps} GB/s, "
+                             f"{self.hbm_gbps} GB/s HBM")
 
     @classmethod
     def from_profile(cls, profile) -> "FloorConstants":
@@ -112,6 +124,7 @@ class RankTraffic:
 
     Attributes:
         pairs: (token, expert) pairs computed on the rank (its experts' rows, all source ranks).
+        experts_hit: local experts of the rank with at least one pair (their weights must be read).
         dispatch_sent / dispatch_received: token rows the rank sends to / receives from other ranks in dispatch.
         combine_sent / combine_received: combined rows it sends back / receives in combine (the transpose of dispatch).
     """
@@ -121,6 +134,7 @@ class RankTraffic:
     dispatch_received: np.ndarray
     combine_sent: np.ndarray
     combine_received: np.ndarray
+    experts_hit: np.ndarray | None = None
 
     @property
     def world_size(self) -> int:
@@ -145,6 +159,7 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
         raise ValueError(f"num_experts={num_experts} is not divisible by EP={world_size}")
     experts_per_rank = num_experts // world_size
     pairs = np.zeros(world_size, dtype=np.int64)
+    expert_pairs = np.zeros(num_experts, dtype=np.int64)
     # rows[src, dst] = tokens of src with >= 1 expert on dst
     rows = np.zeros((world_size, world_size), dtype=np.int64)
     for src, ids in enumerate(topk_ids_per_rank):
@@ -152,6 +167,7 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
         valid = ids >= 0
         owner = np.where(valid, ids // experts_per_rank, world_size)  # world_size = "no expert" bucket
         pairs += np.bincount(owner[valid], minlength=world_size)[:world_size].astype(np.int64)
+        expert_pairs += np.bincount(ids[valid & (ids < num_experts)], minlength=num_experts)[:num_experts]
         if ids.shape[0] == 0:
             continue
         hits = np.zeros((ids.shape[0], world_size + 1), dtype=bool)
@@ -165,6 +181,7 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
         dispatch_received=remote.sum(axis=0),
         combine_sent=remote.sum(axis=0),
         combine_received=remote.sum(axis=1),
+        experts_hit=(expert_pairs.reshape(world_size, experts_per_rank) > 0).sum(axis=1),
     )
 
 
@@ -189,6 +206,12 @@ class LayerFloor:
     flops: list = field(default_factory=list)
     bytes_sent: list = field(default_factory=list)
     bytes_received: list = field(default_factory=list)
+    weights_s: list = field(default_factory=list)  # per rank: expert weights it must read once, at HBM bandwidth
+
+    @property
+    def weights_floor_s(self) -> float:
+        """The weights bound of the slowest rank (0 when unknown); see the module docstring."""
+        return float(max(self.weights_s)) if self.weights_s else 0.0
 
     @property
     def total_flops(self) -> float:
@@ -211,6 +234,10 @@ def layer_floor(traffic: RankTraffic, hidden_size: int, intermediate_size: int,
     compute_s = flops / (constants.gemm_tflops * 1e12)
     comm_s = np.maximum(sent, received) / (constants.peer_gbps * 1e9)
     per_rank = np.maximum(compute_s, comm_s)
+    weights_s = []
+    if traffic.experts_hit is not None:
+        weight_bytes = traffic.experts_hit.astype(np.float64) * 3.0 * hidden_size * intermediate_size * BYTES_PER_ELEMENT
+        weights_s = (weight_bytes / (constants.hbm_gbps * 1e9)).tolist()
     slowest = int(np.argmax(per_rank)) if per_rank.size else 0
     return LayerFloor(
         floor_s=float(per_rank.max()) if per_rank.size else 0.0,
@@ -221,4 +248,5 @@ def layer_floor(traffic: RankTraffic, hidden_size: int, intermediate_size: int,
         flops=flops.tolist(),
         bytes_sent=sent.tolist(),
         bytes_received=received.tolist(),
+        weights_s=weights_s,
     )

@@ -584,7 +584,8 @@ def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
         floor_compute_ms=statistics.fmean(max(f.compute_s) for f in floors) * 1e3,
         floor_comm_ms=statistics.fmean(max(f.comm_s) for f in floors) * 1e3,
         floor_bound=bounds.pop() if len(bounds) == 1 else "mixed",
-        pct_of_floor=None, x_floor=None, c=None, K=None, n_steal=None, predicted_ms=None, prediction_error_pct=None,
+        floor_weights_ms=statistics.fmean(f.weights_floor_s for f in floors) * 1e3,
+        pct_of_floor=None, x_floor=None, x_floor_weights=None, c=None, K=None, n_steal=None, predicted_ms=None, prediction_error_pct=None,
         rel_error=result["rel_error"], max_norm_error=result["max_norm_error"], check_passed=result["check_passed"],
         error=error or "",
         stages_ms=";".join(f"{k}={v:.4g}" for k, v in result["stages_ms"].items() if v is not None),
@@ -600,6 +601,8 @@ def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
             nvlink_gbps=bytes_per_gpu / (median_ms * 1e-3) / 1e9,
             pct_of_floor=100.0 * floor_ms / median_ms, x_floor=median_ms / floor_ms if floor_ms > 0 else None,
         )
+        bound_ms = max(floor_ms, row["floor_weights_ms"])
+        row["x_floor_weights"] = median_ms / bound_ms if bound_ms > 0 else None
     first_plan = next((p for p in (result["plans"][0] if result["plans"] else []) if p), None)
     if first_plan:
         row.update(c=first_plan.get("c"), K=first_plan.get("K"), n_steal=first_plan.get("n_steal"))

@@ -28,6 +28,7 @@ CSV_COLUMNS = (
     "model", "tokens_per_rank", "routing", "skew", "variant", "backend", "policy", "world_size", "iters",
     "median_ms", "p10_ms", "p90_ms", "min_ms", "mean_ms", "tflops", "nvlink_gbps",
     "floor_ms", "floor_compute_ms", "floor_comm_ms", "floor_bound", "pct_of_floor", "x_floor", "speedup_vs_nccl",
+    "floor_weights_ms", "x_floor_weights",
     "c", "K", "n_steal", "predicted_ms", "prediction_error_pct", "rel_error", "max_norm_error", "check_passed",
     "stages_ms", "error",
     "num_experts", "top_k", "hidden_size", "intermediate_size",
@@ -209,6 +210,7 @@ def summary(rows: list[dict]) -> list[dict]:
             speedup_uniform=geomean(r.get("speedup_vs_nccl") for r in measured if r["routing"] == "uniform"),
             speedup_skewed=geomean(r.get("speedup_vs_nccl") for r in measured if r["routing"] == "skewed"),
             x_floor=geomean(r.get("x_floor") for r in measured),
+            x_floor_weights=geomean(r.get("x_floor_weights") for r in measured),
         ))
     return table
 
@@ -291,13 +293,18 @@ def markdown(rows: list[dict], metadata: dict, paths: dict | None = None, attent
     if floor:
         lines.append(f"- floor: {floor['gemm_tflops']} TFLOP/s GEMM, {floor['peer_gbps']} GB/s per direction "
                      f"({floor['source']})")
+        if floor.get("hbm_gbps"):
+            lines.append(f"- weights bound (reported beside the floor): expert weights read once at "
+                         f"{floor['hbm_gbps']} GB/s HBM (the H200's specified bandwidth)")
+    with_weights = any(s.get("x_floor_weights") for s in summary(rows))
     lines += ["", "## Per variant (geomean over configurations)", "",
-              "| variant | configs | failed | checks | speed-up vs nccl | uniform | skewed | median / floor |",
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| variant | configs | failed | checks | speed-up vs nccl | uniform | skewed | median / floor |"
+              + (" median / max(floor, weights) |" if with_weights else ""),
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if with_weights else "")]
     for s in summary(rows):
         lines.append(f"| {s['variant']} | {s['configs']} | {s['failed']} | {s['checks']} | "
                      f"{_fmt(s['speedup'])} | {_fmt(s['speedup_uniform'])} | {_fmt(s['speedup_skewed'])} | "
-                     f"{_fmt(s['x_floor'])} |")
+                     f"{_fmt(s['x_floor'])} |" + (f" {_fmt(s['x_floor_weights'])} |" if with_weights else ""))
     variants = _variants(rows)
     lines += ["", "## Speed-up vs nccl (nccl column: its median, ms; floor column: ms)", "",
               "| model | tokens | routing | floor | " + " | ".join(variants) + " |",
