@@ -26,10 +26,12 @@ for stage in "$@"; do
     diag-stress) timeout 65 python3 -m weave_moe.validate --suite quick --stress-calls 300 --stall --trace 40 --out "$W/diag-stress.json" --timeout 60 > "$W/diag-stress.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/diag-stress.log" | tail -40;;
     stall-repeat) for i in 1 2; do timeout 45 python3 -m weave_moe.validate --suite none --stall --out "$W/validate-stall-$i.json" --timeout 40 2>&1 | tail -2; done;;
     verify) for i in 1 2 3; do t=$([ $i = 1 ] && echo 400 || echo 150); timeout $((t + 10)) python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --bad-ids --out "$W/validate-all-$i.json" --timeout $t > "$W/verify-$i.log" 2>&1; grep -vE "^PASS" "$W/verify-$i.log" | tail -4; done;;
-    ab) # A/B of kernel configs (AB_CONFIGS="none tma=1 fused_serial=1 compile_layout=1 ..."): GPU correctness of
+    ab) # A/B of kernel configs (AB_CONFIGS="none tma=0 compile_layout=0 fused_serial=1 ..."; none = the defaults, which
+        # since bb8bd82 include tma=1 and compile_layout=1; config names with "=" come back renamed by the device tool,
+        # so read them from results.tar.gz): GPU correctness of
         # serial / a chunked split / weave with the config, then the same bench for each, side by side with nccl.
         # ~1.5-2.5 min per config (a compiled layout adds a compile per shape): four configs may need two calls.
-        for cfg in ${AB_CONFIGS:-none tma=1 fused_serial=1 compile_layout=1}; do
+        for cfg in ${AB_CONFIGS:-none tma=0 compile_layout=0 fused_serial=1}; do
           kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 -m weave_moe.validate --suite quick --variants weave:serial,weave:static:20,4,weave --out "$W/validate-ab-$cfg.json" --timeout 190 2>&1 | tail -1
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 250 python3 -m weave_moe.cli bench --models "${AB_MODELS:-qwen3-30b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens 2048,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --no-progress --name "ab-$cfg" --out "$W" --timeout 240 2>&1 | tail -4
