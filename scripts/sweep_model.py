@@ -20,22 +20,16 @@ import time
 
 import torch
 
-from weave_moe import routing as routing_lib
-from weave_moe.bench.harness import BenchConfig, _seed
+from weave_moe.bench.harness import BenchConfig, bench_routing
 from weave_moe.models import MoESpec
 from weave_moe.plan import HardwareProfile, Workload, plan, predict
 
 
 def workloads(spec: MoESpec, tokens: int, routing: str, world_size=2, rotate=4, seed=0, skew=3.0):
-    config = BenchConfig(models=(spec,), seed=seed, rotate=rotate)
+    config = BenchConfig(models=(spec,), seed=seed, rotate=rotate, skew=skew)
     out = []
     for set_index in range(rotate):
-        s = _seed(config, spec.name, tokens, routing, set_index)
-        if routing == "uniform":
-            ids, _ = routing_lib.uniform(tokens * world_size, spec.num_experts, spec.top_k, seed=s)
-        else:
-            ids, _ = routing_lib.skewed(tokens * world_size, spec.num_experts, spec.top_k, skew=skew, layer=set_index,
-                                        seed=s)
+        ids, _ = bench_routing(config, spec, tokens, routing, set_index, world_size)
         per_rank = list(torch.as_tensor(ids).view(world_size, tokens, spec.top_k))
         out.append([Workload.from_routing(spec, per_rank, r) for r in range(world_size)])
     return out

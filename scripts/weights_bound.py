@@ -15,23 +15,17 @@ import statistics
 
 import torch
 
-from weave_moe import routing as routing_lib
 from weave_moe.bench.floor import FloorConstants, layer_floor, rank_traffic
-from weave_moe.bench.harness import BenchConfig, _seed
+from weave_moe.bench.harness import BenchConfig, bench_routing
 from weave_moe.models import MoESpec
 
 
 def weights_bound_ms(spec: MoESpec, tokens: int, routing: str, world_size=2, rotate=4, seed=0, skew=3.0) -> float:
     """Mean over the bench's input sets of the slowest rank's weights bound (ms)."""
-    config = BenchConfig(models=(spec,), seed=seed, rotate=rotate)
+    config = BenchConfig(models=(spec,), seed=seed, rotate=rotate, skew=skew)
     values = []
     for set_index in range(rotate):
-        s = _seed(config, spec.name, tokens, routing, set_index)
-        if routing == "uniform":
-            ids, _ = routing_lib.uniform(tokens * world_size, spec.num_experts, spec.top_k, seed=s)
-        else:
-            ids, _ = routing_lib.skewed(tokens * world_size, spec.num_experts, spec.top_k, skew=skew, layer=set_index,
-                                        seed=s)
+        ids, _ = bench_routing(config, spec, tokens, routing, set_index, world_size)
         per_rank = list(torch.as_tensor(ids).view(world_size, tokens, spec.top_k))
         floor = layer_floor(rank_traffic(per_rank, spec.num_experts), spec.hidden_size, spec.intermediate_size,
                             FloorConstants())

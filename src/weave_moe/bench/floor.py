@@ -158,7 +158,6 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
     if num_experts % world_size:
         raise ValueError(f"num_experts={num_experts} is not divisible by EP={world_size}")
     experts_per_rank = num_experts // world_size
-    pairs = np.zeros(world_size, dtype=np.int64)
     expert_pairs = np.zeros(num_experts, dtype=np.int64)
     # rows[src, dst] = tokens of src with >= 1 expert on dst
     rows = np.zeros((world_size, world_size), dtype=np.int64)
@@ -166,8 +165,7 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
         ids = _as_numpy(ids)
         valid = ids >= 0
         owner = np.where(valid, ids // experts_per_rank, world_size)  # world_size = "no expert" bucket
-        pairs += np.bincount(owner[valid], minlength=world_size)[:world_size].astype(np.int64)
-        expert_pairs += np.bincount(ids[valid & (ids < num_experts)], minlength=num_experts)[:num_experts]
+        expert_pairs += np.bincount(ids[valid], minlength=num_experts)[:num_experts]
         if ids.shape[0] == 0:
             continue
         hits = np.zeros((ids.shape[0], world_size + 1), dtype=bool)
@@ -175,13 +173,14 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
         rows[src] = hits[:, :world_size].sum(axis=0)
     remote = rows.copy()
     np.fill_diagonal(remote, 0)
+    per_rank = expert_pairs.reshape(world_size, experts_per_rank)
     return RankTraffic(
-        pairs=pairs,
+        pairs=per_rank.sum(axis=1),
         dispatch_sent=remote.sum(axis=1),
         dispatch_received=remote.sum(axis=0),
         combine_sent=remote.sum(axis=0),
         combine_received=remote.sum(axis=1),
-        experts_hit=(expert_pairs.reshape(world_size, experts_per_rank) > 0).sum(axis=1),
+        experts_hit=(per_rank > 0).sum(axis=1),
     )
 
 

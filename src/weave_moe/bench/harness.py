@@ -324,19 +324,24 @@ def _seed(config: BenchConfig, *parts) -> int:
     return (config.seed * 7919 + zlib.crc32("/".join(map(str, parts)).encode())) % (2**31)
 
 
-def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w2) -> _ConfigInputs:
+def bench_routing(config: BenchConfig, spec: MoESpec, tokens: int, routing: str, set_index: int, world_size: int):
+    """(ids, weights) of input set `set_index` for ALL ranks ([EP * tokens, k], rank r's rows r*tokens onwards): the
+    routing a bench run draws, reproducible on the CPU from the config (scripts/sweep_model.py, weights_bound.py)."""
     from weave_moe import routing as routing_lib
 
+    seed = _seed(config, spec.name, tokens, routing, set_index)
+    if routing == "uniform":
+        return routing_lib.uniform(tokens * world_size, spec.num_experts, spec.top_k, seed=seed)
+    return routing_lib.skewed(tokens * world_size, spec.num_experts, spec.top_k, skew=config.skew, layer=set_index,
+                              seed=seed)
+
+
+def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w2) -> _ConfigInputs:
     sets, floors = [], []
     for set_index in range(config.rotate):
-        seed = _seed(config, spec.name, tokens, routing, set_index)
         # Every rank draws the routing of ALL ranks (same seed) and keeps its slice: no exchange, and the floor
         # sees the global routing.
-        if routing == "uniform":
-            ids, weights = routing_lib.uniform(tokens * world_size, spec.num_experts, spec.top_k, seed=seed)
-        else:
-            ids, weights = routing_lib.skewed(tokens * world_size, spec.num_experts, spec.top_k, skew=config.skew,
-                                              layer=set_index, seed=seed)
+        ids, weights = bench_routing(config, spec, tokens, routing, set_index, world_size)
         ids_per_rank = list(torch.as_tensor(ids).view(world_size, tokens, spec.top_k))
         floors.append(layer_floor(rank_traffic(ids_per_rank, spec.num_experts), spec.hidden_size,
                                   spec.intermediate_size, config.floor))
