@@ -10,7 +10,7 @@ from weave_moe.testing import run_distributed
 def worker(rank, world_size):
     import torch.distributed as dist
 
-    from weave_moe.layout import count_routing
+    from weave_moe.backends.weave.layout import count_routing
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

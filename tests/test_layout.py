@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from weave_moe.layout import MAX_CHUNKS, build_layout
+from weave_moe.backends.weave.layout import MAX_CHUNKS, build_layout
 
 
 def _routing(num_tokens, num_experts, top_k, seed, mode):
@@ -160,7 +160,7 @@ def test_layout_executes_to_reference(case):
 
 @pytest.mark.parametrize("T", [0, 1, 5, 7])
 def test_pack_routing_is_the_exchange_message_bit_for_bit(T):
-    from weave_moe.layout import pack_routing, routing_pad
+    from weave_moe.backends.weave.layout import pack_routing, routing_pad
 
     k, max_tokens = 3, 7
     words = max_tokens * k
@@ -186,7 +186,7 @@ def test_compiled_build_layout_equals_eager():
     import dataclasses
 
     from weave_moe import routing
-    from weave_moe.backends.weave import _compiled_build_layout
+    from weave_moe.backends.weave.backend import _compiled_build_layout
 
     world, tokens, experts, k = 2, 64, 16, 4
     ids = torch.stack([routing.uniform(tokens, experts, k, seed=r)[0].int() for r in range(world)])
@@ -213,7 +213,7 @@ def test_compiled_layout_past_the_compile_limit_falls_back_to_eager_tables(monke
     import torch._dynamo
 
     from weave_moe import routing
-    from weave_moe.backends import weave
+    from weave_moe.backends.weave import backend as weave
 
     torch._dynamo.reset()
     monkeypatch.setattr(weave, "LAYOUT_COMPILE_LIMIT", 1)

@@ -22,9 +22,9 @@ SCRIPT = textwrap.dedent(
     r"""
     import sys
     import torch
-    from weave_moe.kernels import megakernel as mk
-    from weave_moe.layout import build_layout, MAX_CHUNKS
-    from weave_moe.transport import SymmetricWorkspace
+    from weave_moe.backends.weave.kernels import megakernel as mk
+    from weave_moe.backends.weave.layout import build_layout, MAX_CHUNKS
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
     def run(T, E, k, H, I, K, staged, seed, tma=False):
@@ -109,7 +109,7 @@ def test_megakernel_under_interpreter():
 
 @pytest.fixture(scope="module")
 def ptx():
-    from weave_moe.kernels.megakernel import compile_ptx
+    from weave_moe.backends.weave.kernels.megakernel import compile_ptx
 
     return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
                             DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
@@ -140,7 +140,7 @@ def test_megakernel_spin_loops_steer_on_cta_uniform_values(ptx):
 
 
 def test_megakernel_ptx_with_tma_tiles_uses_the_bulk_tensor_copy_engine():
-    from weave_moe.kernels.megakernel import compile_ptx
+    from weave_moe.backends.weave.kernels.megakernel import compile_ptx
 
     ptx = compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
                            DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,

@@ -10,7 +10,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     r"""
     import torch, triton, triton.language as tl
-    from weave_moe.kernels import tiles
+    from weave_moe.backends.weave.kernels import tiles
 
     torch.manual_seed(0)
 
@@ -117,7 +117,7 @@ TMA_SCRIPT = textwrap.dedent(
     r"""
     import torch, triton, triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
-    from weave_moe.kernels import tiles
+    from weave_moe.backends.weave.kernels import tiles
     torch.manual_seed(0)
 
     @triton.jit

@@ -43,8 +43,8 @@ def test_measured_timeline_figures():
 
 
 def test_plan_key_buckets_similar_workloads_and_separates_different_ones():
-    from weave_moe.backends.weave import _plan_key
-    from weave_moe.layout import LayoutCounts
+    from weave_moe.backends.weave.backend import _plan_key
+    from weave_moe.backends.weave.layout import LayoutCounts
 
     def counts(scale):
         pairs = [int(scale * (300 + 7 * e)) for e in range(16)]

@@ -1,6 +1,6 @@
 """Triton tile functions of the MoE layer, shared by the staged launches and the persistent megakernel.
 
-Each function does one task of the task tables built by `weave_moe.layout` and nothing else: no waits, no signals
+Each function does one task of the task tables built by `weave_moe.backends.weave.layout` and nothing else: no waits, no signals
 (those live in `sync.py`), so each can be run and tested alone (also under TRITON_INTERPRET=1, with DOT_FP32 set
 because the interpreter's bf16 dot is wrong).
 

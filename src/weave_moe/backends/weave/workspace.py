@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from weave_moe.layout import MAX_CHUNKS
+from weave_moe.backends.weave.layout import MAX_CHUNKS
 
 __all__ = ["SymmetricWorkspace"]
 

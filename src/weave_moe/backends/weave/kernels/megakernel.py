@@ -17,14 +17,14 @@ resident fails at launch instead of hanging). Each CTA walks a small state machi
 The same kernel with PHASE_FIRST == PHASE_LAST runs one stage per launch: that is the `serial` policy and the
 "stages as separate launches" path.
 
-Buffers come from `weave_moe.transport.SymmetricWorkspace`; peers are reached through `peer_base_ptr` (int64 base
+Buffers come from `weave_moe.backends.weave.workspace.SymmetricWorkspace`; peers are reached through `peer_base_ptr` (int64 base
 address of every rank's symmetric buffer) plus byte offsets.
 """
 
 import triton
 import triton.language as tl
 
-from weave_moe.kernels import sync, tiles
+from weave_moe.backends.weave.kernels import sync, tiles
 
 # Control block (int32, local, zeroed every call): claim counters, then per-chunk GEMM1 counters, then per-M-tile
 # GEMM0 counters.
@@ -76,7 +76,7 @@ def moe_megakernel(
     arrival_ptr, comb_flag_ptr,
     # control and status
     ctrl_ptr, status_ptr, meta_ptr, timeline_ptr,
-    # task tables (weave_moe.layout)
+    # task tables (weave_moe.backends.weave.layout)
     dispatch_tasks_ptr, send_token_ptr, send_slot_ptr,
     gemm_tasks_ptr, gather_ptr, arrival_expected_ptr, gemm1_expected_ptr,
     combine_tasks_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr,

@@ -6,7 +6,7 @@ One call (one layer, one rank):
      the one host sync of the call (it also returns the previous call's status word, so a kernel error surfaces at
      the latest on the next call, or at `synchronize()`);
   3. plan every rank from the same counts (deterministic, so every rank knows every destination's chunk count K);
-  4. build this rank's task tables on the device (`weave_moe.layout`) and launch the megakernel (or, for the
+  4. build this rank's task tables on the device (`weave_moe.backends.weave.layout`) and launch the megakernel (or, for the
      `serial` policy, the same kernel once per stage).
 """
 
@@ -19,13 +19,13 @@ import os
 import torch
 
 from weave_moe.backends import raise_on_bad_ids
-from weave_moe.kernels import megakernel as mk
-from weave_moe.kernels.sync import ERROR_NAMES
-from weave_moe.layout import MAX_CHUNKS, build_layout, count_routing, pack_routing, parse_counts, routing_pad
+from weave_moe.backends.weave.kernels import megakernel as mk
+from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
+from weave_moe.backends.weave.layout import MAX_CHUNKS, build_layout, count_routing, pack_routing, parse_counts, routing_pad
 from weave_moe.models import MoESpec
 from weave_moe.plan import HardwareProfile, Plan, Workload, plan
 from weave_moe.plan.cost_model import parse_policy
-from weave_moe.transport import SymmetricWorkspace
+from weave_moe.backends.weave.workspace import SymmetricWorkspace
 
 __all__ = ["WeaveBackend", "WeaveError", "WeaveTimeoutError", "KernelConfig"]
 

@@ -1,0 +1,1 @@
+"""weave_moe.backends.weave.kernels"""

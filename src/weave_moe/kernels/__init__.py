@@ -1,1 +1,0 @@
-"""weave_moe.kernels"""
