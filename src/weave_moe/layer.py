@@ -6,6 +6,12 @@
 
 Every check a backend relies on (docs/architecture.md, "Backend contract") happens here, once, with an error that
 names the argument, what was expected and what was given.
+
+Failures across ranks (weave_moe.backends.coordination): ranks check at construction that they build the same layer;
+a call whose local checks fail on one rank still takes part in that call's first exchange, with zero tokens and an
+error code, so every rank raises in the same call (that rank its own error, the others `PeerError`) and the layer
+goes on; layers called in a different order on different ranks raise `CallOrderError` on every rank; every wait for
+a peer ends within `timeout_s` (`CollectiveTimeoutError`, after which the layer is broken).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import importlib
 
 import torch
 
+from weave_moe.backends.coordination import (DEFAULT_TIMEOUT_S, CallCoordinator, agree_on_layer, describe_layer,
+                                             layer_fingerprint)
 from weave_moe.models import MoESpec
 
 __all__ = ["ExpertParallelMoE", "moe_forward", "BACKENDS", "DEFAULT_POLICY"]
@@ -70,6 +78,20 @@ def _resolve_device(device, group) -> torch.device:
     return device
 
 
+class _InferenceOnly(torch.autograd.Function):
+    """Hands back the layer's output unchanged; its backward raises: the layer computes no gradients."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("ExpertParallelMoE is inference-only: it has no backward. Its forward ran without autograd "
+                           "because an input requires grad; run the model under torch.inference_mode() or "
+                           "torch.no_grad(), or detach the inputs")
+
+
 class ExpertParallelMoE(torch.nn.Module):
     """One expert-parallel MoE layer; this rank holds experts [rank * E_local, (rank + 1) * E_local).
 
@@ -82,18 +104,65 @@ class ExpertParallelMoE(torch.nn.Module):
         policy: schedule policy of the weave backend (serial, spatial, static:<c>[,K], per_iteration, weave).
         device: where x, ids, weights and experts live; None = the current CUDA device (unless the group is gloo),
             else CPU.
-        check_expert_ids: verify every id is in [-1, E) on each call. With EP > 1 the nccl backend checks inside
-            its count exchange and the weave backend inside the counts it reads anyway (the weave backend always
-            checks): no extra sync, and every rank raises in the same call, so no peer is left waiting. At EP = 1
-            and for the reference backend it costs one device-to-host sync (benchmarks turn it off).
+        check_expert_ids: verify every id is in [-1, E) on each call, in the ids' own dtype (int64 ids are never
+            narrowed before the check). Backends that exchange counts anyway (nccl at EP > 1, weave) check inside
+            that exchange at no extra cost, and every rank raises ValueError in the same call. Elsewhere (EP = 1, the
+            reference backend) the check costs one device-to-host sync, and False skips it: ids outside [-1, E) then
+            give UNDEFINED output (dropped, or an indexing error), so turn it off only for inputs known to be valid
+            (benchmarks do).
+        timeout_s: bound, in seconds, of every wait of this layer for its peers (construction check, each call's
+            exchanges, `synchronize`): a peer that died, stalled or never calls makes this rank raise
+            CollectiveTimeoutError within it, and the layer is then broken (a collective that timed out cannot be
+            resumed). Default 60 s (weave_moe.backends.coordination.DEFAULT_TIMEOUT_S): above the legitimate skew
+            of a first call, far below NCCL's 10-minute watchdog. How each backend bounds its waits: the module
+            docstring of weave_moe.backends.coordination.
         **backend_options: passed to the backend (each backend rejects options it does not know).
 
+    Construction is collective at EP > 1: every rank of the group builds its layers in the same order, and ranks that
+    disagree on spec, max_tokens_per_rank, backend or policy raise LayerMismatchError naming the field, on every
+    rank. The layer is inference-only: its forward runs without autograd, and a backward through it raises.
     Expert weights are held by the backend, not registered as parameters: `.to()` does not move them.
     """
 
     def __init__(self, spec: MoESpec, group=None, backend: str = "weave", max_tokens_per_rank: int = 8192,
-                 policy: str = DEFAULT_POLICY, device=None, check_expert_ids: bool = True, **backend_options) -> None:
+                 policy: str = DEFAULT_POLICY, device=None, check_expert_ids: bool = True,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, **backend_options) -> None:
         super().__init__()
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.group, self.rank, self.world_size = _resolve_group(group)
+        self.timeout_s = float(timeout_s)
+        # Checks that could fail on one rank alone: every rank learns of them in the construction check below.
+        try:
+            self._check_arguments(spec, max_tokens_per_rank, policy, backend)
+            self.device = _resolve_device(device, self.group)
+            local_error = None
+        except (TypeError, ValueError, RuntimeError) as error:
+            local_error = error
+            self.device = _resolve_device(None, self.group)  # where the construction check's exchange runs
+        description = describe_layer(spec, max_tokens_per_rank, backend, policy)
+        index = 0
+        if self.world_size > 1:
+            index = agree_on_layer(self.group, self.rank, self.world_size, self.device, description, local_error,
+                                   self.timeout_s)
+        elif local_error is not None:
+            raise local_error
+        self.spec = spec
+        self.num_local_experts = spec.num_experts // self.world_size
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.check_expert_ids = check_expert_ids
+        self.backend_name, self.policy = backend, policy
+        self.coordinator = CallCoordinator(self.group, self.rank, self.world_size, self.device, self.timeout_s,
+                                           layer_fingerprint(description), index)
+        self.backend = _backend_class(backend)(spec, self.group, self.rank, self.world_size, max_tokens_per_rank,
+                                               self.device, policy=policy, coordinator=self.coordinator,
+                                               **backend_options)
+        if getattr(self.backend, "checks_expert_ids", False) and hasattr(self.backend, "check_ids"):
+            self.backend.check_ids = check_expert_ids  # the backend checks inside an exchange it makes anyway
+        self._loaded = False
+        self._no_tokens = None  # T = 0 inputs, for a call this rank cannot make but its peers wait for
+
+    def _check_arguments(self, spec, max_tokens_per_rank, policy, backend) -> None:
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank <= 0:
@@ -105,20 +174,8 @@ class ExpertParallelMoE(torch.nn.Module):
         if policy != DEFAULT_POLICY and backend not in _POLICY_BACKENDS:
             raise ValueError(f"policy={policy!r} applies to the weave backend only; backend {backend!r} has no "
                              f"schedule policies")
-        self.spec = spec
-        self.group, self.rank, self.world_size = _resolve_group(group)
         if spec.num_experts % self.world_size:
             raise ValueError(f"num_experts={spec.num_experts} is not divisible by the EP size {self.world_size}")
-        self.num_local_experts = spec.num_experts // self.world_size
-        self.max_tokens_per_rank = max_tokens_per_rank
-        self.device = _resolve_device(device, self.group)
-        self.check_expert_ids = check_expert_ids
-        self.backend_name, self.policy = backend, policy
-        self.backend = _backend_class(backend)(spec, self.group, self.rank, self.world_size, max_tokens_per_rank,
-                                               self.device, policy=policy, **backend_options)
-        if getattr(self.backend, "checks_expert_ids", False) and hasattr(self.backend, "check_ids"):
-            self.backend.check_ids = check_expert_ids  # the backend checks inside an exchange it makes anyway
-        self._loaded = False
 
     @property
     def first_expert(self) -> int:
@@ -142,6 +199,7 @@ class ExpertParallelMoE(torch.nn.Module):
                                  f"{self.spec.num_experts} / EP {self.world_size}), got {list(weight.shape)}")
             if weight.dtype != torch.bfloat16:
                 raise TypeError(f"{name} must be bfloat16, got {weight.dtype}")
+        self.coordinator.check_usable()
         self.backend.load_experts(w13.to(self.device).contiguous(), w2.to(self.device).contiguous())
         self._loaded = True
 
@@ -151,16 +209,61 @@ class ExpertParallelMoE(torch.nn.Module):
 
         Returns [T, H] bf16. T may be 0 (the rank still takes part in the collectives). `timings`, when given, is
         passed to the backend (the nccl backend fills in per-stage milliseconds on CUDA).
+
+        Raises (at EP > 1, on every rank in the same call unless noted): this rank's own TypeError / ValueError /
+        RuntimeError for its bad input, PeerError on the others; ValueError for expert ids outside [-1, E) on any
+        rank (backends that check inside their exchange); CallOrderError if ranks called different layers;
+        CollectiveTimeoutError on the ranks whose wait for a peer passed timeout_s; LayerBrokenError afterwards.
         """
-        if not self._loaded:
-            raise RuntimeError("forward called before load_experts(w13, w2)")
-        topk_ids = self._check_inputs(x, topk_ids, topk_weights)
+        self.coordinator.check_usable()
+        try:
+            if not self._loaded:
+                raise RuntimeError("forward called before load_experts(w13, w2)")
+            topk_ids = self._check_inputs(x, topk_ids, topk_weights)
+        except Exception as error:  # noqa: BLE001 - every local failure is reported to the peers the same way
+            if self.world_size == 1:
+                raise
+            self._abandon_call(error)
+        topk_weights = topk_weights.contiguous()
+        if not torch.is_grad_enabled():
+            return self._backend_forward(x, topk_ids, topk_weights, timings)
+        with torch.no_grad():
+            out = self._backend_forward(x, topk_ids, topk_weights, timings)
+        if x.requires_grad or topk_weights.requires_grad:
+            out = _InferenceOnly.apply(out, x, topk_weights)
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for this rank's last call and raise its deferred errors (backends that run asynchronously)."""
+        self.coordinator.check_usable()
+        self.backend.synchronize()
+
+    def _backend_forward(self, x, topk_ids, topk_weights, timings):
         if timings is None:
-            return self.backend.forward(x, topk_ids, topk_weights.contiguous())
-        return self.backend.forward(x, topk_ids, topk_weights.contiguous(), timings=timings)
+            return self.backend.forward(x, topk_ids, topk_weights)
+        return self.backend.forward(x, topk_ids, topk_weights, timings=timings)
+
+    def _abandon_call(self, error: BaseException):
+        """This rank cannot make the call; its peers are (or will be) in the call's first exchange. Take part in it
+        with T = 0 inputs and the error code, so that the backend raises on every rank (`error` here); a backend
+        without a per-call exchange returns, and the error is raised here."""
+        self.coordinator.fail(error)
+        if self._no_tokens is None:
+            top_k = self.spec.top_k
+            self._no_tokens = (torch.empty(0, self.spec.hidden_size, dtype=torch.bfloat16, device=self.device),
+                               torch.empty(0, top_k, dtype=torch.int32, device=self.device),
+                               torch.empty(0, top_k, dtype=torch.float32, device=self.device))
+        try:
+            with torch.no_grad():
+                self.backend.forward(*self._no_tokens)
+        except BaseException:
+            self.coordinator.take_failure()  # raised by the backend (this rank's error), or superseded (a timeout)
+            raise
+        self.coordinator.take_failure()  # the backend had no per-call exchange: only this rank knows
+        raise error
 
     def _check_inputs(self, x, topk_ids, topk_weights) -> torch.Tensor:
-        """Raise on bad input; return topk_ids as contiguous int32."""
+        """Raise on bad input; return topk_ids as contiguous int32 (ids outside [-1, E) stay outside it)."""
         for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -169,7 +272,7 @@ class ExpertParallelMoE(torch.nn.Module):
             if tensor.device != self.device:
                 raise ValueError(f"{name} is on {tensor.device} but the layer is on {self.device}")
         num_tokens, hidden = x.shape
-        top_k = self.spec.top_k
+        top_k, num_experts = self.spec.top_k, self.spec.num_experts
         if hidden != self.spec.hidden_size:
             raise ValueError(f"x must have shape [T, {self.spec.hidden_size}] (hidden_size), got {list(x.shape)}")
         if x.dtype != torch.bfloat16:
@@ -186,16 +289,20 @@ class ExpertParallelMoE(torch.nn.Module):
             raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(f"T={num_tokens} tokens exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
-        if self.check_expert_ids and topk_ids.numel() and not getattr(self.backend, "checks_expert_ids", False):
-            low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()
-            if low < -1 or high >= self.spec.num_experts:
-                raise ValueError(f"topk_ids must be in [-1, {self.spec.num_experts}) (-1 = no expert), got values in "
+        if self.check_expert_ids and topk_ids.numel() and not self.backend.checks_expert_ids:
+            low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()  # in the ids' own dtype
+            if low < -1 or high >= num_experts:
+                raise ValueError(f"topk_ids must be in [-1, {num_experts}) (-1 = no expert), got values in "
                                  f"[{low}, {high}]")
+        if topk_ids.dtype == torch.int64:
+            # Narrow without wrapping: 2**32 + 3 must not become expert 3. Out-of-range ids map to -2 or E, which
+            # a backend's own check still counts as out of range (one elementwise op, no host sync).
+            topk_ids = topk_ids.clamp(-2, num_experts)
         return topk_ids.to(torch.int32).contiguous()
 
     def extra_repr(self) -> str:
         return (f"spec={self.spec.name}, backend={self.backend_name}, policy={self.policy}, "
-                f"rank={self.rank}/{self.world_size}, device={self.device}")
+                f"rank={self.rank}/{self.world_size}, device={self.device}, timeout_s={self.timeout_s:g}")
 
 
 _LAYER_CACHE: dict[tuple, ExpertParallelMoE] = {}
