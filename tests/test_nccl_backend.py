@@ -218,7 +218,8 @@ def test_run_distributed_reports_failures_and_hangs():
 # launches, host syncs), so its per-call budget is pinned here. Counted on the CPU, which runs the same code as CUDA
 # when this torch has torch._grouped_mm on the CPU: every aten op that reaches a backend kernel (views and allocations
 # excluded) is one launch-equivalent; tolist / item / bool / int on a tensor are host syncs on CUDA.
-_OP_BUDGET = {1: 15, 2: 34}  # measured: EP=1 15, EP=2 34 (3 of them collectives); the old layout took 23 and 58
+_OP_BUDGET = {1: 15, 2: 35}  # measured: EP=1 15, EP=2 35 (3 of them collectives, 1 the call header's copy); the old
+#                               layout took 23 and 58
 _NO_KERNEL_OPS = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
                   "squeeze", "permute", "empty", "empty_strided", "resize_", "alias", "detach", "_reshape_alias",
                   "lift_fresh", "split", "unbind", "view_as", "empty_like", "scalar_tensor"}

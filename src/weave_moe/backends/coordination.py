@@ -160,9 +160,9 @@ def _wait_work(work, device: torch.device, deadline: float) -> bool:
             return False
         try:
             work.wait(timeout=timedelta(seconds=max(remaining, 1e-3)))
-        except RuntimeError:
-            if time.monotonic() >= deadline and not work.is_completed():
-                return False  # gloo's "Operation timed out!"
+        except RuntimeError as error:
+            if "timed out" in str(error) and not work.is_completed():
+                return False  # gloo's "Operation timed out!" (by its own clock, a hair before `deadline`)
             raise
         return True
     if not _poll(work.is_completed, deadline):
@@ -195,11 +195,11 @@ def exchange_text(group, world_size: int, device: torch.device, text: str, timeo
     mine[:2] = torch.tensor([len(data) % 256, len(data) // 256], dtype=torch.uint8)
     mine[2 : 2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[2:2]
     mine = mine.to(device)
-    gathered = torch.empty(world_size, MESSAGE_BYTES + 2, dtype=torch.uint8, device=device)
+    gathered = torch.empty(world_size * (MESSAGE_BYTES + 2), dtype=torch.uint8, device=device)
     work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True)
     _bounded(work, device, timeout_s, what, on_timeout)
     texts = []
-    for row in gathered.cpu().tolist():
+    for row in gathered.view(world_size, -1).cpu().tolist():
         length = row[0] + 256 * row[1]
         texts.append(bytes(row[2 : 2 + length]).decode(errors="replace"))
     return texts
@@ -231,10 +231,10 @@ def agree_on_layer(group, rank: int, world_size: int, device: torch.device, desc
     fingerprint = layer_fingerprint(description)
     code = CODE_OK if local_error is None else _error_code(local_error)
     mine = torch.tensor([fingerprint, index, code], dtype=torch.int64).to(device)
-    gathered = torch.empty(world_size, 3, dtype=torch.int64, device=device)
+    gathered = torch.empty(world_size * 3, dtype=torch.int64, device=device)
     work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True)
     _bounded(work, device, timeout_s, f"rank {rank}: the construction check of layer #{index}", lambda reason: None)
-    rows = gathered.cpu().tolist()
+    rows = gathered.view(world_size, 3).cpu().tolist()
     if any(row[2] != CODE_OK for row in rows):
         texts = exchange_text(group, world_size, device, "" if local_error is None else _error_text(local_error),
                               timeout_s, f"rank {rank}: the error exchange of layer #{index}'s construction")

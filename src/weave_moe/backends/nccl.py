@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from weave_moe.backends import raise_on_bad_ids
+from weave_moe.backends.coordination import HEADER_WORDS, CallCoordinator
 from weave_moe.models import MoESpec
 
 __all__ = ["NcclBackend", "Dispatched"]
@@ -95,11 +96,15 @@ class NcclBackend:
     name = "nccl"
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
-                 device: torch.device, policy: str = "weave", **options) -> None:
+                 device: torch.device, policy: str = "weave", *, coordinator: CallCoordinator | None = None,
+                 **options) -> None:
         if options:
             raise TypeError(f"nccl backend: unknown options {sorted(options)}")
         self.spec, self.group, self.rank, self.world_size = spec, group, rank, world_size
         self.device = torch.device(device)
+        #: the per-call header (error code, layer identity, call number) rides on the count exchange; every wait for a
+        #: peer is bounded by its timeout_s (see weave_moe.backends.coordination)
+        self.coordinator = coordinator or CallCoordinator(group, rank, world_size, self.device)
         self.max_tokens_per_rank = max_tokens_per_rank
         self.num_local_experts = spec.num_experts // world_size
         hidden, intermediate, top_k = spec.hidden_size, spec.intermediate_size, spec.top_k
@@ -132,8 +137,14 @@ class NcclBackend:
             # Row 0 stays zero for good (the combine gathers it for ranks a token does not visit); the combine's
             # all-to-all writes rows 1..S.
             self._combine_recv = torch.zeros(max_send_rows + 1, hidden, dtype=torch.bfloat16, device=self.device)
-            # [sent, received] x destination x (rows, (token, expert) pairs, ids out of [-1, E) on the sender)
-            self._counts = torch.zeros(2, world_size, 3, dtype=torch.int64, device=self.device)
+            # [sent, received] x destination x (rows, (token, expert) pairs, ids out of [-1, E) on the sender,
+            # the sender's call header: HEADER_WORDS words)
+            self._counts = torch.zeros(2, world_size, 3 + HEADER_WORDS, dtype=torch.int64, device=self.device)
+            # the header of this call for every destination, written on the host (through numpy: no torch op) and
+            # copied into the send counts with one copy
+            self._header = torch.zeros(world_size, HEADER_WORDS, dtype=torch.int64,
+                                       pin_memory=self.device.type == "cuda")
+            self._header_numpy = self._header.numpy()
         #: With EP > 1 the id check rides on the count exchange (every rank sees every rank's bad-id count and raises
         #: in the same call; no extra sync). The layer sets `check_ids` from its `check_expert_ids`.
         self.checks_expert_ids = world_size > 1
@@ -156,15 +167,16 @@ class NcclBackend:
     # that reach a kernel (views, allocations excluded) by tests/test_nccl_backend.py::test_op_and_sync_budget:
     #   host syncs: exactly 1, the `.tolist()` of the exchanged [2, EP, 2] counts (all-to-all-v needs split sizes on
     #     the host). No bincount, nonzero, boolean-mask indexing, .item(), torch.tensor(list), unique.
-    #   dispatch before the sync (11): floor_divide, eq, any, 2 sums into the count buffer, count all-to-all,
-    #     cumsum, mul_ (unsent -> spare slot 0), scatter_ (pair of each send row), remainder + where (local ids)
+    #   dispatch before the sync (12): floor_divide, eq, any, 2 sums into the count buffer, copy_ (the call header,
+    #     from the host), count all-to-all, cumsum, mul_ (unsent -> spare slot 0), scatter_ (pair of each send row),
+    #     remainder + where (local ids)
     #   dispatch after the sync (5): remainder (token of each row), 3 index_selects into the packed send rows,
     #     payload all-to-all
     #   experts (14): zero_ partial, uint8 keys, sort, searchsorted (group offsets), div (row of each pair),
     #     index_select (gather), grouped_mm, float + silu_ + mul (h), grouped_mm, take (pair weights), mul, index_add_
     #   combine (4): bf16 copy, all-to-all, index_select (each token's partial from every rank, zero row 0 where it
     #     did not visit), sum over ranks (fp32 accumulate, one bf16 rounding)
-    #   = 34 ops, 3 of them NCCL collectives (was 58). On CUDA the sort (a radix sort; uint8 keys need the fewest
+    #   = 35 ops, 3 of them NCCL collectives (was 58). On CUDA the sort (a radix sort; uint8 keys need the fewest
     #     passes) and the cumsum launch a few kernels each: roughly 40 launches per call in all.
     # EP=1: 15 ops (skips dispatch and combine but the final bf16 cast); its one sync reads the pair count from the
     # last group offset. The loop fallback (no grouped_mm) syncs a second time, for the per-expert row counts.
@@ -194,6 +206,13 @@ class NcclBackend:
                 timings[name] = events[start].elapsed_time(events[end])
         return out
 
+    def synchronize(self) -> None:
+        """Wait (within the coordinator's timeout_s) until this rank's last call has finished on its device."""
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.coordinator.poll(done.query, "synchronize")
+
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
         """Only the dispatch (for tests that check data movement bitwise). The views stay valid until the next call."""
         return self._dispatch(x, topk_ids, topk_weights)
@@ -222,24 +241,37 @@ class NcclBackend:
 
         world_size, num_experts = self.world_size, self.num_local_experts
         num_pairs_all = world_size * num_tokens  # (destination rank, token) pairs, destination-major
-        # Which ranks each slot / token visits: floor division keeps -1 (no expert) at -1, which matches no rank.
-        on_rank = torch.floor_divide(topk_ids, num_experts)[None] == self._ranks  # [EP, T, k] bool
-        visits = on_rank.any(2)  # [EP, T]: one row per (token, destination rank) it visits (dedup)
-        send_counts = self._counts[0]  # [EP, 2]: rows, (token, expert) pairs per destination
-        torch.sum(visits, 1, out=send_counts[:, 0])
-        torch.sum(on_rank.view(world_size, -1), 1, out=send_counts[:, 1])
-        if self.check_ids:  # ids that floor-divide onto no rank are dropped above, so nothing fails before the check
-            send_counts[:, 2] = ((topk_ids < -1) | (topk_ids >= self.spec.num_experts)).sum()
-        dist.all_to_all_single(self._counts[1], send_counts, group=self.group)
+        send_counts = self._counts[0]  # [EP, 3 + HEADER_WORDS]: rows, (token, expert) pairs, bad ids, header
+        coordinator = self.coordinator
+        coordinator.check_usable()
+        try:
+            # Which ranks each slot / token visits: floor division keeps -1 (no expert) at -1, which matches no rank.
+            on_rank = torch.floor_divide(topk_ids, num_experts)[None] == self._ranks  # [EP, T, k] bool
+            visits = on_rank.any(2)  # [EP, T]: one row per (token, destination rank) it visits (dedup)
+            torch.sum(visits, 1, out=send_counts[:, 0])
+            torch.sum(on_rank.view(world_size, -1), 1, out=send_counts[:, 1])
+            if self.check_ids:  # ids that floor-divide onto no rank are dropped above: nothing fails before the check
+                send_counts[:, 2] = ((topk_ids < -1) | (topk_ids >= self.spec.num_experts)).sum()
+        except Exception as error:  # noqa: BLE001 - the peers are in the exchange below: tell them, raise after it
+            coordinator.fail(error)
+            send_counts[:, :3].zero_()
+            on_rank = None
+        self._header_numpy[:] = coordinator.header()
+        send_counts[:, 3:].copy_(self._header, non_blocking=True)
+        count_work = dist.all_to_all_single(self._counts[1], send_counts, group=self.group, async_op=True)
 
-        # Queued behind the count exchange: the 1-based send row of every visited (rank, token) pair (0 = not sent),
-        # the pair index of each send row, and the local ids every destination gets.
-        send_slot = torch.cumsum(visits.view(-1), 0)  # int64
-        send_slot.mul_(visits.view(-1))
-        self._send_pair.scatter_(0, send_slot, self._pair_index[:num_pairs_all])
-        local_ids = torch.where(on_rank, torch.remainder(topk_ids, num_experts), -1)  # [EP, T, k] int32
+        if on_rank is not None:
+            # Queued behind the count exchange: the 1-based send row of every visited (rank, token) pair (0 = not
+            # sent), the pair index of each send row, and the local ids every destination gets.
+            send_slot = torch.cumsum(visits.view(-1), 0)  # int64
+            send_slot.mul_(visits.view(-1))
+            self._send_pair.scatter_(0, send_slot, self._pair_index[:num_pairs_all])
+            local_ids = torch.where(on_rank, torch.remainder(topk_ids, num_experts), -1)  # [EP, T, k] int32
 
+        coordinator.wait(count_work, "the count exchange")  # bounded: polls on CUDA, work.wait(timeout) on gloo
         counts = self._counts.tolist()  # the one host sync: all-to-all-v needs split sizes on the host
+        # Raises on every rank alike: this rank's failure above, a peer's (PeerError), mismatched calls (CallOrderError).
+        coordinator.finish([c[3:] for c in counts[1]])
         if self.check_ids:
             raise_on_bad_ids([c[2] for c in counts[1]], self.spec.num_experts)
         send_rows = [c[0] for c in counts[0]]
@@ -256,8 +288,9 @@ class NcclBackend:
         torch.index_select(topk_weights, 0, token_idx, out=send_weights)
 
         recv = self._recv_buffer("recv", num_recv, (self.row_bytes,), torch.uint8)
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows,
-                               group=self.group)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows,
+                                      group=self.group, async_op=True)
+        coordinator.wait(work, "the dispatch all-to-all", host=False)  # CUDA: bounded at the next call's exchange
         recv_ids, recv_weights, recv_x = self._row_fields(recv)
         return Dispatched(recv_x, recv_ids, recv_weights, num_pairs, token_idx, send_rows, recv_rows, send_slot)
 
@@ -322,9 +355,10 @@ class NcclBackend:
         num_send = len(dispatched.send_token_idx)
         combine_send = self._recv_buffer("combine_send", partial.shape[0], (hidden,), torch.bfloat16)
         combine_send.copy_(partial)
-        dist.all_to_all_single(self._combine_recv[1 : num_send + 1], combine_send,
-                               output_split_sizes=dispatched.send_rows, input_split_sizes=dispatched.recv_rows,
-                               group=self.group)
+        work = dist.all_to_all_single(self._combine_recv[1 : num_send + 1], combine_send,
+                                      output_split_sizes=dispatched.send_rows, input_split_sizes=dispatched.recv_rows,
+                                      group=self.group, async_op=True)
+        self.coordinator.wait(work, "the combine all-to-all", host=False)
         # Each token's partial from every rank, the zero row 0 where it did not visit the rank; the sum over ranks
         # accumulates in fp32 and rounds to bf16 once (as the fp32 index_add it replaces did), in a fixed order.
         partials = self._combine_recv.index_select(0, dispatched.send_slot)
