@@ -116,8 +116,6 @@ class ExpertParallelMoE(torch.nn.Module):
         self.backend_name, self.policy = backend, policy
         self.backend = _backend_class(backend)(spec, self.group, self.rank, self.world_size, max_tokens_per_rank,
                                                self.device, policy=policy, **backend_options)
-        if getattr(self.backend, "checks_expert_ids", False) and hasattr(self.backend, "check_ids"):
-            self.backend.check_ids = check_expert_ids  # the backend checks inside an exchange it makes anyway
         self._loaded = False
 
     @property
@@ -155,9 +153,16 @@ class ExpertParallelMoE(torch.nn.Module):
         if not self._loaded:
             raise RuntimeError("forward called before load_experts(w13, w2)")
         topk_ids = self._check_inputs(x, topk_ids, topk_weights)
-        if timings is None:
-            return self.backend.forward(x, topk_ids, topk_weights.contiguous())
         return self.backend.forward(x, topk_ids, topk_weights.contiguous(), timings=timings)
+
+    def synchronize(self) -> None:
+        """Wait for this rank's last call and raise any error it deferred (the weave kernel's WeaveTimeoutError)."""
+        self.backend.synchronize()
+
+    @property
+    def last_plan(self):
+        """The schedule (`weave_moe.plan.Plan`) of this rank's last call; None for backends without one."""
+        return self.backend.last_plan
 
     def _check_inputs(self, x, topk_ids, topk_weights) -> torch.Tensor:
         """Raise on bad input; return topk_ids as contiguous int32."""
@@ -186,7 +191,7 @@ class ExpertParallelMoE(torch.nn.Module):
             raise TypeError(f"topk_weights must be float32, got {topk_weights.dtype}")
         if num_tokens > self.max_tokens_per_rank:
             raise ValueError(f"T={num_tokens} tokens exceeds max_tokens_per_rank={self.max_tokens_per_rank}")
-        if self.check_expert_ids and topk_ids.numel() and not getattr(self.backend, "checks_expert_ids", False):
+        if self.check_expert_ids and topk_ids.numel() and not self.backend.checks_expert_ids:
             low, high = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()
             if low < -1 or high >= self.spec.num_experts:
                 raise ValueError(f"topk_ids must be in [-1, {self.spec.num_experts}) (-1 = no expert), got values in "

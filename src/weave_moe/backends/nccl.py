@@ -93,6 +93,7 @@ class NcclBackend:
     """
 
     name = "nccl"
+    last_plan = None
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", **options) -> None:
@@ -138,6 +139,11 @@ class NcclBackend:
         #: in the same call; no extra sync). The layer sets `check_ids` from its `check_expert_ids`.
         self.checks_expert_ids = world_size > 1
         self.check_ids = True
+
+    def synchronize(self) -> None:
+        """Wait for this rank's last call (nothing is deferred: errors raise in forward)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ------------------------------------------------------------------ weights
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:

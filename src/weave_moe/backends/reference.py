@@ -20,6 +20,8 @@ class ReferenceBackend:
     """Pure-torch backend (any device, any EP); see the module docstring."""
 
     name = "reference"
+    checks_expert_ids = False   # the layer checks (reference_moe would index out of range)
+    last_plan = None
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", **options) -> None:
@@ -40,6 +42,10 @@ class ReferenceBackend:
                 timings: dict | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 (global ids, -1 = none), topk_weights [T, k] fp32 -> [T, H] bf16."""
         return reference_moe(x, topk_ids, topk_weights, self.w13, self.w2)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 def _all_gather_cat(local: torch.Tensor, world_size: int, group) -> torch.Tensor:
