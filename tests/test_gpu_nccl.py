@@ -27,14 +27,14 @@ def _check_models(rank: int, world_size: int, model_names: list[str], num_tokens
     results = {}
     for name in model_names:
         spec = MoESpec.from_name(name)
-        experts_per_rank = spec.num_experts // world_size
+        num_local_experts = spec.num_experts // world_size
         skew = min(3.0, routing.max_skew(spec.num_experts, spec.top_k))
         ids, weights = routing.skewed(num_tokens, spec.num_experts, spec.top_k, skew=skew, seed=rank, device=device)
         ids[0] = -1  # one token with no expert, and holes in another
         ids[1, ::2] = -1
         generator = torch.Generator(device=device).manual_seed(rank)
         x = torch.randn(num_tokens, spec.hidden_size, generator=generator, device=device).to(torch.bfloat16)
-        w13, w2 = make_experts(spec, experts_per_rank, first_expert=rank * experts_per_rank, device=device)
+        w13, w2 = make_experts(spec, num_local_experts, first_expert=rank * num_local_experts, device=device)
 
         layer = ExpertParallelMoE(spec, backend="nccl", max_tokens_per_rank=num_tokens, device=device)
         layer.load_experts(w13, w2)

@@ -23,7 +23,9 @@ SCRIPT = textwrap.dedent(
     import sys
     import torch
     from weave_moe.backends.weave.kernels import megakernel as mk
-    from weave_moe.backends.weave.layout import build_layout, MAX_CHUNKS
+    from weave_moe.backends.weave.launch import MegakernelArgs
+    from weave_moe.backends.weave.layout import build_layout
+    from weave_moe.plan import MAX_CHUNKS
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
@@ -62,16 +64,24 @@ SCRIPT = textwrap.dedent(
             descs = dict(USE_TMA=True, w13_desc=TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
                          w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]))
         for first, last in stages:
+            args = MegakernelArgs(
+                x_ptr=x if T else out, out_ptr=out, w13_ptr=w13, w2_ptr=w2, recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
+                comb_ptr=ws.comb(0), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
+                comb_offset=ws.comb_offsets[0], flags_offset=ws.flags_offsets[0], arrival_ptr=flags,
+                comb_flag_ptr=flags[MAX_CHUNKS:], ctrl_ptr=ctrl, status_ptr=status, meta_ptr=lay.meta,
+                timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=lay.dispatch_tasks,
+                send_token_ptr=lay.send_token, send_slot_ptr=lay.send_slot, gemm_tasks_ptr=lay.gemm_tasks,
+                gather_ptr=lay.gather_rows, arrival_expected_ptr=lay.arrival_expected,
+                gemm1_expected_ptr=lay.gemm1_expected, combine_tasks_ptr=lay.combine_tasks,
+                combine_token_ptr=lay.combine_token, combine_pos_ptr=lay.combine_pos,
+                combine_weight_ptr=lay.combine_weight, token_mask_ptr=lay.token_dest_mask,
+                combine_expected_ptr=lay.combine_expected, rank=0, world_size=1, max_tokens=max_tokens,
+                num_tokens=T, H=H, I=I, num_comm_ctas=grid, num_steal=1 << 30, timeout_ns=10 ** 9,
+                PHASE_FIRST=first, PHASE_LAST=last)
             mk.moe_megakernel[(grid,)](
-                x if T else out, out, w13, w2, ws.recv(), h, y, ws.comb(0), ws.peer_bases, ws.recv_offset,
-                ws.comb_offsets[0], ws.flags_offsets[0], flags, flags[MAX_CHUNKS:], ctrl, status, lay.meta,
-                torch.zeros(1, dtype=torch.int64), lay.dispatch_tasks, lay.send_token, lay.send_slot, lay.gemm_tasks,
-                lay.gather_rows, lay.arrival_expected, lay.gemm1_expected, lay.combine_tasks, lay.combine_token,
-                lay.combine_pos, lay.combine_weight, lay.token_dest_mask, lay.combine_expected,
-                0, 1, max_tokens, T, H, I, grid, 1 << 30, 10 ** 9, first, last,
-                TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16, DISPATCH_ROWS=4,
-                COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1,
-                BLOCK_K1=16, **descs)
+                **args.by_name(), TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16,
+                DISPATCH_ROWS=4, COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False,
+                MAX_EVENTS=1, BLOCK_K1=16, **descs)
         assert status.tolist() == [0, 0, 0, 0], status
         # every flag reached its expectation
         assert torch.equal(flags[:MAX_CHUNKS], lay.arrival_expected[0]), (flags, lay.arrival_expected)
@@ -109,7 +119,7 @@ def test_megakernel_under_interpreter():
 
 @pytest.fixture(scope="module")
 def ptx():
-    from weave_moe.backends.weave.kernels.megakernel import compile_ptx
+    from weave_moe.backends.weave.launch import compile_ptx
 
     return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
                             DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
@@ -140,7 +150,7 @@ def test_megakernel_spin_loops_steer_on_cta_uniform_values(ptx):
 
 
 def test_megakernel_ptx_with_tma_tiles_uses_the_bulk_tensor_copy_engine():
-    from weave_moe.backends.weave.kernels.megakernel import compile_ptx
+    from weave_moe.backends.weave.launch import compile_ptx
 
     ptx = compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
                            DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,

@@ -43,3 +43,18 @@ def test_bad_spec_fields_raise(field):
 def test_top_k_above_experts_raises():
     with pytest.raises(ValueError, match="top_k"):
         wm.MoESpec(num_experts=4, top_k=5, hidden_size=64, intermediate_size=32)
+
+
+def test_weave_moe_plan_is_the_module_in_any_import_order():
+    """`weave_moe.plan` is the planner package however it was first reached (a fresh process per order)."""
+    import subprocess
+    import sys
+
+    orders = ["from weave_moe import plan; import weave_moe.plan; import weave_moe as wm",
+              "import weave_moe.plan; from weave_moe import plan; import weave_moe as wm",
+              "import weave_moe as wm; plan = wm.plan; import weave_moe.plan"]
+    for order in orders:
+        code = (f"{order}\nimport types\nassert isinstance(plan, types.ModuleType) and plan is wm.plan, plan\n"
+                "assert callable(plan.plan) and plan.HardwareProfile is wm.HardwareProfile\nprint('ok')")
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and "ok" in result.stdout, (order, result.stderr[-2000:])

@@ -177,7 +177,7 @@ def test_plans_are_valid_and_above_the_floor(case, policy):
         assert isinstance(p, Plan) and p.policy == policy
         if policy == "serial" or (policy == "weave" and p.c == PROFILE.num_sms):
             assert (p.c, p.K, p.n_steal) == (PROFILE.num_sms, 1, 0)
-            assert not p.uses_split(PROFILE.num_sms)
+            assert p.is_serial(PROFILE.num_sms)
         else:
             assert 1 <= p.c <= PROFILE.num_sms - 1
             assert 1 <= p.K <= MAX_CHUNKS

@@ -250,7 +250,7 @@ def test_load_trace_names_the_problem(tmp_path):
 
 def _brute_force(per_rank: list[list[list[int]]], num_experts: int, world_size: int, row_bytes: int):
     """Per-token Python loops: the obvious reading of the dedup rule, for small inputs only."""
-    experts_per_rank = num_experts // world_size
+    num_local_experts = num_experts // world_size
     rows = [[0] * world_size for _ in range(world_size)]
     pairs = [[0] * world_size for _ in range(world_size)]
     counts = [0] * num_experts
@@ -261,8 +261,8 @@ def _brute_force(per_rank: list[list[list[int]]], num_experts: int, world_size: 
                 if expert < 0:
                     continue
                 counts[expert] += 1
-                pairs[source][expert // experts_per_rank] += 1
-                destinations.add(expert // experts_per_rank)
+                pairs[source][expert // num_local_experts] += 1
+                destinations.add(expert // num_local_experts)
             for dest in destinations:
                 rows[source][dest] += 1
     sent = [sum(rows[s][d] for d in range(world_size) if d != s) * row_bytes for s in range(world_size)]

@@ -61,7 +61,7 @@ def workload(request):
 def test_every_tile_once_and_every_dependency(workload, p):
     result = simulate(workload, PROFILE, p)
     tl = result.timeline
-    K = 1 if p.is_serial else p.K
+    K = 1 if p.is_serial(PROFILE.num_sms) else p.K
     tiles0, tiles1 = workload.gemm_tiles(K, PROFILE)
     stage = tl.stage
     assert int((stage == 0).sum()) == tiles0 and int((stage == 1).sum()) == tiles1
@@ -83,7 +83,7 @@ def test_every_tile_once_and_every_dependency(workload, p):
     ready = result.chunk_done_us[tl.chunk[combine]] + PROFILE.flag_round_trip_us
     assert (tl.start[combine] >= ready - 1e-9).all()
     # roles: GEMM tiles on comm CTAs are "stolen", at most n_steal each, and only after that CTA's dispatch
-    if not p.is_serial:
+    if not p.is_serial(PROFILE.num_sms):
         on_comm = tl.sm < p.c
         assert not np.isin(tl.kind[on_comm], [KINDS.index("gemm0"), KINDS.index("gemm1")]).any()
         stolen = tl.kind == KINDS.index("stolen")

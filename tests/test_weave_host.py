@@ -13,12 +13,37 @@ def test_kernel_config_from_env(monkeypatch):
     cfg = KernelConfig.from_env()
     assert (cfg.block_n0, cfg.stages1, cfg.dot_fp32, cfg.block_m) == (64, 3, True, 128)
     assert cfg.fused_serial is False and cfg.tma is True and cfg.compile_layout is True  # the measured defaults
-    monkeypatch.setenv("WEAVE_MOE_KERNEL_CONFIG", "fused_serial=1,tma=0,compile_layout=false")
-    cfg = KernelConfig.from_env()
-    assert cfg.fused_serial is True and cfg.tma is False and cfg.compile_layout is False
-    monkeypatch.setenv("WEAVE_MOE_KERNEL_CONFIG", "no_such_field=1")
-    with pytest.raises(TypeError):
-        KernelConfig.from_env()
+    for off in ("off", "no", "false", "0", "OFF"):
+        monkeypatch.setenv("WEAVE_MOE_KERNEL_CONFIG", f"fused_serial=on,tma={off},compile_layout={off}")
+        cfg = KernelConfig.from_env()
+        assert cfg.fused_serial is True and cfg.tma is False and cfg.compile_layout is False
+    for bad in ("no_such_field=1", "tma=maybe", "block_m=12x", "block_m", "block_m=0"):
+        monkeypatch.setenv("WEAVE_MOE_KERNEL_CONFIG", bad)
+        with pytest.raises(ValueError, match="WEAVE_MOE_KERNEL_CONFIG|block_m"):
+            KernelConfig.from_env()
+    with pytest.raises(Exception):
+        cfg.block_m = 64                                       # frozen
+
+
+def test_timeout_from_env_is_strict(monkeypatch):
+    from weave_moe.backends.weave.config import DEFAULT_TIMEOUT_S, timeout_s_from_env
+
+    monkeypatch.delenv("WEAVE_MOE_TIMEOUT_S", raising=False)
+    assert timeout_s_from_env() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("WEAVE_MOE_TIMEOUT_S", "2.5")
+    assert timeout_s_from_env() == 2.5
+    for bad in ("soon", "0", "-1", "inf", "nan"):
+        monkeypatch.setenv("WEAVE_MOE_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="WEAVE_MOE_TIMEOUT_S"):
+            timeout_s_from_env()
+
+
+def test_kernel_config_and_profile_must_cut_the_same_tiles():
+    from weave_moe.plan import HardwareProfile
+
+    KernelConfig().check_profile(HardwareProfile.default())   # the shipped pair agrees
+    with pytest.raises(ValueError, match="tiles"):
+        KernelConfig(block_n1=128).check_profile(HardwareProfile.default())
 
 
 def test_weave_backend_on_cpu_names_the_problem():
@@ -44,7 +69,7 @@ def test_measured_timeline_figures():
 
 def test_plan_key_buckets_similar_workloads_and_separates_different_ones():
     from weave_moe.backends.weave.backend import _plan_key
-    from weave_moe.backends.weave.layout import LayoutCounts
+    from weave_moe.backends.weave.exchange import LayoutCounts
 
     def counts(scale):
         pairs = [int(scale * (300 + 7 * e)) for e in range(16)]

@@ -1,7 +1,8 @@
 """weave-moe: expert-parallel MoE inference with one persistent Triton megakernel per GPU.
 
 Import rule (one way, top to bottom; a module never imports one below it in this list):
-    models, routing  ->  reference  ->  plan  ->  kernels  ->  transport  ->  backends  ->  layer  ->  sim, bench  ->  cli
+    models, routing  ->  reference  ->  plan  ->  sim  ->  backends (weave/ holds its kernels)  ->  layer
+        ->  testing, bench, validate  ->  commands, cli
 
 Public names are resolved lazily, so `import weave_moe` stays cheap (no Triton, no matplotlib) until they are used.
 """
@@ -22,20 +23,21 @@ _PUBLIC = {
     "Plan": "weave_moe.plan",
     "HardwareProfile": "weave_moe.plan",
     "Workload": "weave_moe.plan",
-    "plan": "weave_moe.plan",
     "simulate": "weave_moe.sim",
-    "routing": "weave_moe.routing",
 }
+#: Submodules offered as attributes: `weave_moe.plan` is the package (its planner is `weave_moe.plan.plan`) in any
+#: import order, because importing a submodule binds the same name on this package.
+_SUBMODULES = ("plan", "routing")
 
-__all__ = sorted(_PUBLIC) + ["__version__"]
+__all__ = sorted(_PUBLIC) + list(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"weave_moe.{name}")
     if name not in _PUBLIC:
         raise AttributeError(f"module 'weave_moe' has no attribute {name!r}")
-    module = importlib.import_module(_PUBLIC[name])
-    # a function of the same name as its package (weave_moe.plan.plan) wins over the package itself
-    value = getattr(module, name) if hasattr(module, name) else module
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
     globals()[name] = value
     return value
 

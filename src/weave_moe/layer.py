@@ -157,8 +157,6 @@ class ExpertParallelMoE(torch.nn.Module):
         self.backend = _backend_class(backend)(spec, self.group, self.rank, self.world_size, max_tokens_per_rank,
                                                self.device, policy=policy, coordinator=self.coordinator,
                                                **backend_options)
-        if getattr(self.backend, "checks_expert_ids", False) and hasattr(self.backend, "check_ids"):
-            self.backend.check_ids = check_expert_ids  # the backend checks inside an exchange it makes anyway
         self._loaded = False
         self._no_tokens = None  # T = 0 inputs, for a call this rank cannot make but its peers wait for
 
@@ -234,13 +232,12 @@ class ExpertParallelMoE(torch.nn.Module):
         return out
 
     def synchronize(self) -> None:
-        """Wait for this rank's last call and raise its deferred errors (backends that run asynchronously)."""
+        """Wait for this rank's last call (within timeout_s) and raise any error it deferred (the weave kernel's
+        WeaveTimeoutError)."""
         self.coordinator.check_usable()
         self.backend.synchronize()
 
     def _backend_forward(self, x, topk_ids, topk_weights, timings):
-        if timings is None:
-            return self.backend.forward(x, topk_ids, topk_weights)
         return self.backend.forward(x, topk_ids, topk_weights, timings=timings)
 
     def _abandon_call(self, error: BaseException):
@@ -261,6 +258,11 @@ class ExpertParallelMoE(torch.nn.Module):
             raise
         self.coordinator.take_failure()  # the backend had no per-call exchange: only this rank knows
         raise error
+
+    @property
+    def last_plan(self):
+        """The schedule (`weave_moe.plan.Plan`) of this rank's last call; None for backends without one."""
+        return self.backend.last_plan
 
     def _check_inputs(self, x, topk_ids, topk_weights) -> torch.Tensor:
         """Raise on bad input; return topk_ids as contiguous int32 (ids outside [-1, E) stay outside it)."""

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["MoESpec", "list_models", "PAPER_MODELS"]
+__all__ = ["MoESpec", "list_models", "PAPER_MODELS", "BYTES_PER_ELEMENT"]
+
+#: Bytes per element of activations and expert weights (bf16): rows on NVLink, weights read from HBM.
+BYTES_PER_ELEMENT = 2
 
 
 @dataclass(frozen=True)

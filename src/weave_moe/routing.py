@@ -497,9 +497,9 @@ def _rank_hits(topk_ids: torch.Tensor, num_experts: int, world_size: int) -> tor
         raise ValueError(
             f"topk_ids must lie in [-1, num_experts={num_experts}), got [{int(ids.min())}, {int(ids.max())}]"
         )
-    experts_per_rank = num_experts // world_size
+    num_local_experts = num_experts // world_size
     # Column EP collects the -1 sentinels and is dropped.
-    dest = torch.where(ids >= 0, ids // experts_per_rank, world_size)
+    dest = torch.where(ids >= 0, ids // num_local_experts, world_size)
     hits = torch.zeros(ids.shape[0], world_size + 1, dtype=torch.int64, device=ids.device)
     hits.scatter_add_(1, dest, torch.ones_like(dest))
     return hits[:, :world_size]

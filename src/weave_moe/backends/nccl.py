@@ -94,6 +94,7 @@ class NcclBackend:
     """
 
     name = "nccl"
+    last_plan = None
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", *, coordinator: CallCoordinator | None = None,
@@ -146,7 +147,7 @@ class NcclBackend:
                                        pin_memory=self.device.type == "cuda")
             self._header_numpy = self._header.numpy()
         #: With EP > 1 the id check rides on the count exchange (every rank sees every rank's bad-id count and raises
-        #: in the same call; no extra sync). The layer sets `check_ids` from its `check_expert_ids`.
+        #: in the same call; no extra sync).
         self.checks_expert_ids = world_size > 1
         self.check_ids = True
 
@@ -176,8 +177,9 @@ class NcclBackend:
     #     index_select (gather), grouped_mm, float + silu_ + mul (h), grouped_mm, take (pair weights), mul, index_add_
     #   combine (4): bf16 copy, all-to-all, index_select (each token's partial from every rank, zero row 0 where it
     #     did not visit), sum over ranks (fp32 accumulate, one bf16 rounding)
-    #   = 35 ops, 3 of them NCCL collectives (was 58). On CUDA the sort (a radix sort; uint8 keys need the fewest
-    #     passes) and the cumsum launch a few kernels each: roughly 40 launches per call in all.
+    #   = 35 ops, + 5 for the id check (lt, ge, or, sum, copy into the counts) = 40; 3 of them NCCL collectives (was
+    #     58). On CUDA the sort (a radix sort; uint8 keys need the fewest passes) and the cumsum launch a few kernels
+    #     each: roughly 45 launches per call in all.
     # EP=1: 15 ops (skips dispatch and combine but the final bf16 cast); its one sync reads the pair count from the
     # last group offset. The loop fallback (no grouped_mm) syncs a second time, for the per-expert row counts.
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -207,7 +209,8 @@ class NcclBackend:
         return out
 
     def synchronize(self) -> None:
-        """Wait (within the coordinator's timeout_s) until this rank's last call has finished on its device."""
+        """Wait (within the coordinator's timeout_s) until this rank's last call has finished on its device; nothing
+        is deferred: errors raise in forward."""
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))

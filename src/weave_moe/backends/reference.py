@@ -25,7 +25,7 @@ class ReferenceBackend:
     """Pure-torch backend (any device, any EP); see the module docstring."""
 
     name = "reference"
-    #: the layer checks ids itself (one host sync per call) when its check_expert_ids is on
+    #: the layer checks ids itself (one host sync per call; reference_moe would index out of range)
     checks_expert_ids = False
     last_plan = None
 
@@ -55,7 +55,9 @@ class ReferenceBackend:
         return reference_moe(x, topk_ids, topk_weights, self.w13, self.w2)
 
     def synchronize(self) -> None:
-        """Nothing runs asynchronously beyond the device's own stream order."""
+        """Wait for this rank's last call (no peer is involved: a call has no collective)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _all_gather_cat(self, local: torch.Tensor, what: str) -> torch.Tensor:
         gathered = torch.empty((self.world_size * local.shape[0], *local.shape[1:]), dtype=local.dtype,

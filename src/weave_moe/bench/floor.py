@@ -157,14 +157,14 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
     world_size = len(topk_ids_per_rank)
     if num_experts % world_size:
         raise ValueError(f"num_experts={num_experts} is not divisible by EP={world_size}")
-    experts_per_rank = num_experts // world_size
+    num_local_experts = num_experts // world_size
     expert_pairs = np.zeros(num_experts, dtype=np.int64)
     # rows[src, dst] = tokens of src with >= 1 expert on dst
     rows = np.zeros((world_size, world_size), dtype=np.int64)
     for src, ids in enumerate(topk_ids_per_rank):
         ids = _as_numpy(ids)
         valid = ids >= 0
-        owner = np.where(valid, ids // experts_per_rank, world_size)  # world_size = "no expert" bucket
+        owner = np.where(valid, ids // num_local_experts, world_size)  # world_size = "no expert" bucket
         expert_pairs += np.bincount(ids[valid], minlength=num_experts)[:num_experts]
         if ids.shape[0] == 0:
             continue
@@ -173,7 +173,7 @@ def rank_traffic(topk_ids_per_rank, num_experts: int) -> RankTraffic:
         rows[src] = hits[:, :world_size].sum(axis=0)
     remote = rows.copy()
     np.fill_diagonal(remote, 0)
-    per_rank = expert_pairs.reshape(world_size, experts_per_rank)
+    per_rank = expert_pairs.reshape(world_size, num_local_experts)
     return RankTraffic(
         pairs=per_rank.sum(axis=1),
         dispatch_sent=remote.sum(axis=1),

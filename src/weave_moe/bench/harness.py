@@ -253,8 +253,8 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
     for model_index, spec in enumerate(config.models):
         if config.attention:
             attention_rows += _time_attention(config, spec, rank, world_size, device)
-        experts_per_rank = _experts_per_rank(spec, world_size)
-        w13, w2 = make_experts(spec, experts_per_rank, first_expert=rank * experts_per_rank,
+        num_local_experts = _experts_per_rank(spec, world_size)
+        w13, w2 = make_experts(spec, num_local_experts, first_expert=rank * num_local_experts,
                                seed=config.seed + 1000 * model_index, device=device)
         inputs: dict[tuple, _ConfigInputs] = {}
         for tokens in config.tokens:

@@ -105,8 +105,8 @@ def record_timelines(rank, world_size, model, tokens, variants):
         layer.load_experts(w13, w2)
         for _ in range(3):
             layer(x, ids, weights)
-        layer.backend.synchronize()
-        plan = layer.backend.last_plan
+        layer.synchronize()
+        plan = layer.last_plan
         out[variant] = dict(plan=dict(c=plan.c, K=plan.K, n_steal=plan.n_steal, predicted_us=plan.predicted_us),
                             events=layer.backend.last_timeline())
         config = layer.backend.config

@@ -52,8 +52,8 @@ def _rank_main(rank: int, world_size: int, spec, num_tokens: int, skew: float, b
                                   device=device)
     generator = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
     x = torch.randn(num_tokens, spec.hidden_size, generator=generator, device=device).to(torch.bfloat16)
-    experts_per_rank = spec.num_experts // world_size
-    w13, w2 = make_experts(spec, experts_per_rank, first_expert=rank * experts_per_rank, seed=seed, device=device)
+    num_local_experts = spec.num_experts // world_size
+    w13, w2 = make_experts(spec, num_local_experts, first_expert=rank * num_local_experts, seed=seed, device=device)
 
     layer = ExpertParallelMoE(spec, backend=backend, max_tokens_per_rank=max(num_tokens, 1), device=device)
     layer.load_experts(w13, w2)
@@ -137,7 +137,7 @@ def run(args) -> int:
 
     stats = routing.routing_stats([r["ids"] for r in results], spec.num_experts, world_size,
                                   hidden_size=spec.hidden_size)
-    experts_per_rank = spec.num_experts // world_size
+    num_local_experts = spec.num_experts // world_size
     rank_table = Table(title="per-rank load and error")
     for column in ("rank", "device", "experts", "rows recv (dedup)", "pairs recv", "load / mean", "rel. error",
                    "ms (median of 10)"):
@@ -147,7 +147,7 @@ def run(args) -> int:
         rel = (result["diff_sq"] / result["ref_sq"]) ** 0.5 if result["ref_sq"] else 0.0
         load = stats.pairs_received[rank].item()
         rank_table.add_row(
-            str(rank), result["device"], f"{rank * experts_per_rank}-{(rank + 1) * experts_per_rank - 1}",
+            str(rank), result["device"], f"{rank * num_local_experts}-{(rank + 1) * num_local_experts - 1}",
             str(stats.rows_received[rank].item()), str(load), f"{load / mean_load:.2f}" if mean_load else "-",
             "NaN" if result["nan"] else f"{rel:.2e}",
             "-" if result["milliseconds"] is None else f"{result['milliseconds']:.3f}",
@@ -161,7 +161,7 @@ def run(args) -> int:
     mean_count = stats.expert_counts.double().mean().item()
     counts, experts = stats.expert_counts.sort(descending=True)
     for count, expert in zip(counts[:top].tolist(), experts[:top].tolist()):
-        expert_table.add_row(str(expert), str(expert // experts_per_rank), str(count),
+        expert_table.add_row(str(expert), str(expert // num_local_experts), str(count),
                              f"{count / mean_count:.2f}" if mean_count else "-")
     console.print(expert_table)
 

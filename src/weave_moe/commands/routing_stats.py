@@ -54,7 +54,7 @@ def run(args) -> int:
     stats = routing.routing_stats(
         per_rank, spec.num_experts, args.ep, hidden_size=spec.hidden_size, dtype_bytes=args.dtype_bytes
     )
-    experts_per_rank = spec.num_experts // args.ep
+    num_local_experts = spec.num_experts // args.ep
 
     title = (
         f"{spec.name}: E={spec.num_experts} top-{spec.top_k} H={spec.hidden_size}, EP={args.ep}, "
@@ -69,7 +69,7 @@ def run(args) -> int:
         load = stats.pairs_received[rank].item()
         rank_table.add_row(
             str(rank),
-            f"{rank * experts_per_rank}-{(rank + 1) * experts_per_rank - 1}",
+            f"{rank * num_local_experts}-{(rank + 1) * num_local_experts - 1}",
             str(stats.tokens_per_rank[rank].item()),
             str(stats.rows_received[rank].item()),
             str(load),
@@ -86,7 +86,7 @@ def run(args) -> int:
     counts, experts = stats.expert_counts.sort(descending=True)
     for count, expert in zip(counts[: args.top].tolist(), experts[: args.top].tolist()):
         expert_table.add_row(
-            str(expert), str(expert // experts_per_rank), str(count), f"{count / mean_count:.2f}" if mean_count else "-"
+            str(expert), str(expert // num_local_experts), str(count), f"{count / mean_count:.2f}" if mean_count else "-"
         )
     console.print(expert_table)
 

@@ -84,15 +84,10 @@ class Plan:
     predicted_us: float
     policy: str
 
-    @property
-    def is_serial(self) -> bool:
-        """The serial schedule (every CTA runs dispatch, GEMMs, combine in turn): policy "serial", or a weave plan
-        with c = N (the planner found no split faster). Needs N to tell the second case: see `uses_split(N)`."""
-        return self.policy == "serial"
-
-    def uses_split(self, num_sms: int) -> bool:
-        """True when CTAs < c are comm and the rest compute; False for the serial schedule (c == N)."""
-        return self.c < num_sms and self.policy != "serial"
+    def is_serial(self, num_sms: int) -> bool:
+        """The serial schedule on a grid of `num_sms` CTAs (every CTA runs dispatch, GEMMs and combine in turn):
+        policy "serial", or a plan with c >= N (the planner found no split faster). The one test of it."""
+        return self.policy == "serial" or self.c >= num_sms
 
 
 def parse_policy(policy: str) -> tuple[str, tuple[int, ...]]:
@@ -325,12 +320,12 @@ def _per_iteration_c(spec: MoESpec, world_size: int, num_tokens: int, profile: H
 
 def _balanced_workload(spec: MoESpec, world_size: int, num_tokens: int) -> Workload:
     """Expected counts when every rank has `num_tokens` tokens routed uniformly (k distinct experts of E)."""
-    experts_per_rank = spec.num_experts // world_size
+    num_local_experts = spec.num_experts // world_size
     # P(a token has >= 1 of its k experts on a given rank) = 1 - C(E - E_local, k) / C(E, k)
-    miss = math.comb(spec.num_experts - experts_per_rank, spec.top_k) / math.comb(spec.num_experts, spec.top_k)
+    miss = math.comb(spec.num_experts - num_local_experts, spec.top_k) / math.comb(spec.num_experts, spec.top_k)
     rows = int(round(num_tokens * (1.0 - miss)))
     # EP sources x T tokens x k pairs, 1/EP of them on this rank's experts: T * k pairs, spread evenly.
     counts = np.full(world_size, rows, dtype=np.int64)
     pairs = max(num_tokens * spec.top_k, int(counts.sum()))  # rounding guard: pairs >= received rows
-    expert_rows = even_split(np.int64(pairs), experts_per_rank)
+    expert_rows = even_split(np.int64(pairs), num_local_experts)
     return Workload.from_counts(spec, world_size, 0, counts, counts, expert_rows, num_tokens=num_tokens)

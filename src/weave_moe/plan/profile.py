@@ -21,8 +21,6 @@ import numpy as np
 
 __all__ = ["HardwareProfile"]
 
-#: bf16 bytes per element of a hidden row.
-BYTES_PER_ELEMENT = 2
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from weave_moe.models import MoESpec
+from weave_moe.models import BYTES_PER_ELEMENT, MoESpec
 
 __all__ = ["Workload", "ChunkSplit", "MAX_CHUNKS"]
 
 #: Largest chunk count K the planner and the kernel consider.
 MAX_CHUNKS = 8
-
-#: bf16 bytes per element of a hidden row.
-BYTES_PER_ELEMENT = 2
 
 
 @dataclass(frozen=True)
@@ -152,22 +149,22 @@ class Workload:
         """
         world_size = len(topk_ids_per_rank)
         _check_world(spec, world_size, rank)
-        experts_per_rank = spec.num_experts // world_size
+        num_local_experts = spec.num_experts // world_size
         ks = sorted({int(k) for k in (chunk_counts or ())})
         if any(not 1 <= k <= MAX_CHUNKS for k in ks):
             raise ValueError(f"chunk_counts must lie in 1..{MAX_CHUNKS}, got {ks}")
 
         send = np.zeros(world_size, dtype=np.int64)
         recv = np.zeros(world_size, dtype=np.int64)
-        experts = np.zeros(experts_per_rank, dtype=np.int64)
-        per_k = {k: _ChunkCounter(k, experts_per_rank) for k in ks}
+        experts = np.zeros(num_local_experts, dtype=np.int64)
+        per_k = {k: _ChunkCounter(k, num_local_experts) for k in ks}
         num_tokens = 0
         for source, ids in enumerate(topk_ids_per_rank):
             ids = _as_ids(ids, spec)
             tokens = ids.shape[0]
             if source == rank:
                 num_tokens = tokens
-            dest = np.where(ids >= 0, ids // experts_per_rank, -1)
+            dest = np.where(ids >= 0, ids // num_local_experts, -1)
             hits = np.zeros((tokens, world_size), dtype=bool)
             rows_idx, cols_idx = np.nonzero(dest >= 0)
             hits[rows_idx, dest[rows_idx, cols_idx]] = True
@@ -175,8 +172,8 @@ class Workload:
                 send[:] = hits.sum(axis=0)
             recv[source] = int(hits[:, rank].sum())
             local_mask = dest == rank
-            local_expert = ids[local_mask] - rank * experts_per_rank
-            experts += np.bincount(local_expert, minlength=experts_per_rank)
+            local_expert = ids[local_mask] - rank * num_local_experts
+            experts += np.bincount(local_expert, minlength=num_local_experts)
             for k, counter in per_k.items():
                 counter.add(source, rank, tokens, hits, local_mask, local_expert)
         workload = cls(spec, world_size, rank, num_tokens, _frozen(send), _frozen(recv), _frozen(experts))
@@ -186,7 +183,7 @@ class Workload:
 
     # ---- totals -------------------------------------------------------------------------------------------------
     @property
-    def experts_per_rank(self) -> int:
+    def num_local_experts(self) -> int:
         return self.spec.num_experts // self.world_size
 
     @property
@@ -316,10 +313,10 @@ _SPLIT_OFFSETS = np.array([k * (k - 1) // 2 for k in range(1, MAX_CHUNKS + 1)], 
 class _ChunkCounter:
     """Accumulates exact per-chunk counts for one K while `from_routing` walks the source ranks."""
 
-    def __init__(self, num_chunks: int, experts_per_rank: int) -> None:
+    def __init__(self, num_chunks: int, num_local_experts: int) -> None:
         self.num_chunks = num_chunks
-        self.experts_per_rank = experts_per_rank
-        self.expert_rows = np.zeros((num_chunks, experts_per_rank), dtype=np.int64)
+        self.num_local_experts = num_local_experts
+        self.expert_rows = np.zeros((num_chunks, num_local_experts), dtype=np.int64)
         self.send_remote = np.zeros(num_chunks, dtype=np.int64)
         self.recv_remote = np.zeros(num_chunks, dtype=np.int64)
         self.local = np.zeros(num_chunks, dtype=np.int64)
@@ -329,9 +326,9 @@ class _ChunkCounter:
         # chunk of each token: the last part whose start is <= t (empty parts are skipped over)
         chunk_of_token = np.searchsorted(bounds, np.arange(tokens), side="right") - 1
         pair_chunk = np.broadcast_to(chunk_of_token[:, None], local_mask.shape)[local_mask]
-        flat = pair_chunk * self.experts_per_rank + local_expert
-        self.expert_rows += np.bincount(flat, minlength=self.num_chunks * self.experts_per_rank).reshape(
-            self.num_chunks, self.experts_per_rank)
+        flat = pair_chunk * self.num_local_experts + local_expert
+        self.expert_rows += np.bincount(flat, minlength=self.num_chunks * self.num_local_experts).reshape(
+            self.num_chunks, self.num_local_experts)
         hit_here = np.bincount(chunk_of_token[hits[:, rank]], minlength=self.num_chunks)
         if source == rank:
             self.local += hit_here

@@ -74,7 +74,7 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
         SimResult; deterministic for the same inputs.
     """
     N = profile.num_sms
-    serial = plan.is_serial or plan.c >= N
+    serial = plan.is_serial(N)
     c = N if serial else int(plan.c)
     K = 1 if serial else int(plan.K)
     if not 1 <= c <= N or not 1 <= K:

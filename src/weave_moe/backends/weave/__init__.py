@@ -1,5 +1,18 @@
-"""The weave backend: one persistent Triton megakernel per GPU (see backend.py for one call's steps)."""
+"""The weave backend: one persistent Triton megakernel per GPU runs a layer's dispatch, GEMMs and combine.
 
-from weave_moe.backends.weave.backend import KernelConfig, WeaveBackend, WeaveError, WeaveTimeoutError
+    backend.py    WeaveBackend: one call's host steps (exchange, counts, plan, tables, launch)
+    config.py     KernelConfig (tile shapes, switches) and the wait deadline, with their environment variables
+    exchange.py   the routing message and the counts vector (pack, unpack, count, parse: their one owner)
+    layout.py     routing -> the megakernel's task tables (torch, static shapes, no host sync)
+    graphs.py     CUDA-graph capture/replay and the torch.compile'd task tables
+    launch.py     the megakernel's argument list (one source), launch, AOT PTX compile
+    workspace.py  the symmetric-memory buffers peers write into
+    kernels/      Triton: megakernel.py (persistent kernel), tiles.py (one task per function), sync.py (waits, flags)
+
+Imports stay inside this package, plus weave_moe.models / plan / backends (raise_on_bad_ids).
+"""
+
+from weave_moe.backends.weave.backend import WeaveBackend, WeaveError, WeaveTimeoutError
+from weave_moe.backends.weave.config import KernelConfig
 
 __all__ = ["WeaveBackend", "WeaveError", "WeaveTimeoutError", "KernelConfig"]

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Layout", "LayoutCounts", "hit_matrix", "count_routing", "parse_counts", "build_layout", "pack_routing", "routing_pad",
-           "MAX_CHUNKS", "META_FIELDS"]
+from weave_moe.backends.weave.exchange import hit_matrix, static_bincount
+from weave_moe.plan.workload import MAX_CHUNKS
 
-#: Chunk counts go up to this many (flag arrays are sized by it).
-MAX_CHUNKS = 8
+__all__ = ["Layout", "build_layout", "META_FIELDS"]
 
 #: Order of the int32 `meta` vector that the kernel reads at start.
 META_FIELDS = ("num_dispatch_tasks", "num_gemm_tasks", "num_combine_tasks", "num_reduce_tasks", "num_mtiles")
@@ -41,21 +40,6 @@ META_FIELDS = ("num_dispatch_tasks", "num_gemm_tasks", "num_combine_tasks", "num
 DISPATCH_COLUMNS = ("dest", "chunk", "start", "count")
 GEMM_COLUMNS = ("kind", "chunk", "expert", "row_start", "num_rows", "n_start", "mtile", "pad")
 COMBINE_COLUMNS = ("source", "chunk", "start", "count")
-
-
-@dataclass
-class LayoutCounts:
-    """What the host reads once per call (the only device -> host copy): enough to plan and to size tables.
-
-    Attributes:
-        num_tokens: [EP] tokens on each rank.
-        send_rows: [EP, EP] rows (dedup) that rank s sends to rank d, the diagonal included (a local copy).
-        expert_pairs: [E] (token, expert) pairs routed to each global expert.
-    """
-
-    num_tokens: list[int]
-    send_rows: list[list[int]]
-    expert_pairs: list[int]
 
 
 @dataclass
@@ -82,70 +66,6 @@ class Layout:
     token_dest_mask: torch.Tensor      # [T_max] bit d set = token went to rank d
     combine_expected: torch.Tensor     # [EP] rows each destination writes back to this rank
     max_pairs: int                     # rows of h / y the tables may address
-
-
-def hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
-    """[EP, T_max, EP] bool: token t of rank s has an expert on rank d."""
-    world_size, max_tokens, _ = all_ids.shape
-    owner = torch.where(all_ids >= 0, all_ids.long() // num_local_experts, -1)
-    hit = torch.zeros(world_size, max_tokens, world_size + 1, dtype=torch.bool, device=all_ids.device)
-    hit.scatter_(2, owner + 1, True)  # column 0 collects the -1 ids and is dropped
-    return hit[:, :, 1:]
-
-
-def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
-    """bincount with a static size and no host sync (torch.bincount on CUDA reads the max back)."""
-    out = torch.zeros(size, dtype=torch.long, device=index.device)
-    return out.scatter_add_(0, index, torch.ones_like(index))
-
-
-def count_routing(all_ids: torch.Tensor, num_tokens: torch.Tensor, num_experts: int,
-                  hit: torch.Tensor | None = None) -> torch.Tensor:
-    """Device-side counts, flattened for ONE host copy: [EP] tokens, [EP*EP] send rows, [E] expert pairs.
-
-    Args:
-        all_ids: [EP, T_max, k] int32 gathered ids, -1 beyond each rank's token count and for "no expert".
-        num_tokens: [EP] int32 tokens per rank (device).
-        num_experts: E.
-        hit: `hit_matrix(all_ids, E_local)` if the caller already has it.
-    """
-    world_size = all_ids.shape[0]
-    if hit is None:
-        hit = hit_matrix(all_ids, num_experts // world_size)
-    send_rows = hit.sum(dim=1, dtype=torch.int32).flatten()
-    pairs = _counts(all_ids.flatten().long() + 1, num_experts + 1)[1:].to(torch.int32)
-    return torch.cat([num_tokens.to(torch.int32), send_rows, pairs])
-
-
-def pack_routing(out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pad: torch.Tensor,
-                 token_counts: torch.Tensor) -> torch.Tensor:
-    """Fill the routing-exchange message `out` [2 * W + 1] int32 with ONE kernel (a `torch.cat` into `out`):
-    [ids (T * k), -1 up to W | fp32 weight bits (T * k), 0.0 up to W | T], W = T_max * k.
-
-    `pad` is `routing_pad(W)` on the device and `token_counts` the device vector 0..T_max (so T needs no host-to-device
-    copy). Every launch of a torch op costs ~30 us of host time on the H200 machine; this replaces four of them.
-    """
-    words = (out.numel() - 1) // 2
-    n = topk_ids.numel()
-    if n > words:
-        raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {words} ids")
-    return torch.cat([topk_ids.reshape(-1).to(torch.int32), pad[:words - n],
-                      topk_weights.reshape(-1).view(torch.int32), pad[words:2 * words - n],
-                      token_counts[topk_ids.shape[0]:topk_ids.shape[0] + 1]], out=out)
-
-
-def routing_pad(words: int, device=None) -> torch.Tensor:
-    """[2 * words] int32: -1 (no expert) for the ids' padding, then 0 (the bits of 0.0) for the weights' padding."""
-    return torch.cat([torch.full((words,), -1, dtype=torch.int32, device=device),
-                      torch.zeros(words, dtype=torch.int32, device=device)])
-
-
-def parse_counts(flat: list[int], world_size: int, num_experts: int) -> LayoutCounts:
-    ep = world_size
-    tokens = flat[:ep]
-    send = [flat[ep + i * ep: ep + (i + 1) * ep] for i in range(ep)]
-    pairs = flat[ep + ep * ep: ep + ep * ep + num_experts]
-    return LayoutCounts(tokens, send, pairs)
 
 
 def _segment_blocks(counts: torch.Tensor, block: int, max_tasks: int):
@@ -206,10 +126,10 @@ def build_layout(
     """
     device = all_ids.device
     world_size, max_tokens, top_k = all_ids.shape
-    num_local = num_experts // world_size
+    num_local_experts = num_experts // world_size
     ids = all_ids.long()
     if hit is None:
-        hit = hit_matrix(all_ids, num_local)                            # [EP, T_max, EP]
+        hit = hit_matrix(all_ids, num_local_experts)                            # [EP, T_max, EP]
     # scan along the contiguous last dimension (an outer-dimension scan is ~100x slower on CUDA)
     slot = (torch.cumsum(hit.permute(0, 2, 1).to(torch.int32), dim=2) - 1).permute(0, 2, 1)  # [EP, T_max, EP]
     tokens_dev = tokens.long().clamp(min=1)
@@ -227,35 +147,35 @@ def build_layout(
     send_slot = slot[rank, token, dest]
     send_chunk = token * chunks_dev[dest] // tokens_dev[rank]
     trash = world_size * MAX_CHUNKS
-    key_counts = _counts(torch.where(valid, dest * MAX_CHUNKS + send_chunk, trash), trash + 1)[:trash]
+    key_counts = static_bincount(torch.where(valid, dest * MAX_CHUNKS + send_chunk, trash), trash + 1)[:trash]
     max_dispatch = max_send // dispatch_rows + world_size * MAX_CHUNKS + 1
     seg, start, length, num_dispatch = _segment_blocks(key_counts, dispatch_rows, max_dispatch)
     dispatch_tasks = torch.stack([seg // MAX_CHUNKS, seg % MAX_CHUNKS, start, length], 1).to(**int32)
 
     # ---- expert pairs received by this rank, sorted by (chunk, expert, source, token); padding sorts last
-    max_pairs = ep_tokens * min(top_k, num_local)
+    max_pairs = ep_tokens * min(top_k, num_local_experts)
     pair_space = ep_tokens * top_k
-    mine = (ids >= rank * num_local) & (ids < (rank + 1) * num_local)
+    mine = (ids >= rank * num_local_experts) & (ids < (rank + 1) * num_local_experts)
     pair_flat = torch.nonzero_static(mine.reshape(-1), size=max_pairs, fill_value=pair_space).flatten()
     pair_valid = pair_flat < pair_space
     pair_source = (pair_flat // (max_tokens * top_k)).clamp(max=world_size - 1)
     pair_token = (pair_flat // top_k) % max_tokens
-    pair_expert = (ids.reshape(-1)[pair_flat.clamp(max=pair_space - 1)] - rank * num_local).clamp(0, num_local - 1)
+    pair_expert = (ids.reshape(-1)[pair_flat.clamp(max=pair_space - 1)] - rank * num_local_experts).clamp(0, num_local_experts - 1)
     pair_chunk = pair_token * my_chunks // tokens_dev[pair_source]
     recv_row = pair_source * max_tokens + slot[pair_source, pair_token, rank]
-    sort_key = ((pair_chunk * num_local + pair_expert) * world_size + pair_source) * max_tokens + pair_token
-    sort_key = torch.where(pair_valid, sort_key, MAX_CHUNKS * num_local * ep_tokens)
-    order = _argsort(sort_key, MAX_CHUNKS * num_local * ep_tokens)
+    sort_key = ((pair_chunk * num_local_experts + pair_expert) * world_size + pair_source) * max_tokens + pair_token
+    sort_key = torch.where(pair_valid, sort_key, MAX_CHUNKS * num_local_experts * ep_tokens)
+    order = _argsort(sort_key, MAX_CHUNKS * num_local_experts * ep_tokens)
     gather_rows = recv_row[order].to(**int32)
     pair_pos = torch.empty_like(order)
     pair_pos[order] = torch.arange(max_pairs, device=device)
 
     # M tiles: one segment per (chunk, expert)
-    trash = MAX_CHUNKS * num_local
-    segment_rows = _counts(torch.where(pair_valid, pair_chunk * num_local + pair_expert, trash), trash + 1)[:trash]
-    max_mtiles = max_pairs // block_m + MAX_CHUNKS * num_local + 1
+    trash = MAX_CHUNKS * num_local_experts
+    segment_rows = static_bincount(torch.where(pair_valid, pair_chunk * num_local_experts + pair_expert, trash), trash + 1)[:trash]
+    max_mtiles = max_pairs // block_m + MAX_CHUNKS * num_local_experts + 1
     seg, m_start, m_rows, num_mtiles = _segment_blocks(segment_rows, block_m, max_mtiles)
-    m_chunk, m_expert = seg // num_local, seg % num_local
+    m_chunk, m_expert = seg // num_local_experts, seg % num_local_experts
     n0 = -(-intermediate_size // block_n0)
     n1 = -(-hidden_size // block_n1)
     mtile = torch.arange(max_mtiles, device=device)
@@ -271,7 +191,7 @@ def build_layout(
     gemm_order = _argsort(torch.cat([key0, key1]), (big + 1) * max_mtiles * num_n)
     gemm_tasks = torch.cat([gemm0, gemm1], 0)[gemm_order].to(**int32)
     num_gemm = num_mtiles * (n0 + n1)
-    gemm1_expected = _counts(torch.where(valid, m_chunk, MAX_CHUNKS), MAX_CHUNKS + 1)[:MAX_CHUNKS]
+    gemm1_expected = static_bincount(torch.where(valid, m_chunk, MAX_CHUNKS), MAX_CHUNKS + 1)[:MAX_CHUNKS]
     gemm1_expected = (gemm1_expected * n1).to(**int32)
 
     # rows each source sends to this rank, per chunk of this rank
@@ -299,7 +219,8 @@ def build_layout(
     combine_pos = pos_full[recv_source * max_tokens + recv_token]
     combine_weight = torch.where(combine_pos >= 0, all_weights[recv_source, recv_token].float(), 0.0)
     trash = MAX_CHUNKS * world_size
-    combine_counts = _counts(torch.where(recv_valid, recv_chunk * world_size + recv_source, trash), trash + 1)[:trash]
+    combine_key = torch.where(recv_valid, recv_chunk * world_size + recv_source, trash)
+    combine_counts = static_bincount(combine_key, trash + 1)[:trash]
     max_combine = ep_tokens // combine_rows + MAX_CHUNKS * world_size + 1
     seg, c_start, c_rows, num_combine = _segment_blocks(combine_counts, combine_rows, max_combine)
     combine_tasks = torch.stack([seg % world_size, seg // world_size, c_start, c_rows], 1).to(**int32)

@@ -10,7 +10,8 @@ Peers are addressed as base address (from the rendezvous) + byte offset, so the 
 Calls alternate parity: call n uses parity n % 2 and zeroes the other parity's flags for call n + 1. That is safe
 without a barrier: a peer can only start call n + 1 after it has received this rank's combine rows of call n, which
 this rank writes after the zeroing (stream order). Combine rows are double-buffered for the same reason; the receive
-buffer needs no second copy because a peer's next dispatch follows this rank's last read of it (see DESIGN.md).
+buffer needs no second copy because a peer's next dispatch follows this rank's last read of it: the peer waits for
+this rank's combine rows of call n, which this rank writes after its GEMMs have read the received rows.
 With no process group (EP = 1) the buffer is an ordinary allocation.
 """
 
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from weave_moe.backends.weave.layout import MAX_CHUNKS
+from weave_moe.models import BYTES_PER_ELEMENT
+from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["SymmetricWorkspace"]
 
@@ -36,7 +38,7 @@ class SymmetricWorkspace:
         self.rank, self.world_size, self.max_tokens, self.hidden_size = rank, world_size, max_tokens, hidden_size
         self.flag_words = world_size * MAX_CHUNKS + world_size
         flag_bytes = _align(self.flag_words * 4)
-        rows_bytes = world_size * max_tokens * hidden_size * 2
+        rows_bytes = world_size * max_tokens * hidden_size * BYTES_PER_ELEMENT
         self.flags_offsets = (0, flag_bytes)
         self.recv_offset = 2 * flag_bytes
         self.comb_offsets = (_align(self.recv_offset + rows_bytes), _align(self.recv_offset + rows_bytes) +

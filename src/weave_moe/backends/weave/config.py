@@ -1,0 +1,125 @@
+"""Configuration of the weave backend: the megakernel's tile shapes and switches, and the wait deadline.
+
+`KernelConfig` is frozen; tests and tuning sweeps override it by passing one to the layer (`config=`) or through
+WEAVE_MOE_KERNEL_CONFIG="block_n0=128,tma=off". The deadline of every bounded wait comes from the layer option
+`timeout_s` or WEAVE_MOE_TIMEOUT_S. Both variables are parsed strictly: an unknown key or a value that is not a number
+or a boolean raises an error naming the variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+__all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV"]
+
+KERNEL_CONFIG_ENV = "WEAVE_MOE_KERNEL_CONFIG"
+TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
+#: Deadline of every wait inside the megakernel. A healthy peer's longest wait (its whole GEMM stage at 8192 tokens
+#: of DeepSeek-V3, ~15 ms) is far below it; a first call's compile happens before the kernel's waits (see backend.py).
+DEFAULT_TIMEOUT_S = 5.0
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shapes and launch settings of the megakernel.
+
+    Attributes:
+        block_m: rows of one local expert per GEMM tile (the planner's profile must use the same; see `check_profile`).
+        block_n0: columns of h per GEMM0 tile (gate and up together: 2 * block_n0 output columns).
+        block_n1: columns of H per GEMM1 tile.
+        block_k, block_k1: K step of GEMM0 (over H) and GEMM1 (over I, often short).
+        stages0, stages1: software-pipeline depth of the GEMM0 / GEMM1 K loops.
+        dispatch_rows, combine_rows, reduce_rows: rows per dispatch / combine / final-reduce task.
+        block_h: hidden elements copied per step by the row-moving tasks.
+        num_warps, num_stages: Triton launch settings of the megakernel.
+        dot_fp32: fp32 MMA operands (the interpreter's bf16 dot is wrong; tests set it).
+        fused_serial: the serial schedule (c = N) as ONE launch, ordered by flags instead of launch boundaries.
+            Off: on the H200 pair it measured 1.002x the staged launches (fef48c7, bench/results/ab/summary.json).
+        tma: expert weights through the bulk tensor copy engine (host-built descriptors, once per layer); used when
+            H and I are multiples of 8 (16-byte rows) and block_n1 >= 256. On: 1.027x faster weave calls on the H200
+            pair (geomean of 12 rows, every row faster; fef48c7, bench/results/ab/summary.json).
+        compile_layout: the task tables through torch.compile (Inductor fuses the elementwise chains into a few
+            kernels), then captured as a CUDA graph. Costs a compile per layer shape and rank on the first call
+            (~22 s cold for a fresh process, ~5 s per further shape). On: 1.19x faster weave calls on the H200 pair
+            (1.35x at 2048 tokens; fef48c7).
+    """
+
+    block_m: int = 128
+    block_n0: int = 128
+    block_n1: int = 256
+    block_k: int = 64
+    block_k1: int = 64
+    stages0: int = 4
+    stages1: int = 4
+    dispatch_rows: int = 16
+    combine_rows: int = 16
+    reduce_rows: int = 16
+    block_h: int = 512
+    num_warps: int = 8
+    num_stages: int = 3
+    dot_fp32: bool = False
+    fused_serial: bool = False
+    tma: bool = True
+    compile_layout: bool = True
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "bool":
+                if not isinstance(value, bool):
+                    raise TypeError(f"KernelConfig.{field.name} must be a bool, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def from_env(cls) -> "KernelConfig":
+        """Defaults, overridden by WEAVE_MOE_KERNEL_CONFIG="key=value,..." (ints; booleans as 1/0, true/false,
+        yes/no, on/off). Raises ValueError naming the variable on an unknown key or a malformed value."""
+        text = os.environ.get(KERNEL_CONFIG_ENV, "").strip()
+        fields = {field.name: field.type for field in dataclasses.fields(cls)}
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = (part.strip() for part in item.partition("="))
+            if not sep or key not in fields:
+                raise ValueError(f"{KERNEL_CONFIG_ENV}: {item!r} is not key=value with a key of "
+                                 f"{', '.join(fields)}")
+            if fields[key] == "bool":
+                if value.lower() not in _TRUE + _FALSE:
+                    raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be one of {'/'.join(_TRUE)} or "
+                                     f"{'/'.join(_FALSE)}")
+                values[key] = value.lower() in _TRUE
+            else:
+                try:
+                    values[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be an integer") from None
+        return cls(**values)
+
+    def check_profile(self, profile) -> None:
+        """Raise ValueError unless the planner's HardwareProfile counts tiles of this config's shape: the cost model
+        and the kernel must cut the same tiles."""
+        ours = (self.block_m, self.block_n0, self.block_n1)
+        theirs = (profile.block_m, profile.block_n0, profile.block_n1)
+        if ours != theirs:
+            raise ValueError(f"HardwareProfile {profile.name!r} has tiles (block_m, block_n0, block_n1) = {theirs} "
+                             f"but the kernel runs {ours}; calibrate a profile for this KernelConfig or pass a "
+                             f"config that matches")
+
+
+def timeout_s_from_env(default: float = DEFAULT_TIMEOUT_S) -> float:
+    """WEAVE_MOE_TIMEOUT_S as a positive float (seconds), or `default` when unset; ValueError naming it otherwise."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive, finite number of seconds")
+    return value

@@ -1,0 +1,152 @@
+"""The routing exchange of the weave backend: the message every rank sends, and the counts read back from it.
+
+This module is the one owner of both formats: what `pack` writes, `unpack` reads, and what `CountsFormat.build`
+writes, `CountsFormat.parse` reads. Nothing else slices these vectors.
+
+Routing message (one rank, int32 words, W = T_max * k):
+
+    [ ids: T * k global expert ids, -1 up to W | weights: T * k fp32 bit patterns, 0.0 up to W | T ]
+
+Every rank all-gathers every rank's message ([EP, words]), so every rank can compute the same global layout.
+
+Counts vector (int32, built on the device from the gathered messages, copied to the host once per call):
+
+    [ EP tokens | EP * EP rows sent (s -> d, dedup) | E (token, expert) pairs | EP bad ids | status words ]
+
+Shape legend: EP ranks, T_max = max_tokens_per_rank, k = top_k, E experts, E_local = E / EP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RoutingMessage", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing"]
+
+
+@dataclass(frozen=True)
+class LayoutCounts:
+    """Every rank's workload, as the planner reads it.
+
+    Attributes:
+        num_tokens: [EP] tokens on each rank.
+        send_rows: [EP][EP] rows (dedup) that rank s sends to rank d, the diagonal included (a local copy).
+        expert_pairs: [E] (token, expert) pairs routed to each global expert.
+    """
+
+    num_tokens: list[int]
+    send_rows: list[list[int]]
+    expert_pairs: list[int]
+
+
+@dataclass(frozen=True)
+class RoutingMessage:
+    """The routing message of one rank: sizes, packing and unpacking (module docstring)."""
+
+    max_tokens: int
+    top_k: int
+
+    @property
+    def id_words(self) -> int:
+        """W = T_max * k: words of ids (and of weights) in a message."""
+        return self.max_tokens * self.top_k
+
+    @property
+    def words(self) -> int:
+        return 2 * self.id_words + 1
+
+    def pad(self, device=None) -> torch.Tensor:
+        """[2 W] int32: -1 (no expert) for the ids' padding, then 0 (the bits of 0.0) for the weights' padding."""
+        return torch.cat([torch.full((self.id_words,), -1, dtype=torch.int32, device=device),
+                          torch.zeros(self.id_words, dtype=torch.int32, device=device)])
+
+    def pack(self, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pad: torch.Tensor,
+             token_counts: torch.Tensor) -> torch.Tensor:
+        """Fill `out` [words] int32 with ONE kernel (a `torch.cat` into `out`).
+
+        Args:
+            out: [words] int32, the message buffer.
+            topk_ids: [T, k] int32 global expert ids (-1 = none); narrowed by the layer after its range check.
+            topk_weights: [T, k] fp32.
+            pad: `self.pad(device)`, made once.
+            token_counts: [T_max + 1] int32 device vector 0..T_max, so T needs no host-to-device copy.
+        """
+        words, n = self.id_words, topk_ids.numel()
+        if n > words:
+            raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {words} ids")
+        num_tokens = topk_ids.shape[0]
+        return torch.cat([topk_ids.reshape(-1).to(torch.int32), pad[:words - n],
+                          topk_weights.reshape(-1).view(torch.int32), pad[words:2 * words - n],
+                          token_counts[num_tokens:num_tokens + 1]], out=out)
+
+    def unpack(self, messages: torch.Tensor):
+        """Views of gathered messages [EP, words] int32: (ids [EP, T_max, k] int32, weights [EP, T_max, k] fp32,
+        tokens [EP] int32)."""
+        world_size, words = messages.shape[0], self.id_words
+        ids = messages[:, :words].view(world_size, self.max_tokens, self.top_k)
+        weights = messages[:, words:2 * words].view(torch.float32).view(world_size, self.max_tokens, self.top_k)
+        return ids, weights, messages[:, -1]
+
+
+def hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """[EP, T_max, EP] bool: token t of rank s has an expert on rank d."""
+    world_size, max_tokens, _ = all_ids.shape
+    owner = torch.where(all_ids >= 0, all_ids.long() // num_local_experts, -1)
+    hit = torch.zeros(world_size, max_tokens, world_size + 1, dtype=torch.bool, device=all_ids.device)
+    hit.scatter_(2, owner + 1, True)  # column 0 collects the -1 ids and is dropped
+    return hit[:, :, 1:]
+
+
+def static_bincount(index: torch.Tensor, size: int) -> torch.Tensor:
+    """bincount with a static size and no host sync (torch.bincount on CUDA reads the max back)."""
+    out = torch.zeros(size, dtype=torch.long, device=index.device)
+    return out.scatter_add_(0, index, torch.ones_like(index))
+
+
+def count_routing(all_ids: torch.Tensor, num_tokens: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[EP tokens | EP*EP send rows | E expert pairs] int32 on the device, from gathered ids [EP, T_max, k]
+    (-1 beyond each rank's token count and for "no expert") and tokens [EP]."""
+    world_size = all_ids.shape[0]
+    hit = hit_matrix(all_ids, num_experts // world_size)
+    send_rows = hit.sum(dim=1, dtype=torch.int32).flatten()
+    pairs = static_bincount(all_ids.flatten().long() + 1, num_experts + 1)[1:].to(torch.int32)
+    return torch.cat([num_tokens.to(torch.int32), send_rows, pairs])
+
+
+@dataclass(frozen=True)
+class CountsFormat:
+    """The counts vector (module docstring): its size, its construction on the device, its parsing on the host."""
+
+    world_size: int
+    num_experts: int
+    status_words: int
+
+    @property
+    def size(self) -> int:
+        ep = self.world_size
+        return ep + ep * ep + self.num_experts + ep + self.status_words
+
+    def build(self, messages: torch.Tensor, message: RoutingMessage, status: torch.Tensor) -> torch.Tensor:
+        """Counts of gathered `messages` [EP, words], then bad ids per rank, then `status`. Ids outside [-1, E) are
+        counted per source rank and replaced by -1 IN PLACE, so nothing downstream indexes out of range; the host
+        raises on every rank together. Not idempotent: a second run on the same messages counts no bad ids."""
+        ids = messages[:, :message.id_words]
+        bad = (ids < -1) | (ids >= self.num_experts)
+        bad_ids = bad.sum(dim=1, dtype=torch.int32)
+        ids.masked_fill_(bad, -1)
+        all_ids, _, tokens = message.unpack(messages)
+        return torch.cat([count_routing(all_ids, tokens, self.num_experts), bad_ids, status])
+
+    def parse(self, flat: list[int]) -> tuple[LayoutCounts, list[int], list[int]]:
+        """(counts, bad ids per rank [EP], status words) of the host copy of a counts vector."""
+        if len(flat) != self.size:
+            raise ValueError(f"counts vector has {len(flat)} words, expected {self.size}")
+        ep, E = self.world_size, self.num_experts
+        tokens = flat[:ep]
+        send = [flat[ep + i * ep: ep + (i + 1) * ep] for i in range(ep)]
+        pairs_end = ep + ep * ep + E
+        pairs = flat[ep + ep * ep: pairs_end]
+        bad = flat[pairs_end: pairs_end + ep]
+        status = flat[pairs_end + ep:]
+        return LayoutCounts(tokens, send, pairs), bad, status

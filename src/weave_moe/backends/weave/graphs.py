@@ -1,0 +1,99 @@
+"""CUDA-graph and torch.compile plumbing of the weave backend's host path.
+
+The counts and the task tables are chains of small torch ops on static buffers with static shapes. Launched one by
+one they cost ~30 us of host time each on the H200 machine; replayed from a captured CUDA graph they cost one launch.
+`GraphCache` captures each chain once per name and replays it; `LayoutBuilder` builds the task tables through
+torch.compile (fewer, fused kernels inside the graph) with an eager fallback.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from weave_moe.backends.weave.layout import build_layout
+
+__all__ = ["GraphCache", "LayoutBuilder", "LAYOUT_COMPILE_LIMIT"]
+
+#: Layer shapes (and ranks) one process may compile the task tables for before falling back to eager tables. Dynamo
+#: keeps one cache per code object with a limit of 8 entries by default, and fullgraph=True turns hitting it into an
+#: error: a process with more than 8 layer shapes (the validation suite) failed that way on the H200 pair (bb8bd82).
+LAYOUT_COMPILE_LIMIT = 64
+
+_COMPILED_BUILD_LAYOUT = None
+
+
+def compiled_build_layout():
+    """`build_layout` through torch.compile (one compile per layer shape; static shapes, no graph breaks)."""
+    global _COMPILED_BUILD_LAYOUT
+    if _COMPILED_BUILD_LAYOUT is None:
+        _COMPILED_BUILD_LAYOUT = torch.compile(build_layout, fullgraph=True, dynamic=False)
+    return _COMPILED_BUILD_LAYOUT
+
+
+class LayoutBuilder:
+    """`build_layout` through torch.compile, or eagerly once compiling failed (e.g. past LAYOUT_COMPILE_LIMIT
+    shapes, with a warning). Both give the same tables bit for bit (tests/test_layout.py)."""
+
+    def __init__(self, compile_layout: bool):
+        self.compiled = compile_layout
+
+    def __call__(self, *args, **kwargs):
+        if not self.compiled:
+            return build_layout(*args, **kwargs)
+        import torch._dynamo.config as dynamo_config
+
+        try:
+            with dynamo_config.patch(recompile_limit=LAYOUT_COMPILE_LIMIT):
+                return compiled_build_layout()(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any compile failure: the eager tables are the same
+            warnings.warn(f"weave: torch.compile of the task tables failed ({type(error).__name__}: "
+                          f"{str(error)[:200]}); building them eagerly for this layer")
+            self.compiled = False
+            return build_layout(*args, **kwargs)
+
+
+class GraphCache:
+    """Runs named builders (torch ops on static buffers, static shapes) as captured CUDA graphs.
+
+    The first call of a name runs `build` eagerly (the warm-up) and returns that run's result; the capture that
+    follows records without executing. `build` need not be idempotent: the counts graph masks bad expert ids in
+    place, so running it twice on one call's routing would count them once and report zero the second time. Falls
+    back to eager execution, with a warning, if a capture fails (and for good once one has failed).
+    """
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.device, self.enabled = device, enabled
+        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
+
+    def run(self, name: str, build):
+        if not self.enabled:
+            return build()
+        if name in self.graphs:
+            graph, output = self.graphs[name]
+            graph.replay()
+            return output
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            # this call's result, and the warm-up of the capture (allocator, lazy inits). Its tensors come from the
+            # side stream's pool and the kernel reads them on the current stream; the synchronize below orders that
+            # read after they are written, and a block freed later can only be reused by another warm-up on a side
+            # stream, which first waits for the current stream (the wait_stream above), so after the kernel.
+            first = build()
+        # Capture with nothing in flight and in thread-local mode: the NCCL watchdog thread polls events of
+        # pending collectives, and in the default ("global") mode such a call from another thread during the
+        # capture invalidates it and errors in the watchdog (suspected cause of a hang seen once on the H200
+        # pair when the counts graph was captured right behind the routing all-gather).
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                output = build()
+        except RuntimeError as error:  # an op that synchronises cannot be captured
+            warnings.warn(f"weave: CUDA graph capture of {name} failed ({error}); running it eagerly")
+            self.enabled = False
+            return first
+        self.graphs[name] = (graph, output)
+        return first

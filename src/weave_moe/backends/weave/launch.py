@@ -1,0 +1,171 @@
+"""The megakernel's argument list, written once: `MegakernelArgs` (runtime arguments) and `MegakernelConstants`
+(compile-time). The launch passes them BY NAME, built from these dataclasses; `compile_ptx` builds the AOT signature
+from the same fields; an import-time check compares the field names with the kernel's own parameter list, so a
+kernel parameter that is added, removed or reordered without this file fails at import, not as a wrong pointer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from weave_moe.backends.weave.kernels.megakernel import moe_megakernel
+
+__all__ = ["MegakernelArgs", "MegakernelConstants", "launch", "warmup", "compile_ptx"]
+
+
+def _arg(triton_type: str):
+    """A runtime argument and its type in Triton's AOT signature ("*bf16" pointer, "i32" scalar, ...)."""
+    return field(metadata={"type": triton_type})
+
+
+@dataclass
+class MegakernelArgs:
+    """Runtime arguments of `moe_megakernel`, in its parameter order (buffers: backend.py and workspace.py)."""
+
+    # activations and weights
+    x_ptr: torch.Tensor = _arg("*bf16")              # [T, H] this rank's tokens
+    out_ptr: torch.Tensor = _arg("*bf16")            # [T, H]
+    w13_ptr: torch.Tensor = _arg("*bf16")            # [E_local, 2I, H]
+    w2_ptr: torch.Tensor = _arg("*bf16")             # [E_local, H, I]
+    # local work buffers
+    recv_ptr: torch.Tensor = _arg("*bf16")           # [EP * T_max, H] receive rows (symmetric)
+    h_ptr: torch.Tensor = _arg("*bf16")              # [max_pairs, I]
+    y_ptr: torch.Tensor = _arg("*bf16")              # [max_pairs, H]
+    comb_ptr: torch.Tensor = _arg("*bf16")           # [EP * T_max, H] combine rows of this call's parity
+    # symmetric addressing: peer base addresses + byte offsets of this call's regions
+    peer_base_ptr: torch.Tensor = _arg("*i64")       # [EP]
+    recv_offset: int = _arg("i64")
+    comb_offset: int = _arg("i64")
+    flags_offset: int = _arg("i64")
+    arrival_ptr: torch.Tensor = _arg("*i32")         # [EP * MAX_CHUNKS] arrival counters of this parity
+    comb_flag_ptr: torch.Tensor = _arg("*i32")       # [EP] combine counters of this parity
+    # control and status
+    ctrl_ptr: torch.Tensor = _arg("*i32")
+    status_ptr: torch.Tensor = _arg("*i32")          # [4] error code, tag, counter seen, expected
+    meta_ptr: torch.Tensor = _arg("*i32")            # layout.META_FIELDS
+    timeline_ptr: torch.Tensor = _arg("*i64")
+    # task tables (layout.Layout)
+    dispatch_tasks_ptr: torch.Tensor = _arg("*i32")
+    send_token_ptr: torch.Tensor = _arg("*i32")
+    send_slot_ptr: torch.Tensor = _arg("*i32")
+    gemm_tasks_ptr: torch.Tensor = _arg("*i32")
+    gather_ptr: torch.Tensor = _arg("*i32")
+    arrival_expected_ptr: torch.Tensor = _arg("*i32")
+    gemm1_expected_ptr: torch.Tensor = _arg("*i32")
+    combine_tasks_ptr: torch.Tensor = _arg("*i32")
+    combine_token_ptr: torch.Tensor = _arg("*i32")
+    combine_pos_ptr: torch.Tensor = _arg("*i32")
+    combine_weight_ptr: torch.Tensor = _arg("*fp32")
+    token_mask_ptr: torch.Tensor = _arg("*i32")
+    combine_expected_ptr: torch.Tensor = _arg("*i32")
+    # scalars
+    rank: int = _arg("i32")
+    world_size: int = _arg("i32")
+    max_tokens: int = _arg("i32")
+    num_tokens: int = _arg("i32")
+    H: int = _arg("i32")
+    I: int = _arg("i32")  # noqa: E741 - the kernel's name for the intermediate size
+    num_comm_ctas: int = _arg("i32")
+    num_steal: int = _arg("i32")
+    timeout_ns: int = _arg("i64")
+    PHASE_FIRST: int = _arg("i32")
+    PHASE_LAST: int = _arg("i32")
+
+    def by_name(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True)
+class MegakernelConstants:
+    """Compile-time parameters of `moe_megakernel` (each distinct value is a separate compile)."""
+
+    TOP_K: int
+    MAX_CHUNKS: int
+    BLOCK_M: int
+    BLOCK_N0: int
+    BLOCK_N1: int
+    BLOCK_K: int
+    DISPATCH_ROWS: int
+    COMBINE_ROWS: int
+    REDUCE_ROWS: int
+    BLOCK_H: int
+    DOT_FP32: bool
+    TIMELINE: bool
+    MAX_EVENTS: int
+    STAGES0: int
+    STAGES1: int
+    BLOCK_K1: int
+    USE_TMA: bool
+
+    @classmethod
+    def from_config(cls, config, top_k: int, max_chunks: int, timeline_events: int, use_tma: bool):
+        """From a KernelConfig; `timeline_events` = events per CTA of the timeline buffer (0: no timeline)."""
+        return cls(TOP_K=top_k, MAX_CHUNKS=max_chunks, BLOCK_M=config.block_m, BLOCK_N0=config.block_n0,
+                   BLOCK_N1=config.block_n1, BLOCK_K=config.block_k, DISPATCH_ROWS=config.dispatch_rows,
+                   COMBINE_ROWS=config.combine_rows, REDUCE_ROWS=config.reduce_rows, BLOCK_H=config.block_h,
+                   DOT_FP32=config.dot_fp32, TIMELINE=timeline_events > 0, MAX_EVENTS=max(timeline_events, 1),
+                   STAGES0=config.stages0, STAGES1=config.stages1, BLOCK_K1=config.block_k1, USE_TMA=use_tma)
+
+    def by_name(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+#: The TMA descriptors (host-built, KernelConfig.tma): w13 as [E_local * 2I, H], w2 as [E_local * H, I].
+DESCRIPTOR_NAMES = ("w13_desc", "w2_desc")
+
+
+def _check_signature() -> None:
+    runtime = [f.name for f in dataclasses.fields(MegakernelArgs)]
+    constants = [f.name for f in dataclasses.fields(MegakernelConstants)]
+    expected = set(runtime) | set(constants) | set(DESCRIPTOR_NAMES)
+    if moe_megakernel.arg_names[:len(runtime)] != runtime or set(moe_megakernel.arg_names) != expected:
+        raise ImportError("weave: launch.MegakernelArgs / MegakernelConstants do not match moe_megakernel's "
+                          f"parameters {moe_megakernel.arg_names}; update launch.py with the kernel")
+
+
+_check_signature()
+
+
+def launch(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
+           num_stages: int) -> None:
+    """One cooperative launch of `grid` CTAs (all resident, or the launch fails instead of hanging)."""
+    moe_megakernel[(grid,)](**args.by_name(), **constants.by_name(), **descriptors, num_warps=num_warps,
+                            num_stages=num_stages, launch_cooperative_grid=True)
+
+
+def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
+           num_stages: int) -> None:
+    """Compile for these arguments' specialisation without launching."""
+    moe_megakernel.warmup(**args.by_name(), **constants.by_name(), **descriptors, grid=(grid,), num_warps=num_warps,
+                          num_stages=num_stages, launch_cooperative_grid=True)
+
+
+def compile_ptx(constants: dict, capability: int = 90, num_warps: int = 8, num_stages: int = 3) -> str:
+    """Compile the megakernel for `sm_<capability>` without a GPU and return its PTX.
+
+    `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
+    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
+                          DOT_FP32=False), **constants)
+    signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
+    signature.update({name: "constexpr" for name in constants})
+    if constants["USE_TMA"]:
+        bk, bk1 = constants["BLOCK_K"], constants["BLOCK_K1"]
+        signature["w13_desc"] = f"tensordesc<bf16[{constants['BLOCK_N0']},{bk}]>"
+        signature["w2_desc"] = f"tensordesc<bf16[{constants['BLOCK_N1'] // 2},{bk1}]>"
+    else:
+        constants.update(w13_desc=None, w2_desc=None)
+        signature.update(w13_desc="constexpr", w2_desc="constexpr")
+    signature = {name: signature[name] for name in moe_megakernel.arg_names}
+    source = ASTSource(fn=moe_megakernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    return compiled.asm["ptx"]
