@@ -293,3 +293,26 @@ def test_requires_grad_forward_works_and_backward_raises(backend):
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout_s must be a positive number"):
         ExpertParallelMoE(SPEC, backend="nccl", device="cpu", timeout_s=0)
+
+
+def test_weave_counts_vector_carries_every_rank_header():
+    """The weave backend's routing message ends with the call header, and the counts vector brings every rank's
+    header to the host with the counts (its one host copy): pack -> gather -> build -> parse, on the CPU."""
+    from weave_moe.backends.coordination import HEADER_WORDS
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+
+    world_size, max_tokens, status = 2, 4, torch.tensor([0, 0, 0, 0], dtype=torch.int32)
+    message = RoutingMessage(max_tokens, SPEC.top_k)
+    counts_format = CountsFormat(world_size, SPEC.num_experts, status.numel())
+    gathered = torch.empty(world_size, message.words, dtype=torch.int32)
+    headers = [[0x5EED, 2, 7, 0], [0x5EED, 2, 7, 1]]  # rank 1 reports an error code
+    for rank, num_tokens in enumerate((3, 0)):
+        _, ids, weights = _inputs(rank, 0, num_tokens)
+        if rank == 0:
+            ids[0, 0] = SPEC.num_experts  # one bad id on rank 0
+        message.pack(gathered[rank], ids, weights, message.pad(), torch.arange(max_tokens + 1, dtype=torch.int32),
+                     torch.tensor(headers[rank], dtype=torch.int32))
+    flat = counts_format.build(gathered, message, status).tolist()
+    counts, bad_ids, got_headers, got_status = counts_format.parse(flat)
+    assert len(got_headers[0]) == HEADER_WORDS and got_headers == headers
+    assert bad_ids == [1, 0] and got_status == [0, 0, 0, 0] and counts.num_tokens == [3, 0]

@@ -159,20 +159,23 @@ def test_pack_routing_is_the_exchange_message_bit_for_bit(T):
     words = message.id_words
     ids = torch.randint(-1, 9, (T, k), dtype=torch.int64)
     weights = torch.rand(T, k)
-    out = torch.full((2 * words + 1,), 12345, dtype=torch.int32)  # poisoned: every word must be written
-    message.pack(out, ids, weights, message.pad(), torch.arange(max_tokens + 1, dtype=torch.int32))
+    header = torch.tensor([0x1234567, 3, 9, 0], dtype=torch.int32)  # identity, creation index, call, error code
+    counts = torch.arange(max_tokens + 1, dtype=torch.int32)
+    out = torch.full((message.words,), 12345, dtype=torch.int32)  # poisoned: every word must be written
+    message.pack(out, ids, weights, message.pad(), counts, header)
     expected = torch.cat([ids.reshape(-1).int(), torch.full((words - T * k,), -1, dtype=torch.int32),
                           weights.reshape(-1).view(torch.int32), torch.zeros(words - T * k, dtype=torch.int32),
-                          torch.tensor([T], dtype=torch.int32)])
+                          torch.tensor([T], dtype=torch.int32), header])
     assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="do not fit"):
         message.pack(out, torch.zeros(max_tokens + 1, k, dtype=torch.int32), torch.zeros(max_tokens + 1, k),
-                     message.pad(), torch.arange(max_tokens + 2, dtype=torch.int32))
+                     message.pad(), torch.arange(max_tokens + 2, dtype=torch.int32), header)
     # unpack reads back what pack wrote, for every rank of a gathered [EP, words] block
     gathered = torch.stack([out, out])
-    message.pack(gathered[1], ids, weights, message.pad(), torch.arange(max_tokens + 1, dtype=torch.int32))
+    message.pack(gathered[1], ids, weights, message.pad(), counts, header + 1)
     got_ids, got_weights, got_tokens = message.unpack(gathered)
     assert torch.equal(got_ids[1, :T], ids.int()) and torch.equal(got_weights[1, :T], weights)
+    assert torch.equal(message.headers(gathered), torch.stack([header, header + 1]))
     assert int(got_tokens[1]) == T and bool((got_ids[1, T:] == -1).all())
 
 

@@ -1,10 +1,12 @@
 """Host side of the Weave megakernel: one call of one layer on one rank.
 
-  1. pack this rank's top-k ids and weights (+ its token count) into its routing message and all-gather the messages
-     (`exchange.RoutingMessage`; a few hundred KB over NVLink);
+  1. pack this rank's top-k ids and weights (+ its token count and the call's coordination header) into its routing
+     message and all-gather the messages (`exchange.RoutingMessage`; a few hundred KB over NVLink);
   2. count rows per (source, destination) and pairs per expert on the device (`exchange.CountsFormat`, one CUDA-graph
      replay) and copy the counts to the host: the one host sync of the call (it also returns the previous call's
-     status word, so a kernel error surfaces at the latest on the next call, or at `synchronize()`);
+     status word, so a kernel error surfaces at the latest on the next call, or at `synchronize()`). Then every rank
+     raises together if any rank's header carries an error code or names another layer or call
+     (`CallCoordinator.finish`), or if any rank sent ids outside [-1, E);
   3. plan every rank from the same counts (deterministic, so every rank knows every destination's chunk count K);
   4. build this rank's task tables on the device (`layout.build_layout`, one CUDA-graph replay) and launch the
      megakernel (`launch.launch`; for the `serial` policy, the same kernel once per stage).
@@ -19,6 +21,7 @@ import time
 import torch
 
 from weave_moe.backends import raise_on_bad_ids
+from weave_moe.backends.coordination import HEADER_WORDS, CallCoordinator
 from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
 from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage
@@ -33,6 +36,9 @@ __all__ = ["WeaveBackend", "WeaveError", "WeaveTimeoutError"]
 
 #: int32 words of the kernel's status word: [error code, flag tag, value seen, value expected] (kernels/sync.py)
 STATUS_WORDS = 4
+#: Seconds the ranks may drift apart while compiling for a first call: the barrier after the compile waits at least
+#: this long (a cold compile of the task tables alone took ~22 s on a fresh H200 machine).
+COMPILE_SKEW_S = 300.0
 
 
 class WeaveError(RuntimeError):
@@ -77,10 +83,19 @@ def _plan_key(counts: LayoutCounts, world_size: int, num_local_experts: int, blo
 class WeaveBackend:
     """The `weave` backend (module docstring); implements `weave_moe.backends.Backend`.
 
+    Bounded waits (the layer's timeout_s, held by its CallCoordinator): the host never blocks inside NCCL; it polls
+    the event behind the routing exchange's counts (so a peer that never calls makes this rank raise
+    CollectiveTimeoutError within timeout_s) and, in `synchronize`, the event behind the kernel. Inside the kernel
+    every wait for a peer has its own deadline (kernels/sync.py: WeaveTimeoutError at the next call or
+    `synchronize`). The barrier after a first-call compile waits up to max(timeout_s, COMPILE_SKEW_S): a cold
+    compile on one rank is legitimate skew.
+
     Options:
         profile: HardwareProfile for the planner (default: the shipped H200 profile); its tile shape must match the
             KernelConfig's.
-        timeout_s: deadline of every wait inside the kernel (default 5 s, env WEAVE_MOE_TIMEOUT_S).
+        timeout_s: deadline of every wait inside the kernel (default: the smaller of WEAVE_MOE_TIMEOUT_S (default
+            5 s) and the coordinator's timeout_s, the layer's own).
+        coordinator: the layer's CallCoordinator (default: one of its own, with the default timeout).
         timeline: record per-task %globaltimer events (see `last_timeline`).
         num_sms: CTAs of the persistent grid (default: the device's SM count).
         config: KernelConfig (default: `KernelConfig.from_env()`).
@@ -98,7 +113,7 @@ class WeaveBackend:
                  device: torch.device, policy: str = "weave", *, profile: HardwareProfile | None = None,
                  timeout_s: float | None = None, timeline: bool = False, num_sms: int | None = None,
                  config: KernelConfig | None = None, debug_skip_launch: bool = False, debug_poison: bool = False,
-                 use_cuda_graph: bool = True):
+                 use_cuda_graph: bool = True, coordinator: CallCoordinator | None = None):
         if device.type != "cuda":
             raise RuntimeError("the weave backend runs on CUDA GPUs only; use backend='nccl' or 'reference' on CPU")
         if world_size > 31:
@@ -108,7 +123,9 @@ class WeaveBackend:
         self.config = config or KernelConfig.from_env()
         self.profile = profile or HardwareProfile.default()
         self.config.check_profile(self.profile)
-        self.timeout_s = timeout_s if timeout_s is not None else timeout_s_from_env()
+        self.coordinator = coordinator or CallCoordinator(group, rank, world_size, device)
+        self.timeout_s = (timeout_s if timeout_s is not None
+                          else min(timeout_s_from_env(), self.coordinator.timeout_s))
         self.timeout_ns = int(1e9 * self.timeout_s)
         self.debug_skip_launch, self.debug_poison = debug_skip_launch, debug_poison
         self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
@@ -134,6 +151,12 @@ class WeaveBackend:
         self.send_routing = torch.empty(self.message.words, dtype=torch.int32, device=device)
         self.all_routing = torch.empty(world_size, self.message.words, dtype=torch.int32, device=device)
         self.routing_pad = self.message.pad(device)
+        # this call's coordination header: written on the host (through numpy, no torch op), one copy to the device
+        self.header_host = torch.zeros(HEADER_WORDS, dtype=torch.int32).pin_memory()
+        self.header_host_numpy = self.header_host.numpy()
+        self.header_device = torch.zeros(HEADER_WORDS, dtype=torch.int32, device=device)
+        self.no_tokens = (torch.empty(0, spec.top_k, dtype=torch.int32, device=device),
+                          torch.empty(0, spec.top_k, dtype=torch.float32, device=device))
         self.token_counts = torch.arange(max_tokens_per_rank + 1, dtype=torch.int32, device=device)
         self.counts_format = CountsFormat(world_size, spec.num_experts, STATUS_WORDS)
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
@@ -172,11 +195,24 @@ class WeaveBackend:
         `timings`, when given, accumulates host milliseconds per step (host_exchange_ms, host_sync_ms, ...)."""
         if self.broken:
             raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
+        coordinator = self.coordinator
+        coordinator.check_usable()
         clock = _HostClock(timings)
-        # 1. routing exchange
-        self.message.pack(self.send_routing, topk_ids, topk_weights, self.routing_pad, self.token_counts)
+        # 1. routing exchange, with the call's header (its error code set if this rank cannot make the call)
+        self._write_header()
+        try:
+            self.message.pack(self.send_routing, topk_ids, topk_weights, self.routing_pad, self.token_counts,
+                              self.header_device)
+        except Exception as error:  # noqa: BLE001 - the peers wait in the exchange: send T = 0 and the error code
+            coordinator.fail(error)
+            torch.cuda.current_stream(self.device).synchronize()  # the header's pinned copy has been read
+            self._write_header()
+            self.message.pack(self.send_routing, *self.no_tokens, self.routing_pad, self.token_counts,
+                              self.header_device)
         if self.world_size > 1:
-            torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group)
+            work = torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group,
+                                                            async_op=True)
+            coordinator.wait(work, "the routing exchange", host=False)  # bounded below, at the counts' event
         else:
             self.all_routing.copy_(self.send_routing[None])
         clock.lap("exchange")
@@ -192,11 +228,14 @@ class WeaveBackend:
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
-        self.counts_ready.synchronize()
-        counts, bad_ids, status = self.counts_format.parse(self.counts_host.tolist())
+        # The one host sync, bounded: a peer that never joins the exchange makes this raise CollectiveTimeoutError.
+        coordinator.poll(self.counts_ready.query, "the routing exchange")
+        counts, bad_ids, headers, status = self.counts_format.parse(self.counts_host.tolist())
         clock.lap("sync")
         self._raise_on_status(status)
-        # Every rank sees every rank's count and raises here, before any kernel of this call: the layer stays usable.
+        # Every rank sees every rank's header and bad-id count and raises here, before any kernel of this call: the
+        # layer stays usable. A failing rank raises its own error, the others PeerError (or CallOrderError).
+        coordinator.finish(headers)
         raise_on_bad_ids(bad_ids, self.spec.num_experts)
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
         plans = [self.fixed_plan] * self.world_size if self.fixed_plan is not None else self._plans(counts)
@@ -215,10 +254,19 @@ class WeaveBackend:
         self.calls += 1
         return out
 
+    def _write_header(self) -> None:
+        """This call's coordination header into `header_device` (one host-to-device copy from pinned memory; the
+        previous call's copy has run: every call waits for its counts, which come after it in stream order)."""
+        self.header_host_numpy[:] = self.coordinator.header()
+        self.header_device.copy_(self.header_host, non_blocking=True)
+
     def synchronize(self) -> None:
         """Wait for the last call (its stream, not the whole GPU) and raise WeaveTimeoutError if its kernel reported
         an error."""
-        torch.cuda.current_stream(self.device).synchronize()
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        # the kernel's own waits end within self.timeout_s; the bound here only guards against anything else
+        self.coordinator.poll(done.query, "synchronize", timeout_s=self.timeout_s + self.coordinator.timeout_s)
         self._raise_on_status(self.status.tolist())
 
     def last_timeline(self) -> list[tuple[int, str, int, int]]:
@@ -336,5 +384,8 @@ class WeaveBackend:
         mk_launch.warmup(args=args, **launch_options)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
-            torch.distributed.barrier(group=self.group)
+            work = torch.distributed.barrier(group=self.group, async_op=True)
+            self.coordinator.poll(work.is_completed, "the barrier after compiling the kernel",
+                                  timeout_s=max(self.coordinator.timeout_s, COMPILE_SKEW_S))
+            work.wait()
         self.compiled.add(self.constants)

@@ -5,13 +5,16 @@ writes, `CountsFormat.parse` reads. Nothing else slices these vectors.
 
 Routing message (one rank, int32 words, W = T_max * k):
 
-    [ ids: T * k global expert ids, -1 up to W | weights: T * k fp32 bit patterns, 0.0 up to W | T ]
+    [ ids: T * k global expert ids, -1 up to W | weights: T * k fp32 bit patterns, 0.0 up to W | T | header ]
 
-Every rank all-gathers every rank's message ([EP, words]), so every rank can compute the same global layout.
+Every rank all-gathers every rank's message ([EP, words]), so every rank can compute the same global layout. The
+header (HEADER_WORDS words: layer identity, creation index, call number, error code) is the call's coordination
+header (weave_moe.backends.coordination): a rank that cannot make a call sends T = 0 and its error code, and every
+rank raises after the exchange.
 
 Counts vector (int32, built on the device from the gathered messages, copied to the host once per call):
 
-    [ EP tokens | EP * EP rows sent (s -> d, dedup) | E (token, expert) pairs | EP bad ids | status words ]
+    [ EP tokens | EP * EP rows sent (s -> d, dedup) | E (token, expert) pairs | EP bad ids | EP headers | status ]
 
 Shape legend: EP ranks, T_max = max_tokens_per_rank, k = top_k, E experts, E_local = E / EP.
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from weave_moe.backends.coordination import HEADER_WORDS
 
 __all__ = ["RoutingMessage", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing"]
 
@@ -54,7 +59,7 @@ class RoutingMessage:
 
     @property
     def words(self) -> int:
-        return 2 * self.id_words + 1
+        return 2 * self.id_words + 1 + HEADER_WORDS
 
     def pad(self, device=None) -> torch.Tensor:
         """[2 W] int32: -1 (no expert) for the ids' padding, then 0 (the bits of 0.0) for the weights' padding."""
@@ -62,7 +67,7 @@ class RoutingMessage:
                           torch.zeros(self.id_words, dtype=torch.int32, device=device)])
 
     def pack(self, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, pad: torch.Tensor,
-             token_counts: torch.Tensor) -> torch.Tensor:
+             token_counts: torch.Tensor, header: torch.Tensor) -> torch.Tensor:
         """Fill `out` [words] int32 with ONE kernel (a `torch.cat` into `out`).
 
         Args:
@@ -71,6 +76,7 @@ class RoutingMessage:
             topk_weights: [T, k] fp32.
             pad: `self.pad(device)`, made once.
             token_counts: [T_max + 1] int32 device vector 0..T_max, so T needs no host-to-device copy.
+            header: [HEADER_WORDS] int32, this call's coordination header (on the device).
         """
         words, n = self.id_words, topk_ids.numel()
         if n > words:
@@ -78,7 +84,7 @@ class RoutingMessage:
         num_tokens = topk_ids.shape[0]
         return torch.cat([topk_ids.reshape(-1).to(torch.int32), pad[:words - n],
                           topk_weights.reshape(-1).view(torch.int32), pad[words:2 * words - n],
-                          token_counts[num_tokens:num_tokens + 1]], out=out)
+                          token_counts[num_tokens:num_tokens + 1], header], out=out)
 
     def unpack(self, messages: torch.Tensor):
         """Views of gathered messages [EP, words] int32: (ids [EP, T_max, k] int32, weights [EP, T_max, k] fp32,
@@ -86,7 +92,11 @@ class RoutingMessage:
         world_size, words = messages.shape[0], self.id_words
         ids = messages[:, :words].view(world_size, self.max_tokens, self.top_k)
         weights = messages[:, words:2 * words].view(torch.float32).view(world_size, self.max_tokens, self.top_k)
-        return ids, weights, messages[:, -1]
+        return ids, weights, messages[:, 2 * words]
+
+    def headers(self, messages: torch.Tensor) -> torch.Tensor:
+        """[EP, HEADER_WORDS] int32 view: every rank's call header in gathered messages [EP, words]."""
+        return messages[:, 2 * self.id_words + 1:]
 
 
 def hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
@@ -125,10 +135,11 @@ class CountsFormat:
     @property
     def size(self) -> int:
         ep = self.world_size
-        return ep + ep * ep + self.num_experts + ep + self.status_words
+        return ep + ep * ep + self.num_experts + ep + ep * HEADER_WORDS + self.status_words
 
     def build(self, messages: torch.Tensor, message: RoutingMessage, status: torch.Tensor) -> torch.Tensor:
-        """Counts of gathered `messages` [EP, words], then bad ids per rank, then `status`. Ids outside [-1, E) are
+        """Counts of gathered `messages` [EP, words], then bad ids per rank, every rank's header, then `status`.
+        Ids outside [-1, E) are
         counted per source rank and replaced by -1 IN PLACE, so nothing downstream indexes out of range; the host
         raises on every rank together. Not idempotent: a second run on the same messages counts no bad ids."""
         ids = messages[:, :message.id_words]
@@ -136,10 +147,12 @@ class CountsFormat:
         bad_ids = bad.sum(dim=1, dtype=torch.int32)
         ids.masked_fill_(bad, -1)
         all_ids, _, tokens = message.unpack(messages)
-        return torch.cat([count_routing(all_ids, tokens, self.num_experts), bad_ids, status])
+        return torch.cat([count_routing(all_ids, tokens, self.num_experts), bad_ids,
+                          message.headers(messages).flatten(), status])
 
-    def parse(self, flat: list[int]) -> tuple[LayoutCounts, list[int], list[int]]:
-        """(counts, bad ids per rank [EP], status words) of the host copy of a counts vector."""
+    def parse(self, flat: list[int]) -> tuple[LayoutCounts, list[int], list[list[int]], list[int]]:
+        """(counts, bad ids per rank [EP], headers [EP][HEADER_WORDS], status words) of the host copy of a counts
+        vector."""
         if len(flat) != self.size:
             raise ValueError(f"counts vector has {len(flat)} words, expected {self.size}")
         ep, E = self.world_size, self.num_experts
@@ -148,5 +161,7 @@ class CountsFormat:
         pairs_end = ep + ep * ep + E
         pairs = flat[ep + ep * ep: pairs_end]
         bad = flat[pairs_end: pairs_end + ep]
-        status = flat[pairs_end + ep:]
-        return LayoutCounts(tokens, send, pairs), bad, status
+        headers_end = pairs_end + ep + ep * HEADER_WORDS
+        headers = [flat[pairs_end + ep + r * HEADER_WORDS: pairs_end + ep + (r + 1) * HEADER_WORDS] for r in range(ep)]
+        status = flat[headers_end:]
+        return LayoutCounts(tokens, send, pairs), bad, headers, status
