@@ -44,8 +44,7 @@ def _outcome(call) -> str:
 def _inputs(rank: int, call: int, num_tokens: int = 6):
     generator = torch.Generator().manual_seed(100 * rank + call)
     x = torch.randn(num_tokens, SPEC.hidden_size, generator=generator).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(SPEC.num_experts, generator=generator)[: SPEC.top_k]
-                       for _ in range(num_tokens)]).to(torch.int32)
+    ids = torch.rand(num_tokens, SPEC.num_experts, generator=generator).argsort(1)[:, : SPEC.top_k].to(torch.int32)
     weights = torch.rand(num_tokens, SPEC.top_k, generator=generator)
     return x, ids, weights
 
