@@ -18,8 +18,8 @@ def test_every_policy_matches_reference_on_edge_cases():
     assert not failed, failed
 
 
-def test_stalled_peer_and_bad_ids_raise_and_back_to_back_calls_hold():
-    rows = run_distributed(check_worker, 2, [], [], dict(stress_calls=200, stall=True, bad_ids=True), backend="nccl",
+def test_stalled_peer_bad_ids_and_failures_raise_and_back_to_back_calls_hold():
+    rows = run_distributed(check_worker, 2, [], [], dict(stress_calls=200, stall=True, bad_ids=True, failures=True), backend="nccl",
                            timeout_s=600)
     failed = [row for per_rank in rows for row in per_rank if not row["passed"]]
     assert not failed, failed

@@ -4,8 +4,10 @@ Each rank builds its own tokens and routing, the full expert set (for the refere
 runs every variant with poisoned outputs, and compares with `reference_moe` on its own tokens (the reference needs
 only this rank's tokens and all experts). Writes one JSON with a row per (case, variant, rank).
 
-Also: back-to-back calls with fresh routing (no hang, no drift) and a stalled peer that must end in
-WeaveTimeoutError within seconds.
+Also: back-to-back calls with fresh routing (no hang, no drift), a stalled peer that must end in
+WeaveTimeoutError within seconds, and (`--failures`) the cross-rank failure cases of tests/test_failures.py for the
+weave backend: a local check failing on one rank, ids >= 2**32, layers called in a different order, ranks building
+different layers, a rank that never calls, inputs that require grad (at EP = 1 only the cases that need no peer).
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
     if extra.get("stall"):
         log("stall")
         rows.append(_stall(rank, world_size, group, device))
+    if extra.get("failures"):
+        log("failures")
+        rows.extend(_failures(rank, world_size, group, device))
     return rows
 
 
@@ -266,6 +271,122 @@ def _stall(rank, world_size, group, device) -> dict:
                 passed=outcome.startswith(expected) and seconds < 10)
 
 
+def _failures(rank, world_size, group, device) -> list[dict]:
+    """The cross-rank failure cases of tests/test_failures.py on the weave backend; one row per case and rank.
+
+    Each case expects, on every rank in the same call, a named error (the failing rank its own, the others
+    PeerError / CallOrderError / LayerMismatchError / CollectiveTimeoutError), and then a next call that matches the
+    reference. The never-calls case comes last: it leaves its layer broken on the waiting ranks.
+    """
+    import datetime
+
+    from weave_moe.layer import ExpertParallelMoE
+
+    spec, max_tokens, last = MoESpec(16, 2, 256, 128, name="failures"), 64, world_size - 1
+    gen = torch.Generator(device).manual_seed(rank)
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=gen, device=device)[:2] for _ in range(48)])
+    ids = ids.to(torch.int32)
+    x = torch.randn(48, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+    w = torch.rand(48, 2, generator=gen, device=device)
+    rows = []
+
+    def outcome_of(call) -> str:
+        try:
+            call()
+            return "ok"
+        except Exception as error:  # noqa: BLE001 - recorded per case
+            return f"{type(error).__name__}: {error}"
+
+    def next_error(layer, w13, w2) -> float:
+        try:
+            out = layer(x, ids, w)
+            layer.synchronize()
+            return moe_error(out, reference_moe(x, ids, w, w13, w2))[0]
+        except Exception:  # noqa: BLE001
+            return float("inf")
+
+    def record(case, outcome, expected, rel=0.0, **more):
+        passed = outcome.startswith(expected) and rel <= TOLERANCE
+        rows.append(dict(failures=case, rank=rank, outcome=outcome[:500], expected=expected, rel_error=rel,
+                         passed=bool(passed), **more))
+
+    def expect(failing_rank, own):  # what this rank must raise when `failing_rank` fails with `own`
+        return own if rank == failing_rank else "PeerError"
+
+    try:
+        layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, debug_poison=True)
+        if world_size == 1:
+            last = 0
+        bad_calls = {"x-fp16": ((x.half(), ids, w), "TypeError"),
+                     "too-many-tokens": ((torch.cat([x, x]), torch.cat([ids, ids]), torch.cat([w, w])), "ValueError")}
+        for case, (bad, own) in bad_calls.items():
+            outcome = outcome_of(lambda: layer(*(bad if rank == last else (x, ids, w))))
+            record(case, outcome, expect(last, own), next_error(layer, w13, w2))
+        wide = ids.long()
+        if rank == last:
+            wide[3, 1] = 2**32 + 3
+        outcome = outcome_of(lambda: layer(x, wide, w))
+        record("ids-2**32+3", outcome, "ValueError: topk_ids must be in", next_error(layer, w13, w2))
+        grad_x = x.clone().requires_grad_()
+        out = layer(grad_x, ids, w)
+        layer.synchronize()
+        rel = moe_error(out.detach(), reference_moe(x, ids, w, w13, w2))[0]
+        backward = outcome_of(lambda: out.float().sum().backward())
+        record("requires-grad", backward if out.requires_grad else "output does not require grad",
+               "RuntimeError: ExpertParallelMoE is inference-only", rel)
+        if world_size == 1:
+            return rows
+
+        unloaded = ExpertParallelMoE(spec, group=group, backend="weave", device=device, max_tokens_per_rank=max_tokens)
+        local = spec.num_experts // world_size
+        if rank != 0:
+            unloaded.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
+        outcome = outcome_of(lambda: unloaded(x, ids, w))
+        if rank == 0:
+            unloaded.load_experts(w13[:local], w2[:local])
+        record("not-loaded", outcome, expect(0, "RuntimeError"), next_error(unloaded, w13, w2))
+        del unloaded
+
+        first = _weave_layer(spec, rank, world_size, group, device, 6, max_tokens)
+        second = _weave_layer(spec, rank, world_size, group, device, 7, max_tokens)
+        order = (first, second) if rank == 0 else (second, first)
+        outcomes = [outcome_of(lambda: each[0](x, ids, w)) for each in order]
+        rel = max(next_error(*first), next_error(*second))
+        record("call-order", " | ".join(outcomes) if all(o.startswith("CallOrderError") for o in outcomes)
+               else f"not every call raised CallOrderError: {outcomes}", "CallOrderError", rel)
+        del first, second
+
+        outcome = outcome_of(lambda: ExpertParallelMoE(spec, group=group, backend="weave", device=device,
+                                                       max_tokens_per_rank=max_tokens + (rank == last)))
+        record("build-mismatch", outcome, "LayerMismatchError: ranks disagree on the MoE layer being built: "
+               "max_tokens_per_rank differs")
+
+        # The last rank never calls: the others raise within timeout_s. Then it joins the pending all-gather (and
+        # nothing else), so the others' NCCL stream drains and the process group stays usable for the report.
+        doomed, _, _ = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, timeout_s=3.0)
+        store = torch.distributed.distributed_c10d._get_default_store()
+        if rank == last:
+            store.wait([f"weave-never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
+            backend = doomed.backend
+            backend._write_header()
+            backend.message.pack(backend.send_routing, ids[:0], w[:0], backend.routing_pad, backend.token_counts,
+                                 backend.header_device)
+            torch.distributed.all_gather_into_tensor(backend.all_routing, backend.send_routing, group=group)
+            torch.cuda.synchronize(device)
+            record("never-calls", "did not call", "did not call")
+        else:
+            start = time.perf_counter()
+            outcome = outcome_of(lambda: doomed(x, ids, w))
+            seconds = time.perf_counter() - start
+            after = outcome_of(lambda: doomed(x, ids, w))
+            store.set(f"weave-never-calls/{rank}", "done")
+            record("never-calls", outcome if after.startswith("LayerBrokenError") else f"{outcome} / then {after}",
+                   "CollectiveTimeoutError", 0.0 if seconds < 3.0 + 5.0 else float("inf"), seconds=seconds)
+    except Exception as error:  # noqa: BLE001 - a case that crashed is a failed row, the report goes on
+        rows.append(dict(failures="crashed", rank=rank, passed=False, error=f"{type(error).__name__}: {error}"[:2000]))
+    return rows
+
+
 PAPER_CASES = [
     Case(m, (t, t), r, seed=i)
     for i, (m, t, r) in enumerate(
@@ -292,6 +413,9 @@ def main(argv=None) -> int:
     parser.add_argument("--stall", action="store_true")
     parser.add_argument("--bad-ids", action="store_true",
                         help="one rank passes an expert id >= E: every rank must raise ValueError, the layer must go on")
+    parser.add_argument("--failures", action="store_true",
+                        help="the cross-rank failure cases (a rank's bad input, call order, layer mismatch, a rank "
+                             "that never calls, ...): named errors on every rank, then correct calls")
     parser.add_argument("--out", default="validate.json")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
@@ -301,7 +425,8 @@ def main(argv=None) -> int:
     cases = {"none": [], "edge": EDGE_CASES, "paper": PAPER_CASES, "all": EDGE_CASES + PAPER_CASES,
              "quick": [Case("qwen3-30b-a3b", (2048, 2048)), Case("deepseek-v2-lite", (1024, 512), "skewed:6")]}
     cases = cases[args.suite]
-    extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids)
+    extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids,
+                 failures=args.failures)
     start = time.time()
     import re
 
@@ -320,7 +445,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
     for r in rows:
-        tag = r.get("variant") or ("stress" if r.get("stress") else "bad ids" if r.get("bad_ids") else "stall")
+        tag = r.get("variant") or ("stress" if r.get("stress") else "bad ids" if r.get("bad_ids")
+                                   else f"failure {r['failures']}" if r.get("failures") else "stall")
         print(("PASS " if r.get("passed") else "FAIL ") + f"{tag:22s} rank {r['rank']} "
               + json.dumps({k: v for k, v in r.items() if k not in ("variant", "rank", "passed")})[:300])
     print(f"{len(rows) - len(failed)}/{len(rows)} passed in {time.time() - start:.0f} s")
