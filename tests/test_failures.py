@@ -9,7 +9,8 @@ Cases: a local check fails on one rank (x dtype, T > max_tokens_per_rank, expert
 the backend before its exchange) -> that rank's own error, PeerError on the others, then a correct call; ids out of
 range (int64 ids >= 2**32 included) -> ValueError everywhere; two same-shaped layers called in a different order ->
 CallOrderError everywhere, then correct calls in the same order; ranks that build different layers -> an error
-naming the field everywhere; a rank that never calls -> the others raise CollectiveTimeoutError (within timeout_s),
+naming the field everywhere; a construction argument or a backend constructor failing on one rank -> its error
+there, PeerError elsewhere; a rank that never calls -> the others raise CollectiveTimeoutError (within timeout_s),
 then LayerBrokenError; inputs that require grad -> a forward without autograd whose backward raises.
 """
 
@@ -121,6 +122,7 @@ def _failure_cases(rank: int, world_size: int) -> dict:
     results["build-spec"] = _outcome(build(spec=MoESpec(8, 2, 32, 16 + 8 * (rank == last))))
     results["build-backend"] = _outcome(build(backend="reference" if rank == last else "nccl"))
     results["build-invalid"] = _outcome(build(max_tokens_per_rank=0 if rank == last else MAX_TOKENS))
+    results["build-bad-option"] = _outcome(build(**({"bogus_option": 1} if rank == last else {})))
     results["build-ok/next"] = _error_of_good_call(layer, rank, seed=1, call=7)
 
     # --- inputs that require grad ----------------------------------------------------------------------------------
@@ -225,6 +227,16 @@ def test_invalid_construction_argument_on_one_rank_raises_on_every_rank(world_si
             assert outcome.startswith("ValueError: max_tokens_per_rank must be a positive int"), outcome
         else:
             assert outcome.startswith("PeerError") and "max_tokens_per_rank must be a positive int" in outcome
+
+
+@pytest.mark.parametrize("world_size", EP_SIZES)
+def test_backend_constructor_failing_on_one_rank_raises_on_every_rank(world_size):
+    for rank, result in enumerate(_results(world_size)):
+        outcome = result["build-bad-option"]
+        if rank == world_size - 1:
+            assert outcome.startswith("TypeError: nccl backend: unknown options ['bogus_option']"), outcome
+        else:
+            assert outcome.startswith("PeerError") and "unknown options ['bogus_option']" in outcome, outcome
 
 
 @pytest.mark.parametrize("world_size", EP_SIZES)

@@ -20,8 +20,8 @@ import importlib
 
 import torch
 
-from weave_moe.backends.coordination import (DEFAULT_TIMEOUT_S, CallCoordinator, agree_on_layer, describe_layer,
-                                             layer_fingerprint)
+from weave_moe.backends.coordination import (DEFAULT_TIMEOUT_S, CallCoordinator, agree_on_layer, confirm_built,
+                                             describe_layer, layer_fingerprint)
 from weave_moe.models import MoESpec
 
 __all__ = ["ExpertParallelMoE", "moe_forward", "BACKENDS", "DEFAULT_POLICY"]
@@ -154,9 +154,17 @@ class ExpertParallelMoE(torch.nn.Module):
         self.backend_name, self.policy = backend, policy
         self.coordinator = CallCoordinator(self.group, self.rank, self.world_size, self.device, self.timeout_s,
                                            layer_fingerprint(description), index)
-        self.backend = _backend_class(backend)(spec, self.group, self.rank, self.world_size, max_tokens_per_rank,
-                                               self.device, policy=policy, coordinator=self.coordinator,
-                                               **backend_options)
+        try:
+            self.backend = _backend_class(backend)(spec, self.group, self.rank, self.world_size, max_tokens_per_rank,
+                                                   self.device, policy=policy, coordinator=self.coordinator,
+                                                   **backend_options)
+            local_error = None
+        except Exception as error:  # noqa: BLE001 - reported to the peers below, then raised here
+            local_error = error
+        if self.world_size > 1:
+            confirm_built(self.group, self.rank, self.world_size, self.device, local_error, self.timeout_s, index)
+        elif local_error is not None:
+            raise local_error
         self._loaded = False
         self._no_tokens = None  # T = 0 inputs, for a call this rank cannot make but its peers wait for
 

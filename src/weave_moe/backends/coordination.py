@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CallCoordinator", "agree_on_layer", "describe_layer", "layer_fingerprint", "exchange_text", "DEFAULT_TIMEOUT_S",
+    "CallCoordinator", "agree_on_layer", "confirm_built", "describe_layer", "layer_fingerprint", "exchange_text", "DEFAULT_TIMEOUT_S",
     "HEADER_WORDS", "CODE_OK", "CODE_REJECTED", "CODE_FAILED", "CoordinationError", "PeerError", "CallOrderError",
     "LayerMismatchError", "CollectiveError", "CollectiveTimeoutError", "LayerBrokenError",
 ]
@@ -235,14 +235,8 @@ def agree_on_layer(group, rank: int, world_size: int, device: torch.device, desc
     work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True)
     _bounded(work, device, timeout_s, f"rank {rank}: the construction check of layer #{index}", lambda reason: None)
     rows = gathered.view(world_size, 3).cpu().tolist()
-    if any(row[2] != CODE_OK for row in rows):
-        texts = exchange_text(group, world_size, device, "" if local_error is None else _error_text(local_error),
-                              timeout_s, f"rank {rank}: the error exchange of layer #{index}'s construction")
-        if local_error is not None:
-            raise local_error
-        failures = {r: texts[r] for r, row in enumerate(rows) if row[2] != CODE_OK}
-        raise PeerError(f"building the MoE layer failed on another rank: "
-                        + "; ".join(f"rank {r}: {m}" for r, m in failures.items()), failures)
+    _raise_if_any_failed(group, rank, world_size, device, [row[2] for row in rows], local_error, timeout_s,
+                         f"layer #{index}'s construction")
     if any(row[:2] != rows[0][:2] for row in rows):
         texts = exchange_text(group, world_size, device, json.dumps({**description, "creation index": index}),
                               timeout_s, f"rank {rank}: the description exchange of layer #{index}")
@@ -257,6 +251,34 @@ def agree_on_layer(group, rank: int, world_size: int, device: torch.device, desc
                 if differences and all(d.startswith("creation index") for d in differences) else "")
         raise LayerMismatchError(f"ranks disagree on the MoE layer being built: {'; '.join(differences)}{hint}")
     return index
+
+
+def confirm_built(group, rank: int, world_size: int, device: torch.device, local_error: BaseException | None,
+                  timeout_s: float, index: int) -> None:
+    """After the backends are built: one all-gather of an error code, so that a backend constructor that raised on
+    one rank (out of memory, a bad option) raises there and PeerError on the others, instead of leaving them to
+    time out in the first call."""
+    code = CODE_OK if local_error is None else _error_code(local_error)
+    mine = torch.full((1,), code, dtype=torch.int64, device=device)
+    gathered = torch.empty(world_size, dtype=torch.int64, device=device)
+    work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True)
+    _bounded(work, device, timeout_s, f"rank {rank}: the construction check of layer #{index}'s backend",
+             lambda reason: None)
+    _raise_if_any_failed(group, rank, world_size, device, gathered.cpu().tolist(), local_error, timeout_s,
+                         f"layer #{index}'s backend construction")
+
+
+def _raise_if_any_failed(group, rank, world_size, device, codes: list[int], local_error, timeout_s, what) -> None:
+    """Every rank sees the same `codes`: if one is set, exchange the messages and raise on every rank."""
+    if all(code == CODE_OK for code in codes):
+        return
+    texts = exchange_text(group, world_size, device, "" if local_error is None else _error_text(local_error),
+                          timeout_s, f"rank {rank}: the error exchange of {what}")
+    if local_error is not None:
+        raise local_error
+    failures = {r: texts[r] for r, code in enumerate(codes) if code != CODE_OK}
+    raise PeerError(f"building the MoE layer failed on another rank: "
+                    + "; ".join(f"rank {r}: {m}" for r, m in failures.items()), failures)
 
 
 class CallCoordinator:
