@@ -308,17 +308,14 @@ class WeaveBackend:
         torch.cuda.current_stream(self.device).synchronize()
         self._raise_on_status(self.status.tolist())
 
-    def last_timeline(self) -> list[tuple[int, str, int, int]]:
-        """(cta, kind, start_ns, end_ns) of the last call's tasks, times relative to its first event (timeline=True)."""
+    def last_timeline(self) -> list:
+        """The last call's events as `weave_moe.sim.measured.Event` (cta, kind, start_ns, end_ns, ready_ns), times
+        relative to its first event, "spin" events for time outside tasks (timeline=True)."""
+        from weave_moe.sim.measured import events_from_buffer
+
         if not self.timeline:
             raise RuntimeError("build the layer with timeline=True to record timelines")
-        events = self.timeline_buf.cpu()
-        rows = [(cta, int(kind), int(t0), int(t1)) for cta in range(events.shape[0])
-                for kind, t0, t1, _ in events[cta].tolist() if t1 > 0]
-        if not rows:
-            return []
-        origin = min(r[2] for r in rows)
-        return [(cta, mk.EVENT_NAMES[kind], t0 - origin, t1 - origin) for cta, kind, t0, t1 in rows]
+        return events_from_buffer(self.timeline_buf.cpu().numpy(), mk.EVENT_NAMES)
 
     # ---- internals --------------------------------------------------------------------------------------------------
     def _workload_for(self, dest, send_rows, expert_pairs, num_tokens) -> Workload:
