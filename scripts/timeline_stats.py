@@ -1,11 +1,11 @@
 """Record in-kernel timelines of the weave megakernel and set their utilisation beside the simulator's.
 
-One GPU (`--emulate-ep N`, default 2): EP=1 running the per-rank work of EP=N. The layer holds E/N experts (one rank's
-local experts) and gets T tokens with uniform top-k routing over them, so its GEMMs see T*k rows in E/N groups, as one
-rank of EP=N does under uniform routing (T*k*N pairs of which 1/N land on each rank). Dispatch and combine move the
-same token rows, but as local copies: no NVLink traffic and no waits for a peer. Two GPUs (`--ep 2`): the real EP=2,
-one NCCL rank per GPU. Figures are defined in docs/utilisation.md (`weave_moe.sim.timeline.utilisation`, the same
-function for the measured and the simulated timeline).
+One GPU (`--emulate-ep N`): EP=1 running the per-rank work of EP=N. The layer holds E/N experts (one rank's local
+experts) and gets T tokens with uniform top-k routing over them, so its GEMMs see T*k rows in E/N groups, as one rank
+of EP=N does under uniform routing (T*k*N pairs of which 1/N land on each rank). Dispatch and combine move the same
+token rows, but as local copies: no NVLink traffic and no waits for a peer. N GPUs (`--ep N`, the default with N = 2):
+the real EP=N, one NCCL rank per GPU. The figures are defined in docs/utilisation.md
+(`weave_moe.sim.timeline.utilisation`, the same function for the measured and the simulated timeline).
 
     python scripts/timeline_stats.py --emulate-ep 2 --models deepseek-v3:4096,qwen3-30b-a3b:8192 \
         --variants weave:serial,weave:static:20,weave --out "$OUT"
@@ -144,14 +144,16 @@ def main() -> int:
                         help="comma-separated model:tokens-per-rank")
     parser.add_argument("--variants", default="weave:serial,weave:static:20,weave")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--emulate-ep", type=int, default=2, help="one GPU: EP=1 running the per-rank work of EP=N")
-    mode.add_argument("--ep", type=int, default=None, help="N GPUs: the real EP=N (one NCCL rank per GPU)")
+    mode.add_argument("--emulate-ep", type=int, default=None, help="one GPU: EP=1 running the per-rank work of EP=N")
+    mode.add_argument("--ep", type=int, default=None, help="N GPUs: the real EP=N, one NCCL rank per GPU (default 2)")
     parser.add_argument("--model", default=None, help="one model (with --tokens), instead of --models")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank for --model")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     if args.model:
         args.models = f"{args.model}:{args.tokens}"
+    if args.emulate_ep is None and args.ep is None:
+        args.ep = 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = [v for v in args.variants.split(",") if v]

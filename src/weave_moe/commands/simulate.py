@@ -48,7 +48,8 @@ def run(args) -> int:
     print(f"plan ({args.policy}): {roles} K={p.K} n_steal={p.n_steal}, "
           f"predicted {p.predicted_us:.1f} us{overhead}")
     usage = result.utilisation
-    print(f"simulated kernel: {result.latency_us:.1f} us (model error {100 * (kernel_us / result.latency_us - 1):+.1f}%), "
+    error = 100 * (kernel_us / result.latency_us - 1)
+    print(f"simulated kernel: {result.latency_us:.1f} us (model error {error:+.1f}%), "
           f"{100 * floor / result.latency_us:.0f}% of the physical floor's speed ({floor:.1f} us)")
     print(f"SM active {100 * usage.sm_active:.1f}% (work; waiting {100 * usage.waiting:.1f}%, idle "
           f"{100 * usage.idle:.1f}%), comm/GEMM overlap {100 * usage.overlap:.1f}% (docs/utilisation.md)")
