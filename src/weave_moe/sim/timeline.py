@@ -213,8 +213,8 @@ def plot_timeline(result, path, *, title: str | None = None, width_px: int = 160
     ax.set_ylabel(ylabel)
     ax.set_xlabel("time (us)")
     u = result.utilisation
-    figures = (f"{result.latency_us:.0f} us, SM active {100 * u.sm_active:.0f}% (work), "
-               f"overlap {100 * u.overlap:.0f}% (comm and GEMM work)")
+    figures = (f"{result.latency_us:.0f} us, SM active {100 * u.sm_active:.0f}% (work; waiting "
+               f"{100 * u.waiting:.0f}%), overlap {100 * u.overlap:.0f}% (comm and GEMM work)")
     ax.set_title(f"{title}\n{figures}" if title else f"{plan.policy}: c={plan.c}, K={plan.K}, n_steal={plan.n_steal}, "
                                                       f"{figures}", fontsize=10)
     handles = [Patch(color=COLORS[k], label=_LABELS.get(k, k)) for i, k in enumerate(KINDS) if i in drawn]
