@@ -1,6 +1,10 @@
-"""Pictures and utilisation figures from timelines recorded in the megakernel (scripts/timeline_stats.py JSON).
+"""Pictures and utilisation figures (docs/utilisation.md) of timelines recorded in the megakernel.
 
-python scripts/plot_measured_timeline.py timeline-qwen3-30b-a3b-8192.json --out docs/figures --tag qwen3-8192
+Reads the JSON that scripts/timeline_stats.py (or `weave-moe calibrate --measure`) writes. Events of five fields
+(cta, kind, start_ns, end_ns, ready_ns) split into waiting and work; older four-field recordings have no ready stamp,
+so their waits count as work (an upper bound) and their pictures show no waiting.
+
+python scripts/plot_measured_timeline.py timeline-qwen3-30b-a3b-8192-ep1of2.json --out docs/figures --tag qwen3-8192
 """
 
 import argparse
@@ -14,19 +18,25 @@ if __name__ == "__main__":
     parser.add_argument("json")
     parser.add_argument("--out", default="docs/figures")
     parser.add_argument("--tag", default="measured")
-    parser.add_argument("--num-sms", type=int, default=132)
+    parser.add_argument("--num-sms", type=int, default=None, help="default: the recording's, else 132 (H200)")
+    parser.add_argument("--device", default="H200", help="named in the picture's title")
     args = parser.parse_args()
-    data = json.load(open(args.json))
+    with open(args.json) as f:
+        data = json.load(f)
     for rank, per_variant in enumerate(data):
         for variant, record in per_variant.items():
             if variant.startswith("_"):
                 continue
             p = record["plan"]
             plan = SimpleNamespace(policy=variant, c=p["c"], K=p["K"], n_steal=p["n_steal"])
-            result = measured_result(record["events"], args.num_sms, plan)
+            num_sms = args.num_sms or record.get("num_sms", 132)
+            result = measured_result(record["events"], num_sms, plan)
+            old = any(len(event) < 5 for event in record["events"])
             name = f"{args.out}/timeline-{args.tag}-{variant.replace(':', '_')}-rank{rank}.png"
-            plot_timeline(result, name, title=f"measured on H200, rank {rank}, {variant}: c={plan.c}, K={plan.K}, "
-                          f"n_steal={plan.n_steal}, {result.latency_us:.0f} us, SM busy {100 * result.sm_active:.0f}%, "
-                          f"overlap {100 * result.overlap:.0f}%")
-            print(f"{args.tag} rank {rank} {variant:18s} span {result.latency_us:8.0f} us  "
-                  f"SM busy {100 * result.sm_active:5.1f}%  comm/GEMM overlap {100 * result.overlap:5.1f}%  -> {name}")
+            plot_timeline(result, name, title=f"measured on {args.device}, rank {rank}, {variant}: c={plan.c}, "
+                          f"K={plan.K}, n_steal={plan.n_steal}" + (" (no wait stamps: waits drawn as work)"
+                                                                   if old else ""))
+            u = result.utilisation
+            print(f"{args.tag} rank {rank} {variant:18s} span {u.span_us:8.0f} us  SM active {100 * u.sm_active:5.1f}%"
+                  f"  waiting {100 * u.waiting:5.1f}%  comm/GEMM overlap {100 * u.overlap:5.1f}%"
+                  f"{'  (no wait stamps)' if old else ''}  -> {name}")

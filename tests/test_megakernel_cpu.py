@@ -152,9 +152,10 @@ def test_megakernel_spin_loops_steer_on_cta_uniform_values(ptx):
 def test_megakernel_ptx_with_tma_tiles_uses_the_bulk_tensor_copy_engine():
     from weave_moe.backends.weave.launch import compile_ptx
 
+    # with the timeline on, so that its wait/work stamps compile for sm_90 too (the interpreter has no %globaltimer)
     ptx = compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
                            DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
-                           TIMELINE=False, MAX_EVENTS=1, USE_TMA=True))
+                           TIMELINE=True, MAX_EVENTS=2048, USE_TMA=True))
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 

@@ -75,13 +75,13 @@ def test_every_tile_once_and_every_dependency(workload, p):
         # GEMM1 waits for every GEMM0 tile of its group
         group_done = np.zeros(tiles0 // n0)
         np.maximum.at(group_done, tl.group[stage == 0], tl.end[stage == 0])
-        assert (tl.start[stage == 1] >= group_done[tl.group[stage == 1]] - 1e-9).all()
+        assert (tl.ready[stage == 1] >= group_done[tl.group[stage == 1]] - 1e-9).all()
         # GEMM0 waits for its chunk's arrival
-        assert (tl.start[stage == 0] >= result.arrival_us[tl.chunk[stage == 0]] - 1e-9).all()
+        assert (tl.ready[stage == 0] >= result.arrival_us[tl.chunk[stage == 0]] - 1e-9).all()
     # combine of chunk j waits for its GEMM1 tiles plus a flag round trip
     combine = (tl.kind == KINDS.index("combine")) & (tl.chunk < K)
     ready = result.chunk_done_us[tl.chunk[combine]] + PROFILE.flag_round_trip_us
-    assert (tl.start[combine] >= ready - 1e-9).all()
+    assert (tl.ready[combine] >= ready - 1e-9).all()
     # roles: GEMM tiles on comm CTAs are "stolen", at most n_steal each, and only after that CTA's dispatch
     if not p.is_serial(PROFILE.num_sms):
         on_comm = tl.sm < p.c
@@ -104,7 +104,7 @@ def test_deterministic(workload):
     p = plan(workload, PROFILE)
     a, b = simulate(workload, PROFILE, p), simulate(workload, PROFILE, p)
     assert a.latency_us == b.latency_us
-    for name in ("sm", "kind", "start", "end", "chunk", "group", "stage"):
+    for name in ("sm", "kind", "start", "ready", "end", "chunk", "group", "stage"):
         assert np.array_equal(getattr(a.timeline, name), getattr(b.timeline, name))
 
 
@@ -131,3 +131,118 @@ def test_simulate_command(tmp_path, capsys):
     assert main(["simulate", "--model", "deepseek-v2-lite", "--tokens", "128", "--ep", "4", "--rank", "1",
                  "--policy", "static:20,2", "--timeline", str(path)]) == 0
     assert "simulated kernel:" in capsys.readouterr().out and path.exists()
+
+
+# ---- utilisation: one definition for simulated and measured timelines (docs/utilisation.md) ----------------------
+
+def _worked_example_events():
+    """The worked example of docs/utilisation.md, as the kernel records it: (cta, kind, start_ns, end_ns, ready_ns)."""
+    us = 1000
+    return [(0, "dispatch", 0, 2 * us, 0), (0, "combine", 2 * us, 10 * us, 7 * us),
+            (1, "gemm0", 0, 6 * us, 1 * us), (1, "spin", 6 * us, 6500, 6500), (1, "gemm1", 6500, 8 * us, 6500)]
+
+
+def test_utilisation_worked_example():
+    from weave_moe.sim import measured_result
+
+    u = measured_result(_worked_example_events(), 2, plan=None).utilisation
+    assert u.span_us == pytest.approx(10.0)
+    assert u.sm_active == pytest.approx(11.5 / 20)            # work: 2 + 3 + 5 + 1.5 SM-us of 2 SMs x 10 us
+    assert u.waiting == pytest.approx(6.0 / 20)               # combine 2-7, gemm0 0-1
+    assert u.spin == pytest.approx(0.5 / 20) and u.idle == pytest.approx(2.0 / 20)
+    assert u.gemm_active == pytest.approx(6.5 / 20) and u.comm_active == pytest.approx(5.0 / 20)
+    assert u.overlap == pytest.approx(2.0 / 10)               # comm work [0,2) [7,10) meets GEMM work [1,6) [6.5,8)
+    # the same events without their ready stamps (the old recording) count waits as work
+    old = measured_result([e[:4] for e in _worked_example_events() if e[1] != "spin"], 2, plan=None).utilisation
+    assert old.sm_active == pytest.approx(17.5 / 20) and old.overlap == pytest.approx(7.5 / 10)
+
+
+def test_events_from_buffer_splits_wait_work_spin_and_launches():
+    from weave_moe.sim import events_from_buffer
+
+    names = ("dispatch", "gemm0", "gemm1", "combine", "reduce", "stolen_gemm0", "stolen_gemm1")
+    t = 10**12  # %globaltimer is absolute
+    buffer = np.zeros((2, 8, 4), dtype=np.int64)
+    buffer[0, 0] = (0, t, t + 500, t)                    # dispatch, no wait
+    buffer[0, 1] = (3, t + 700, t + 2000, t + 1500)      # combine: 200 ns spin before it, waits 800 ns
+    buffer[0, 4] = (4, t + 5000, t + 5100, t + 4990)     # reduce in a later launch (staged): ready clamped to start
+    buffer[1, 0] = (1, t + 100, t + 900, 0)              # an old four-field row: ready = start
+    events = events_from_buffer(buffer, names)
+    assert [tuple(e) for e in events] == [
+        (0, "dispatch", 0, 500, 0), (0, "spin", 500, 700, 700), (0, "combine", 700, 2000, 1500),
+        (0, "reduce", 5000, 5100, 5000), (1, "gemm0", 100, 900, 100)]
+    assert events_from_buffer(np.zeros((2, 8, 4), dtype=np.int64), names) == []
+    with pytest.raises(ValueError, match="MAX_EVENTS, 4"):
+        events_from_buffer(np.zeros((2, 8, 3), dtype=np.int64), names)
+
+
+def test_simulator_records_waits_like_the_kernel():
+    """A static split with one chunk: comm CTAs claim a combine block after dispatch and wait for GEMM1 in it."""
+    from weave_moe.sim import utilisation
+
+    w = _workload(Case("qwen3-30b-a3b", 2, 512, 1.0))
+    result = simulate(w, PROFILE, Plan(20, 1, 0, 0.0, "static:20"))
+    tl = result.timeline
+    assert result.utilisation == utilisation(tl)              # the one definition
+    combine_on_comm = (tl.kind == KINDS.index("combine")) & (tl.sm < 20) & (tl.chunk == 0)
+    assert (tl.ready[combine_on_comm] - tl.start[combine_on_comm]).min() > 0
+    u = result.utilisation
+    assert u.sm_active + u.waiting + u.spin + u.idle == pytest.approx(1.0)
+    assert u.waiting > 0.05 and u.overlap == 0.0              # K = 1: nothing to overlap
+
+
+def test_plot_legend_lists_what_is_drawn_and_the_role_line(tmp_path):
+    from weave_moe.sim.timeline import role_line
+
+    w = _workload(CASES[0])
+    serial = simulate(w, PROFILE, Plan(PROFILE.num_sms, 1, 0, 0.0, "serial"))
+    labels = plot_timeline(serial, tmp_path / "serial.png")
+    assert {"dispatch", "gemm0", "gemm1", "combine"} <= set(labels)
+    assert not any(label.startswith("stolen") for label in labels)       # nothing stolen in a serial schedule
+    split = simulate(w, PROFILE, Plan(20, 1, 0, 0.0, "static:20"))
+    labels = plot_timeline(split, tmp_path / "split.png", width_px=400)
+    assert "combine waiting" in labels and not any(label.startswith("stolen") for label in labels)
+    assert role_line(PROFILE.num_sms, PROFILE.num_sms)[0] is None and "serial" in role_line(132, 132)[1]
+    assert role_line(20, 132) == (19.5, "SM (CTA index); the 20 comm CTAs above the line")
+
+
+def test_plan_and_simulate_name_the_serial_schedule(capsys):
+    from weave_moe.cli import main
+
+    assert main(["simulate", "--model", "deepseek-v2-lite", "--tokens", "64", "--ep", "2", "--policy", "serial"]) == 0
+    assert "serial (no comm SMs)" in capsys.readouterr().out
+    assert main(["plan", "--model", "deepseek-v2-lite", "--tokens", "64", "--ep", "2", "--policy", "serial"]) == 0
+    assert "serial (no comm SMs)" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["serial", "static:20", "weave"])
+def test_kernel_timeline_splits_wait_and_work_on_gpu(policy):
+    """On one GPU (EP=1): the timeline build of the kernel computes the same layer, and every event it records reads
+    claim <= dependency met <= done; its figures add up (docs/utilisation.md)."""
+    import torch
+
+    from weave_moe.layer import ExpertParallelMoE
+    from weave_moe.reference import assert_moe_close, reference_moe
+    from weave_moe.sim import measured_result
+    from weave_moe.testing import make_experts
+
+    device = torch.device("cuda", 0)
+    spec = MoESpec(num_experts=8, top_k=2, hidden_size=512, intermediate_size=256)
+    ids, weights = routing.uniform(300, spec.num_experts, spec.top_k, seed=3)
+    ids, weights = ids.to(device), weights.to(device)
+    x = torch.randn(300, spec.hidden_size, device=device).to(torch.bfloat16)
+    w13, w2 = make_experts(spec, spec.num_experts, seed=1, device=device)
+    layer = ExpertParallelMoE(spec, backend="weave", policy=policy, device=device, max_tokens_per_rank=300,
+                              timeline=True)
+    layer.load_experts(w13, w2)
+    for _ in range(2):
+        out = layer(x, ids, weights)
+    layer.backend.synchronize()
+    assert_moe_close(out, reference_moe(x, ids, weights, w13, w2))
+    events = layer.backend.last_timeline()
+    assert all(e.start_ns <= e.ready_ns <= e.end_ns for e in events)
+    kinds = {e.kind for e in events}
+    assert {"dispatch", "combine", "reduce"} <= kinds and kinds & {"gemm0", "stolen_gemm0"}
+    u = measured_result(events, layer.backend.num_sms, layer.backend.last_plan).utilisation
+    assert 0 < u.sm_active <= 1 and u.sm_active + u.waiting + u.spin + u.idle == pytest.approx(1.0)

@@ -37,6 +37,11 @@ def layer_workloads(spec, num_tokens: int, world_size: int, *, skew=None, layer:
     return [Workload.from_routing(spec, ids, rank, chunk_counts=chunk_counts) for rank in range(world_size)]
 
 
+def describe_c(plan, num_sms: int) -> str:
+    """The plan's comm CTAs for people: "serial (no comm SMs)" when every SM runs every phase (c = N), else c."""
+    return str(plan.c) if not plan.is_serial(num_sms) else "serial (no comm SMs)"
+
+
 def load_profile(path):
     from weave_moe.plan import HardwareProfile
 
@@ -71,8 +76,8 @@ def run(args) -> int:
             static = plan(wl, profile, f"static:{STATIC_BASELINE_C}")
             gain = 1.0 - p.predicted_us / static.predicted_us
             table.add_row(str(layer), str(wl.rank), str(wl.dispatch_send_rows), str(wl.dispatch_recv_rows),
-                          str(wl.num_pairs), str(p.c), str(p.K), str(p.n_steal), f"{p.predicted_us:.0f}",
-                          f"{static.predicted_us:.0f}", f"{100 * gain:+.1f}%")
+                          str(wl.num_pairs), describe_c(p, profile.num_sms), str(p.K), str(p.n_steal),
+                          f"{p.predicted_us:.0f}", f"{static.predicted_us:.0f}", f"{100 * gain:+.1f}%")
     Console(width=max(Console().width, 120)).print(table)
     print("sent / recv = remote dispatch rows after dedup; pairs = GEMM rows; us = predicted latency; "
           f"gain = 1 - us / (static c={STATIC_BASELINE_C}, K=1)")

@@ -19,7 +19,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from weave_moe.commands.plan import layer_workloads, load_profile
+    from weave_moe.commands.plan import describe_c, layer_workloads, load_profile
     from weave_moe.models import MoESpec
     from weave_moe.plan import MAX_CHUNKS, physical_floor_us, plan
     from weave_moe.sim import plot_timeline, simulate
@@ -44,10 +44,15 @@ def run(args) -> int:
     kernel_us = p.predicted_us - profile.call_overhead_us
     overhead = f" = kernel {kernel_us:.1f} + call overhead {profile.call_overhead_us:.1f}" if profile.call_overhead_us \
         else ""
-    print(f"plan ({args.policy}): c={p.c} K={p.K} n_steal={p.n_steal}, predicted {p.predicted_us:.1f} us{overhead}")
-    print(f"simulated kernel: {result.latency_us:.1f} us (model error {100 * (kernel_us / result.latency_us - 1):+.1f}%), "
-          f"SM active {100 * result.sm_active:.1f}%, overlap {100 * result.overlap:.1f}%, "
+    roles = f"c={p.c}" if not p.is_serial(profile.num_sms) else describe_c(p, profile.num_sms)
+    print(f"plan ({args.policy}): {roles} K={p.K} n_steal={p.n_steal}, "
+          f"predicted {p.predicted_us:.1f} us{overhead}")
+    usage = result.utilisation
+    error = 100 * (kernel_us / result.latency_us - 1)
+    print(f"simulated kernel: {result.latency_us:.1f} us (model error {error:+.1f}%), "
           f"{100 * floor / result.latency_us:.0f}% of the physical floor's speed ({floor:.1f} us)")
+    print(f"SM active {100 * usage.sm_active:.1f}% (work; waiting {100 * usage.waiting:.1f}%, idle "
+          f"{100 * usage.idle:.1f}%), comm/GEMM overlap {100 * usage.overlap:.1f}% (docs/utilisation.md)")
     if args.timeline:
         plot_timeline(result, args.timeline)
         print(f"timeline: {args.timeline}")

@@ -134,7 +134,7 @@ def load_timeline_file(path) -> dict:
 def _events_by_kind(events) -> dict[str, np.ndarray]:
     """kind -> [n, 3] int64 array (cta, start_ns, end_ns), sorted by start."""
     grouped = defaultdict(list)
-    for cta, kind, t0, t1 in events:
+    for cta, kind, t0, t1, *_ in events:  # newer rows add ready_ns (weave_moe.sim.measured.Event)
         grouped[kind].append((cta, t0, t1))
     out = {}
     for kind, rows in grouped.items():

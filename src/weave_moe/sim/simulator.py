@@ -16,9 +16,12 @@ What it models (the megakernel's contract; `weave_moe.plan.cost_model` is the cl
 - Combine: chunk j is ready one flag round trip after its last GEMM1 tile. Its work (remote rows back to their
   source, weighted-sum reads of every GEMM row) is split into blocks claimed in chunk order. Comm CTAs start after
   their steal window; compute CTAs join after the queue empties (one role switch). A CTA's rate is the curve's rate
-  for the number of CTAs in the combine role at the block's start, divided evenly.
-- Final reduce: after the last combine block plus a flag round trip, all N CTAs sum the rows of their share of
-  the rank's tokens (local copy rate of N CTAs).
+  for the number of CTAs in the combine role when the block's work starts, divided evenly.
+- Final reduce: every CTA enters it when it has no combine block left, waits for the last combine block plus a flag
+  round trip, then all N CTAs sum the rows of their share of the rank's tokens (local copy rate of N CTAs).
+- Waits as the kernel records them: a task's event starts when its CTA claims it, waits until its dependency is met
+  (`ready`), then works; a role switch is recorded as "spin" (outside tasks). So the simulated timeline splits into
+  work, waiting, spin and idle exactly as a measured one (`weave_moe.sim.timeline.utilisation`).
 
 Shape legend: N = SMs, c = comm CTAs, K = chunks.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weave_moe.plan import HardwareProfile, Plan, Workload
-from weave_moe.sim.timeline import COMBINE, DISPATCH, GEMM0, GEMM1, STOLEN, Timeline
+from weave_moe.sim.timeline import COMBINE, DISPATCH, GEMM0, GEMM1, SPIN, STOLEN, Timeline, Utilisation, utilisation
 
 __all__ = ["simulate", "SimResult"]
 
@@ -43,22 +46,29 @@ class SimResult:
 
     Attributes:
         latency_us: kernel start (launch included) to the end of the final reduce.
-        sm_active: busy SM-time / (N * latency), in [0, 1] (waiting on a flag is not busy).
-        overlap: fraction of the latency during which some SM moves bytes (dispatch / combine) while another runs
-            a GEMM tile (the paper's overlap ratio, from the schedule instead of hardware counters).
-        timeline: every task each SM ran.
+        utilisation: work-based figures of the timeline (docs/utilisation.md); `sm_active` and `overlap` read it.
+        timeline: every task each SM ran (claim, dependency met, end) and every role switch.
         arrival_us: [K] time chunk j had arrived.
         chunk_done_us: [K] time chunk j's GEMM1 tiles were all done.
         plan: the plan simulated.
     """
 
     latency_us: float
-    sm_active: float
-    overlap: float
+    utilisation: Utilisation
     timeline: Timeline
     arrival_us: np.ndarray
     chunk_done_us: np.ndarray
     plan: Plan
+
+    @property
+    def sm_active(self) -> float:
+        """Work SM-time / (N x span of the timeline), in [0, 1]: waiting on a flag is not active."""
+        return self.utilisation.sm_active
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the span during which communication work and GEMM work both progress."""
+        return self.utilisation.overlap
 
 
 def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combine_blocks: int | None = None) -> SimResult:
@@ -82,7 +92,7 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
     f, sigma = profile.flag_round_trip_us, profile.role_switch_us
     row = float(workload.row_bytes)
     split = workload.chunk_split(K)
-    events: list[tuple] = []   # (sm, kind, start, end, chunk, group, stage): see Timeline
+    events: list[tuple] = []   # (sm, kind, start, ready, end, chunk, group, stage): see Timeline
     record = events.append
 
     # ---- dispatch: one block per comm CTA per chunk, in chunk order ------------------------------------------------
@@ -96,7 +106,7 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
         duration = remote / rate_remote + local / rate_local
         if duration > 0:
             for sm in range(c):
-                record((sm, DISPATCH, t, t + duration, j, -1, -1))
+                record((sm, DISPATCH, t, t, t + duration, j, -1, -1))
         t += duration
         arrival[j] = t + f
     dispatch_end = t
@@ -121,6 +131,10 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
             for sm in range(c):
                 heap.append((dispatch_end + sigma, sm))
                 budget[sm] = int(plan.n_steal)
+    if sigma > 0:
+        for switch, sm in heap:
+            if switch > profile.launch_us:      # dispatch -> GEMM role switch
+                record((sm, SPIN, dispatch_end, switch, switch, -1, -1, -1))
     heapq.heapify(heap)
     comm_free = {sm: dispatch_end for sm in range(c)}
     chunk_done = arrival.copy()
@@ -140,7 +154,7 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
                     free, sm = heappop(heap)
                     start = free if free > ready_j else ready_j
                     end = start + t0
-                    record((sm, STOLEN if sm < c and not serial else GEMM0, start, end, j, group, 0))
+                    record((sm, STOLEN if sm < c and not serial else GEMM0, free, start, end, j, group, 0))
                     if end > done:
                         done = end
                     _release(heap, budget, comm_free, sm, end, c, serial)
@@ -151,7 +165,7 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
                 free, sm = heappop(heap)
                 start = free if free > ready else ready
                 end = start + t1
-                record((sm, STOLEN if sm < c and not serial else GEMM1, start, end, j, group, 1))
+                record((sm, STOLEN if sm < c and not serial else GEMM1, free, start, end, j, group, 1))
                 if end > last:
                     last = end
                 _release(heap, budget, comm_free, sm, end, c, serial)
@@ -164,6 +178,8 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
             comm_free[sm] = free
         else:
             join.append((free + sigma, sm))
+            if sigma > 0:                              # GEMM -> combine role switch
+                record((sm, SPIN, free, free + sigma, free + sigma, -1, -1, -1))
     join.extend((comm_free[sm], sm) for sm in range(c) if not serial)
     join.sort()
     join_times = [time for time, _ in join]
@@ -182,7 +198,7 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
             active = bisect_right(join_times, start) or 1
             duration = (remote / blocks) / (profile.comm_bytes_per_us[active] / active) + (local / blocks) / (
                 profile.local_bytes_per_us[active] / active)
-            record((sm, COMBINE, start, start + duration, j, -1, -1))
+            record((sm, COMBINE, free, start, start + duration, j, -1, -1))
             heappush(heap, (start + duration, sm))
 
     # ---- final reduce on all N CTAs ---------------------------------------------------------------------------------
@@ -191,15 +207,15 @@ def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combin
     reduce_duration = (reduce_bytes / N) / (profile.local_bytes_per_us[N] / N)
     start = combine_end + f
     if reduce_duration > 0:
+        entered = {sm: free for free, sm in heap}     # every CTA, when it ran out of combine blocks
         for sm in range(N):
-            record((sm, COMBINE, start, start + reduce_duration, K, -1, -1))
+            record((sm, COMBINE, min(entered.get(sm, start), start), start, start + reduce_duration, K, -1, -1))
     latency = start + reduce_duration
 
     timeline = Timeline.from_events(events, N)
     return SimResult(
         latency_us=float(latency),
-        sm_active=timeline.busy_us() / (N * latency) if latency > 0 else 0.0,
-        overlap=timeline.overlap_us() / latency if latency > 0 else 0.0,
+        utilisation=utilisation(timeline),
         timeline=timeline,
         arrival_us=arrival,
         chunk_done_us=chunk_done,

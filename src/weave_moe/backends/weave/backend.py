@@ -31,6 +31,7 @@ from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
 from weave_moe.models import MoESpec
 from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, Workload, parse_policy, plan
+from weave_moe.sim.measured import events_from_buffer
 
 __all__ = ["WeaveBackend", "WeaveError", "WeaveTimeoutError"]
 
@@ -269,17 +270,12 @@ class WeaveBackend:
         self.coordinator.poll(done.query, "synchronize", timeout_s=self.timeout_s + self.coordinator.timeout_s)
         self._raise_on_status(self.status.tolist())
 
-    def last_timeline(self) -> list[tuple[int, str, int, int]]:
-        """(cta, kind, start_ns, end_ns) of the last call's tasks, times relative to its first event (timeline=True)."""
+    def last_timeline(self) -> list:
+        """The last call's events as `weave_moe.sim.measured.Event` (cta, kind, start_ns, end_ns, ready_ns), times
+        relative to its first event, "spin" events for time outside tasks (timeline=True)."""
         if not self.timeline_events:
             raise RuntimeError("build the layer with timeline=True to record timelines")
-        events = self.timeline_buf.cpu()
-        rows = [(cta, int(kind), int(t0), int(t1)) for cta in range(events.shape[0])
-                for kind, t0, t1, _ in events[cta].tolist() if t1 > 0]
-        if not rows:
-            return []
-        origin = min(r[2] for r in rows)
-        return [(cta, EVENT_NAMES[kind], t0 - origin, t1 - origin) for cta, kind, t0, t1 in rows]
+        return events_from_buffer(self.timeline_buf.cpu().numpy(), EVENT_NAMES)
 
     # ---- internals --------------------------------------------------------------------------------------------------
     def _tma_descriptors(self) -> dict:

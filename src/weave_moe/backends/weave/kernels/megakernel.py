@@ -37,7 +37,10 @@ CTRL_GEMM1_DONE = tl.constexpr(8)    # [MAX_CHUNKS]
 CTRL_GEMM0_DONE = tl.constexpr(16)   # [num M tiles]
 CTRL_SIZE_FIXED = 16
 
-# Timeline event kinds.
+# Timeline (TIMELINE=True): int64 [grid, MAX_EVENTS, 4], one row per task a CTA ran, in order:
+#     [kind (EVENT_*), start_ns (claimed), end_ns (done), ready_ns (its dependency wait ended; = start if none)]
+# %globaltimer ns; unwritten rows stay zero; staged launches write stage s from row s * MAX_EVENTS // 4. Gaps between
+# consecutive rows are the CTA claiming its next task or switching phase. Parsed by weave_moe.sim.measured.
 EVENT_DISPATCH = tl.constexpr(0)
 EVENT_GEMM0 = tl.constexpr(1)
 EVENT_GEMM1 = tl.constexpr(2)
@@ -55,12 +58,13 @@ def _peer_ptr(peer_base_ptr, rank, byte_offset, dtype: tl.constexpr):
 
 
 @triton.jit
-def _record(timeline_ptr, pid, num_events, kind, t_start, MAX_EVENTS: tl.constexpr):
+def _record(timeline_ptr, pid, num_events, kind, t_start, t_ready, MAX_EVENTS: tl.constexpr):
     if num_events < MAX_EVENTS:
         event = timeline_ptr + (pid.to(tl.int64) * MAX_EVENTS + num_events) * 4
         tl.store(event, tl.full([], 0, tl.int64) + kind)
         tl.store(event + 1, t_start)
         tl.store(event + 2, sync.global_time_ns())
+        tl.store(event + 3, t_ready)
     return num_events + 1
 
 
@@ -111,12 +115,11 @@ def moe_megakernel(
     num_events = PHASE_FIRST * (MAX_EVENTS // 4)
     is_stealer = is_comm & (num_comm_ctas < tl.num_programs(0))
     while phase <= PHASE_LAST:
-        t_start = 0
-        if TIMELINE:
-            t_start = sync.global_time_ns()
         if phase == 0:
             task = tl.atomic_add(ctrl_ptr + CTRL_DISPATCH, 1, sem="relaxed", scope="gpu")
             if task < num_dispatch:
+                if TIMELINE:
+                    t_start = sync.global_time_ns()
                 dest = tl.load(dispatch_tasks_ptr + task * 4 + 0)
                 chunk = tl.load(dispatch_tasks_ptr + task * 4 + 1)
                 start = tl.load(dispatch_tasks_ptr + task * 4 + 2)
@@ -128,7 +131,7 @@ def moe_megakernel(
                 flag = _peer_ptr(peer_base_ptr, dest, flags_offset + (rank * MAX_CHUNKS + chunk) * 4, tl.int32)
                 sync.signal_add(flag, count, True)
                 if TIMELINE:
-                    num_events = _record(timeline_ptr, pid, num_events, EVENT_DISPATCH, t_start, MAX_EVENTS)
+                    num_events = _record(timeline_ptr, pid, num_events, EVENT_DISPATCH, t_start, t_start, MAX_EVENTS)
             else:
                 phase = 1
         elif phase == 1:
@@ -136,6 +139,8 @@ def moe_megakernel(
             if budget > 0:
                 task = tl.atomic_add(ctrl_ptr + CTRL_GEMM, 1, sem="relaxed", scope="gpu")
             if task < num_gemm:
+                if TIMELINE:
+                    t_start = sync.global_time_ns()
                 budget -= 1
                 row = gemm_tasks_ptr + task * 8
                 kind = tl.load(row + 0)
@@ -155,26 +160,34 @@ def moe_megakernel(
                                                          source * 16 + chunk, timeout_ns, True)
                         if ok != 0:
                             arrived_chunks = arrived_chunks | (1 << chunk)
+                    if TIMELINE:
+                        t_ready = sync.global_time_ns()
                     tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
                                      H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0, w13_desc, USE_TMA)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
-                                             tl.where(is_stealer, EVENT_STOLEN_GEMM0, EVENT_GEMM0), t_start, MAX_EVENTS)
+                                             tl.where(is_stealer, EVENT_STOLEN_GEMM0, EVENT_GEMM0), t_start, t_ready,
+                                             MAX_EVENTS)
                 else:
                     sync.wait_at_least(ctrl_ptr + CTRL_GEMM0_DONE + mtile, n0_tiles, status_ptr,
                                        sync.ERROR_GEMM0_TIMEOUT, mtile, timeout_ns, False)
+                    if TIMELINE:
+                        t_ready = sync.global_time_ns()
                     tiles.gemm1_tile(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I,
                                      BLOCK_M, BLOCK_N1, BLOCK_K1, DOT_FP32, STAGES1, w2_desc, USE_TMA)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM1_DONE + chunk, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,
-                                             tl.where(is_stealer, EVENT_STOLEN_GEMM1, EVENT_GEMM1), t_start, MAX_EVENTS)
+                                             tl.where(is_stealer, EVENT_STOLEN_GEMM1, EVENT_GEMM1), t_start, t_ready,
+                                             MAX_EVENTS)
             else:
                 phase = 2
         elif phase == 2:
             task = tl.atomic_add(ctrl_ptr + CTRL_COMBINE, 1, sem="relaxed", scope="gpu")
             if task < num_combine:
+                if TIMELINE:
+                    t_start = sync.global_time_ns()
                 source = tl.load(combine_tasks_ptr + task * 4 + 0)
                 chunk = tl.load(combine_tasks_ptr + task * 4 + 1)
                 start = tl.load(combine_tasks_ptr + task * 4 + 2)
@@ -184,6 +197,8 @@ def moe_megakernel(
                     if sync.wait_at_least(ctrl_ptr + CTRL_GEMM1_DONE + chunk, expected, status_ptr,
                                           sync.ERROR_GEMM1_TIMEOUT, chunk, timeout_ns, False) != 0:
                         combinable_chunks = combinable_chunks | (1 << chunk)
+                if TIMELINE:
+                    t_ready = sync.global_time_ns()
                 dst = _peer_ptr(peer_base_ptr, source, comb_offset + rank.to(tl.int64) * max_tokens * row_bytes,
                                 tl.bfloat16)
                 tiles.combine_rows(y_ptr, combine_pos_ptr, combine_weight_ptr, combine_token_ptr, dst, start, count,
@@ -191,12 +206,14 @@ def moe_megakernel(
                 flag = _peer_ptr(peer_base_ptr, source, flags_offset + (world_size * MAX_CHUNKS + rank) * 4, tl.int32)
                 sync.signal_add(flag, count, True)
                 if TIMELINE:
-                    num_events = _record(timeline_ptr, pid, num_events, EVENT_COMBINE, t_start, MAX_EVENTS)
+                    num_events = _record(timeline_ptr, pid, num_events, EVENT_COMBINE, t_start, t_ready, MAX_EVENTS)
             else:
                 phase = 3
         else:
             task = tl.atomic_add(ctrl_ptr + CTRL_REDUCE, 1, sem="relaxed", scope="gpu")
             if task < num_reduce:
+                if TIMELINE:
+                    t_start = sync.global_time_ns()
                 if all_combined == 0:
                     ok = 1
                     for dest in range(0, world_size):
@@ -204,11 +221,13 @@ def moe_megakernel(
                         ok = ok & sync.wait_at_least(comb_flag_ptr + dest, expected, status_ptr,
                                                      sync.ERROR_COMBINE_TIMEOUT, dest, timeout_ns, True)
                     all_combined = ok
+                if TIMELINE:
+                    t_ready = sync.global_time_ns()
                 start = task * REDUCE_ROWS
                 count = tl.minimum(num_tokens - start, REDUCE_ROWS)
                 tiles.reduce_rows(comb_ptr, token_mask_ptr, out_ptr, start, count, H, max_tokens, world_size,
                                   REDUCE_ROWS, BLOCK_H)
                 if TIMELINE:
-                    num_events = _record(timeline_ptr, pid, num_events, EVENT_REDUCE, t_start, MAX_EVENTS)
+                    num_events = _record(timeline_ptr, pid, num_events, EVENT_REDUCE, t_start, t_ready, MAX_EVENTS)
             else:
                 phase = 4
