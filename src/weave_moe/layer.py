@@ -20,11 +20,16 @@ import importlib
 
 import torch
 
-from weave_moe.backends.coordination import (DEFAULT_TIMEOUT_S, CallCoordinator, agree_on_layer, confirm_built,
+from weave_moe.backends.coordination import (DEFAULT_TIMEOUT_S, CallCoordinator, CallOrderError, CollectiveError,
+                                             CollectiveTimeoutError, CoordinationError, LayerBrokenError,
+                                             LayerMismatchError, PeerError, agree_on_layer, confirm_built,
                                              describe_layer, layer_fingerprint)
 from weave_moe.models import MoESpec
 
-__all__ = ["ExpertParallelMoE", "moe_forward", "BACKENDS", "DEFAULT_POLICY"]
+__all__ = ["ExpertParallelMoE", "moe_forward", "BACKENDS", "DEFAULT_POLICY",
+           # the errors a layer raises across ranks (defined in weave_moe.backends.coordination)
+           "CoordinationError", "PeerError", "CallOrderError", "LayerMismatchError", "CollectiveError",
+           "CollectiveTimeoutError", "LayerBrokenError"]
 
 #: backend name -> (module, class). Modules load on first use, so "weave" pulls in Triton only when chosen.
 BACKENDS = {
