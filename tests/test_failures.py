@@ -11,11 +11,14 @@ range (int64 ids >= 2**32 included) -> ValueError everywhere; two same-shaped la
 CallOrderError everywhere, then correct calls in the same order; ranks that build different layers -> an error
 naming the field everywhere; a construction argument or a backend constructor failing on one rank -> its error
 there, PeerError elsewhere; a rank that never calls -> the others raise CollectiveTimeoutError (within timeout_s),
-then LayerBrokenError; inputs that require grad -> a forward without autograd whose backward raises.
+then LayerBrokenError; a rank whose process ended -> the others raise CollectiveError; inputs that require grad -> a
+forward without autograd whose backward raises; the reference backend (no per-call collective) -> only the failing
+rank raises.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -132,13 +135,25 @@ def _failure_cases(rank: int, world_size: int) -> dict:
         x, ids, weights, *make_experts(SPEC, seed=1)))[0])
     results["grad-backward"] = _outcome(lambda: out.float().sum().backward())
 
-    # --- the last rank never calls: the others time out, then the layer is broken -----------------------------------
-    doomed = _layer(rank, world_size, seed=1, timeout_s=NEVER_CALLS_TIMEOUT_S)
-    store = dist.distributed_c10d._get_default_store()
-    if rank == last:
-        # Stay in the group (no collective, no exit) until every other rank has its verdict.
-        import datetime
+    # --- the reference backend: a call has no collective, so a rank's bad input is its own affair ---------------------
+    reference = ExpertParallelMoE(SPEC, backend="reference", max_tokens_per_rank=MAX_TOKENS, device="cpu")
+    local = SPEC.num_experts // world_size
+    reference.load_experts(*make_experts(SPEC, local, first_expert=rank * local, seed=1))
+    results["reference-x-fp16"] = _outcome(lambda: reference(x.half() if rank == last else x, ids, weights))
+    results["reference-x-fp16/next"] = _error_of_good_call(reference, rank, seed=1, call=8)
 
+    # --- the last rank never calls: the others time out, then the layer is broken. Then it exits: the others' next
+    # --- call, on a layer of another group (the default one holds the timed-out collective), meets a dead peer ----
+    store = dist.distributed_c10d._get_default_store()
+    spare = dist.new_group(backend="gloo")
+    dying = ExpertParallelMoE(SPEC, group=spare, backend="nccl", max_tokens_per_rank=MAX_TOKENS, device="cpu")
+    dying.load_experts(*make_experts(SPEC, local, first_expert=rank * local, seed=1))
+    doomed = _layer(rank, world_size, seed=1)
+    # Set after construction: a small timeout there could fire on a loaded machine while a peer is still building.
+    doomed.coordinator.timeout_s = dying.coordinator.timeout_s = NEVER_CALLS_TIMEOUT_S
+    if rank == last:
+        # Stay in the group (no collective, no exit) until every other rank has its verdict, then exit (the runner
+        # destroys the process group and the process ends: its connections close).
         store.wait([f"never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
         results["never-calls"] = "did not call"
     else:
@@ -147,6 +162,9 @@ def _failure_cases(rank: int, world_size: int) -> dict:
         results["never-calls/seconds"] = time.monotonic() - start
         results["never-calls/next"] = _outcome(lambda: doomed(x, ids, weights))
         store.set(f"never-calls/{rank}", "done")
+        start = time.monotonic()
+        results["peer-died"] = _outcome(lambda: dying(x, ids, weights))
+        results["peer-died/seconds"] = time.monotonic() - start
     return results
 
 
@@ -246,6 +264,22 @@ def test_a_rank_that_never_calls_makes_the_others_raise_within_timeout(world_siz
         # Bounded by timeout_s, far from gloo's own 30 minutes; the slack covers a loaded CI machine.
         assert result["never-calls/seconds"] < NEVER_CALLS_TIMEOUT_S + 30
         assert result["never-calls/next"].startswith("LayerBrokenError"), result["never-calls/next"]
+
+
+@pytest.mark.parametrize("world_size", EP_SIZES)
+def test_a_peer_that_died_makes_the_others_raise_within_timeout(world_size):
+    for rank, result in enumerate(_results(world_size)[:-1]):
+        # Its closed connections end the wait at once (CollectiveError); if it is still exiting, the timeout does.
+        assert result["peer-died"].startswith(("CollectiveError", "CollectiveTimeoutError")), result["peer-died"]
+        assert result["peer-died/seconds"] < NEVER_CALLS_TIMEOUT_S + 30
+
+
+@pytest.mark.parametrize("world_size", EP_SIZES)
+def test_reference_backend_has_nothing_to_coordinate(world_size):
+    for rank, result in enumerate(_results(world_size)):
+        expected = "TypeError: x must be bfloat16" if rank == world_size - 1 else "ok"
+        assert result["reference-x-fp16"].startswith(expected), result["reference-x-fp16"]
+        assert result["reference-x-fp16/next"] == 0.0  # the reference backend IS reference_moe
 
 
 @pytest.mark.parametrize("world_size", EP_SIZES)
