@@ -363,7 +363,8 @@ def _failures(rank, world_size, group, device) -> list[dict]:
 
         # The last rank never calls: the others raise within timeout_s. Then it joins the pending all-gather (and
         # nothing else), so the others' NCCL stream drains and the process group stays usable for the report.
-        doomed, _, _ = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, timeout_s=3.0)
+        doomed, _, _ = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens)
+        doomed.coordinator.timeout_s = 3.0  # after construction, which a small timeout could trip on a slow start
         store = torch.distributed.distributed_c10d._get_default_store()
         if rank == last:
             store.wait([f"weave-never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
