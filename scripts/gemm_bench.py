@@ -48,20 +48,25 @@ GEMM0_VARIANTS = {
     "64x256x64 s4 w4 TMA noflat": C(block_m=64, num_warps=4, num_stages=4, epilogue=1, flatten=False),
     "128x256x64 s3 masked flat g4": C(epilogue=0, group_m=4),
     "128x256x64 s3 masked flat g16": C(epilogue=0, group_m=16),
+    "128x256x64 s4 clippedTMA flat": C(epilogue=2, num_stages=4),
+    "128x256x128 s2 clippedTMA flat": C(epilogue=2, num_stages=2, block_k=128),
+    "64x256x64 s4 w4 clippedTMA flat": C(block_m=64, num_warps=4, num_stages=4, epilogue=2),
+    "64x256x64 s5 w4 masked flat": C(block_m=64, num_warps=4, num_stages=5, epilogue=0),
+    "64x128x64 s4 w4 masked flat": C(block_m=64, block_n=128, num_warps=4, num_stages=4, epilogue=0),
 }
 GEMM1_VARIANTS = {
     "128x256x64 s3 masked flat": C(epilogue=0),
     "128x256x64 s3 clippedTMA flat": C(epilogue=2),
     "128x256x64 s3 TMA noflat": C(epilogue=1, flatten=False),
-    "128x256x64 s4 TMA noflat": C(epilogue=1, flatten=False, num_stages=4),
     "128x128x64 s4 masked flat": C(block_n=128, num_stages=4, epilogue=0),
     "64x256x64 s4 w4 masked flat": C(block_m=64, num_warps=4, num_stages=4, epilogue=0),
     "64x256x64 s4 w4 TMA noflat": C(block_m=64, num_warps=4, num_stages=4, epilogue=1, flatten=False),
+    "128x256x64 s4 masked flat": C(epilogue=0, num_stages=4),
+    "128x256x128 s2 clippedTMA flat": C(epilogue=2, num_stages=2, block_k=128),
+    "64x256x64 s4 w4 clippedTMA flat": C(block_m=64, num_warps=4, num_stages=4, epilogue=2),
+    "64x256x64 s5 w4 masked flat": C(block_m=64, num_warps=4, num_stages=5, epilogue=0),
+    "128x256x64 s3 masked flat g16": C(epilogue=0, group_m=16),
 }
-
-
-def _allocator(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def graph_time_ms(fn, reps: int) -> float:
@@ -88,20 +93,25 @@ def graph_time_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def make_work(spec: MoESpec, tokens: int, seed: int):
-    """Row counts of the E/2 local experts under uniform routing of 2 * tokens tokens (per-rank work of EP=2)."""
-    gen = torch.Generator("cuda").manual_seed(seed)
+def make_work(spec: MoESpec, tokens: int, routing: str, seed: int):
+    """Row counts of rank 0's E/2 local experts when 2 * tokens tokens (two ranks) are routed by weave_moe.routing
+    (`uniform`, or `skewed` with its default skew 3): the per-rank work of EP=2."""
+    from weave_moe import routing as routing_lib
+
     num_local = spec.num_experts // 2
-    ids = torch.rand(2 * tokens, spec.num_experts, device="cuda", generator=gen).topk(spec.top_k, dim=1).indices
-    counts = torch.bincount(ids[ids < num_local].flatten(), minlength=num_local)
-    return counts
+    if routing == "uniform":
+        ids, _ = routing_lib.uniform(2 * tokens, spec.num_experts, spec.top_k, seed=seed)
+    else:
+        ids, _ = routing_lib.skewed(2 * tokens, spec.num_experts, spec.top_k, seed=seed)
+    ids = ids.long()
+    return torch.bincount(ids[ids < num_local].flatten(), minlength=num_local).to("cuda")
 
 
-def bench_shape(spec: MoESpec, tokens: int, reps: int, variants0: dict, variants1: dict, log) -> dict:
+def bench_shape(spec: MoESpec, tokens: int, routing: str, reps: int, variants0: dict, variants1: dict, log) -> dict:
     torch.manual_seed(tokens)
     num_local = spec.num_experts // 2
     hidden, inter = spec.hidden_size, spec.intermediate_size
-    counts = make_work(spec, tokens, seed=tokens)
+    counts = make_work(spec, tokens, routing, seed=tokens)
     rows = int(counts.sum())
     offsets = torch.zeros(num_local + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(counts, 0)
@@ -111,7 +121,7 @@ def bench_shape(spec: MoESpec, tokens: int, reps: int, variants0: dict, variants
     w2 = (torch.randn(num_local, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
     w13_interleaved = gg.interleave_w13(w13)
     flops = 6.0 * rows * hidden * inter
-    result = dict(model=spec.name, tokens=tokens, local_experts=num_local, hidden=hidden, intermediate=inter,
+    result = dict(model=spec.name, tokens=tokens, routing=routing, local_experts=num_local, hidden=hidden, intermediate=inter,
                   rows=rows, rows_min=int(counts.min()), rows_max=int(counts.max()), gflop=flops / 1e9)
 
     # fp32 reference of the same bf16 inputs on up to 16 experts spread over the range (first and last included):
@@ -245,6 +255,32 @@ def bench_shape(spec: MoESpec, tokens: int, reps: int, variants0: dict, variants
             f"with tables {result['weave_with_tables_ms']:.3f}; library {result['library_ms']:.3f} "
             f"({result['library_tflops']:.0f}); ratio {result['weave_vs_library']:.3f}; "
             f"err h {result['weave_err_h']:.2e} y {result['weave_err_y']:.2e}")
+    # the shipped default (grouped_gemm.default_config), with routing weights applied in GEMM1's epilogue, timed
+    # twice around a second library timing: the spread between the two is the noise of this comparison
+    cfg0, cfg1 = gg.default_config(0, rows, num_local), gg.default_config(1, rows, num_local)
+    w = w13_interleaved if cfg0.interleaved else w13
+    scale = torch.rand(alloc_rows, device="cuda") * 0.9 + 0.1  # routing-weight-like, away from 0
+
+    def weave_default():
+        t0 = gg.build_tile_table(offsets, cfg0.block_m, alloc_rows)
+        t1 = t0 if cfg1.block_m == cfg0.block_m else gg.build_tile_table(offsets, cfg1.block_m, alloc_rows)
+        gg.grouped_gemm0(a, w, h, t0, cfg0)
+        gg.grouped_gemm1(h, w2, y, t1, cfg1, scale=scale)
+
+    h.fill_(float("nan"))
+    y.fill_(float("nan"))
+    weave_default()
+    torch.cuda.synchronize()
+    result["default_err_y"] = rel_err(y[:rows] / scale[:rows, None], y_ref)
+    result["default_ms"] = graph_time_ms(weave_default, reps)
+    result["library_ms_2"] = graph_time_ms(library, reps)
+    result["default_ms_2"] = graph_time_ms(weave_default, reps)
+    lib = min(result["library_ms"], result["library_ms_2"])
+    result["default_vs_library"] = max(result["default_ms"], result["default_ms_2"]) / lib
+    result["default_tflops"] = flops / result["default_ms"] / 1e9
+    log(f"  default (tables + weights in the epilogue) {result['default_ms']:.3f} / {result['default_ms_2']:.3f} ms, "
+        f"library {result['library_ms']:.3f} / {result['library_ms_2']:.3f}; worst ratio "
+        f"{result['default_vs_library']:.3f}; err y {result['default_err_y']:.2e}")
     return result
 
 
@@ -253,6 +289,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--models", default=",".join(PAPER_MODELS))
     parser.add_argument("--tokens", default="2048,8192")
+    parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--reps", type=int, default=25)
     parser.add_argument("--gemm0", default="", help="comma-separated GEMM0 variant names (default: all)")
     parser.add_argument("--gemm1", default="", help="comma-separated GEMM1 variant names (default: all)")
@@ -261,8 +298,6 @@ def main() -> int:
         print("gemm_bench needs a CUDA GPU")
         return 1
     import triton
-
-    triton.set_allocator(_allocator)  # global scratch of descriptors made on the device (EPILOGUE_TMA_CLIPPED)
     v0 = {k: GEMM0_VARIANTS[k] for k in args.gemm0.split(",")} if args.gemm0 else GEMM0_VARIANTS
     v1 = {k: GEMM1_VARIANTS[k] for k in args.gemm1.split(",")} if args.gemm1 else GEMM1_VARIANTS
     os.makedirs(args.out, exist_ok=True)
@@ -284,29 +319,32 @@ def main() -> int:
     results = []
     started = time.time()
     for model in args.models.split(","):
-        for tokens in map(int, args.tokens.split(",")):
+        for tokens, routing in [(t, r) for t in map(int, args.tokens.split(",")) for r in args.routing.split(",")]:
             spec = MoESpec.from_name(model)
-            log(f"{model} T={tokens} (elapsed {time.time() - started:.0f} s)")
+            log(f"{model} T={tokens} {routing} (elapsed {time.time() - started:.0f} s)")
             try:
-                results.append(bench_shape(spec, tokens, args.reps, v0, v1, log))
+                results.append(bench_shape(spec, tokens, routing, args.reps, v0, v1, log))
             except Exception:
                 log(traceback.format_exc())
             torch.cuda.empty_cache()
             with open(os.path.join(args.out, "gemm_bench.json"), "w") as f:
                 json.dump(dict(meta=meta, results=results), f, indent=1)
-    log("\nmodel              T     rows  library ms (TF)   gemms-only  weave ms (TF)    ratio  tables ms  best gemm0 / gemm1")
+    log("\nmodel              T    routing  rows   library ms (TF) gemms-only | best ms (TF)  ratio | default ms (TF) "
+        "worst ratio | best gemm0 / gemm1")
     for r in results:
         if "weave_ms" not in r:
-            log(f"{r['model']:18s} {r['tokens']:5d}  no valid weave variant")
+            log(f"{r['model']:18s} {r['tokens']:5d} {r['routing']:8s} no valid weave variant")
             continue
-        log(f"{r['model']:18s} {r['tokens']:5d} {r['rows']:7d}  {r['library_ms']:6.3f} ({r['library_tflops']:3.0f})  "
-            f"{r['library_gemms_only_ms']:6.3f}     {r['weave_ms']:6.3f} ({r['weave_tflops']:3.0f})  "
-            f"{r['weave_vs_library']:5.3f}  {r['weave_with_tables_ms']:6.3f}  {r['weave_best']['gemm0']} / "
+        log(f"{r['model']:18s} {r['tokens']:5d} {r['routing']:8s} {r['rows']:6d}  {r['library_ms']:6.3f} "
+            f"({r['library_tflops']:3.0f})  {r['library_gemms_only_ms']:6.3f}  | {r['weave_ms']:6.3f} "
+            f"({r['weave_tflops']:3.0f}) {r['weave_vs_library']:5.3f} | {r['default_ms']:6.3f} "
+            f"({r['default_tflops']:3.0f})  {r['default_vs_library']:5.3f}  | {r['weave_best']['gemm0']} / "
             f"{r['weave_best']['gemm1']}")
-    ratios = [r["weave_vs_library"] for r in results if "weave_ms" in r]
-    if ratios:
-        geo = torch.tensor(ratios).log().mean().exp().item()
-        log(f"geomean weave / library: {geo:.3f} over {len(ratios)} shapes; worst {max(ratios):.3f}")
+    for key in ("weave_vs_library", "default_vs_library"):
+        ratios = [r[key] for r in results if key in r]
+        if ratios:
+            geo = torch.tensor(ratios).log().mean().exp().item()
+            log(f"{key}: geomean {geo:.3f} over {len(ratios)} shapes; worst {max(ratios):.3f}")
     return 0
 
 

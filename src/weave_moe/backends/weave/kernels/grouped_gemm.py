@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["GemmConfig", "TileTable", "build_tile_table", "interleave_w13", "grouped_gemm0", "grouped_gemm1",
+__all__ = ["GemmConfig", "TileTable", "build_tile_table", "interleave_w13", "build_tile_table_torch", "grouped_gemm0", "grouped_gemm1",
            "default_config", "compile_for_sm90"]
 
 # Epilogue kinds (GemmConfig.epilogue).
@@ -79,11 +79,18 @@ class GemmConfig:
 
 
 def default_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
-    """Analytical default: 128-row tiles unless the average expert has under 64 rows (then 64-row tiles waste less
-    padding), 128x256x64 with 3 stages and 8 warps (the shape that runs a dense H200 GEMM near peak)."""
-    del gemm
-    block_m = 64 if rows < 64 * num_local_experts else 128
-    return GemmConfig(block_m=block_m)
+    """The configuration measured best on one H200 (scripts/gemm_bench.py, bench/results/gemm/) for a GEMM of
+    `rows` rows over `num_local_experts` experts; `gemm` is 0 or 1 (the same rule fits both).
+
+    Under ~400 rows per expert on average, 64-row tiles with one warpgroup and 4 stages win (less padding: a 128-row
+    tile of an expert with 129 rows would be half empty); above it, 128x256 tiles with two warpgroups, 3 stages and
+    the clipped TMA epilogue.
+    """
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    if rows < 400 * num_local_experts:
+        return GemmConfig(block_m=64, num_warps=4, num_stages=4, epilogue=EPILOGUE_MASKED)
+    return GemmConfig(block_m=128, num_warps=8, num_stages=3, epilogue=EPILOGUE_TMA_CLIPPED)
 
 
 @dataclass(frozen=True)
@@ -107,15 +114,29 @@ class TileTable:
 
 
 def build_tile_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int) -> TileTable:
-    """Cut each expert's rows into ceil(rows / block_m) tiles, on the device and without a host sync.
+    """Cut each expert's rows into ceil(rows / block_m) tiles, on the device, in one launch and without a host sync.
 
     Args:
         expert_offsets: int32 [E_local + 1], prefix sum of rows per expert, starting at 0, ending <= max_rows.
         block_m: rows per tile.
         max_rows: an upper bound of expert_offsets[-1] known on the host (sizes the table).
     """
-    if expert_offsets.dim() != 1 or expert_offsets.numel() < 2:
-        raise ValueError(f"expert_offsets must be 1-D with E_local + 1 >= 2 entries, got shape {tuple(expert_offsets.shape)}")
+    if expert_offsets.dim() != 1 or expert_offsets.numel() < 2 or expert_offsets.dtype != torch.int32:
+        raise ValueError("expert_offsets: expected int32 [E_local + 1] with E_local >= 1, given "
+                         f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+    num_experts = expert_offsets.numel() - 1
+    max_tiles = triton.cdiv(max_rows, block_m) + num_experts
+    table = torch.empty(3, max_tiles, dtype=torch.int32, device=expert_offsets.device)
+    num_tiles = torch.empty(1, dtype=torch.int32, device=expert_offsets.device)
+    block_t = 64
+    _tile_table_kernel[(triton.cdiv(max_tiles, block_t),)](
+        expert_offsets, table, num_tiles, num_experts, max_tiles, BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=block_t)
+    return TileTable(table, num_tiles, block_m)
+
+
+def build_tile_table_torch(expert_offsets: torch.Tensor, block_m: int, max_rows: int) -> TileTable:
+    """`build_tile_table` in plain torch ops (the test reference; ~10 launches instead of one)."""
     num_experts = expert_offsets.numel() - 1
     max_tiles = triton.cdiv(max_rows, block_m) + num_experts
     offsets = expert_offsets.to(torch.int64)
@@ -129,6 +150,34 @@ def build_tile_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int) 
     m_end = offsets[expert + 1]
     table = torch.stack([expert, m_start, m_end]).to(torch.int32)
     return TileTable(table, psum_tiles[-1:].to(torch.int32), block_m)
+
+
+@triton.jit(do_not_specialize=["num_experts", "max_tiles"])
+def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_tiles,
+                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Tiles [pid * BLOCK_T, +BLOCK_T) of the table; every program recomputes the tile prefix sum over experts
+    (E_local <= BLOCK_E numbers), so there is no cross-program dependency. Entries past the valid tiles repeat the
+    last expert and are never read."""
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    start = tl.load(offsets_ptr + experts, mask=valid, other=0)
+    end = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
+    tiles = tl.where(valid, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
+    psum = tl.cumsum(tiles, 0)
+    first = psum - tiles
+    if tl.program_id(0) == 0:
+        tl.store(num_tiles_ptr, tl.sum(tiles, 0))
+    tile = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # expert of a tile = number of experts whose tiles all come before it (searchsorted, right)
+    expert = tl.sum(((psum[None, :] <= tile[:, None]) & valid[None, :]).to(tl.int32), 1)
+    expert = tl.minimum(expert, num_experts - 1)
+    pick = experts[None, :] == expert[:, None]
+    m_start = tl.sum(tl.where(pick, start[None, :] + (tile[:, None] - first[None, :]) * BLOCK_M, 0), 1)
+    m_end = tl.sum(tl.where(pick, end[None, :], 0), 1)
+    ok = tile < max_tiles
+    tl.store(table_ptr + tile, expert, mask=ok)
+    tl.store(table_ptr + max_tiles + tile, m_start, mask=ok)
+    tl.store(table_ptr + 2 * max_tiles + tile, m_end, mask=ok)
 
 
 def interleave_w13(w13: torch.Tensor) -> torch.Tensor:
@@ -320,6 +369,25 @@ def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, do
     return _gemm1_kernel, (num_sms,), args, kwargs
 
 
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _launch(kernel, grid, args, kwargs, needs_scratch: bool):
+    """Launch; a kernel that makes descriptors on the device needs Triton's global scratch allocator: when the
+    caller has set none, a torch one is set for this launch only (Triton keeps it in a ContextVar)."""
+    from triton.runtime import _allocation
+
+    if not needs_scratch or _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR:
+        kernel[grid](*args, **kwargs)
+        return
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        kernel[grid](*args, **kwargs)
+    finally:
+        _allocation._allocator.reset(token)
+
+
 def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
                   dot_fp32: bool = False) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert, one persistent launch.
@@ -333,7 +401,7 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
         dot_fp32: multiply in fp32 (interpreter tests only).
     """
     kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32)
-    kernel[grid](*args, **kwargs)
+    _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and a.is_cuda)
     return h
 
 
@@ -351,7 +419,7 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
         dot_fp32: multiply in fp32 (interpreter tests only).
     """
     kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32)
-    kernel[grid](*args, **kwargs)
+    _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and h.is_cuda)
     return y
 
 
