@@ -62,7 +62,6 @@ GEMM1_VARIANTS = {
     "64x256x64 s4 w4 masked flat": C(block_m=64, num_warps=4, num_stages=4, epilogue=0),
     "64x256x64 s4 w4 TMA noflat": C(block_m=64, num_warps=4, num_stages=4, epilogue=1, flatten=False),
     "128x256x64 s4 masked flat": C(epilogue=0, num_stages=4),
-    "128x256x128 s2 clippedTMA flat": C(epilogue=2, num_stages=2, block_k=128),
     "64x256x64 s4 w4 clippedTMA flat": C(block_m=64, num_warps=4, num_stages=4, epilogue=2),
     "64x256x64 s5 w4 masked flat": C(block_m=64, num_warps=4, num_stages=5, epilogue=0),
     "128x256x64 s3 masked flat g16": C(epilogue=0, group_m=16),
@@ -289,6 +288,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--models", default=",".join(PAPER_MODELS))
     parser.add_argument("--tokens", default="2048,8192")
+    parser.add_argument("--commit", default="", help="commit to record (default: git rev-parse of the cwd)")
     parser.add_argument("--routing", default="uniform,skewed")
     parser.add_argument("--reps", type=int, default=25)
     parser.add_argument("--gemm0", default="", help="comma-separated GEMM0 variant names (default: all)")
@@ -308,10 +308,9 @@ def main() -> int:
         log_file.write(msg + "\n")
         log_file.flush()
 
-    try:
+    commit = args.commit
+    if not commit:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
     meta = dict(date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), device=torch.cuda.get_device_name(),
                 sms=torch.cuda.get_device_properties(0).multi_processor_count, torch=torch.__version__,
                 triton=triton.__version__, commit=commit, command=" ".join(sys.argv))

@@ -80,17 +80,24 @@ class GemmConfig:
 
 def default_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
     """The configuration measured best on one H200 (scripts/gemm_bench.py, bench/results/gemm/) for a GEMM of
-    `rows` rows over `num_local_experts` experts; `gemm` is 0 or 1 (the same rule fits both).
+    `rows` rows over `num_local_experts` experts; `gemm` is 0 or 1. Decided on the host, without the per-expert counts.
 
-    Under ~400 rows per expert on average, 64-row tiles with one warpgroup and 4 stages win (less padding: a 128-row
-    tile of an expert with 129 rows would be half empty); above it, 128x256 tiles with two warpgroups, 3 stages and
-    the clipped TMA epilogue.
+    128x256 tiles (two warpgroups, 4 stages; GEMM0 stores through the clipped TMA epilogue) unless 64-row tiles
+    would pad the average expert by over 25 points less: e.g. 154 rows per expert pad to 256 in 128-row tiles (66%)
+    but to 192 in 64-row tiles (25%), and there one warpgroup with 64x256 tiles wins despite its lower MMA rate.
+    Assumes balanced-ish experts (the average stands for each).
     """
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
-    if rows < 400 * num_local_experts:
-        return GemmConfig(block_m=64, num_warps=4, num_stages=4, epilogue=EPILOGUE_MASKED)
-    return GemmConfig(block_m=128, num_warps=8, num_stages=3, epilogue=EPILOGUE_TMA_CLIPPED)
+    mean = max(rows / max(num_local_experts, 1), 1.0)
+
+    def padding(block_m):
+        return -(-mean // block_m) * block_m / mean - 1
+
+    epilogue = EPILOGUE_TMA_CLIPPED if gemm == 0 else EPILOGUE_MASKED
+    if padding(128) - padding(64) > 0.25:
+        return GemmConfig(block_m=64, num_warps=4, num_stages=4 if gemm == 0 else 5, epilogue=epilogue)
+    return GemmConfig(block_m=128, num_warps=8, num_stages=4, epilogue=epilogue)
 
 
 @dataclass(frozen=True)
