@@ -53,6 +53,8 @@ GEMM0_VARIANTS = {
     "64x256x64 s4 w4 clippedTMA flat": C(block_m=64, num_warps=4, num_stages=4, epilogue=2),
     "64x256x64 s5 w4 masked flat": C(block_m=64, num_warps=4, num_stages=5, epilogue=0),
     "64x128x64 s4 w4 masked flat": C(block_m=64, block_n=128, num_warps=4, num_stages=4, epilogue=0),
+    "128x256x64 s4 clippedTMA flat split": C(epilogue=2, num_stages=4, split_tail=True),
+    "128x256x64 s3 clippedTMA flat split": C(epilogue=2, num_stages=3, split_tail=True),
 }
 GEMM1_VARIANTS = {
     "128x256x64 s3 masked flat": C(epilogue=0),
@@ -65,6 +67,8 @@ GEMM1_VARIANTS = {
     "64x256x64 s4 w4 clippedTMA flat": C(block_m=64, num_warps=4, num_stages=4, epilogue=2),
     "64x256x64 s5 w4 masked flat": C(block_m=64, num_warps=4, num_stages=5, epilogue=0),
     "128x256x64 s3 masked flat g16": C(epilogue=0, group_m=16),
+    "128x256x64 s4 masked flat split": C(epilogue=0, num_stages=4, split_tail=True),
+    "128x256x64 s3 masked flat split": C(epilogue=0, num_stages=3, split_tail=True),
 }
 
 
@@ -180,10 +184,11 @@ def bench_shape(spec: MoESpec, tokens: int, routing: str, reps: int, variants0: 
 
     tables = {}
 
-    def table(block_m):
-        if block_m not in tables:
-            tables[block_m] = gg.build_tile_table(offsets, block_m, alloc_rows)
-        return tables[block_m]
+    def table(cfg):
+        key = (cfg.block_m, cfg.split_tail)
+        if key not in tables:
+            tables[key] = gg.build_tile_table(offsets, cfg.block_m, alloc_rows, cfg.split_tail)
+        return tables[key]
 
     result["tile_table_ms"] = graph_time_ms(lambda: gg.build_tile_table(offsets, 128, alloc_rows), reps)
     h = torch.empty(alloc_rows, inter, device="cuda", dtype=torch.bfloat16)
@@ -193,7 +198,7 @@ def bench_shape(spec: MoESpec, tokens: int, routing: str, reps: int, variants0: 
     g0, g1 = {}, {}
     for name, cfg in variants0.items():
         try:
-            tiles = table(cfg.block_m)
+            tiles = table(cfg)
             w = w13_interleaved if cfg.interleaved else w13
             h.fill_(float("nan"))
             gg.grouped_gemm0(a, w, h, tiles, cfg)
@@ -207,7 +212,7 @@ def bench_shape(spec: MoESpec, tokens: int, routing: str, reps: int, variants0: 
             log(f"  gemm0 {name}: FAILED {repr(exc)[:300]}")
     for name, cfg in variants1.items():
         try:
-            tiles = table(cfg.block_m)
+            tiles = table(cfg)
             y.fill_(float("nan"))
             gg.grouped_gemm1(h_in, w2, y, tiles, cfg)
             torch.cuda.synchronize()
@@ -226,15 +231,16 @@ def bench_shape(spec: MoESpec, tokens: int, routing: str, reps: int, variants0: 
         best1 = min(ok1, key=lambda k: ok1[k]["ms"])
         cfg0, cfg1 = variants0[best0], variants1[best1]
         w = w13_interleaved if cfg0.interleaved else w13
-        t0, t1 = table(cfg0.block_m), table(cfg1.block_m)
+        t0, t1 = table(cfg0), table(cfg1)
 
         def weave():
             gg.grouped_gemm0(a, w, h, t0, cfg0)
             gg.grouped_gemm1(h, w2, y, t1, cfg1)
 
         def weave_with_tables():
-            u0 = gg.build_tile_table(offsets, cfg0.block_m, alloc_rows)
-            u1 = u0 if cfg1.block_m == cfg0.block_m else gg.build_tile_table(offsets, cfg1.block_m, alloc_rows)
+            u0 = gg.build_tile_table(offsets, cfg0.block_m, alloc_rows, cfg0.split_tail)
+            u1 = u0 if (cfg1.block_m, cfg1.split_tail) == (cfg0.block_m, cfg0.split_tail) else \
+                gg.build_tile_table(offsets, cfg1.block_m, alloc_rows, cfg1.split_tail)
             gg.grouped_gemm0(a, w, h, u0, cfg0)
             gg.grouped_gemm1(h, w2, y, u1, cfg1)
 
@@ -254,32 +260,47 @@ def bench_shape(spec: MoESpec, tokens: int, routing: str, reps: int, variants0: 
             f"with tables {result['weave_with_tables_ms']:.3f}; library {result['library_ms']:.3f} "
             f"({result['library_tflops']:.0f}); ratio {result['weave_vs_library']:.3f}; "
             f"err h {result['weave_err_h']:.2e} y {result['weave_err_y']:.2e}")
-    # the shipped default (grouped_gemm.default_config), with routing weights applied in GEMM1's epilogue, timed
-    # twice around a second library timing: the spread between the two is the noise of this comparison
-    cfg0, cfg1 = gg.default_config(0, rows, num_local), gg.default_config(1, rows, num_local)
-    w = w13_interleaved if cfg0.interleaved else w13
+    # the shipped default (grouped_gemm.default_config) and a candidate (the same with split tails where the default
+    # uses 128-row tiles), with routing weights applied in GEMM1's epilogue and the tile tables built in the timed
+    # region, each timed twice around a second library timing: the spread between the two is the noise here
     scale = torch.rand(alloc_rows, device="cuda") * 0.9 + 0.1  # routing-weight-like, away from 0
 
-    def weave_default():
-        t0 = gg.build_tile_table(offsets, cfg0.block_m, alloc_rows)
-        t1 = t0 if cfg1.block_m == cfg0.block_m else gg.build_tile_table(offsets, cfg1.block_m, alloc_rows)
-        gg.grouped_gemm0(a, w, h, t0, cfg0)
-        gg.grouped_gemm1(h, w2, y, t1, cfg1, scale=scale)
+    def candidate_config(gemm):
+        cfg = gg.default_config(gemm, rows, num_local)
+        return cfg.with_(split_tail=True) if cfg.block_m == 128 else cfg
 
-    h.fill_(float("nan"))
-    y.fill_(float("nan"))
-    weave_default()
-    torch.cuda.synchronize()
-    result["default_err_y"] = rel_err(y[:rows] / scale[:rows, None], y_ref)
-    result["default_ms"] = graph_time_ms(weave_default, reps)
+    pairs = {"default": (gg.default_config(0, rows, num_local), gg.default_config(1, rows, num_local)),
+             "candidate": (candidate_config(0), candidate_config(1))}
+
+    def pipeline(cfg0, cfg1):
+        w = w13_interleaved if cfg0.interleaved else w13
+
+        def run():
+            t0 = gg.build_tile_table(offsets, cfg0.block_m, alloc_rows, cfg0.split_tail)
+            same = (cfg1.block_m, cfg1.split_tail) == (cfg0.block_m, cfg0.split_tail)
+            t1 = t0 if same else gg.build_tile_table(offsets, cfg1.block_m, alloc_rows, cfg1.split_tail)
+            gg.grouped_gemm0(a, w, h, t0, cfg0)
+            gg.grouped_gemm1(h, w2, y, t1, cfg1, scale=scale)
+        return run
+
+    for key, (cfg0, cfg1) in pairs.items():
+        run = pipeline(cfg0, cfg1)
+        h.fill_(float("nan"))
+        y.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        result[f"{key}_configs"] = dict(gemm0=repr(cfg0), gemm1=repr(cfg1))
+        result[f"{key}_err_y"] = rel_err(y[:rows] / scale[:rows, None], y_ref)
+        result[f"{key}_ms"] = graph_time_ms(run, reps)
     result["library_ms_2"] = graph_time_ms(library, reps)
-    result["default_ms_2"] = graph_time_ms(weave_default, reps)
     lib = min(result["library_ms"], result["library_ms_2"])
-    result["default_vs_library"] = max(result["default_ms"], result["default_ms_2"]) / lib
-    result["default_tflops"] = flops / result["default_ms"] / 1e9
-    log(f"  default (tables + weights in the epilogue) {result['default_ms']:.3f} / {result['default_ms_2']:.3f} ms, "
-        f"library {result['library_ms']:.3f} / {result['library_ms_2']:.3f}; worst ratio "
-        f"{result['default_vs_library']:.3f}; err y {result['default_err_y']:.2e}")
+    for key, (cfg0, cfg1) in pairs.items():
+        result[f"{key}_ms_2"] = graph_time_ms(pipeline(cfg0, cfg1), reps)
+        result[f"{key}_vs_library"] = max(result[f"{key}_ms"], result[f"{key}_ms_2"]) / lib
+        result[f"{key}_tflops"] = flops / min(result[f"{key}_ms"], result[f"{key}_ms_2"]) / 1e9
+        log(f"  {key} (tables + weights in the epilogue) {result[f'{key}_ms']:.3f} / {result[f'{key}_ms_2']:.3f} ms, "
+            f"library {result['library_ms']:.3f} / {result['library_ms_2']:.3f}; worst ratio "
+            f"{result[f'{key}_vs_library']:.3f}; err y {result[f'{key}_err_y']:.2e}")
     return result
 
 
@@ -329,7 +350,7 @@ def main() -> int:
             with open(os.path.join(args.out, "gemm_bench.json"), "w") as f:
                 json.dump(dict(meta=meta, results=results), f, indent=1)
     log("\nmodel              T    routing  rows   library ms (TF) gemms-only | best ms (TF)  ratio | default ms (TF) "
-        "worst ratio | best gemm0 / gemm1")
+        "worst ratio | candidate ms (TF) worst ratio | best gemm0 / gemm1")
     for r in results:
         if "weave_ms" not in r:
             log(f"{r['model']:18s} {r['tokens']:5d} {r['routing']:8s} no valid weave variant")
@@ -337,9 +358,10 @@ def main() -> int:
         log(f"{r['model']:18s} {r['tokens']:5d} {r['routing']:8s} {r['rows']:6d}  {r['library_ms']:6.3f} "
             f"({r['library_tflops']:3.0f})  {r['library_gemms_only_ms']:6.3f}  | {r['weave_ms']:6.3f} "
             f"({r['weave_tflops']:3.0f}) {r['weave_vs_library']:5.3f} | {r['default_ms']:6.3f} "
-            f"({r['default_tflops']:3.0f})  {r['default_vs_library']:5.3f}  | {r['weave_best']['gemm0']} / "
+            f"({r['default_tflops']:3.0f})  {r['default_vs_library']:5.3f}  | {r['candidate_ms']:6.3f} "
+            f"({r['candidate_tflops']:3.0f})  {r['candidate_vs_library']:5.3f}  | {r['weave_best']['gemm0']} / "
             f"{r['weave_best']['gemm1']}")
-    for key in ("weave_vs_library", "default_vs_library"):
+    for key in ("weave_vs_library", "default_vs_library", "candidate_vs_library"):
         ratios = [r[key] for r in results if key in r]
         if ratios:
             geo = torch.tensor(ratios).log().mean().exp().item()

@@ -24,10 +24,13 @@ SCRIPT = textwrap.dedent(
     small = dict(block_m=16, block_n=32, block_k=16, group_m=2)
     CONFIGS = [C(**small, epilogue=gg.EPILOGUE_MASKED), C(**small, epilogue=gg.EPILOGUE_TMA),
                C(**small, epilogue=gg.EPILOGUE_TMA_CLIPPED), C(**small, interleaved=False, flatten=False),
-               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA)]
+               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA),
+               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_MASKED, split_tail=True),
+               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_CLIPPED, split_tail=True, interleaved=False)]
     # (rows per local expert, H, I): empty experts, a single row, a tail of one row past a full tile, no rows at all,
     # I not a multiple of BN/2 (a tile reads into the next expert's weights), H not a multiple of BK (K tail)
-    CASES = [([5, 0, 21], 48, 40), ([1], 40, 16), ([17, 33, 16], 32, 24), ([0, 0], 32, 16), ([40, 3], 24, 56)]
+    CASES = [([5, 0, 21], 48, 40), ([1], 40, 16), ([17, 33, 16], 32, 24), ([0, 0], 32, 16), ([40, 3], 24, 56),
+             ([64, 65, 80, 96, 97], 32, 16)]
 
     def check(counts, H, I, cfg, seed):
         torch.manual_seed(seed)
@@ -40,10 +43,20 @@ SCRIPT = textwrap.dedent(
         w13 = (torch.randn(E, 2 * I, H) / H ** 0.5).bfloat16()
         w2 = (torch.randn(E, H, I) / I ** 0.5).bfloat16()
         scale = torch.rand(P) + 0.5
-        tiles = gg.build_tile_table(offsets, cfg.block_m, P)
-        ref_tiles = gg.build_tile_table_torch(offsets, cfg.block_m, P)
-        n = int(ref_tiles.num_tiles)
-        assert int(tiles.num_tiles) == n and torch.equal(tiles.table[:, :n], ref_tiles.table[:, :n])
+        tiles = gg.build_tile_table(offsets, cfg.block_m, P, cfg.split_tail)
+        ref_tiles = gg.build_tile_table_torch(offsets, cfg.block_m, P, cfg.split_tail)
+        assert torch.equal(tiles.num_tiles, ref_tiles.num_tiles), (tiles.num_tiles, ref_tiles.num_tiles)
+        for section, n in enumerate(ref_tiles.num_tiles.tolist()):
+            cols = slice(section * tiles.max_tiles, section * tiles.max_tiles + n)
+            assert torch.equal(tiles.table[:, cols], ref_tiles.table[:, cols]), (section, tiles.table, ref_tiles.table)
+        if cfg.split_tail:  # every row in exactly one tile, tails of at most BM/2 rows in section 1
+            covered = torch.zeros(P, dtype=torch.int32)
+            for section, n in enumerate(ref_tiles.num_tiles.tolist()):
+                for j in range(n):
+                    _, m_start, m_end = ref_tiles.table[:, section * tiles.max_tiles + j].tolist()
+                    height = cfg.block_m >> section
+                    covered[m_start:min(m_start + height, m_end)] += 1
+            assert torch.equal(covered[:rows], torch.ones(rows, dtype=torch.int32)) and not covered[rows:].any()
         h = torch.full((P, I), float("nan")).bfloat16()
         y = torch.full((P, H), float("nan")).bfloat16()
         w = gg.interleave_w13(w13) if cfg.interleaved else w13
@@ -101,6 +114,9 @@ def test_bad_arguments_name_what_was_expected():
     cfg = gg.GemmConfig(block_m=16, block_n=32, block_k=16)
     tiles = gg.build_tile_table_torch(offsets, 16, 4)
     a = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="split_tail"):
+        gg.grouped_gemm0(a, torch.zeros(1, 32, 32, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16),
+                         tiles, cfg.with_(split_tail=True))
     with pytest.raises(ValueError, match="h: expected contiguous"):
         gg.grouped_gemm0(a, torch.zeros(1, 32, 32, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16),
                          tiles, cfg)

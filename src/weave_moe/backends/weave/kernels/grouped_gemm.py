@@ -61,6 +61,7 @@ class GemmConfig:
             epilogue).
         interleaved: GEMM0 only: one wide MMA over interleaved w13 (True) or two MMAs, gate and up (False, w13 as
             given).
+        split_tail: tails of at most block_m / 2 rows run as half-height tiles after the full ones (TileTable).
     """
 
     block_m: int = 128
@@ -73,6 +74,7 @@ class GemmConfig:
     warp_specialize: int = 0
     flatten: bool = True
     interleaved: bool = True
+    split_tail: bool = False
 
     def with_(self, **changes) -> "GemmConfig":
         return replace(self, **changes)
@@ -102,89 +104,126 @@ def default_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
 
 @dataclass(frozen=True)
 class TileTable:
-    """M tiles of one grouped GEMM, built on the device.
+    """M tiles of one grouped GEMM, built on the device, in two sections of `max_tiles` entries each.
+
+    Section 0 holds tiles of block_m rows; with `split_tail`, an expert whose last tile would hold at most block_m / 2
+    rows gets that tail as a tile of section 1 instead, run with block_m / 2 rows (less padding). Without it, section
+    1 is empty.
 
     Attributes:
-        table: int32 [3, max_tiles]: per tile (expert, first row, end row of its expert); entries past num_tiles are
-            unused.
-        num_tiles: int32 [1]: number of valid tiles (read by the kernels on the device).
-        block_m: rows per tile.
+        table: int32 [3, 2 * max_tiles]: per tile (expert, first row, end row of its expert); section s starts at
+            column s * max_tiles; entries past a section's count are unused.
+        num_tiles: int32 [2]: tiles in sections 0 and 1 (read by the kernels on the device).
+        block_m: rows per tile of section 0.
+        split_tail: whether section 1 is used.
     """
 
     table: torch.Tensor
     num_tiles: torch.Tensor
     block_m: int
+    split_tail: bool = False
 
     @property
     def max_tiles(self) -> int:
-        return self.table.shape[1]
+        return self.table.shape[1] // 2
 
 
-def build_tile_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int) -> TileTable:
-    """Cut each expert's rows into ceil(rows / block_m) tiles, on the device, in one launch and without a host sync.
-
-    Args:
-        expert_offsets: int32 [E_local + 1], prefix sum of rows per expert, starting at 0, ending <= max_rows.
-        block_m: rows per tile.
-        max_rows: an upper bound of expert_offsets[-1] known on the host (sizes the table).
-    """
+def _table_size(expert_offsets: torch.Tensor, block_m: int, max_rows: int) -> tuple[int, int]:
     if expert_offsets.dim() != 1 or expert_offsets.numel() < 2 or expert_offsets.dtype != torch.int32:
         raise ValueError("expert_offsets: expected int32 [E_local + 1] with E_local >= 1, given "
                          f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}")
     num_experts = expert_offsets.numel() - 1
-    max_tiles = triton.cdiv(max_rows, block_m) + num_experts
-    table = torch.empty(3, max_tiles, dtype=torch.int32, device=expert_offsets.device)
-    num_tiles = torch.empty(1, dtype=torch.int32, device=expert_offsets.device)
+    return num_experts, triton.cdiv(max_rows, block_m) + num_experts
+
+
+def build_tile_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int, split_tail: bool = False) -> TileTable:
+    """Cut each expert's rows into tiles (see TileTable), on the device, in one launch and without a host sync.
+
+    Args:
+        expert_offsets: int32 [E_local + 1], prefix sum of rows per expert, starting at 0, ending <= max_rows.
+        block_m: rows per tile (section 0).
+        max_rows: an upper bound of expert_offsets[-1] known on the host (sizes the table).
+        split_tail: give tails of at most block_m / 2 rows their own half-height tiles (section 1).
+    """
+    num_experts, max_tiles = _table_size(expert_offsets, block_m, max_rows)
+    table = torch.empty(3, 2 * max_tiles, dtype=torch.int32, device=expert_offsets.device)
+    num_tiles = torch.empty(2, dtype=torch.int32, device=expert_offsets.device)
     block_t = 64
     _tile_table_kernel[(triton.cdiv(max_tiles, block_t),)](
-        expert_offsets, table, num_tiles, num_experts, max_tiles, BLOCK_M=block_m,
+        expert_offsets, table, num_tiles, num_experts, max_tiles, BLOCK_M=block_m, SPLIT_TAIL=split_tail,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=block_t)
-    return TileTable(table, num_tiles, block_m)
+    return TileTable(table, num_tiles, block_m, split_tail)
 
 
-def build_tile_table_torch(expert_offsets: torch.Tensor, block_m: int, max_rows: int) -> TileTable:
-    """`build_tile_table` in plain torch ops (the test reference; ~10 launches instead of one)."""
-    num_experts = expert_offsets.numel() - 1
-    max_tiles = triton.cdiv(max_rows, block_m) + num_experts
+def build_tile_table_torch(expert_offsets: torch.Tensor, block_m: int, max_rows: int,
+                           split_tail: bool = False) -> TileTable:
+    """`build_tile_table` in plain torch ops (the test reference; ~20 launches instead of one)."""
+    num_experts, max_tiles = _table_size(expert_offsets, block_m, max_rows)
     offsets = expert_offsets.to(torch.int64)
     rows = offsets[1:] - offsets[:-1]
-    tiles_per_expert = (rows + block_m - 1) // block_m
-    psum_tiles = torch.cumsum(tiles_per_expert, 0)
+    remainder = rows % block_m
+    small = (remainder > 0) & (remainder <= block_m // 2) if split_tail else torch.zeros_like(rows, dtype=torch.bool)
+    big = (rows + block_m - 1) // block_m - small.long()
     tile = torch.arange(max_tiles, device=expert_offsets.device)
-    expert = torch.searchsorted(psum_tiles, tile, right=True).clamp_(max=num_experts - 1)
-    first_tile = psum_tiles[expert] - tiles_per_expert[expert]
-    m_start = offsets[expert] + (tile - first_tile) * block_m
-    m_end = offsets[expert + 1]
-    table = torch.stack([expert, m_start, m_end]).to(torch.int32)
-    return TileTable(table, psum_tiles[-1:].to(torch.int32), block_m)
+    sections, counts = [], []
+    for per_expert, height in ((big, block_m), (small.long(), block_m // 2)):
+        psum = torch.cumsum(per_expert, 0)
+        expert = torch.searchsorted(psum, tile, right=True).clamp_(max=num_experts - 1)
+        index = tile - (psum[expert] - per_expert[expert])
+        if height == block_m:
+            m_start = offsets[expert] + index * block_m
+        else:  # the tail after the expert's full tiles
+            m_start = offsets[expert] + rows[expert] // block_m * block_m
+        sections.append(torch.stack([expert, m_start, offsets[expert + 1]]))
+        counts.append(psum[-1:])
+    return TileTable(torch.cat(sections, 1).to(torch.int32), torch.cat(counts).to(torch.int32), block_m, split_tail)
 
 
 @triton.jit(do_not_specialize=["num_experts", "max_tiles"])
 def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_tiles,
-                       BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Tiles [pid * BLOCK_T, +BLOCK_T) of the table; every program recomputes the tile prefix sum over experts
-    (E_local <= BLOCK_E numbers), so there is no cross-program dependency. Entries past the valid tiles repeat the
-    last expert and are never read."""
+                       BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    """Entries [pid * BLOCK_T, +BLOCK_T) of both sections; every program recomputes the tile prefix sums over the
+    experts (E_local <= BLOCK_E numbers), so there is no cross-program dependency. Entries past a section's count
+    repeat its last expert and are never read."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
     start = tl.load(offsets_ptr + experts, mask=valid, other=0)
     end = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
-    tiles = tl.where(valid, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
-    psum = tl.cumsum(tiles, 0)
-    first = psum - tiles
+    rows = end - start
+    remainder = rows % BLOCK_M
+    if SPLIT_TAIL:
+        small = tl.where(valid & (remainder > 0) & (remainder <= BLOCK_M // 2), 1, 0)
+    else:
+        small = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    big = tl.where(valid, (rows + BLOCK_M - 1) // BLOCK_M, 0) - small
     if tl.program_id(0) == 0:
-        tl.store(num_tiles_ptr, tl.sum(tiles, 0))
+        tl.store(num_tiles_ptr, tl.sum(big, 0))
+        tl.store(num_tiles_ptr + 1, tl.sum(small, 0))
     tile = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    # expert of a tile = number of experts whose tiles all come before it (searchsorted, right)
-    expert = tl.sum(((psum[None, :] <= tile[:, None]) & valid[None, :]).to(tl.int32), 1)
-    expert = tl.minimum(expert, num_experts - 1)
+    width = 2 * max_tiles
+    # section 0: the expert holding a tile is the number of experts whose tiles all come before it (searchsorted,
+    # right); tile i of an expert starts i * BLOCK_M rows in
+    psum = tl.cumsum(big, 0)
+    first = psum - big
+    expert = tl.minimum(tl.sum(((psum[None, :] <= tile[:, None]) & valid[None, :]).to(tl.int32), 1), num_experts - 1)
     pick = experts[None, :] == expert[:, None]
     m_start = tl.sum(tl.where(pick, start[None, :] + (tile[:, None] - first[None, :]) * BLOCK_M, 0), 1)
     m_end = tl.sum(tl.where(pick, end[None, :], 0), 1)
     ok = tile < max_tiles
     tl.store(table_ptr + tile, expert, mask=ok)
-    tl.store(table_ptr + max_tiles + tile, m_start, mask=ok)
-    tl.store(table_ptr + 2 * max_tiles + tile, m_end, mask=ok)
+    tl.store(table_ptr + width + tile, m_start, mask=ok)
+    tl.store(table_ptr + 2 * width + tile, m_end, mask=ok)
+    # section 1: at most one tail tile per expert, after its full tiles
+    psum = tl.cumsum(small, 0)
+    first = psum - small
+    expert = tl.minimum(tl.sum(((psum[None, :] <= tile[:, None]) & valid[None, :]).to(tl.int32), 1), num_experts - 1)
+    pick = experts[None, :] == expert[:, None]
+    m_start = tl.sum(tl.where(pick, start[None, :] + rows[None, :] // BLOCK_M * BLOCK_M, 0), 1)
+    m_end = tl.sum(tl.where(pick, end[None, :], 0), 1)
+    tl.store(table_ptr + max_tiles + tile, expert, mask=ok)
+    tl.store(table_ptr + width + max_tiles + tile, m_start, mask=ok)
+    tl.store(table_ptr + 2 * width + max_tiles + tile, m_end, mask=ok)
 
 
 def interleave_w13(w13: torch.Tensor) -> torch.Tensor:
@@ -230,89 +269,127 @@ def _store_tile(out_ptr, out_desc, values, m_start, m_end, n_start, num_cols,
         _masked_store(out_ptr, values, m_start, m_end, n_start, num_cols, BLOCK_M, BLOCK_N)
 
 
-@triton.jit(do_not_specialize=["max_tiles"])
-def _gemm0_kernel(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  NUM_SMS: tl.constexpr, INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr,
-                  WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr):
-    """h[m, j] = silu(a[m] . gate_j) * (a[m] . up_j) over every tile of the table.
+@triton.jit
+def _section_work(pid, work_before, NUM_SMS: tl.constexpr):
+    """First work index of this CTA in a section that follows `work_before` items: the round-robin over CTAs goes on
+    across sections, so the CTAs that ran out of section-0 work first take section 1's first items."""
+    return ((pid - work_before) % NUM_SMS + NUM_SMS) % NUM_SMS
 
-    a_desc: [P, H] block [BM, BK]; w_desc: w13 as [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK];
-    h: [P, I] bf16 (h_desc block [BM, BN / 2]); tiles: int32 [3, max_tiles].
-    """
+
+@triton.jit
+def _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_tiles, num_n, work, H, I,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
     HALF_N: tl.constexpr = BLOCK_N // 2
-    pid = tl.program_id(0)
-    num_tiles = tl.load(num_tiles_ptr)
-    num_n = tl.cdiv(I, HALF_N)
-    num_work = num_tiles * num_n
-    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
-        tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
-        expert = tl.load(tiles_ptr + tile)
-        m_start = tl.load(tiles_ptr + max_tiles + tile)
-        m_end = tl.load(tiles_ptr + 2 * max_tiles + tile)
-        n_start = n * HALF_N
-        if INTERLEAVED:
-            w_row = expert * 2 * I + 2 * n_start
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
-                a = a_desc.load([m_start, k])
-                w = w_desc.load([w_row, k])
-                if DOT_FP32:
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
-                acc = tl.dot(a, w.T, acc)
-            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
-        else:
-            gate_row = expert * 2 * I + n_start
-            gate = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-            up = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-            for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
-                a = a_desc.load([m_start, k])
-                wg = w_desc.load([gate_row, k])
-                wu = w_desc.load([gate_row + I, k])
-                if DOT_FP32:
-                    a = a.to(tl.float32)
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                gate = tl.dot(a, wg.T, gate)
-                up = tl.dot(a, wu.T, up)
-        h = gate * tl.sigmoid(gate) * up
-        _store_tile(h_ptr, h_desc, h, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
-
-
-@triton.jit(do_not_specialize=["max_tiles"])
-def _gemm1_kernel(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  NUM_SMS: tl.constexpr, HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr,
-                  WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr, DOT_FP32: tl.constexpr):
-    """y[m] = scale[m] * (h[m] . w2[expert]^T) over every tile of the table (scale = 1 without HAS_SCALE).
-
-    h_desc: [P, I] block [BM, BK]; w_desc: w2 as [E_local * H, I], block [BN, BK]; y: [P, H] bf16 (y_desc block
-    [BM, BN]); scale: fp32 [P] (the routing weight of each row).
-    """
-    pid = tl.program_id(0)
-    num_tiles = tl.load(num_tiles_ptr)
-    num_n = tl.cdiv(H, BLOCK_N)
-    num_work = num_tiles * num_n
-    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
-        tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
-        expert = tl.load(tiles_ptr + tile)
-        m_start = tl.load(tiles_ptr + max_tiles + tile)
-        m_end = tl.load(tiles_ptr + 2 * max_tiles + tile)
-        n_start = n * BLOCK_N
-        w_row = expert * H + n_start
+    tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
+    expert = tl.load(tiles_ptr + column0 + tile)
+    m_start = tl.load(tiles_ptr + width + column0 + tile)
+    m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
+    n_start = n * HALF_N
+    if INTERLEAVED:
+        w_row = expert * 2 * I + 2 * n_start
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, I, BLOCK_K, warp_specialize=WS_INNER):
-            a = h_desc.load([m_start, k])
+        for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
+            a = a_desc.load([m_start, k])
             w = w_desc.load([w_row, k])
             if DOT_FP32:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, w.T, acc)
-        if HAS_SCALE:
-            rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
-            acc = acc * tl.load(scale_ptr + rows)[:, None]
-        _store_tile(y_ptr, y_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
+    else:
+        gate_row = expert * 2 * I + n_start
+        gate = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+        for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
+            a = a_desc.load([m_start, k])
+            wg = w_desc.load([gate_row, k])
+            wu = w_desc.load([gate_row + I, k])
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            gate = tl.dot(a, wg.T, gate)
+            up = tl.dot(a, wu.T, up)
+    h = gate * tl.sigmoid(gate) * up
+    _store_tile(h_ptr, h_desc, h, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
+
+
+@triton.jit(do_not_specialize=["max_tiles"])
+def _gemm0_kernel(a_desc, a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  NUM_SMS: tl.constexpr, INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr,
+                  SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """h[m, j] = silu(a[m] . gate_j) * (a[m] . up_j) over every tile of the table.
+
+    a_desc: [P, H] block [BM, BK] (a_tail_desc: block [BM / 2, BK], section 1 of a split table); w_desc: w13 as
+    [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK]; h: [P, I] bf16 (h_desc block [BM, BN / 2]);
+    tiles: int32 [3, 2 * max_tiles] (TileTable).
+    """
+    pid = tl.program_id(0)
+    width = 2 * max_tiles
+    num_n = tl.cdiv(I, BLOCK_N // 2)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_work = num_tiles * num_n
+    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
+        _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, 0, num_tiles, num_n, work, H, I,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32)
+    if SPLIT_TAIL:
+        num_tails = tl.load(num_tiles_ptr + 1)
+        for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
+            _gemm0_tile(a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, max_tiles, num_tails, num_n, work,
+                        H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32)
+
+
+@triton.jit
+def _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, column0, num_tiles, num_n, work, H, I,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
+    tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
+    expert = tl.load(tiles_ptr + column0 + tile)
+    m_start = tl.load(tiles_ptr + width + column0 + tile)
+    m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
+    n_start = n * BLOCK_N
+    w_row = expert * H + n_start
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, I, BLOCK_K, warp_specialize=WS_INNER):
+        a = h_desc.load([m_start, k])
+        w = w_desc.load([w_row, k])
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w.T, acc)
+    if HAS_SCALE:
+        rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
+        acc = acc * tl.load(scale_ptr + rows)[:, None]
+    _store_tile(y_ptr, y_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
+
+
+@triton.jit(do_not_specialize=["max_tiles"])
+def _gemm1_kernel(h_desc, h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  NUM_SMS: tl.constexpr, HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr,
+                  SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """y[m] = scale[m] * (h[m] . w2[expert]^T) over every tile of the table (scale = 1 without HAS_SCALE).
+
+    h_desc: [P, I] block [BM, BK] (h_tail_desc: block [BM / 2, BK]); w_desc: w2 as [E_local * H, I], block
+    [BN, BK]; y: [P, H] bf16 (y_desc block [BM, BN]); scale: fp32 [P] (the routing weight of each row).
+    """
+    pid = tl.program_id(0)
+    width = 2 * max_tiles
+    num_n = tl.cdiv(H, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_work = num_tiles * num_n
+    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
+        _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, 0, num_tiles, num_n, work, H, I,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
+    if SPLIT_TAIL:
+        num_tails = tl.load(num_tiles_ptr + 1)
+        for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
+            _gemm1_tile(h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, max_tiles, num_tails, num_n,
+                        work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -327,6 +404,16 @@ def _check(name, tensor, shape, dtype):
                          f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
 
 
+def _check_tiles(tiles: TileTable, config: GemmConfig):
+    if tiles.block_m != config.block_m:
+        raise ValueError(f"tiles.block_m: expected config.block_m={config.block_m}, given {tiles.block_m}")
+    if tiles.split_tail != config.split_tail:
+        raise ValueError(f"tiles.split_tail: expected config.split_tail={config.split_tail}, given {tiles.split_tail}")
+    if config.split_tail and config.epilogue == EPILOGUE_TMA:
+        raise ValueError("config.epilogue: EPILOGUE_TMA has one store descriptor, of full tiles; split_tail needs "
+                         "EPILOGUE_MASKED or EPILOGUE_TMA_CLIPPED")
+
+
 def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False):
     """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0)."""
     rows, hidden = a.shape
@@ -335,17 +422,18 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
     _check("a", a, (rows, hidden), a.dtype)
     _check("w13", w13, (num_experts, two_i, hidden), a.dtype)
     _check("h", h, (rows, inter), a.dtype)
-    if tiles.block_m != config.block_m:
-        raise ValueError(f"tiles.block_m: expected config.block_m={config.block_m}, given {tiles.block_m}")
+    _check_tiles(tiles, config)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     w_block = [bn, bk] if config.interleaved else [bn // 2, bk]
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    a_tail_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk])
     w_desc = TensorDescriptor.from_tensor(w13.view(num_experts * two_i, hidden), w_block)
     h_desc = TensorDescriptor.from_tensor(h, [bm, bn // 2])
     num_sms = _num_sms(a.device)
-    args = (a_desc, w_desc, h, h_desc, tiles.table, tiles.num_tiles, tiles.max_tiles, hidden, inter)
+    args = (a_desc, a_tail_desc, w_desc, h, h_desc, tiles.table, tiles.num_tiles, tiles.max_tiles, hidden, inter)
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
-                  INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, WS_OUTER=config.warp_specialize == 1,
+                  INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
+                  WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     return _gemm0_kernel, (num_sms,), args, kwargs
@@ -360,17 +448,18 @@ def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, do
     _check("y", y, (rows, hidden), h.dtype)
     if scale is not None:
         _check("scale", scale, (rows,), torch.float32)
-    if tiles.block_m != config.block_m:
-        raise ValueError(f"tiles.block_m: expected config.block_m={config.block_m}, given {tiles.block_m}")
+    _check_tiles(tiles, config)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     h_desc = TensorDescriptor.from_tensor(h, [bm, bk])
+    h_tail_desc = TensorDescriptor.from_tensor(h, [bm // 2, bk])
     w_desc = TensorDescriptor.from_tensor(w2.view(num_experts * hidden, inter), [bn, bk])
     y_desc = TensorDescriptor.from_tensor(y, [bm, bn])
     num_sms = _num_sms(h.device)
-    args = (h_desc, w_desc, y, y_desc, scale if scale is not None else y, tiles.table, tiles.num_tiles,
+    args = (h_desc, h_tail_desc, w_desc, y, y_desc, scale if scale is not None else y, tiles.table, tiles.num_tiles,
             tiles.max_tiles, hidden, inter)
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
-                  HAS_SCALE=scale is not None, EPILOGUE=config.epilogue, WS_OUTER=config.warp_specialize == 1,
+                  HAS_SCALE=scale is not None, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
+                  WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
                   num_warps=config.num_warps, num_stages=config.num_stages)
     return _gemm1_kernel, (num_sms,), args, kwargs
@@ -403,7 +492,7 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
         a: [P, H] bf16, rows in expert order (see the module docstring).
         w13: [E_local, 2I, H] bf16: `interleave_w13(w13)` when config.interleaved, else gate rows then up rows.
         h: [P, I] bf16 output; rows outside every tile are left untouched.
-        tiles: `build_tile_table(expert_offsets, config.block_m, P)`.
+        tiles: `build_tile_table(expert_offsets, config.block_m, P, config.split_tail)`.
         config: tile shape and schedule.
         dot_fp32: multiply in fp32 (interpreter tests only).
     """
@@ -420,7 +509,7 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
         h: [P, I] bf16, rows in expert order.
         w2: [E_local, H, I] bf16.
         y: [P, H] bf16 output; rows outside every tile are left untouched.
-        tiles: `build_tile_table(expert_offsets, config.block_m, P)`.
+        tiles: `build_tile_table(expert_offsets, config.block_m, P, config.split_tail)`.
         config: tile shape and schedule (`interleaved` is ignored).
         scale: optional fp32 [P], multiplied into each row in fp32 before the bf16 rounding (routing weights).
         dot_fp32: multiply in fp32 (interpreter tests only).
