@@ -9,15 +9,18 @@ No hub access: a small model (Qwen3-MoE config by default; --family picks anothe
 seeded random weights, saved as safetensors (transformers writes per-expert tensors), loaded back with
 `from_pretrained(..., experts_implementation="weave")`, and every rank keeps only its experts, read from the
 checkpoint by `weave_moe.hf.load_local_experts`. Each rank greedily generates --new-tokens tokens from its own prompt
-(ranks have prompts of different lengths), then an eager model (all experts, transformers' own loop) is fed the same
-tokens and the logits of every generation step are compared.
-
-Tolerance (relative Frobenius error of one step's logits <= 2e-2): both models are bf16. transformers' eager experts
-round gate/up, the SiLU product, each expert's output, its weighted copy and every partial sum of the k experts to
-bf16; the layer rounds only the SiLU product and the output (weave_moe.reference). Measured on this model, eager
-itself is 0.6-0.8% away from the same weights in fp32, and weave is 0.5-0.7% away from eager, so 2e-2 leaves about 3x
-headroom. The experts are not negligible here (initializer_range 0.1): zeroing them moves the logits by about 25%,
-and a wrong expert slice by the weight it carries, far above 2e-2.
+(ranks have prompts of different lengths), checked against an eager model (all experts, transformers' own loop):
+  1. every experts call of the generation (each layer; prefill and every decode step) against eager's experts module
+     on the same inputs: relative Frobenius error <= 1e-2, the bound weave_moe.reference derives for bf16 backends
+     (transformers' eager experts round gate/up, each expert's output, its weighted copy and every partial sum of the
+     k experts to bf16; the layer rounds only the SiLU product and the output; ~0.5% measured);
+  2. each step's logits against eager fed the same tokens: relative Frobenius error <= 2e-2. Measured on the tiny
+     model, eager itself is 0.6-0.8% away from the same weights in fp32 and weave 0.5-0.9% away from eager, so 2e-2
+     leaves about 2x headroom; zeroing the experts instead moves the logits by about 25% (initializer_range 0.1), and
+     a wrong expert slice by the weight it carries. Held on the steps whose routing agreed with eager's at every
+     position so far: two bf16 models may break a near-tie of the router differently (likely with 128 experts and
+     top-8), after which their logits legitimately part (5% seen); such steps are printed, and check 1 still covers
+     their experts calls.
 
 --time-dir DIR also times prefill (one forward of --time-batch prompts of --time-prompt tokens) and decode (one token
 for each of those --time-batch sequences, with the KV cache) for each experts implementation in --implementations,
@@ -39,12 +42,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from weave_moe.reference import DEFAULT_TOLERANCE, moe_error
+
 #: Relative Frobenius error allowed between one step's logits and eager's (reason in the module docstring).
 LOGITS_TOLERANCE = 2e-2
+#: ... and between one experts call and eager's experts on the same inputs (weave_moe.reference's bound for bf16).
+EXPERTS_TOLERANCE = DEFAULT_TOLERANCE
 
 #: Layer shapes of the timing presets (a few decoder layers of the real model, a small vocabulary).
 PRESETS = {
     "tiny": dict(hidden=64, intermediate=32, experts=8, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=128),
+    # the smallest layer shape the weave backend's GPU tests cover (H=256, I=128)
+    "small": dict(hidden=256, intermediate=128, experts=16, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=64,
+                  vocab=512),
     "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8, layers=4, heads=32, kv_heads=4,
                           head_dim=128, vocab=4096),
 }
@@ -56,7 +66,7 @@ def build_config(family: str, dims: dict):
 
     common = dict(vocab_size=dims["vocab"], hidden_size=dims["hidden"], num_hidden_layers=dims["layers"],
                   num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"],
-                  num_experts_per_tok=dims["top_k"], initializer_range=0.1, tie_word_embeddings=False,
+                  num_experts_per_tok=dims["top_k"], initializer_range=min(0.1, 2 / dims["hidden"] ** 0.5), tie_word_embeddings=False,
                   max_position_embeddings=4096)
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(num_experts=dims["experts"], moe_intermediate_size=dims["intermediate"],
@@ -80,23 +90,62 @@ def shared_checkpoint_dir(rank: int, world_size: int, given: str | None) -> str:
     return path[0]
 
 
-def check_generation(model, eager, prompt: torch.Tensor, new_tokens: int, rank: int) -> list[float]:
-    """Greedy generation with `model`; returns each step's logits error against `eager` fed the same tokens."""
-    with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                   output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        sequence = generated.sequences  # [1, P + new_tokens]
-        # eager, teacher-forced: position P - 1 + s predicts generated token s
-        eager_logits = eager(sequence[:, :-1]).logits[0, prompt.shape[1] - 1:].float()
-    errors = []
+def _experts_modules(model) -> dict[str, torch.nn.Module]:
+    return {name: module for name, module in model.named_modules() if name.endswith("mlp.experts")}
+
+
+def check_generation(model, eager, prompt: torch.Tensor, new_tokens: int, rank: int) -> dict:
+    """Greedy generation with `model`, checked against `eager` (every expert, transformers' loop).
+
+    Two checks: every experts call of the generation (each layer, prefill and each decode step) against eager's
+    experts module on the same inputs; and each step's logits against eager fed the same tokens, for the steps whose
+    routing agreed with eager's at every position so far (two bf16 models may break a near-tie of the router
+    differently, after which their logits legitimately part; such steps are reported, not held to the tolerance).
+
+    Returns:
+        dict with "experts_errors" (one per call), "logits_errors" and "routing_agreed" (one per step).
+    """
+    ours_modules, eager_modules = _experts_modules(model), _experts_modules(eager)
+    experts_errors, ours_ids, eager_ids = [], {name: [] for name in ours_modules}, {}
+
+    def check_call(name):
+        def hook(module, inputs, output):
+            hidden, ids, weights = inputs
+            truth = eager_modules[name](hidden, ids, weights)
+            experts_errors.append(moe_error(output, truth)[0])
+            ours_ids[name].append(ids.sort(dim=-1).values)
+        return hook
+
+    def record_routing(name):
+        def hook(module, inputs, output):
+            eager_ids[name] = inputs[1].sort(dim=-1).values
+        return hook
+
+    handles = [module.register_forward_hook(check_call(name)) for name, module in ours_modules.items()]
+    handles += [module.register_forward_hook(record_routing(name)) for name, module in eager_modules.items()]
+    try:
+        with torch.no_grad():
+            generated = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                       output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            sequence = generated.sequences  # [1, P + new_tokens]
+            # eager, teacher-forced: position P - 1 + s predicts generated token s
+            eager_logits = eager(sequence[:, :-1]).logits[0, prompt.shape[1] - 1:].float()
+    finally:
+        for handle in handles:
+            handle.remove()
+    # position t's routing agrees when every layer picked the same experts for it: [P + new_tokens - 1] bool
+    same = torch.stack([(torch.cat(ours_ids[name]) == eager_ids[name]).all(dim=-1) for name in ours_modules]).all(0)
+    logits_errors, routing_agreed = [], []
     for step, step_logits in enumerate(generated.logits):
         ours, truth = step_logits[0].float(), eager_logits[step]
         error = ((ours - truth).norm() / truth.norm()).item()
-        same = int(ours.argmax()) == int(truth.argmax())
+        agreed = bool(same[:prompt.shape[1] + step].all())
         print(f"rank {rank} step {step}: token {int(sequence[0, prompt.shape[1] + step]):5d}, logits error vs eager "
-              f"{error:.2e}, same argmax: {same}", flush=True)
-        errors.append(error)
-    return errors
+              f"{error:.2e}, routing {'agrees' if agreed else 'differs (near-tie)'}, same argmax: "
+              f"{int(ours.argmax()) == int(truth.argmax())}", flush=True)
+        logits_errors.append(error)
+        routing_agreed.append(agreed)
+    return dict(experts_errors=experts_errors, logits_errors=logits_errors, routing_agreed=routing_agreed)
 
 
 def _median_ms(fn, repeats: int, device: torch.device) -> float:
@@ -148,7 +197,8 @@ def time_implementations(model, names: list[str], args, device: torch.device, wo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="qwen3_moe", help="qwen3_moe (default), mixtral or olmoe")
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model dimensions")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help="model dimensions (default: small on GPUs, tiny on CPU)")
     parser.add_argument("--new-tokens", type=int, default=4, help="tokens each rank generates")
     parser.add_argument("--backend", default=None, help="ExpertParallelMoE backend of the checked run (default: weave "
                                                         "on GPUs, nccl on CPU)")
@@ -179,6 +229,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 
+    args.preset = args.preset or ("small" if on_gpu else "tiny")
     config = build_config(args.family, PRESETS[args.preset])
     spec = weave_moe.MoESpec.from_hf_config(config)
     checkpoint = shared_checkpoint_dir(rank, world_size, args.checkpoint_dir)
@@ -200,9 +251,14 @@ def main() -> None:
 
     generator = torch.Generator().manual_seed(100 + rank)
     prompt = torch.randint(1, config.vocab_size, (1, 5 + 3 * rank), generator=generator).to(device)
-    errors = check_generation(model, eager, prompt, args.new_tokens, rank)
-    worst = max(errors)
-    assert worst <= LOGITS_TOLERANCE, f"rank {rank}: logits error {worst:.2e} > {LOGITS_TOLERANCE:.0e}"
+    check = check_generation(model, eager, prompt, args.new_tokens, rank)
+    worst_experts = max(check["experts_errors"])
+    held = [error for error, agreed in zip(check["logits_errors"], check["routing_agreed"]) if agreed]
+    worst = max(held, default=0.0)
+    passed = worst_experts <= EXPERTS_TOLERANCE and worst <= LOGITS_TOLERANCE
+    summary = (f"rank {rank}: {len(check['experts_errors'])} experts calls, max error vs eager experts "
+               f"{worst_experts:.2e} (<= {EXPERTS_TOLERANCE:.0e}); {len(held)} of {len(check['logits_errors'])} steps "
+               f"with agreeing routing, max logits error {worst:.2e} (<= {LOGITS_TOLERANCE:.0e})")
     del eager
 
     if args.time_dir:
@@ -224,15 +280,15 @@ def main() -> None:
                           spec=spec.to_dict(), layers=config.num_hidden_layers, ep=world_size,
                           device=torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
                           torch=torch.__version__, transformers=transformers.__version__,
-                          max_logits_error_rank0=worst, time_batch=args.time_batch, time_prompt=args.time_prompt,
+                          check_rank0=check, check_passed_rank0=passed, time_batch=args.time_batch, time_prompt=args.time_prompt,
                           repeats=args.repeats, rows_per_rank=gathered)
             out_dir = Path(args.time_dir)
             out_dir.mkdir(parents=True, exist_ok=True)
             path = out_dir / f"hf_generate_{'gpu' if on_gpu else 'cpu'}_ep{world_size}.json"
             path.write_text(json.dumps(result, indent=1))
             print(f"wrote {path}", flush=True)
-    print(f"rank {rank}: {len(errors)} steps, max logits error vs eager {worst:.2e} <= {LOGITS_TOLERANCE:.0e}: OK",
-          flush=True)
+    print(summary + (": OK" if passed else ": FAILED"), flush=True)
+    assert passed, summary
     if world_size > 1:
         dist.barrier()
         dist.destroy_process_group()

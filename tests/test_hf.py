@@ -301,5 +301,5 @@ def test_hf_generate_example_on_two_gloo_ranks(tmp_path):
                              str(EXAMPLE), "--new-tokens", "3", "--checkpoint-dir", str(tmp_path)],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("same argmax") == 6, result.stdout  # 2 ranks x 3 steps, each checked
+    assert result.stdout.count("routing agrees") == 6, result.stdout  # 2 ranks x 3 steps, each held to the tolerance
     assert result.stdout.count(": OK") == 2, result.stdout
