@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -55,7 +56,9 @@ PRESETS = {
     # the smallest layer shape the weave backend's GPU tests cover (H=256, I=128)
     "small": dict(hidden=256, intermediate=128, experts=16, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=64,
                   vocab=512),
-    "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8, layers=4, heads=32, kv_heads=4,
+    # Qwen3-30B-A3B's layer shapes; 2 of its 48 layers (building, saving and loading 1.2B parameters twice takes
+    # about a minute of host time already)
+    "qwen3-30b-a3b": dict(hidden=2048, intermediate=768, experts=128, top_k=8, layers=2, heads=32, kv_heads=4,
                           head_dim=128, vocab=4096),
 }
 
@@ -64,10 +67,12 @@ def build_config(family: str, dims: dict):
     """A transformers config of `family` with the given dimensions (MoE in every layer)."""
     import transformers
 
+    # weights ~ N(0, 0.1^2) at the small sizes (experts matter: see the docstring), 2 / sqrt(H) beyond, so that
+    # activations do not grow layer over layer at H = 2048
     common = dict(vocab_size=dims["vocab"], hidden_size=dims["hidden"], num_hidden_layers=dims["layers"],
                   num_attention_heads=dims["heads"], num_key_value_heads=dims["kv_heads"], head_dim=dims["head_dim"],
-                  num_experts_per_tok=dims["top_k"], initializer_range=min(0.1, 2 / dims["hidden"] ** 0.5), tie_word_embeddings=False,
-                  max_position_embeddings=4096)
+                  num_experts_per_tok=dims["top_k"], initializer_range=min(0.1, 2 / dims["hidden"] ** 0.5),
+                  tie_word_embeddings=False, max_position_embeddings=4096)
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(num_experts=dims["experts"], moe_intermediate_size=dims["intermediate"],
                                            intermediate_size=2 * dims["intermediate"], norm_topk_prob=True, **common)
@@ -186,9 +191,11 @@ def time_implementations(model, names: list[str], args, device: torch.device, wo
             for _ in range(args.warmup):
                 decode()
             decode_ms = _median_ms(decode, args.repeats, device)
-        row = dict(implementation=name, prefill_ms=prefill_ms, prefill_tokens=args.time_batch * args.time_prompt,
-                   decode_ms=decode_ms, decode_tokens=args.time_batch, ep=world_size)
-        print(f"timing {name:>16}: prefill {prefill_ms:8.2f} ms ({row['prefill_tokens']} tokens), decode "
+        prefill_tokens = args.time_batch * args.time_prompt
+        row = dict(implementation=name, prefill_ms=prefill_ms, prefill_tokens=prefill_tokens,
+                   prefill_tokens_per_s=prefill_tokens / prefill_ms * 1e3, decode_ms=decode_ms,
+                   decode_tokens=args.time_batch, decode_tokens_per_s=args.time_batch / decode_ms * 1e3, ep=world_size)
+        print(f"timing {name:>16}: prefill {prefill_ms:8.2f} ms ({prefill_tokens} tokens), decode "
               f"{decode_ms:7.2f} ms/step ({args.time_batch} tokens)", flush=True)
         rows.append(row)
     return rows
@@ -276,11 +283,14 @@ def main() -> None:
         else:
             gathered = [rows]
         if rank == 0:
-            result = dict(example="examples/hf_generate.py", family=args.family, preset=args.preset,
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+            result = dict(example="examples/hf_generate.py", commit=commit, family=args.family, preset=args.preset,
                           spec=spec.to_dict(), layers=config.num_hidden_layers, ep=world_size,
                           device=torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
                           torch=torch.__version__, transformers=transformers.__version__,
-                          check_rank0=check, check_passed_rank0=passed, time_batch=args.time_batch, time_prompt=args.time_prompt,
+                          check_rank0=check, check_passed_rank0=passed, time_batch=args.time_batch,
+                          time_prompt=args.time_prompt,
                           repeats=args.repeats, rows_per_rank=gathered)
             out_dir = Path(args.time_dir)
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -288,10 +298,10 @@ def main() -> None:
             path.write_text(json.dumps(result, indent=1))
             print(f"wrote {path}", flush=True)
     print(summary + (": OK" if passed else ": FAILED"), flush=True)
-    assert passed, summary
-    if world_size > 1:
+    if world_size > 1:  # leave together, so that a failing rank does not leave its peer waiting in a collective
         dist.barrier()
         dist.destroy_process_group()
+    assert passed, summary
 
 
 if __name__ == "__main__":

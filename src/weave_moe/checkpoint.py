@@ -124,7 +124,8 @@ def load_rank_experts(checkpoint, prefix: str | list[str], spec: MoESpec, *, ran
             if f"{candidate}.gate_up_proj" in index:
                 w13, w2 = _read_fused(index, candidate, spec, first, num_local)
             elif f"{candidate}.0.gate_proj.weight" in index:
-                w13, w2 = _read_per_expert(index, candidate, spec, first, num_local, ("gate_proj", "up_proj", "down_proj"))
+                w13, w2 = _read_per_expert(index, candidate, spec, first, num_local,
+                                           ("gate_proj", "up_proj", "down_proj"))
             elif f"{candidate}.0.w1.weight" in index:
                 w13, w2 = _read_per_expert(index, candidate, spec, first, num_local, ("w1", "w3", "w2"))
             else:
@@ -165,9 +166,10 @@ def _read_fused(index, prefix, spec, first, num_local):
 def _read_per_expert(index, prefix, spec, first, num_local, names):
     E, H, I = spec.num_experts, spec.hidden_size, spec.intermediate_size
     gate_name, up_name, down_name = names
-    # The checkpoint must hold exactly E experts: the last one present, none past it.
-    if f"{prefix}.{E - 1}.{gate_name}.weight" not in index or f"{prefix}.{E}.{gate_name}.weight" in index:
-        present = sum(1 for j in range(4 * E) if f"{prefix}.{j}.{gate_name}.weight" in index)
+    present = 0  # experts 0, 1, ... present; the checkpoint must hold exactly E of them
+    while f"{prefix}.{present}.{gate_name}.weight" in index:
+        present += 1
+    if present != E:
         raise ValueError(f"checkpoint has {present} experts under {prefix!r}, expected num_experts={E} from the spec")
     w13 = torch.empty(num_local, 2 * I, H, dtype=torch.bfloat16)
     w2 = torch.empty(num_local, H, I, dtype=torch.bfloat16)

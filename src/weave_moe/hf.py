@@ -97,7 +97,7 @@ def experts_spec(module: torch.nn.Module) -> MoESpec:
         ("expert biases", module.has_bias), ("no gate projection", not module.has_gate),
         ("interleaved gate/up rows", not module.is_concatenated), ("transposed weights", module.is_transposed),
     ) if bad]
-    gate = type(module)._apply_gate
+    gate = getattr(module._apply_gate, "__func__", module._apply_gate)  # the function behind the bound method
     if (gate.__module__, gate.__name__) != ("transformers.integrations.moe", "_default_apply_gate"):
         misfits.append(f"its own gate function {gate.__qualname__} (e.g. a clamped SwiGLU)")
     from transformers.activations import SiLUActivation
@@ -184,7 +184,8 @@ class _Implementation:
         """transformers' experts call: hidden_states [T, H], top_k_index [T, k] int, top_k_weights [T, k] float."""
         if torch.is_grad_enabled() and (hidden_states.requires_grad or module.gate_up_proj.requires_grad):
             raise RuntimeError(f"experts_implementation={self.name!r} is inference only (no gradients flow through "
-                               f"it): run under torch.no_grad() / torch.inference_mode(), or model.requires_grad_(False)")
+                               f"it): run under torch.no_grad() / torch.inference_mode(), or "
+                               f"model.requires_grad_(False)")
         if not top_k_weights.is_floating_point():
             raise TypeError(f"top_k_weights must be a float tensor, got {top_k_weights.dtype}")
         device = hidden_states.device
@@ -193,7 +194,7 @@ class _Implementation:
         if self.loaded.get(key) is not local:
             layer.load_experts(local.w13, local.w2)
             self.loaded[key] = local
-        x = hidden_states.to(torch.bfloat16)
+        x = hidden_states.to(torch.bfloat16).contiguous()
         weights = top_k_weights.to(torch.float32)
         num_tokens, limit = x.shape[0], self.max_tokens_per_rank
         if num_tokens <= limit:
@@ -229,7 +230,7 @@ def register(name: str = "weave", *, backend: str | None = None,
     interface = _experts_interface()
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
-    if name == "eager" or (name in interface._global_mapping and name not in _IMPLEMENTATIONS):
+    if name == "eager" or (name in interface() and name not in _IMPLEMENTATIONS):
         raise ValueError(f"experts implementation {name!r} is transformers' own; choose another name")
     if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank <= 0:
         raise ValueError(f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
