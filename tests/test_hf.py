@@ -245,6 +245,21 @@ def test_reference_backend_gives_reference_moe_bitwise(num_tokens):
     assert torch.equal(ours, torch.cat(pieces))
 
 
+def test_new_weights_are_picked_up_after_the_first_call():
+    weave_hf.register("weave-test-reference", backend="reference", max_tokens_per_rank=16)
+    model = _model(_BY_NAME["Qwen3MoeConfig"], implementation="weave-test-reference")
+    _, module = _experts_modules(model)[0]
+    spec = weave_hf.experts_spec(module)
+    x = torch.randn(5, spec.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    ids, weights = _routing(5, spec, torch.bfloat16)
+    with torch.no_grad():
+        module(x, ids, weights)
+        module.down_proj.data = -module.down_proj.data  # new storage under the same Parameter
+        ours = module(x, ids, weights)
+        truth = reference_moe(x, ids, weights.float(), module.gate_up_proj, module.down_proj)
+    assert torch.equal(ours, truth)
+
+
 def test_fp32_model_gets_fp32_output_close_to_eager():
     weave_hf.register()
     model = _model(_BY_NAME["MixtralConfig"], dtype=torch.float32)

@@ -126,6 +126,11 @@ class _LocalExperts:
     world_size: int
     w13: torch.Tensor  # [E_local, 2I, H] bf16, gate rows then up rows
     w2: torch.Tensor  # [E_local, H, I] bf16
+    source: tuple[int, int]  # data_ptr of the module's gate_up_proj and down_proj when these were taken
+
+
+def _source(module: torch.nn.Module) -> tuple[int, int]:
+    return module.gate_up_proj.data_ptr(), module.down_proj.data_ptr()
 
 
 #: experts module -> its rank's experts (weak keys: a deleted model frees its entries)
@@ -135,7 +140,10 @@ _LOCAL: "weakref.WeakKeyDictionary[torch.nn.Module, _LocalExperts]" = weakref.We
 def _local_experts(module: torch.nn.Module, device: torch.device) -> _LocalExperts:
     rank, world_size = _ep_rank()
     local = _LOCAL.get(module)
-    if local is not None and (local.rank, local.world_size) == (rank, world_size) and local.w13.device == device:
+    # reused while the module's weights are the same tensors (new weights, a move or a cast make them new) and the
+    # EP group and device are the same
+    if (local is not None and (local.rank, local.world_size) == (rank, world_size) and local.w13.device == device
+            and local.source == _source(module)):
         return local
     spec = experts_spec(module)
     if spec.num_experts % world_size:
@@ -153,7 +161,7 @@ def _local_experts(module: torch.nn.Module, device: torch.device) -> _LocalExper
     # A view (no copy) when the model is bf16 on `device`: rows of the leading dimension stay contiguous.
     w13 = module.gate_up_proj.detach()[rows].to(device=device, dtype=torch.bfloat16).contiguous()
     w2 = module.down_proj.detach()[rows].to(device=device, dtype=torch.bfloat16).contiguous()
-    local = _LocalExperts(spec, rank, world_size, w13, w2)
+    local = _LocalExperts(spec, rank, world_size, w13, w2, _source(module))
     _LOCAL[module] = local
     return local
 
@@ -270,10 +278,10 @@ def load_local_experts(model: torch.nn.Module, checkpoint_dir, *, drop_full: boo
             device = module.gate_up_proj.device
             w13, w2 = load_rank_experts(index, experts_prefix_candidates(module_name), spec, rank=rank,
                                         world_size=world_size, device=device)
-            _LOCAL[module] = _LocalExperts(spec, rank, world_size, w13, w2)
             if drop_full:
                 module.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
                 module.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+            _LOCAL[module] = _LocalExperts(spec, rank, world_size, w13, w2, _source(module))
             count += 1
     if count == 0:
         raise ValueError(f"{type(model).__name__} has no transformers experts modules to load")
