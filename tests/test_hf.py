@@ -127,13 +127,18 @@ def test_experts_spec_rejects_a_module_that_does_not_fit(attribute, value, messa
         weave_hf.experts_spec(module)
 
 
-def test_experts_spec_rejects_gpt_oss_experts_module():
+def test_gpt_oss_experts_refuse_to_run_through_weave():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
+    weave_hf.register()
     config = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=8)
-    config._experts_implementation = "eager"
+    config._experts_implementation = "weave"
+    module = GptOssExperts(config)
     with pytest.raises(ValueError, match="does not fit"):
-        weave_hf.experts_spec(GptOssExperts(config))
+        weave_hf.experts_spec(module)
+    ids, weights = _routing(3, MoESpec(8, 2, 64, 32), torch.float32)
+    with torch.no_grad(), pytest.raises(ValueError, match="clamped SwiGLU"):
+        module(torch.randn(3, 64), ids, weights)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint loading
@@ -153,11 +158,12 @@ def _save_fused(model, directory: Path) -> None:
     ("MixtralConfig", "per_expert"),       # ... and Mixtral's block_sparse_moe.experts.{j}.w1/w3/w2
     ("Qwen3MoeConfig", "sharded"),         # several files + model.safetensors.index.json
     ("OlmoeConfig", "fused"),
+    ("OlmoeConfig", "fused_fp32"),         # converted to bf16 on reading
 ])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_load_rank_experts_is_the_rank_slice_bitwise(tmp_path, family_name, naming, world_size):
-    model = _model(_BY_NAME[family_name])
-    if naming == "fused":
+    model = _model(_BY_NAME[family_name], dtype=torch.float32 if naming == "fused_fp32" else torch.bfloat16)
+    if naming.startswith("fused"):
         _save_fused(model, tmp_path)
     else:
         model.save_pretrained(tmp_path, max_shard_size="40KB" if naming == "sharded" else "5GB")
@@ -170,8 +176,9 @@ def test_load_rank_experts_is_the_rank_slice_bitwise(tmp_path, family_name, nami
                 w13, w2 = load_rank_experts(index, experts_prefix_candidates(name), spec, rank=rank,
                                             world_size=world_size)
                 assert w13.dtype == w2.dtype == torch.bfloat16
-                assert torch.equal(w13, module.gate_up_proj.detach()[rank * rows:(rank + 1) * rows])
-                assert torch.equal(w2, module.down_proj.detach()[rank * rows:(rank + 1) * rows])
+                expected = [weight.detach()[rank * rows:(rank + 1) * rows].to(torch.bfloat16)
+                            for weight in (module.gate_up_proj, module.down_proj)]
+                assert torch.equal(w13, expected[0]) and torch.equal(w2, expected[1])
 
 
 def test_load_rank_experts_checks_shapes_counts_dtypes_and_names(tmp_path):
