@@ -221,6 +221,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is made here: never wait on the network
     import transformers
 
     import weave_moe.hf

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is built locally: never wait on the network
 transformers = pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("safetensors")
 
