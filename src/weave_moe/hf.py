@@ -17,7 +17,8 @@ its own copy of the rest of the model on its own tokens (data parallel), and the
 rank r computes experts [r * E_local, (r + 1) * E_local). Its experts come from the module's full weights (sliced on
 first use) or from a checkpoint through `load_local_experts`, which then drops the full copies. Every MoE layer is a
 collective: all ranks must run the same number of forward passes (in `generate`, the same number of new tokens, e.g.
-`min_new_tokens=max_new_tokens`; an early stop on one rank alone hangs the others until the backend's timeout).
+`min_new_tokens=max_new_tokens`; an early stop on one rank alone leaves the others waiting in a collective until
+the backend's or the process group's timeout).
 
 Backend: "weave" on CUDA devices, "nccl" elsewhere (it runs on the CPU with a gloo group, and at EP = 1 with none);
 `register(name, backend=...)` registers another name with a fixed backend (the example's timing uses that).
