@@ -62,13 +62,8 @@ def make_routing(case: Case, spec: MoESpec, rank: int, world_size: int, device):
     return ids.to(device), w.to(device)
 
 
-def _variants(names: list[str]):
-    for name in names:
-        backend, _, policy = name.partition(":")
-        yield name, backend, (policy or None)
-
-
-def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[str], extra: dict) -> list[dict]:
+def check_worker(rank: int, world_size: int, cases: list[Case], variants: list, extra: dict) -> list[dict]:
+    """One rank: every case x every variant (`weave_moe.bench.variants.Variant`) against the reference."""
     import torch.distributed as dist
 
     from weave_moe.layer import ExpertParallelMoE
@@ -102,7 +97,8 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
         x = torch.randn(T, spec.hidden_size, generator=torch.Generator(device).manual_seed(rank + 17 * case.seed),
                         device=device).to(torch.bfloat16)
         ref = reference_moe(x, ids, weights, w13, w2)
-        for name, backend, policy in _variants(variants):
+        for variant in variants:
+            name, backend, policy = variant.name, variant.backend, variant.policy
             options = dict(debug_poison=True) if backend == "weave" else {}
             kwargs = dict(policy=policy) if policy else {}
             row = dict(case=asdict(case), variant=name, rank=rank)
@@ -112,11 +108,10 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
                                           max_tokens_per_rank=max(max(case.tokens), 1), **kwargs, **options)
                 layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
                 out = layer(x, ids, weights)
-                if hasattr(layer.backend, "synchronize"):
-                    layer.backend.synchronize()
+                layer.backend.synchronize()
                 torch.cuda.synchronize()
                 rel, max_norm = moe_error(out, ref) if T else (0.0, 0.0)
-                plan = getattr(layer.backend, "last_plan", None)
+                plan = layer.backend.last_plan
                 row.update(rel_error=rel, max_error=max_norm, passed=bool(rel <= TOLERANCE),
                            plan=(dict(c=plan.c, K=plan.K, n_steal=plan.n_steal) if plan else None))
                 del layer, out
@@ -304,9 +299,9 @@ def main(argv=None) -> int:
     cases = cases[args.suite]
     extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids)
     start = time.time()
-    import re
+    from weave_moe.bench.variants import parse_variants
 
-    variants = re.split(r",(?=[a-z])", args.variants)  # "static:20,4" keeps its comma
+    variants = parse_variants(args.variants)  # "static:20,4" keeps its comma; a typo fails here, before any rank
     results = run_distributed(check_worker, args.nproc, cases, variants, extra, backend="nccl",
                               timeout_s=args.timeout)
     rows = [row for per_rank in results for row in per_rank]

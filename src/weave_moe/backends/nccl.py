@@ -93,6 +93,7 @@ class NcclBackend:
     """
 
     name = "nccl"
+    last_plan = None  # Backend protocol: no schedule plan
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", **options) -> None:
@@ -150,6 +151,11 @@ class NcclBackend:
             # Fallback: fp32 copies made once, so each call runs plain fp32 matmuls.
             self._w13_t = self._w13_t.float()
             self._w2_t = self._w2_t.float()
+
+    def synchronize(self) -> None:
+        """Backend protocol: wait for this rank's last call (no deferred errors here)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ------------------------------------------------------------------ forward
     # Budget per call at EP > 1 with grouped_mm. CUDA and the CPU run the same code; counted on the CPU as aten ops

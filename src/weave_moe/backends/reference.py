@@ -20,6 +20,7 @@ class ReferenceBackend:
     """Pure-torch backend (any device, any EP); see the module docstring."""
 
     name = "reference"
+    last_plan = None  # Backend protocol: no schedule plan
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", **options) -> None:
@@ -35,6 +36,11 @@ class ReferenceBackend:
             w13 = _all_gather_cat(w13.contiguous(), self.world_size, self.group)
             w2 = _all_gather_cat(w2.contiguous(), self.world_size, self.group)
         self.w13, self.w2 = w13, w2
+
+    def synchronize(self) -> None:
+        """Backend protocol: wait for this rank's last call (no deferred errors here)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 timings: dict | None = None) -> torch.Tensor:

@@ -64,7 +64,10 @@ def parse_variant(text: str) -> Variant:
             raise ValueError(f"variant {text!r}: only the weave backend takes a policy; use {backend!r} alone")
         return Variant(name=text, backend=backend)
     policy = policy or "weave"
-    parse_policy(policy)  # ValueError listing the valid policies
+    try:
+        parse_policy(policy)
+    except ValueError as error:  # its message lists the valid policies
+        raise ValueError(f"variant {text!r}: {error}") from None
     return Variant(name=text, backend=backend, policy=policy)
 
 
