@@ -468,7 +468,7 @@ def _problems(rows: list[dict]) -> list[str]:
         lines += ["", "## Failed checks", ""]
         for row in failed_checks:
             lines.append(f"- {row['model']} {row['tokens_per_rank']} {row['routing']} / {row['variant']}: "
-                         f"rel error {row['rel_error']:.3e}")
+                         f"rel error {_fmt(row.get('rel_error'), '.3e')}")
     return lines
 
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weave_moe.plan.calibrate import WEAVE_POLICIES  # the weave policies of the default comparison
+
 __all__ = ["Variant", "parse_variant", "parse_variants", "BASELINES", "WEAVE_POLICIES", "default_variants"]
 
 #: The baselines a user would run instead of weave, in report order. The best of them (per configuration) is what the
 #: report ranks every variant against.
 BASELINES = ("nccl", "symm", "deepep")
 
-#: The weave policies of the default comparison (the full schedule and its ablations).
-WEAVE_POLICIES = ("serial", "static:20", "per_iteration", "spatial", "weave")
 
 
 @dataclass(frozen=True)
