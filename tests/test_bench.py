@@ -175,8 +175,10 @@ def _rows():
                  _row("m", tokens, "uniform", "symm", symm, check_passed=symm_check),
                  _row("m", tokens, "uniform", "deepep", None, skipped=skip),
                  _row("m", tokens, "uniform", "weave", weave, check_passed=True)]
-    rows += [_row("m", 4096, "uniform", "nccl", 8.0, floor_ms=4.0), _row("m", 4096, "uniform", "symm", None, error="boom"),
-             _row("m", 4096, "uniform", "deepep", None, skipped=skip), _row("m", 4096, "uniform", "weave", 12.0, floor_ms=4.0)]
+    rows += [_row("m", 4096, "uniform", "nccl", 8.0, floor_ms=4.0),
+             _row("m", 4096, "uniform", "symm", None, error="boom"),
+             _row("m", 4096, "uniform", "deepep", None, skipped=skip),
+             _row("m", 4096, "uniform", "weave", 12.0, floor_ms=4.0)]
     return rows
 
 
@@ -184,7 +186,8 @@ def test_best_baseline_skips_skipped_failed_and_wrong_backends():
     rows = _rows()
     report.add_rankings(rows)
     weave = {r["tokens_per_rank"]: r for r in rows if r["variant"] == "weave"}
-    assert (weave[128]["best_baseline"], weave[128]["best_baseline_ms"], weave[128]["x_best_baseline"]) == ("symm", 2.0, 0.5)
+    best = weave[128]
+    assert (best["best_baseline"], best["best_baseline_ms"], best["x_best_baseline"]) == ("symm", 2.0, 0.5)
     assert (weave[512]["best_baseline"], weave[512]["x_best_baseline"]) == ("nccl", 0.5)  # symm failed its check
     assert (weave[4096]["best_baseline"], weave[4096]["x_best_baseline"]) == ("nccl", 1.5)
     assert weave[128]["x_nccl"] == 0.25 and weave[128]["x_symm"] == 0.5 and weave[128]["x_deepep"] is None
@@ -509,7 +512,8 @@ def test_warm_up_records_each_sets_plan():
         def __call__(self, x, ids, weights):
             self.backend.last_plan = Plan(c=x, K=2, n_steal=3, predicted_us=10.0 * x, policy="weave")
 
-    plans = _warm_up(Layer(), [(20, None, None), (24, None, None), (28, None, None)], warmup=1)  # fewer warm-up calls than sets: every set still seen
+    # fewer warm-up calls than sets: every set is still seen
+    plans = _warm_up(Layer(), [(20, None, None), (24, None, None), (28, None, None)], warmup=1)
     assert [p["c"] for p in plans] == [20, 24, 28] and plans[1]["predicted_us"] == 240.0
     assert _gather_plans(plans, 1)[2] == [plans[2]]
 

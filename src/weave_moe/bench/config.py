@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from weave_moe.bench.floor import FloorConstants
 from weave_moe.bench.variants import Variant, default_variants, parse_variants
 from weave_moe.models import MoESpec
+from weave_moe.reference import DEFAULT_TOLERANCE
 
 __all__ = ["BenchConfig", "config_to_dict", "emulated_spec"]
 
@@ -56,7 +57,7 @@ class BenchConfig:
     rotate: int = 4
     check: bool = False
     check_rows: int = 256
-    tolerance: float = 1e-2
+    tolerance: float = DEFAULT_TOLERANCE
     seed: int = 0
     floor: FloorConstants = field(default_factory=FloorConstants)
     out_dir: str = "bench/results"

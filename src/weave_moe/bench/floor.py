@@ -79,8 +79,8 @@ class FloorConstants:
 
     def __post_init__(self) -> None:
         if self.gemm_tflops <= 0 or self.peer_gbps <= 0 or self.hbm_gbps <= 0:
-            raise ValueError(f"FloorConstants rates must be > 0, got {self.gemm_tflops} TFLOP/s, {self.peer_gbps} GB/s, "
-                             f"{self.hbm_gbps} GB/s HBM")
+            raise ValueError(f"FloorConstants rates must be > 0, got {self.gemm_tflops} TFLOP/s, "
+                             f"{self.peer_gbps} GB/s, {self.hbm_gbps} GB/s HBM")
 
     @classmethod
     def from_profile(cls, profile) -> "FloorConstants":
@@ -215,7 +215,8 @@ def layer_floor(traffic: RankTraffic, hidden_size: int, intermediate_size: int,
     comm_s = np.maximum(sent, received) / (constants.peer_gbps * 1e9)
     weights_s = np.zeros_like(compute_s)
     if traffic.experts_hit is not None:
-        weight_bytes = traffic.experts_hit.astype(np.float64) * 3.0 * hidden_size * intermediate_size * BYTES_PER_ELEMENT
+        bytes_per_expert = 3.0 * hidden_size * intermediate_size * BYTES_PER_ELEMENT  # w13 [2I, H] + w2 [H, I]
+        weight_bytes = traffic.experts_hit.astype(np.float64) * bytes_per_expert
         weights_s = weight_bytes / (constants.hbm_gbps * 1e9)
     terms = np.stack([compute_s, comm_s, weights_s])  # [3, EP]: the order of FLOOR_TERMS
     per_rank = terms.max(axis=0)

@@ -159,7 +159,8 @@ def _refuse_early(config: BenchConfig, world_size: int, use_cuda: bool, num_gpus
                            f"ranks (drop --nproc, or run without --emulate-ep for a real EP={world_size} run)")
     if use_cuda and not under_torchrun and world_size > num_gpus:
         raise BenchRefused(f"--nproc {world_size} needs {world_size} GPUs, found {num_gpus} (--device cpu runs gloo "
-                           f"ranks; --emulate-ep {world_size} measures the per-rank work of EP={world_size} on one GPU)")
+                           f"ranks; --emulate-ep {world_size} measures the per-rank work of EP={world_size} on one "
+                           f"GPU)")
     for spec in config.models:
         if spec.num_experts % world_size:
             raise BenchRefused(f"{spec.name}: E={spec.num_experts} is not divisible by EP={world_size}")

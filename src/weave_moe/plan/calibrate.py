@@ -25,10 +25,11 @@ What is fitted (everything else is copied from `base`):
   rank 1, ... (APPROXIMATION: equal rows per destination, true for uniform routing at EP = 2, where ~99.6 % of tokens
   hit both ranks; tasks within 2 % of a boundary are dropped). Remote tasks (destination != rank) give NVLink GB/s
   = c * rows * 2H / median duration; local tasks give the local copy rate counting read + write bytes
-  (2 * rows * 2H, the `local_gbps` convention). Both peers write at once, as in the profile's measured peer-write table, but one rank's
-  local phase overlaps the other's remote phase, so remote rates are of mixed traffic. Measured points at the c of
-  each run are turned into a ratio to the base curve there; the fitted curve is the base curve times the
-  interpolated ratio (clamped at the ends), so the base curve's shape (the 32-CTA dip) is kept between points.
+  (2 * rows * 2H, the `local_gbps` convention). Both peers write at once, as in the measured peer-write table of the
+  default profile, but one rank's local phase overlaps the other's remote phase, so remote rates are of mixed
+  traffic. Measured points at the c of each run are turned into a ratio to the base curve there; the fitted curve is
+  the base curve times the interpolated ratio (clamped at the ends), so the base curve's shape (the 32-CTA dip) is
+  kept between points.
 * Combine is reported (per-task medians and implied rates) but not fitted: a combine task also reads the GEMM rows
   of its tokens (assumption A3), so its bytes are not separable from one event.
 * launch_us, flag_round_trip_us, role_switch_us: not separable from these timelines (times are relative to the first
