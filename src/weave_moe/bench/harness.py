@@ -272,7 +272,8 @@ class _Outcome:
 def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.device) -> list[dict]:
     """This rank's part of the benchmark; returns the rows on rank 0 (an empty list elsewhere).
 
-    Rank 0 rewrites the result files after each variant, so a run cut short keeps what it measured.
+    Rank 0 rewrites the JSON and CSV after each variant, so a run cut short keeps what it measured; the markdown and
+    the pictures come at the end (or from the launcher, after a rank died).
     """
     from weave_moe.testing import make_experts
 
@@ -319,9 +320,8 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
                 report.write_tables(rows, config, partial=True, world_size=world_size, attention=attention_rows)
         del w13, w2, inputs
         _free(device)
-        if rank == 0:
-            report.write_all(rows, config, partial=model_index + 1 < len(config.models), world_size=world_size,
-                             attention=attention_rows)
+        if rank == 0 and model_index + 1 == len(config.models):  # the pictures once, at the end (or after a crash)
+            report.write_all(rows, config, partial=False, world_size=world_size, attention=attention_rows)
     if progress is not None:
         progress.close()
     return rows

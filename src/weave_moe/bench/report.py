@@ -365,9 +365,11 @@ def markdown(rows: list[dict], metadata: dict, paths: dict | None = None, attent
             lines.append(f"- {label}: `{value}`")
     floor = metadata.get("floor_constants")
     if floor:
+        # results written before the weights term joined the floor have no HBM rate
+        weights = (f", hit experts' weights read once at {floor['hbm_gbps']:g} GB/s HBM" if floor.get("hbm_gbps")
+                   else "")
         lines.append(f"- floor = max(FLOPs at {floor['gemm_tflops']:g} TFLOP/s, deduplicated NVLink bytes at "
-                     f"{floor['peer_gbps']:g} GB/s per direction, hit experts' weights read once at "
-                     f"{floor.get('hbm_gbps', 0):g} GB/s HBM) ({floor['source']})")
+                     f"{floor['peer_gbps']:g} GB/s per direction{weights}) ({floor['source']})")
     if any(r.get("lib_compute_ms") for r in rows):
         lines.append("- lib compute: `torch._grouped_mm` GEMM0 + SiLU-mul + GEMM1 on the same per-rank groups, no "
                      "communication, in a CUDA graph on GPUs, median (docs/benchmarking.md)")
