@@ -328,6 +328,24 @@ def test_help_works(capsys):
     assert "--emulate-ep" in capsys.readouterr().out
 
 
+def test_build_outcome_skipped_or_failed():
+    """A backend that cannot be constructed here (RuntimeError / ImportError) is skipped; a bad option fails."""
+    from weave_moe.bench.harness import _build_layer
+
+    spec = MoESpec(8, 2, 64, 32)
+    config = BenchConfig(models=(spec,), tokens=(8,))
+    w13, w2 = torch.zeros(8, 64, 64, dtype=torch.bfloat16), torch.zeros(8, 64, 32, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    built = _build_layer(spec, parse_variant("nccl"), config, cpu, w13, w2)
+    assert built.layer is not None and built.error is None and built.skipped is None
+    weave = _build_layer(spec, parse_variant("weave:serial"), config, cpu, w13, w2)  # CUDA only
+    assert weave.layer is None and weave.error is None and "CUDA" in weave.skipped
+    wrong = _build_layer(spec, Variant("nccl:serial", "nccl", "serial"), config, cpu, w13, w2)
+    assert wrong.layer is None and wrong.skipped is None and "ValueError" in wrong.error
+    bad_weights = _build_layer(spec, parse_variant("nccl"), config, cpu, w13[:2], w2)
+    assert bad_weights.skipped is None and "w13" in bad_weights.error
+
+
 def test_process_groups_put_own_process_backends_last():
     from weave_moe.bench.harness import process_groups
 

@@ -458,6 +458,8 @@ def _build_layer(spec, variant, config, device, w13, w2) -> _Outcome:
             options["policy"] = variant.policy
         try:
             layer = ExpertParallelMoE(spec, **options)
+        except torch.OutOfMemoryError:  # a RuntimeError too, but a failure of the run, not a missing feature
+            raise
         except (ImportError, RuntimeError) as exc:  # the backend's software or hardware is not on this machine
             skipped = _describe(exc)
         if layer is not None:
