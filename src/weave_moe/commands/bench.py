@@ -91,8 +91,19 @@ def parse_models(models: str | None, model_dims: list[str]):
     return tuple(specs)
 
 
+class _ArgumentError(ValueError):
+    """A command-line value that cannot be used (its message names it and what is allowed)."""
+
+
 def build_config(args, argv: list[str] | None = None):
-    """A BenchConfig from parsed arguments (metadata included)."""
+    """A BenchConfig from parsed arguments (metadata included); _ArgumentError for a value that cannot be used."""
+    try:
+        return _build_config(args, argv)
+    except (ValueError, KeyError) as error:
+        raise _ArgumentError(error.args[0] if error.args else str(error)) from error
+
+
+def _build_config(args, argv: list[str] | None):
     import datetime
 
     from weave_moe.bench.config import BenchConfig
@@ -153,10 +164,10 @@ def run(args) -> int:
 
     from weave_moe.bench.harness import BenchRefused, launch
 
-    try:
+    try:  # bad arguments (unknown model or variant, ...) and refusals end here, before any rank starts
         config = build_config(args, sys.argv if "bench" in sys.argv[1:2] else _equivalent_argv(args))
         rows = launch(config, nproc=args.nproc, device=args.device)
-    except (BenchRefused, ValueError, KeyError) as error:
+    except (BenchRefused, _ArgumentError) as error:
         print(f"weave-moe bench: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
     if not rows:  # a torchrun rank other than 0
