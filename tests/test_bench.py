@@ -328,6 +328,18 @@ def test_help_works(capsys):
     assert "--emulate-ep" in capsys.readouterr().out
 
 
+def test_python_dash_m_bench_help():
+    import os
+    import subprocess
+    import sys
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "weave_moe.bench", "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and "--emulate-ep" in done.stdout
+
+
 def test_build_outcome_skipped_or_failed():
     """A backend that cannot be constructed here (RuntimeError / ImportError) is skipped; a bad option fails."""
     from weave_moe.bench.harness import _build_layer
