@@ -36,11 +36,11 @@ for stage in "$@"; do
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 -m weave_moe.validate --suite quick --variants weave:serial,weave:static:20,4,weave --out "$W/validate-ab-$cfg.json" --timeout 190 2>&1 | tail -1
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout 250 python3 -m weave_moe.cli bench --models "${AB_MODELS:-qwen3-30b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens 2048,8192 --routing uniform --variants nccl,weave:serial,weave --iters 10 --no-breakdown --no-progress --name "ab-$cfg" --out "$W" --timeout 240 2>&1 | tail -4
         done;;
-    profile) # where a call's time goes: torch.profiler CUDA/CPU tables + host step times, default (compiled) vs eager layout
+    profile) # where a call's time goes: torch.profiler CUDA/CPU tables + per-step times, default (compiled) vs eager layout
         for cfg in none compile_layout=0; do
           kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
-          WEAVE_MOE_HOST_TIMING=1 WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 scripts/profile_layer.py --model qwen3-30b-a3b --tokens 2048 --variants weave:serial,nccl --rows 40 > "$W/profile-$cfg.txt" 2>&1
-          grep -E "^#####|host ms per call" "$W/profile-$cfg.txt" | cut -c1-300
+          WEAVE_MOE_KERNEL_CONFIG=$kc timeout 200 python3 scripts/profile_layer.py --model qwen3-30b-a3b --tokens 2048 --variants weave:serial,nccl --rows 40 > "$W/profile-$cfg.txt" 2>&1
+          grep -E "^#####|ms per call by step" "$W/profile-$cfg.txt" | cut -c1-300
         done;;
     *) echo "unknown stage $stage";;
   esac

@@ -1,6 +1,10 @@
 """Profile one layer call per variant on 2 GPUs (torch.profiler, rank 0): where does the time go?
 
 python scripts/profile_layer.py --model qwen3-30b-a3b --tokens 2048 --variants nccl,weave,weave:serial
+
+Per variant: host-return and synchronised milliseconds of 10 single calls, the per-step milliseconds the backend
+reports through `layer(..., timings=)` (mean of 10 more calls; for weave the host steps), and torch.profiler's CUDA
+and CPU tables of 3 more calls. The `profile` stage of scripts/device_run.sh runs it.
 """
 
 import argparse
@@ -38,16 +42,21 @@ def worker(rank, world_size, model, tokens, variants, rows):
             layer(x, ids, w)
         torch.cuda.synchronize()
         dist.barrier()
-        if getattr(layer.backend, "host_ms", None) is not None:
-            layer.backend.host_ms.clear()  # keep warm-up (compile, graph capture, NCCL init) out of the figures
-        times = []
-        for _ in range(10):
+        times, steps, calls = [], {}, 10  # warm-up (compile, graph capture, NCCL init) stays out of both
+        for _ in range(calls):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             layer(x, ids, w)
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             times.append(((t1 - t0) * 1e3, (time.perf_counter() - t0) * 1e3))
+        # Separate calls for the per-step figures: a backend may time its steps with events it waits for.
+        for _ in range(calls):
+            timings = {}
+            layer(x, ids, w, timings=timings)
+            torch.cuda.synchronize()
+            for name, ms in timings.items():
+                steps[name] = steps.get(name, 0.0) + ms
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
@@ -55,10 +64,8 @@ def worker(rank, world_size, model, tokens, variants, rows):
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
         cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
-        host_ms = getattr(layer.backend, "host_ms", None)
-        if host_ms:
-            calls = 13
-            table = "host ms per call: " + ", ".join(f"{k}={v / calls:.3f}" for k, v in host_ms.items()) + "\n" + table
+        if steps:
+            table = "ms per call by step: " + ", ".join(f"{k}={v / calls:.3f}" for k, v in steps.items()) + "\n" + table
         report.append((variant, times, table, cpu_table))
         del layer
         dist.barrier()

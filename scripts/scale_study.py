@@ -8,8 +8,8 @@
 Prints markdown tables (pasted into docs/scale-study.md) and writes the raw rows as JSON (--json).
 Routing: `weave_moe.routing.uniform` / `skewed` (skew = busiest-expert / mean count), rank r of layer L drawn with
 seed 1000 * L + r. Hardware: `--profile NAME`, a profile shipped in weave_moe/plan/profiles/ (`load_named(NAME)`),
-used by the planner and the simulator alike. The default is the uncalibrated shared/PLATFORM.md profile
-"h200_default", with which the study in docs/scale-study.md was made; "h200_measured" is the calibrated
+used by the planner and the simulator alike. The default is the uncalibrated profile "h200_default"
+(figures of docs/platform.md), with which the study in docs/scale-study.md was made; "h200_measured" is the calibrated
 `HardwareProfile.default()`, whose section of the doc was made with `--profile h200_measured`.
 
 A profile's call_overhead_us (host work per call that the GPU waits for) is in every prediction but not in the

@@ -1,6 +1,8 @@
-"""The benchmark harness: floor arithmetic by hand, result files of a tiny end-to-end run, failures recorded.
+"""The benchmark harness: floor arithmetic by hand, variant names, the ranking against the best baseline, the
+emulated-EP shape, the CPU refusal, exit codes, result names that never overwrite, and the result files of tiny
+end-to-end runs (gloo ranks: a skipped backend, an own-process backend, --emulate-ep).
 
-Tests never judge times; the end-to-end run checks that the files and columns exist and that the check passes.
+Tests never judge times; the end-to-end runs check that the files and columns exist and that the check passes.
 """
 
 import csv
@@ -13,9 +15,12 @@ import pytest
 import torch
 
 from weave_moe.bench import report
+from weave_moe.bench.config import BenchConfig, emulated_spec
 from weave_moe.bench.floor import FloorConstants, layer_floor, rank_traffic
-from weave_moe.bench.harness import parse_variant
-from weave_moe.commands.bench import _split_variants, parse_models
+from weave_moe.bench.variants import Variant, parse_variant, parse_variants
+from weave_moe.cli import main
+from weave_moe.commands.bench import parse_models
+from weave_moe.models import MoESpec
 
 # E = 4 experts on EP = 2 ranks: rank 0 owns experts {0, 1}, rank 1 owns {2, 3}. -1 = no expert.
 IDS_RANK0 = [[0, 1], [0, 2], [3, -1]]
@@ -60,14 +65,17 @@ def test_layer_floor_by_hand():
     assert (floor.floor_s, floor.bound, floor.slowest_rank) == (pytest.approx(6.0), "comm", 0)
 
 
-def test_weights_bound_by_hand():
+def test_weights_term_is_part_of_the_floor():
     # Experts hit: rank 0 {0, 1} (both), rank 1 {2, 3} (both); a third layout leaves expert 1 unused.
     traffic = rank_traffic([np.array(IDS_RANK0), np.array(IDS_RANK1)], num_experts=4)
     assert traffic.experts_hit.tolist() == [2, 2]
-    # 3 * H * I * 2 B = 300 B per expert; 1e-7 GB/s = 100 B/s -> 6 s per rank; not part of the floor.
+    # 3 * H * I * 2 B = 300 B per expert; 1e-7 GB/s = 100 B/s -> 6 s per rank, above compute (1.5 s) and comm (0.6 s)
     floor = layer_floor(traffic, HIDDEN, INTERMEDIATE, FloorConstants(gemm_tflops=1e-9, peer_gbps=1e-7, hbm_gbps=1e-7))
     assert floor.weights_s == pytest.approx([6.0, 6.0]) and floor.weights_floor_s == pytest.approx(6.0)
-    assert floor.floor_s == pytest.approx(1.5)
+    assert (floor.floor_s, floor.bound, floor.slowest_rank) == (pytest.approx(6.0), "weights", 0)
+    # a fast HBM: the weights term no longer binds, the floor is the compute term again
+    fast = layer_floor(traffic, HIDDEN, INTERMEDIATE, FloorConstants(gemm_tflops=1e-9, peer_gbps=1e-7, hbm_gbps=1.0))
+    assert (fast.floor_s, fast.bound) == (pytest.approx(1.5), "compute")
     sparse = rank_traffic([np.array([[0, 2], [0, -1]]), np.array([[3, 0]])], num_experts=4)
     assert sparse.experts_hit.tolist() == [1, 2]
     # ids outside [0, E) are not experts (the layer rejects them; the floor must not crash on -1 padding)
@@ -81,18 +89,23 @@ def test_single_rank_has_no_nvlink_bytes():
 
 
 def test_floor_constants_from_profile():
-    assert FloorConstants.from_profile(SimpleNamespace()) == FloorConstants()
-    constants = FloorConstants.from_profile(SimpleNamespace(name="h200", gemm_peak_tflops=650.0))
-    assert (constants.gemm_tflops, constants.peer_gbps) == (650.0, FloorConstants().peer_gbps)
-    assert "profile h200" in constants.source
+    import dataclasses
+
+    from weave_moe.plan import HardwareProfile
+
+    profile = HardwareProfile.default()
+    constants = FloorConstants.from_profile(profile)
+    assert constants.gemm_tflops == max(profile.gemm_tflops) and constants.peer_gbps == max(profile.comm_gbps)
+    assert constants.hbm_gbps == profile.hbm_read_gbps == 4240.0 and profile.name in constants.source
+    # a profile written before hbm_read_gbps existed loads with 0 and falls back to the default rate
+    old = HardwareProfile.from_dict({k: v for k, v in profile.to_dict().items() if k != "hbm_read_gbps"})
+    assert old.hbm_read_gbps == 0.0
+    assert FloorConstants.from_profile(old).hbm_gbps == FloorConstants().hbm_gbps
+    assert FloorConstants.from_profile(dataclasses.replace(profile, hbm_read_gbps=3000.0)).hbm_gbps == 3000.0
     with pytest.raises(ValueError):
         FloorConstants(gemm_tflops=0.0)
-
-
-def test_floor_constants_take_the_peak_of_a_profile_curve():
-    profile = SimpleNamespace(name="curves", gemm_tflops=(100.0, 700.0, 650.0), comm_gbps=(20.0, 350.0))
-    constants = FloorConstants.from_profile(profile)
-    assert (constants.gemm_tflops, constants.peer_gbps) == (700.0, 350.0)
+    with pytest.raises(ValueError, match="hbm_read_gbps"):
+        dataclasses.replace(profile, hbm_read_gbps=-1.0)
 
 
 def test_stage_breakdown_is_median_over_sets_of_max_over_ranks():
@@ -112,11 +125,24 @@ def test_stage_breakdown_is_median_over_sets_of_max_over_ranks():
 
 
 def test_variant_names():
-    assert parse_variant("nccl") == parse_variant("nccl")
-    assert (parse_variant("nccl").backend, parse_variant("nccl").policy) == ("nccl", None)
-    assert parse_variant("weave").policy == "weave"
+    assert parse_variant("nccl") == Variant("nccl", "nccl", None)
+    assert parse_variant("weave") == Variant("weave", "weave", "weave")
     assert parse_variant("weave:static:20").policy == "static:20"
-    assert _split_variants("nccl,weave:static:20,4,weave") == ["nccl", "weave:static:20,4", "weave"]
+    assert [v.name for v in parse_variants("nccl, weave:static:20,4,weave")] == ["nccl", "weave:static:20,4", "weave"]
+    assert parse_variants("weave:static:20,4")[0].policy == "static:20,4"
+    for bad, message in (("ncl", "unknown backend 'ncl'"), ("nccl:serial", "only the weave backend"),
+                         ("weave:statc:2", "valid policies"), ("nccl,nccl", "given twice"), (" , ", "no variant")):
+        with pytest.raises(ValueError, match=message):
+            parse_variants(bad)
+
+
+def test_validate_uses_the_same_parser():
+    import inspect
+
+    from weave_moe import validate
+
+    source = inspect.getsource(validate.main)
+    assert "parse_variants(args.variants)" in source and "re.split" not in source
 
 
 def test_model_arguments():
@@ -128,41 +154,275 @@ def test_model_arguments():
         parse_models(None, ["8,2,64"])
 
 
-def _row(model, tokens, routing, variant, median_ms, error=""):
-    return dict(model=model, tokens_per_rank=tokens, routing=routing, variant=variant, median_ms=median_ms,
-                error=error, floor_ms=0.5, x_floor=median_ms / 0.5 if median_ms else None, check_passed=None)
+# --------------------------------------------------------------------------------------------------------------------
+# ranking against the best baseline (synthetic rows)
 
 
-def test_speedups_and_geomean():
-    rows = [_row("m", 1, "uniform", "nccl", 2.0), _row("m", 1, "uniform", "weave", 1.0),
-            _row("m", 2, "uniform", "nccl", 8.0), _row("m", 2, "uniform", "weave", 1.0),
-            _row("m", 2, "skewed", "weave", None, error="boom")]
-    report.add_speedups(rows)
-    assert [r["speedup_vs_nccl"] for r in rows] == [1.0, 2.0, 1.0, 8.0, None]
-    (nccl, weave) = report.summary(rows)
-    assert weave["speedup"] == pytest.approx(4.0) and weave["failed"] == 1
+def _row(model, tokens, routing, variant, median_ms, error="", skipped="", check_passed=None, floor_ms=0.5):
+    return dict(model=model, tokens_per_rank=tokens, routing=routing, variant=variant,
+                backend=variant.partition(":")[0], median_ms=None if error or skipped else median_ms, error=error,
+                skipped=skipped, floor_ms=floor_ms, x_floor=median_ms / floor_ms if median_ms else None,
+                check_passed=check_passed, lib_compute_ms=None)
+
+
+def _rows():
+    """Two token bands. At 128: nccl 4, symm 2 (best), deepep skipped, weave 1. At 512: symm failed its check, so
+    nccl 3 is the best though symm's time is lower. At 4096: only nccl ran (symm errored); weave 12 vs nccl 8."""
+    skip = "ImportError: no deep_ep"
+    rows = []
+    for tokens, nccl, symm, weave, symm_check in ((128, 4.0, 2.0, 1.0, True), (512, 3.0, 1.0, 1.5, False)):
+        rows += [_row("m", tokens, "uniform", "nccl", nccl, check_passed=True),
+                 _row("m", tokens, "uniform", "symm", symm, check_passed=symm_check),
+                 _row("m", tokens, "uniform", "deepep", None, skipped=skip),
+                 _row("m", tokens, "uniform", "weave", weave, check_passed=True)]
+    rows += [_row("m", 4096, "uniform", "nccl", 8.0, floor_ms=4.0),
+             _row("m", 4096, "uniform", "symm", None, error="boom"),
+             _row("m", 4096, "uniform", "deepep", None, skipped=skip),
+             _row("m", 4096, "uniform", "weave", 12.0, floor_ms=4.0)]
+    return rows
+
+
+def test_best_baseline_skips_skipped_failed_and_wrong_backends():
+    rows = _rows()
+    report.add_rankings(rows)
+    weave = {r["tokens_per_rank"]: r for r in rows if r["variant"] == "weave"}
+    best = weave[128]
+    assert (best["best_baseline"], best["best_baseline_ms"], best["x_best_baseline"]) == ("symm", 2.0, 0.5)
+    assert (weave[512]["best_baseline"], weave[512]["x_best_baseline"]) == ("nccl", 0.5)  # symm failed its check
+    assert (weave[4096]["best_baseline"], weave[4096]["x_best_baseline"]) == ("nccl", 1.5)
+    assert weave[128]["x_nccl"] == 0.25 and weave[128]["x_symm"] == 0.5 and weave[128]["x_deepep"] is None
+    assert weave[512]["x_symm"] is None  # a baseline that failed its check is no reference for anyone
+    skipped = next(r for r in rows if r["variant"] == "deepep")
+    assert skipped["x_best_baseline"] is None and skipped["best_baseline"] == "symm"
+    # a configuration with no baseline at all: no best baseline, no ratio
+    lonely = [_row("m", 1, "skewed", "weave:serial", 1.0)]
+    report.add_rankings(lonely)
+    assert lonely[0]["best_baseline"] is None and lonely[0]["x_best_baseline"] is None
+
+
+def test_summary_geomeans_per_token_band():
+    rows = _rows()
+    assert report.token_bands(rows) == [("128-512", 128, 512), ("4096", 4096, 4096)]
+    table = {(s["tokens"], s["variant"]): s for s in report.summary(rows)}
+    small, large = table["128-512", "weave"], table["4096", "weave"]
+    assert small["x_best_baseline"] == pytest.approx(0.5)  # geomean(0.5, 0.5)
+    assert small["x_nccl"] == pytest.approx(math.sqrt(0.25 * 0.5))
+    assert small["x_symm"] == pytest.approx(0.5) and small["x_deepep"] is None  # only the 128 config has symm
+    assert small["x_floor"] == pytest.approx(math.sqrt(2.0 * 3.0))
+    assert (large["x_best_baseline"], large["x_floor"]) == (pytest.approx(1.5), pytest.approx(3.0))
+    assert (small["configs"], small["failed"], small["skipped"], small["checks"]) == (2, 0, 0, "2/2")
+    deepep = table["128-512", "deepep"]
+    assert (deepep["skipped"], deepep["failed"], deepep["x_best_baseline"]) == (2, 0, None)
+    assert table["4096", "symm"]["failed"] == 1
     assert report.geomean([None, 0.0, math.inf]) is None
-    text = report.markdown(rows, {"name": "t"})
-    assert "**geomean**" in text and "**4.00**" in text and "boom" in text
+
+
+def test_markdown_and_csv_columns(tmp_path):
+    rows = _rows()
+    text = report.markdown(rows, {"name": "t", "emulate_ep": 2})
+    assert text.startswith("# Benchmark t (emulated EP=2 on one GPU)")
+    assert "### 128-512 tokens per rank" in text and "### 4096 tokens per rank" in text
+    assert "| variant | configs | failed | skipped | checks | x best baseline | x nccl | x symm | x floor |" in text
+    assert "**geomean 128-512**" in text and "symm 2 |" in text and "boom" in text and "no deep_ep" in text
+    assert "## Failed checks" in text
+    path = tmp_path / "rows.csv"
+    report.add_rankings(rows)
+    report.write_csv(rows, str(path))
+    with open(path) as handle:
+        header = next(csv.reader(handle))
+    for column in ("best_baseline", "best_baseline_ms", "x_best_baseline", "x_floor", "lib_compute_ms", "x_nccl",
+                   "x_symm", "x_deepep", "skipped", "emulate_ep", "floor_weights_ms"):
+        assert column in header, column
+
+
+def test_failed_rows_and_exit_code(monkeypatch, tmp_path, capsys):
+    rows = _rows()
+    report.add_rankings(rows)
+    failed = report.failed_rows(rows)
+    # symm at 512 failed its check, symm at 4096 raised; the skipped deepep rows fail nothing
+    assert sorted((r["variant"], r["tokens_per_rank"]) for r in failed) == [("symm", 512), ("symm", 4096)]
+
+    from weave_moe.bench import harness
+
+    outcome = {}
+    monkeypatch.setattr(harness, "launch", lambda config, nproc=None, device="auto": outcome["rows"])
+    argv = ["bench", "--model-dims", "8,2,64,32", "--variants", "nccl", "--device", "cpu", "--out", str(tmp_path),
+            "--name", "x"]
+    outcome["rows"] = rows
+    assert main(argv) == 1
+    assert "configurations failed" in capsys.readouterr().err
+    outcome["rows"] = [r for r in rows if r not in failed]
+    assert main(argv) == 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# single-GPU emulation, CPU safety, result names
+
+
+def test_emulated_spec_matches_the_per_rank_work_of_ep_n():
+    from weave_moe import routing
+
+    model = MoESpec.from_name("qwen3-30b-a3b")  # E=128, k=8
+    assert emulated_spec(model, 1) is model
+    spec = emulated_spec(model, 2)
+    assert (spec.num_experts, spec.top_k, spec.hidden_size, spec.intermediate_size, spec.name) == (64, 8, 2048, 768,
+                                                                                                  model.name)
+    tokens, ep = 512, 2
+    # EP = 2 for real: the pairs each rank computes, from all ranks' tokens
+    real_ids, _ = routing.uniform(tokens * ep, model.num_experts, model.top_k, seed=1)
+    real = rank_traffic(list(real_ids.view(ep, tokens, model.top_k)), model.num_experts)
+    emulated_ids, _ = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=1)
+    emulated = rank_traffic([emulated_ids], spec.num_experts)
+    # total pairs: T * k per rank either way (exact on average over ranks), and so rows per local expert
+    assert real.pairs.sum() / ep == emulated.pairs.sum() == tokens * model.top_k
+    assert emulated.pairs.sum() / spec.num_experts == real.pairs.sum() / model.num_experts
+    with pytest.raises(ValueError, match="not divisible"):
+        emulated_spec(MoESpec(6, 2, 64, 32), 4)
+    with pytest.raises(ValueError, match="top_k=8 > E / EP = 4"):
+        emulated_spec(MoESpec(16, 8, 64, 32), 4)
+    with pytest.raises(ValueError):
+        BenchConfig(models=(MoESpec(16, 8, 64, 32),), emulate_ep=4)
+
+
+def test_cpu_refuses_paper_size_models(capsys):
+    from weave_moe.bench.harness import cpu_size_problem
+
+    for argv in (["bench", "--check", "--device", "cpu"],  # the default: the six paper models
+                 ["bench", "--models", "qwen3-30b-a3b", "--tokens", "128", "--device", "cpu"]):
+        assert main(argv) == 2
+        message = capsys.readouterr().err
+        assert "CPU limit" in message and "--model-dims" in message and "qwen3-30b-a3b" in message
+    tiny = BenchConfig(models=(MoESpec(8, 2, 64, 32),), tokens=(32,))
+    assert cpu_size_problem(tiny, 2) is None
+    assert "deepseek-v3 ~" in cpu_size_problem(BenchConfig(models=(MoESpec.from_name("deepseek-v3"),)), 2)
+    assert cpu_size_problem(BenchConfig(models=(MoESpec.from_name("deepseek-v3"),), cpu_limit_mib=0), 2) is None
+
+
+def test_bad_arguments_exit_2_with_a_message(capsys):
+    assert main(["bench", "--variants", "ncl", "--model-dims", "8,2,64,32", "--device", "cpu"]) == 2
+    assert "unknown backend 'ncl'" in capsys.readouterr().err
+    assert main(["bench", "--emulate-ep", "2", "--nproc", "2", "--model-dims", "8,2,64,32", "--device", "cpu"]) == 2
+    assert "one rank" in capsys.readouterr().err
+
+
+def test_result_names_never_overwrite(tmp_path):
+    from weave_moe.cli import build_parser
+    from weave_moe.commands.bench import build_config
+
+    assert report.unique_name(str(tmp_path), "run") == "run"
+    (tmp_path / "run.json").write_text("{}")
+    assert report.unique_name(str(tmp_path), "run") == "run-2"
+    (tmp_path / "run-2_latency.png").write_text("")
+    assert report.unique_name(str(tmp_path), "run") == "run-3"
+    args = build_parser().parse_args(["bench", "--model-dims", "8,2,64,32", "--name", "run", "--out", str(tmp_path),
+                                      "--device", "cpu"])
+    config = build_config(args, ["weave-moe", "bench"])
+    assert config.name == config.metadata["name"] == "run-3"
+
+
+def test_help_works(capsys):
+    for argv in (["--help"], ["bench", "--help"], ["calibrate", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0
+    assert "--emulate-ep" in capsys.readouterr().out
+
+
+def test_python_dash_m_bench_help():
+    import os
+    import subprocess
+    import sys
+
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-m", "weave_moe.bench", "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and "--emulate-ep" in done.stdout
+
+
+def test_build_outcome_skipped_or_failed():
+    """A backend that cannot be constructed here (RuntimeError / ImportError) is skipped; a bad option fails."""
+    from weave_moe.bench.harness import _build_layer
+
+    spec = MoESpec(8, 2, 64, 32)
+    config = BenchConfig(models=(spec,), tokens=(8,))
+    w13, w2 = torch.zeros(8, 64, 64, dtype=torch.bfloat16), torch.zeros(8, 64, 32, dtype=torch.bfloat16)
+    cpu = torch.device("cpu")
+    built = _build_layer(spec, parse_variant("nccl"), config, cpu, w13, w2)
+    assert built.layer is not None and built.error is None and built.skipped is None
+    weave = _build_layer(spec, parse_variant("weave:serial"), config, cpu, w13, w2)  # CUDA only
+    assert weave.layer is None and weave.error is None and "CUDA" in weave.skipped
+    wrong = _build_layer(spec, Variant("nccl:serial", "nccl", "serial"), config, cpu, w13, w2)
+    assert wrong.layer is None and wrong.skipped is None and "ValueError" in wrong.error
+    bad_weights = _build_layer(spec, parse_variant("nccl"), config, cpu, w13[:2], w2)
+    assert bad_weights.skipped is None and "w13" in bad_weights.error
+
+
+def test_process_groups_put_own_process_backends_last():
+    from weave_moe.bench.harness import process_groups
+
+    variants = tuple(parse_variants("nccl,reference,weave:serial,weave"))
+    config = BenchConfig(models=(), variants=variants, own_process=("reference",))
+    assert [[v.name for v in group] for group in process_groups(config)] == [["nccl", "weave:serial", "weave"],
+                                                                             ["reference"]]
+    assert len(process_groups(BenchConfig(models=(), variants=variants, own_process=()))) == 1
+    only = BenchConfig(models=(), variants=variants[1:2], own_process=("reference",))
+    assert [[v.name for v in g] for g in process_groups(only)] == [["reference"]]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the library compute anchor
+
+
+def test_local_group_sizes_by_hand():
+    from weave_moe.bench.anchor import local_group_sizes
+
+    ids = torch.tensor(IDS_RANK0 + IDS_RANK1)  # both ranks' tokens, E = 4 on EP = 2
+    assert local_group_sizes(ids, 4, 2, 0) == [2, 2]  # expert 0: 2 pairs, expert 1: 2 pairs
+    assert local_group_sizes(ids, 4, 2, 1) == [3, 2]
+    assert local_group_sizes(ids, 4, 1, 0) == [2, 2, 3, 2]
+
+
+def test_anchor_computes_the_expert_math():
+    from weave_moe.bench.anchor import grouped_expert_compute, grouped_mm_usable, time_library_compute
+    from weave_moe.reference import moe_error, reference_moe
+    from weave_moe.testing import make_experts
+
+    spec = MoESpec(4, 1, 64, 32)
+    if grouped_mm_usable(torch.device("cpu"), spec.hidden_size, spec.intermediate_size) is not None:
+        pytest.skip("torch._grouped_mm is not available here")
+    w13, w2 = make_experts(spec, seed=3)
+    sizes = [3, 0, 5, 1]  # an expert with no rows included
+    expert_of_row = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+    x = torch.randn(sum(sizes), spec.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    out = grouped_expert_compute(x, offsets, w13, w2)
+    expected = reference_moe(x, expert_of_row[:, None], torch.ones(len(x), 1), w13, w2)
+    # tolerance: the anchor rounds gate/up to bf16 before SiLU-mul (the reference keeps them fp32), ~2^-8 relative
+    assert moe_error(out.float(), expected.float())[0] <= 1e-2
+    assert time_library_compute([sizes, [0, 0, 0, 0]], w13, w2, iters=2) >= 0.0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# tiny end-to-end runs (gloo ranks on the CPU)
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """One tiny end-to-end run on 2 gloo ranks: nccl (must pass the check) and a backend that does not exist."""
-    from weave_moe.cli import main
-
+    """One tiny run on 2 gloo ranks: nccl (must pass the check), weave (skipped: CUDA only), and the reference
+    backend in ranks of its own (--own-process), so the run spawns two sets of ranks and joins their rows."""
     out = tmp_path_factory.mktemp("bench")
     code = main(["bench", "--model-dims", "8,2,64,32", "--tokens", "16,24", "--routing", "uniform,skewed",
-                 "--variants", "nccl,no-such-backend", "--iters", "3", "--warmup", "1", "--rotate", "2", "--check",
-                 "--device", "cpu", "--nproc", "2", "--name", "tiny", "--out", str(out), "--no-progress",
-                 "--timeout", "120", "--attention"])
+                 "--variants", "nccl,reference,weave", "--own-process", "reference", "--iters", "3", "--warmup", "1",
+                 "--rotate", "2", "--check", "--device", "cpu", "--nproc", "2", "--name", "tiny", "--out", str(out),
+                 "--no-progress", "--timeout", "120", "--attention"])
     return code, report.result_paths(str(out), "tiny")
 
 
 def test_tiny_run_writes_every_file(tiny_run):
     code, paths = tiny_run
-    assert code == 0
-    for key in ("json", "csv", "md", "latency_png", "speedup_png"):
+    assert code == 0  # a skipped backend fails nothing
+    for key in ("json", "csv", "md", "latency_png", "vs_baseline_png", "e2e_csv"):
         with open(paths[key], "rb") as handle:
             assert len(handle.read()) > 100, key
     with open(paths["json"]) as handle:
@@ -170,48 +430,50 @@ def test_tiny_run_writes_every_file(tiny_run):
     metadata = data["metadata"]
     assert metadata["world_size"] == 2 and metadata["device"] == "cpu" and not metadata["partial"]
     assert metadata["command"].startswith("weave-moe bench") and "--model-dims 8,2,64,32" in metadata["command"]
-    assert metadata["git_commit"]
-    assert metadata["floor_constants"]["gemm_tflops"] > 0
-    assert len(data["rows"]) == 2 * 2 * 2  # tokens x routing x variants
+    assert metadata["git_commit"] and metadata["emulate_ep"] == 1
+    assert metadata["floor_constants"]["hbm_gbps"] == 4240.0
+    assert [r["variant"] for r in data["rows"][::4]] == ["nccl", "reference", "weave"]  # the config's order
+    assert len(data["rows"]) == 2 * 2 * 3  # tokens x routing x variants
+    import os
+
+    assert sorted(os.listdir(os.path.dirname(paths["json"]))) == sorted(os.path.basename(p) for p in paths.values())
 
 
 def test_tiny_run_csv_columns_and_check(tiny_run):
     _, paths = tiny_run
     with open(paths["csv"]) as handle:
         rows = list(csv.DictReader(handle))
-    required = ["model", "tokens_per_rank", "routing", "backend", "policy", "median_ms", "p10_ms", "p90_ms", "tflops",
-                "nvlink_gbps", "floor_ms", "pct_of_floor", "c", "K", "n_steal", "rel_error", "check_passed"]
-    assert set(required) <= set(rows[0])
-    nccl = [r for r in rows if r["variant"] == "nccl"]
-    assert len(nccl) == 4
-    for row in nccl:
+    measured = [r for r in rows if r["variant"] in ("nccl", "reference")]
+    assert len(measured) == 8
+    for row in measured:
         assert row["check_passed"] == "True" and float(row["rel_error"]) <= 1e-2, row
         assert float(row["median_ms"]) > 0 and float(row["floor_ms"]) > 0 and float(row["tflops"]) > 0
         assert float(row["p10_ms"]) <= float(row["median_ms"]) <= float(row["p90_ms"])
-        assert row["error"] == ""
+        assert row["error"] == "" and row["skipped"] == ""
+        # the anchor, measured by the first set of ranks, reaches the own-process rows too
+        assert float(row["lib_compute_ms"]) > 0 and float(row["x_lib_compute"]) > 0
+        assert row["best_baseline"] == "nccl" and float(row["x_best_baseline"]) > 0
 
 
-def test_tiny_run_records_a_failing_variant(tiny_run):
+def test_tiny_run_records_a_skipped_backend(tiny_run):
     _, paths = tiny_run
     with open(paths["csv"]) as handle:
-        failed = [r for r in csv.DictReader(handle) if r["variant"] == "no-such-backend"]
-    assert len(failed) == 4
-    for row in failed:
-        assert "no-such-backend" in row["error"] and row["median_ms"] == "" and row["check_passed"] == ""
+        skipped = [r for r in csv.DictReader(handle) if r["variant"] == "weave"]
+    assert len(skipped) == 4
+    for row in skipped:
+        assert "CUDA" in row["skipped"] and row["error"] == "" and row["median_ms"] == "" and row["check_passed"] == ""
     with open(paths["md"]) as handle:
-        assert "## Errors" in handle.read()
+        assert "## Skipped" in handle.read()
 
 
 def test_replot_rewrites_from_json(tiny_run, tmp_path):
     import shutil
 
-    from weave_moe.cli import main
-
     _, paths = tiny_run
     copy = tmp_path / "again.json"
     shutil.copy(paths["json"], copy)
     assert main(["bench", "--replot", str(copy)]) == 0
-    for suffix in (".csv", ".md", "_latency.png", "_speedup.png"):
+    for suffix in (".csv", ".md", "_latency.png", "_vs_baseline.png"):
         assert (tmp_path / f"again{suffix}").stat().st_size > 100
 
 
@@ -219,11 +481,11 @@ def test_tiny_run_end_to_end_estimate(tiny_run):
     _, paths = tiny_run
     with open(paths["e2e_csv"]) as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["variant"] for r in rows] == ["nccl"] * 4  # the failing variant has no estimate
+    assert [r["variant"] for r in rows] == ["nccl"] * 4 + ["reference"] * 4  # the skipped variant has no estimate
     for row in rows:
         assert float(row["e2e_ms"]) == pytest.approx(float(row["attention_ms"]) + float(row["shared_ms"])
                                                      + float(row["moe_ms"]), rel=1e-4)
-        assert float(row["e2e_speedup_vs_nccl"]) == 1.0
+    assert all(float(r["x_best_baseline_e2e"]) == 1.0 for r in rows if r["variant"] == "nccl")
     with open(paths["md"]) as handle:
         assert "End-to-end estimate" in handle.read()
 
@@ -233,14 +495,26 @@ def test_e2e_rows_arithmetic():
     attention = [dict(model="m", tokens_per_rank=8, attention_ms=0.5, shared_ms=0.5, attention={})]
     nccl, weave = report.e2e_rows(rows, attention)
     assert (nccl["e2e_ms"], weave["e2e_ms"]) == (4.0, 2.0)
-    assert weave["e2e_speedup_vs_nccl"] == 2.0 and weave["moe_speedup_vs_nccl"] == 3.0
+    assert weave["x_best_baseline_e2e"] == 0.5 and weave["x_best_baseline"] == pytest.approx(1 / 3)
     assert weave["moe_share"] == 0.5
+
+
+def test_emulated_run(tmp_path):
+    """--emulate-ep 2 on one gloo rank: the rows say so, the layer held E/2 experts, the floor has no NVLink term."""
+    assert main(["bench", "--model-dims", "8,2,64,32", "--tokens", "8", "--routing", "uniform", "--variants", "nccl",
+                 "--emulate-ep", "2", "--iters", "2", "--warmup", "1", "--rotate", "1", "--check", "--device", "cpu",
+                 "--name", "emulated", "--out", str(tmp_path), "--no-progress", "--timeout", "120"]) == 0
+    metadata, rows = report.load(str(tmp_path / "emulated.json"))
+    assert metadata["emulate_ep"] == 2 and metadata["world_size"] == 1
+    (row,) = rows
+    assert (row["emulate_ep"], row["num_experts"], row["num_local_experts"], row["world_size"]) == (2, 8, 4, 1)
+    assert row["check_passed"] and row["floor_comm_ms"] == 0.0
+    assert (tmp_path / "emulated.md").read_text().startswith("# Benchmark emulated (emulated EP=2 on one GPU)")
 
 
 @pytest.mark.parametrize("kind", ["gqa", "gqa-gated", "mla", "mla-lora"])
 def test_attention_blocks_run_on_cpu(kind):
     from weave_moe.bench.attention import AttentionSpec, time_attention, time_shared_experts
-    from weave_moe.models import MoESpec
 
     spec = {
         "gqa": AttentionSpec("gqa", 64, 4, 2, 16),
@@ -257,6 +531,7 @@ def test_attention_blocks_run_on_cpu(kind):
 
 def test_warm_up_records_each_sets_plan():
     from weave_moe.bench.harness import _gather_plans, _warm_up
+    from weave_moe.plan import Plan
 
     class Backend:
         last_plan = None
@@ -265,13 +540,16 @@ def test_warm_up_records_each_sets_plan():
         backend = Backend()
 
         def __call__(self, x, ids, weights):
-            self.backend.last_plan = SimpleNamespace(c=x, K=2, n_steal=3, predicted_us=10.0 * x, policy="weave")
+            self.backend.last_plan = Plan(c=x, K=2, n_steal=3, predicted_us=10.0 * x, policy="weave")
 
-    plans = _warm_up(Layer(), [(20, None, None), (24, None, None), (28, None, None)], warmup=1)  # fewer warm-up calls than sets: every set still seen
+    # fewer warm-up calls than sets: every set is still seen
+    plans = _warm_up(Layer(), [(20, None, None), (24, None, None), (28, None, None)], warmup=1)
     assert [p["c"] for p in plans] == [20, 24, 28] and plans[1]["predicted_us"] == 240.0
     assert _gather_plans(plans, 1)[2] == [plans[2]]
 
     class NoPlans:
+        backend = Backend()
+
         def __call__(self, *inputs):
             pass
 
@@ -279,10 +557,11 @@ def test_warm_up_records_each_sets_plan():
 
 
 def test_merge_two_runs(tiny_run, tmp_path):
-    from weave_moe.cli import main
-
     _, paths = tiny_run
     assert main(["bench", "--merge", paths["json"], paths["json"], "--name", "both", "--out", str(tmp_path)]) == 0
     metadata, rows = report.load(str(tmp_path / "both.json"))
-    assert len(rows) == 16 and len(metadata["merged_from"]) == 2
+    assert len(rows) == 24 and len(metadata["merged_from"]) == 2
     assert (tmp_path / "both_latency.png").stat().st_size > 100
+    # merging again under the same name keeps the first result
+    assert main(["bench", "--merge", paths["json"], "--name", "both", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "both-2.json").exists() and len(report.load(str(tmp_path / "both.json"))[1]) == 24

@@ -114,3 +114,23 @@ def test_cli_measure_without_cuda(tmp_path, capsys):
         pytest.skip("a GPU is visible")
     assert main(["calibrate", "--measure", "--out", str(tmp_path / "x.json")]) != 0
     assert "needs CUDA" in capsys.readouterr().out
+
+
+def test_cli_hbm_without_cuda_and_nothing_to_do(tmp_path, capsys):
+    import torch
+
+    assert main(["calibrate", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--hbm" in capsys.readouterr().out
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert main(["calibrate", "--hbm", "--out", str(tmp_path / "x.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out and not (tmp_path / "x.json").exists()
+
+
+def test_shipped_profiles_carry_the_hbm_read_bandwidth():
+    from weave_moe.plan.calibrate import format_fit_table
+
+    for name in ("h200_measured", "h200_default"):
+        assert HardwareProfile.load_named(name).hbm_read_gbps == 4240.0
+    profile = HardwareProfile.default()
+    assert ("hbm_read_gbps (0 = not measured)", "4240", "4240") in format_fit_table(profile, profile)

@@ -21,7 +21,7 @@ from weave_moe.plan import (
     predict,
 )
 
-PROFILE = HardwareProfile.load_named("h200_default")  # PLATFORM.md figures: the model's properties
+PROFILE = HardwareProfile.load_named("h200_default")  # uncalibrated docs/platform.md figures: the model's properties
 POLICIES = ["serial", "spatial", "static:20", "static:8,4", "per_iteration", "weave"]
 SMALL = MoESpec(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=768)
 

@@ -14,7 +14,7 @@ from weave_moe.testing import make_experts
 
 
 def naive_moe(x, topk_ids, topk_weights, w13, w2, round_h: bool = True) -> torch.Tensor:
-    """DESIGN.md's formula, one token and one slot at a time, in fp32."""
+    """The formula of docs/design.md ("Semantics"), one token and one slot at a time, in fp32."""
     intermediate = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32)
     for token in range(x.shape[0]):

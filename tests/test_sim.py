@@ -12,7 +12,7 @@ from weave_moe.models import MoESpec
 from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, Workload, physical_floor_us, plan
 from weave_moe.sim import KINDS, plot_timeline, simulate
 
-PROFILE = HardwareProfile.load_named("h200_default")  # PLATFORM.md figures: the model's properties
+PROFILE = HardwareProfile.load_named("h200_default")  # uncalibrated docs/platform.md figures: the model's properties
 GEMM_KINDS = [KINDS.index(k) for k in ("gemm0", "gemm1", "stolen")]
 
 

@@ -1,4 +1,4 @@
-"""The single-process ground truth of one MoE layer (DESIGN.md, "Semantics").
+"""The single-process ground truth of one MoE layer (docs/design.md, "Semantics").
 
     out[t] = sum_j topk_weights[t, j] * W2[e] @ (silu(Wg[e] @ x[t]) * (Wu[e] @ x[t])),   e = topk_ids[t, j] != -1
 

@@ -8,7 +8,7 @@ expert twice within a token; `topk_weights` [T, k] float32, non-negative, summin
 by router score, highest first, as `torch.topk` returns them. Consumers (layer, planner, statistics) also accept the
 sentinel -1 in `topk_ids` ("no expert"); the generators never produce it.
 
-Expert placement (DESIGN.md): rank r owns global experts [r * E_local, (r + 1) * E_local).
+Expert placement (docs/design.md): rank r owns global experts [r * E_local, (r + 1) * E_local).
 
 Skew model. Real routers are unbalanced: published measurements show the busiest expert of a layer at up to ~7x the
 mean token count, and the busiest GPU at 1.5-3.5x the mean GPU load. `skewed` gives every expert a popularity that

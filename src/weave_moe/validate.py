@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from weave_moe.bench.variants import parse_variant
 from weave_moe.models import MoESpec
 from weave_moe.reference import DEFAULT_TOLERANCE, moe_error, reference_moe
 from weave_moe.testing import make_experts, run_distributed
@@ -64,13 +65,8 @@ def make_routing(case: Case, spec: MoESpec, rank: int, world_size: int, device):
     return ids.to(device), w.to(device)
 
 
-def _variants(names: list[str]):
-    for name in names:
-        backend, _, policy = name.partition(":")
-        yield name, backend, (policy or None)
-
-
 def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[str], extra: dict) -> list[dict]:
+    """One rank: every case x every variant name ("nccl", "weave:static:20,4") against the reference."""
     import torch.distributed as dist
 
     from weave_moe.layer import ExpertParallelMoE
@@ -104,7 +100,8 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
         x = torch.randn(T, spec.hidden_size, generator=torch.Generator(device).manual_seed(rank + 17 * case.seed),
                         device=device).to(torch.bfloat16)
         ref = reference_moe(x, ids, weights, w13, w2)
-        for name, backend, policy in _variants(variants):
+        for variant in map(parse_variant, variants):
+            name, backend, policy = variant.name, variant.backend, variant.policy
             options = dict(debug_poison=True) if backend == "weave" else {}
             kwargs = dict(policy=policy) if policy else {}
             row = dict(case=asdict(case), variant=name, rank=rank)
@@ -429,9 +426,10 @@ def main(argv=None) -> int:
     extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids,
                  failures=args.failures)
     start = time.time()
-    import re
+    from weave_moe.bench.variants import parse_variants
 
-    variants = re.split(r",(?=[a-z])", args.variants)  # "static:20,4" keeps its comma
+    # "static:20,4" keeps its comma; a typo fails here, before any rank starts
+    variants = [variant.name for variant in parse_variants(args.variants)]
     results = run_distributed(check_worker, args.nproc, cases, variants, extra, backend="nccl",
                               timeout_s=args.timeout)
     rows = [row for per_rank in results for row in per_rank]

@@ -163,6 +163,11 @@ class NcclBackend:
             self._w13_t = self._w13_t.float()
             self._w2_t = self._w2_t.float()
 
+    def synchronize(self) -> None:
+        """Backend protocol: wait for this rank's last call (no deferred errors here)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     # ------------------------------------------------------------------ forward
     # Budget per call at EP > 1 with grouped_mm. CUDA and the CPU run the same code; counted on the CPU as aten ops
     # that reach a kernel (views, allocations excluded) by tests/test_nccl_backend.py::test_op_and_sync_budget:

@@ -1,11 +1,13 @@
-"""The benchmark harness: models x tokens per rank x routing x variants, every variant in the same run.
+"""The benchmark harness: models x tokens per rank x routing x variants, every variant on the same inputs.
 
 One command spawns its own ranks (NCCL on GPUs, gloo on the CPU), or joins the ranks `torchrun` started. Per model
 each rank makes its experts' weights once; every variant loads the same weights and runs the same inputs:
 
     for model:                       weights made once per rank, freed before the next model
+        for tokens, routing:         R rotating input sets (fresh routing each: hot experts move between sets), the
+                                     floor, the check reference, the library compute anchor (lib_compute_ms)
         for variant:                 one ExpertParallelMoE, freed before the next variant (weights may be re-laid out)
-            for tokens, routing:     R rotating input sets (fresh routing each: hot experts move between sets)
+            for tokens, routing:
                 --check              set 0: output rows vs the reference (below), before any timing
                 warm-up              max(warmup, R) calls, every set seen once; records each set's plan
                 timed loop           iters calls, set i % R, each timed alone (CUDA events / perf_counter)
@@ -19,118 +21,47 @@ Check: a fixed random subset of `check_rows` rows per rank is gathered from ever
 variant's output). The reference is computed distributed, without any rank holding all experts: each rank runs
 `reference_moe` on the gathered rows with ids outside its experts set to -1 (its local weights), and the fp32
 partials are summed over ranks. This equals `reference_moe` on the full weights up to the bf16 rounding of each
-partial (<= 2^-9 relative, below the 1e-2 tolerance by 5x). Every variant, nccl included, is compared with that
-reference; the full output is also checked for NaN/Inf on every rank.
+partial (<= 2^-9 relative, below the 1e-2 tolerance by 5x). Every variant is compared with that reference; the full
+output is also checked for NaN/Inf on every rank.
 
-A variant that raises (while being built or run) is recorded as a row with its error; the ranks agree on failure
-through a collective after each step, so a failure that is the same on every rank never hangs the run.
+Outcomes: a variant whose backend cannot be constructed on this machine (ImportError or RuntimeError from its
+constructor: no NVSHMEM, no deep_ep, no CUDA) is SKIPPED, its reason in the rows' `skipped`; any other exception,
+while being built or run, FAILS its rows, the message in `error`. The ranks agree on the outcome through a collective
+after each step, so a failure that is the same on every rank never hangs the run.
+
+Own process: the variants of a backend in `config.own_process` (NVSHMEM's `symm`, which cannot share a process with
+the CUDA-IPC weave workspace) run in ranks spawned for them after the others; their rows join the same result files.
+
+Single GPU: `config.emulate_ep = N` runs every variant at EP = 1 on the per-rank work of EP = N
+(`weave_moe.bench.config.emulated_spec`); rows keep the model's name and record `emulate_ep`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
 import time
 import traceback
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from weave_moe.bench.floor import FloorConstants, layer_floor, rank_traffic
+from weave_moe.bench import report
+from weave_moe.bench.config import BenchConfig, emulated_spec
+from weave_moe.bench.floor import layer_floor, rank_traffic
 from weave_moe.models import MoESpec
 
-__all__ = ["Variant", "BenchConfig", "parse_variant", "launch", "run_rank", "DEFAULT_VARIANTS"]
-
-DEFAULT_VARIANTS = ("nccl", "weave:serial", "weave:static:20", "weave:per_iteration", "weave:spatial", "weave")
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One column of the comparison: a backend and, for weave, a schedule policy (None = the backend's default)."""
-
-    name: str
-    backend: str
-    policy: str | None = None
+__all__ = ["BenchConfig", "BenchRefused", "launch", "run_rank", "bench_routing", "cpu_bytes_per_rank",
+           "cpu_size_problem", "process_groups"]
 
 
-def parse_variant(text: str) -> Variant:
-    """'nccl' -> (nccl, None); 'weave' -> (weave, 'weave'); 'weave:static:20' -> (weave, 'static:20').
-
-    Unknown backends are not rejected here: the layer rejects them, and the row records its message.
-    """
-    text = text.strip()
-    if not text:
-        raise ValueError("empty variant name")
-    backend, _, policy = text.partition(":")
-    if backend == "weave" and not policy:
-        policy = "weave"
-    return Variant(name=text, backend=backend, policy=policy or None)
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """Everything a rank needs to run the benchmark (picklable: it travels to spawned ranks).
-
-    Attributes:
-        models: the MoE shapes, in order.
-        tokens: tokens per rank, e.g. (2048, 4096, 8192).
-        routings: "uniform" and/or "skewed".
-        skew: busiest-expert / mean target of skewed routing.
-        variants: the variants, in order; put nccl first so the speed-up table has its baseline.
-        iters, warmup: timed and warm-up calls per configuration.
-        rotate: input sets per configuration (R >= 1; >= 4 by default so caches do not flatter).
-        check: compare every variant with the reference before timing.
-        check_rows: rows per rank compared (all when T is smaller).
-        tolerance: relative Frobenius error allowed by the check.
-        seed: base of every seed (weights, routing, x).
-        floor: rates the physical floor uses.
-        out_dir, name: results go to out_dir/name.{json,csv,md} and pictures beside them.
-        metadata: written into the JSON as is (command line, git commit, ...), filled by the launcher.
-        timeout_s: process-group timeout: a collective stuck this long raises instead of hanging.
-        show_progress: a progress bar on rank 0.
-        breakdown: after the timed loop, one untimed call per input set asking the backend for per-stage times
-            (`layer(..., timings=dict)`; CUDA only, backends that do not report leave the column empty).
-        attention: also time each model's attention block and shared experts per token count, for the end-to-end
-            estimate (bench/attention.py).
-        attention_seq_len: tokens per causal sequence in that timing (0: all of a rank's tokens in one sequence).
-    """
-
-    models: tuple
-    tokens: tuple = (2048, 4096, 8192)
-    routings: tuple = ("uniform", "skewed")
-    skew: float = 3.0
-    variants: tuple = tuple(parse_variant(v) for v in DEFAULT_VARIANTS)
-    iters: int = 20
-    warmup: int = 3
-    rotate: int = 4
-    check: bool = False
-    check_rows: int = 256
-    tolerance: float = 1e-2
-    seed: int = 0
-    floor: FloorConstants = field(default_factory=FloorConstants)
-    out_dir: str = "bench/results"
-    name: str = "bench"
-    metadata: dict = field(default_factory=dict)
-    timeout_s: float = 300.0
-    show_progress: bool = True
-    breakdown: bool = True
-    attention: bool = False
-    attention_seq_len: int = 0
-
-    def __post_init__(self) -> None:
-        if self.iters < 1 or self.warmup < 0 or self.rotate < 1:
-            raise ValueError(f"iters >= 1, warmup >= 0, rotate >= 1 needed; got {self.iters}, {self.warmup}, "
-                             f"{self.rotate}")
-        for routing in self.routings:
-            if routing not in ("uniform", "skewed"):
-                raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
-        for tokens in self.tokens:
-            if not isinstance(tokens, int) or tokens < 1:
-                raise ValueError(f"tokens per rank must be positive ints, got {tokens!r}")
+class BenchRefused(ValueError):
+    """The run was refused before any rank started (the message says why and what to do instead)."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -138,48 +69,145 @@ class BenchConfig:
 
 
 def launch(config: BenchConfig, nproc: int | None = None, device: str = "auto") -> list[dict]:
-    """Run the benchmark on `nproc` ranks and return the rows (rank 0 also writes the result files).
+    """Run the benchmark and return the rows (rank 0 also writes the result files).
 
     Under `torchrun` (RANK / WORLD_SIZE / MASTER_ADDR set) this process is one rank and joins the existing job.
-    Otherwise it spawns `nproc` ranks: default = every GPU when there are >= 2, else 2 gloo ranks on the CPU.
+    Otherwise it spawns `nproc` ranks (default: every GPU when there are >= 2, else one GPU; 2 gloo ranks on the
+    CPU; one rank with `config.emulate_ep` > 1), then the ranks of each own-process backend, one group after another.
 
     Args:
         device: "auto", "cuda" or "cpu".
+
+    Raises:
+        BenchRefused: before anything starts: shapes too big for a CPU-only run, more ranks than GPUs, an EP that
+            does not divide the experts, own-process variants under torchrun.
     """
     use_cuda = _use_cuda(device)
-    if all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, config, use_cuda)
+    under_torchrun = all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     num_gpus = torch.cuda.device_count() if use_cuda else 0
-    if nproc is None:
-        nproc = num_gpus if num_gpus >= 2 else 2
-        if use_cuda and num_gpus < 2:
-            nproc = max(1, num_gpus)
-    if use_cuda and nproc > num_gpus:
-        raise ValueError(f"--nproc {nproc} needs {nproc} GPUs, found {num_gpus} (use --device cpu for gloo ranks)")
-    # NVLink multicast stays off on the lent machines (PLATFORM.md); setdefault keeps whatever the user chose.
+    if under_torchrun:
+        world_size = int(os.environ["WORLD_SIZE"])
+    elif nproc is not None:
+        world_size = nproc
+    elif config.emulate_ep > 1:
+        world_size = 1
+    elif use_cuda:
+        world_size = num_gpus if num_gpus >= 2 else 1
+    else:
+        world_size = 2
+    _refuse_early(config, world_size, use_cuda, num_gpus, under_torchrun)
+    if under_torchrun:
+        return _rank_main(int(os.environ["RANK"]), world_size, None, config, use_cuda)
+    # NVLink multicast stays off on the lent machines; setdefault keeps whatever the user chose.
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(name, value)
+    groups = process_groups(config)
+    if len(groups) == 1:
+        return _spawn(config, world_size, use_cuda)
+    parts, failure = [], None
+    for index, variants in enumerate(groups):
+        part = dataclasses.replace(config, variants=variants, name=f"{config.name}.part{index}",
+                                   attention=config.attention and index == 0, anchor=config.anchor and index == 0)
+        parts.append(report.result_paths(part)["json"])
+        try:
+            _spawn(part, world_size, use_cuda)
+        except Exception as exc:  # noqa: BLE001 - the other groups still run; raised after the merge
+            failure = failure or exc
+    rows = report.combine_parts(parts, config, world_size)
+    if failure is not None:
+        raise failure
+    return rows
 
+
+def process_groups(config: BenchConfig) -> list[tuple]:
+    """The variants of each set of ranks, in order: every variant that shares a process, then, per backend of
+    `config.own_process` that has variants, that backend's variants. Empty groups are left out."""
+    shared = tuple(v for v in config.variants if v.backend not in config.own_process)
+    groups = [shared] if shared else []
+    for backend in dict.fromkeys(v.backend for v in config.variants if v.backend in config.own_process):
+        groups.append(tuple(v for v in config.variants if v.backend == backend))
+    return groups
+
+
+def _spawn(config: BenchConfig, world_size: int, use_cuda: bool) -> list[dict]:
     import torch.multiprocessing as mp
 
     from weave_moe.testing import free_port
+
     # Rank 0 writes the result files; the rows come back through them (a queue could fill its pipe and block the
     # child's exit while the parent waits in join).
-    from weave_moe.bench import report
-
+    json_path = report.result_paths(config)["json"]
     try:
-        mp.start_processes(_rank_main, args=(nproc, free_port(), config, use_cuda), nprocs=nproc, join=True,
-                           start_method="spawn")
+        mp.start_processes(_rank_main, args=(world_size, free_port(), config, use_cuda), nprocs=world_size,
+                           join=True, start_method="spawn")
     except Exception:
         # A rank died (CUDA error, a killed process): keep the pictures of what was measured, then fail loudly.
-        json_path = report.result_paths(config)["json"]
         rows = report.load_rows(json_path)
         if rows:
-            report.write_all(rows, config, partial=True, world_size=rows[0].get("world_size"),
+            report.write_all(rows, config, partial=True, world_size=world_size,
                              attention=report.load_attention(json_path))
         raise
-    return report.load_rows(report.result_paths(config)["json"])
+    return report.load_rows(json_path)
+
+
+def _refuse_early(config: BenchConfig, world_size: int, use_cuda: bool, num_gpus: int, under_torchrun: bool) -> None:
+    if world_size < 1:
+        raise BenchRefused(f"--nproc must be >= 1, got {world_size}")
+    if config.emulate_ep > 1 and world_size != 1:
+        raise BenchRefused(f"--emulate-ep {config.emulate_ep} runs every backend at EP=1 on one rank; got {world_size} "
+                           f"ranks (drop --nproc, or run without --emulate-ep for a real EP={world_size} run)")
+    if use_cuda and not under_torchrun and world_size > num_gpus:
+        raise BenchRefused(f"--nproc {world_size} needs {world_size} GPUs, found {num_gpus} (--device cpu runs gloo "
+                           f"ranks; --emulate-ep {world_size} measures the per-rank work of EP={world_size} on one "
+                           f"GPU)")
+    for spec in config.models:
+        if spec.num_experts % world_size:
+            raise BenchRefused(f"{spec.name}: E={spec.num_experts} is not divisible by EP={world_size}")
+    if not use_cuda:
+        problem = cpu_size_problem(config, world_size)
+        if problem:
+            raise BenchRefused(problem)
+    own = [v.name for v in config.variants if v.backend in config.own_process]
+    if under_torchrun and len(process_groups(config)) > 1:
+        raise BenchRefused(f"variants {', '.join(own)} run in ranks of their own (--own-process), which ranks started "
+                           f"by torchrun cannot spawn: run them in a separate torchrun job (--variants "
+                           f"{','.join(own)}), start the bench with `weave-moe bench` (it spawns its own ranks), or "
+                           f"pass --own-process '' to run them beside the others")
+
+
+def cpu_bytes_per_rank(spec: MoESpec, tokens: int, world_size: int) -> float:
+    """Estimated peak bytes of one CPU rank running `spec` with `tokens` tokens per rank at EP = `world_size`.
+
+    Its experts in bf16 plus one fp32 copy (a backend without a bf16 grouped GEMM upcasts them once; the reference
+    computes in fp32), and per (token, expert) pair it may receive (T * EP * k) the activations in fp32: x row, gate
+    and up, h, output row = 4 B x (2H + 3I).
+    """
+    num_local_experts = spec.num_experts // max(1, world_size)
+    weights = num_local_experts * 3 * spec.hidden_size * spec.intermediate_size * (2 + 4)
+    pairs = tokens * world_size * spec.top_k
+    return float(weights + pairs * 4 * (2 * spec.hidden_size + 3 * spec.intermediate_size))
+
+
+def cpu_size_problem(config: BenchConfig, world_size: int) -> str | None:
+    """None when every model fits a CPU-only run under `config.cpu_limit_mib` per rank (0 = no limit); else the
+    refusal message, naming the models, their estimate and what to run instead."""
+    if config.cpu_limit_mib <= 0:
+        return None
+    tokens = max(config.tokens)
+    too_big = []
+    for model in config.models:
+        need_mib = cpu_bytes_per_rank(emulated_spec(model, config.emulate_ep), tokens, world_size) / 2**20
+        if need_mib > config.cpu_limit_mib:
+            too_big.append(f"{model.name} ~{need_mib / 1024:.1f} GiB" if need_mib >= 1024
+                           else f"{model.name} ~{need_mib:.0f} MiB")
+    if not too_big:
+        return None
+    return (f"no GPU here, so the bench would run on the CPU, and these shapes need more than the CPU limit of "
+            f"{config.cpu_limit_mib:g} MiB per rank at {tokens} tokens per rank: {', '.join(too_big)}. Paper-size "
+            f"models are GPU work. On the CPU use a small registry-free model, e.g. `weave-moe bench --model-dims "
+            f"8,2,64,32 --tokens 16,32 --variants nccl`, or raise the limit with --cpu-limit-mib if this machine "
+            f"really has the memory (and the time).")
 
 
 def _use_cuda(device: str) -> bool:
@@ -187,7 +215,7 @@ def _use_cuda(device: str) -> bool:
         return False
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda but CUDA is not available")
+            raise BenchRefused("--device cuda but CUDA is not available")
         return True
     if device != "auto":
         raise ValueError(f"device must be auto, cuda or cpu, got {device!r}")
@@ -228,32 +256,44 @@ class _ConfigInputs:
     floors: list  # R LayerFloor (identical on every rank)
     check_idx: torch.Tensor | None = None  # [S] int64 rows of set 0 compared with the reference
     reference: torch.Tensor | None = None  # [EP * S, H] fp32 reference of the gathered check rows
+    lib_compute_ms: float | None = None  # the library compute anchor, max over ranks (None: not measured)
+    lib_compute_error: str = ""  # why it is missing
+
+
+@dataclass
+class _Outcome:
+    """How building a variant's layer went, the same on every rank."""
+
+    layer: object = None
+    error: str | None = None  # the variant fails: every row records this
+    skipped: str | None = None  # the backend cannot run on this machine: every row records this, nothing fails
 
 
 def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.device) -> list[dict]:
     """This rank's part of the benchmark; returns the rows on rank 0 (an empty list elsewhere).
 
-    Rank 0 rewrites the result files after each model, so a run cut short keeps what it measured.
+    Rank 0 rewrites the JSON and CSV after each variant, so a run cut short keeps what it measured; the markdown and
+    the pictures come at the end (or from the launcher, after a rank died).
     """
-    from weave_moe.bench import report
     from weave_moe.testing import make_experts
 
     progress = None
     total = len(config.models) * len(config.variants) * len(config.tokens) * len(config.routings)
     if rank == 0 and config.show_progress:
-        from tqdm import tqdm
-
         import sys
+
+        from tqdm import tqdm
 
         # Off a terminal (a log, a remote runner's captured output) redraw rarely, so the log stays readable.
         progress = tqdm(total=total, desc="bench", unit="cfg", dynamic_ncols=True,
                         mininterval=0.1 if sys.stderr.isatty() else 10.0)
     rows: list[dict] = []
     attention_rows: list[dict] = []
-    for model_index, spec in enumerate(config.models):
+    for model_index, model in enumerate(config.models):
         if config.attention:
-            attention_rows += _time_attention(config, spec, rank, world_size, device)
-        num_local_experts = _experts_per_rank(spec, world_size)
+            attention_rows += _time_attention(config, model, rank, world_size, device)
+        spec = emulated_spec(model, config.emulate_ep)  # the shape that runs: the model itself unless emulating
+        num_local_experts = spec.num_experts // world_size
         w13, w2 = make_experts(spec, num_local_experts, first_expert=rank * num_local_experts,
                                seed=config.seed + 1000 * model_index, device=device)
         inputs: dict[tuple, _ConfigInputs] = {}
@@ -263,26 +303,25 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
                                                        w13, w2)
         for variant in config.variants:
             if progress is not None:
-                progress.set_description(f"{spec.name} {variant.name}")
-            layer, error = _build_layer(spec, variant, config, device, w13, w2)
+                progress.set_description(f"{model.name} {variant.name}")
+            outcome = _build_layer(spec, variant, config, device, w13, w2)
             for tokens in config.tokens:
                 for routing in config.routings:
-                    row = _bench_config(config, spec, variant, layer, error, inputs[tokens, routing], rank,
+                    row = _bench_config(config, model, spec, variant, outcome, inputs[tokens, routing], rank,
                                         world_size, device)
                     if rank == 0:
                         rows.append(row)
                         if progress is not None:
                             progress.set_postfix_str(_short(row))
                             progress.update(1)
-            del layer
+            del outcome
             _free(device)
             if rank == 0:
                 report.write_tables(rows, config, partial=True, world_size=world_size, attention=attention_rows)
         del w13, w2, inputs
         _free(device)
-        if rank == 0:
-            report.write_all(rows, config, partial=model_index + 1 < len(config.models), world_size=world_size,
-                             attention=attention_rows)
+        if rank == 0 and model_index + 1 == len(config.models):  # the pictures once, at the end (or after a crash)
+            report.write_all(rows, config, partial=False, world_size=world_size, attention=attention_rows)
     if progress is not None:
         progress.close()
     return rows
@@ -313,12 +352,6 @@ def _time_attention(config, spec, rank, world_size, device) -> list[dict]:
     return found if rank == 0 else []
 
 
-def _experts_per_rank(spec: MoESpec, world_size: int) -> int:
-    if spec.num_experts % world_size:
-        raise ValueError(f"{spec.name}: E={spec.num_experts} is not divisible by EP={world_size}")
-    return spec.num_experts // world_size
-
-
 def _seed(config: BenchConfig, *parts) -> int:
     """A stable seed from the base seed and a description (crc32: the same in every process, unlike hash())."""
     return (config.seed * 7919 + zlib.crc32("/".join(map(str, parts)).encode())) % (2**31)
@@ -326,7 +359,8 @@ def _seed(config: BenchConfig, *parts) -> int:
 
 def bench_routing(config: BenchConfig, spec: MoESpec, tokens: int, routing: str, set_index: int, world_size: int):
     """(ids, weights) of input set `set_index` for ALL ranks ([EP * tokens, k], rank r's rows r*tokens onwards): the
-    routing a bench run draws, reproducible on the CPU from the config (scripts/sweep_model.py, weights_bound.py)."""
+    routing a bench run draws, reproducible on the CPU from the config (scripts/sweep_model.py, weights_bound.py).
+    Under --emulate-ep pass the emulated spec and world_size 1, as the run does."""
     from weave_moe import routing as routing_lib
 
     seed = _seed(config, spec.name, tokens, routing, set_index)
@@ -337,14 +371,17 @@ def bench_routing(config: BenchConfig, spec: MoESpec, tokens: int, routing: str,
 
 
 def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w2) -> _ConfigInputs:
-    sets, floors = [], []
+    from weave_moe.bench.anchor import local_group_sizes
+
+    sets, floors, group_sizes = [], [], []
     for set_index in range(config.rotate):
-        # Every rank draws the routing of ALL ranks (same seed) and keeps its slice: no exchange, and the floor
-        # sees the global routing.
+        # Every rank draws the routing of ALL ranks (same seed) and keeps its slice: no exchange, and the floor and
+        # the anchor see the global routing.
         ids, weights = bench_routing(config, spec, tokens, routing, set_index, world_size)
         ids_per_rank = list(torch.as_tensor(ids).view(world_size, tokens, spec.top_k))
         floors.append(layer_floor(rank_traffic(ids_per_rank, spec.num_experts), spec.hidden_size,
                                   spec.intermediate_size, config.floor))
+        group_sizes.append(local_group_sizes(ids, spec.num_experts, world_size, rank))
         generator = torch.Generator(device=device)
         generator.manual_seed(_seed(config, spec.name, tokens, routing, set_index, "x", rank))
         x = torch.randn(tokens, spec.hidden_size, generator=generator, device=device).to(torch.bfloat16)
@@ -359,7 +396,27 @@ def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w
         config_inputs.check_idx = check_idx.to(device)
         config_inputs.reference = _distributed_reference(sets[0], config_inputs.check_idx, spec, rank, world_size,
                                                          w13, w2)
+    if config.anchor:
+        config_inputs.lib_compute_ms, config_inputs.lib_compute_error = _library_anchor(
+            config, spec, group_sizes, w13, w2, world_size, device)
     return config_inputs
+
+
+def _library_anchor(config, spec, group_sizes, w13, w2, world_size, device) -> tuple[float | None, str]:
+    """(max over ranks of each rank's median ms, "") or (None, why not); the same on every rank."""
+    from weave_moe.bench.anchor import grouped_mm_usable, time_library_compute
+
+    error = grouped_mm_usable(device, spec.hidden_size, spec.intermediate_size)
+    local_ms = math.nan
+    if error is None:
+        try:
+            local_ms = time_library_compute(group_sizes, w13, w2, iters=config.iters, seed=config.seed)
+        except Exception as exc:  # noqa: BLE001 - the anchor is missing from the rows, the variants still run
+            error = _describe(exc)
+    error = _agree(error)
+    _free(device)
+    slowest = _gather_rows(torch.tensor([local_ms], dtype=torch.float64, device=device), world_size).max().item()
+    return (None, error) if error is not None else (slowest, "")
 
 
 def _gather_rows(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -388,9 +445,9 @@ def _distributed_reference(input_set, check_idx, spec, rank, world_size, w13, w2
     return partial
 
 
-def _build_layer(spec, variant, config, device, w13, w2):
-    """(layer, None) or (None, error message); every rank gets the same answer."""
-    layer, error = None, None
+def _build_layer(spec, variant, config, device, w13, w2) -> _Outcome:
+    """The variant's layer with the experts loaded, or why not; every rank gets the same outcome."""
+    layer, error, skipped = None, None, None
     try:
         from weave_moe.layer import ExpertParallelMoE
 
@@ -399,14 +456,22 @@ def _build_layer(spec, variant, config, device, w13, w2):
                        check_expert_ids=False)
         if variant.policy is not None:
             options["policy"] = variant.policy
-        layer = ExpertParallelMoE(spec, **options)
-        layer.load_experts(w13, w2)
+        try:
+            layer = ExpertParallelMoE(spec, **options)
+        except torch.OutOfMemoryError:  # a RuntimeError too, but a failure of the run, not a missing feature
+            raise
+        except (ImportError, RuntimeError) as exc:  # the backend's software or hardware is not on this machine
+            skipped = _describe(exc)
+        if layer is not None:
+            layer.load_experts(w13, w2)
     except Exception as exc:  # noqa: BLE001 - a variant that cannot be built is a result, not a crash
         layer, error = None, _describe(exc)
-    error = _agree(error)
+    error, skipped = _agree(error), _agree(skipped)
     if error is not None:
-        layer = None
-    return layer, error
+        return _Outcome(error=error)
+    if skipped is not None:
+        return _Outcome(skipped=skipped)
+    return _Outcome(layer=layer)
 
 
 def _describe(exc: BaseException) -> str:
@@ -415,30 +480,31 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}".replace("\n", " ")[:500]
 
 
-def _agree(error: str | None) -> str | None:
-    """Every rank's error, or None when all succeeded: a collective every rank reaches after each step."""
+def _agree(message: str | None) -> str | None:
+    """Every rank's message, or None when no rank has one: a collective every rank reaches after each step."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return error
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
-    if not failed:
+        return message
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    found = [(rank, text) for rank, text in enumerate(messages) if text is not None]
+    if not found:
         return None
-    messages = {message for _, message in failed}
-    if len(messages) == 1:
-        return f"rank {','.join(str(r) for r, _ in failed)}: {messages.pop()}"
-    return "; ".join(f"rank {r}: {m}" for r, m in failed)
+    distinct = {text for _, text in found}
+    if len(distinct) == 1:
+        return f"rank {','.join(str(r) for r, _ in found)}: {distinct.pop()}"
+    return "; ".join(f"rank {r}: {text}" for r, text in found)
 
 
-def _bench_config(config, spec, variant, layer, error, inputs, rank, world_size, device) -> dict:
+def _bench_config(config, model, spec, variant, outcome, inputs, rank, world_size, device) -> dict:
     result = dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[], stages_ms={})
-    if error is None:
+    error, layer = outcome.error, outcome.layer
+    if layer is not None:
         try:
             if config.check:
                 result.update(_check(layer, inputs, config, world_size))
             result["plans"] = _warm_up(layer, inputs.sets, config.warmup)
             local_ms = _timed_loop(layer, inputs.sets, config.iters, device)
-            _sync_backend(layer)  # a kernel error of the last timed call surfaces here, not in the next config
+            layer.synchronize()  # a kernel error of the last timed call surfaces here, not in the next config
             stages = _stage_times(layer, inputs.sets, device) if config.breakdown else {}
         except Exception as exc:  # noqa: BLE001 - recorded in the row
             error, local_ms = _describe(exc), None
@@ -451,19 +517,19 @@ def _bench_config(config, spec, variant, layer, error, inputs, rank, world_size,
             result["stages_ms"] = _gather_stages(stages, world_size)
     if rank != 0:
         return {}
-    return _make_row(config, spec, variant, inputs, world_size, error, result)
+    return _make_row(config, model, spec, variant, inputs, world_size, error, outcome.skipped, result)
 
 
 def _check(layer, inputs, config, world_size) -> dict:
+    from weave_moe.reference import moe_error
+
     x, ids, weights = inputs.sets[0]
     out = layer(x, ids, weights)
-    _sync_backend(layer)
+    layer.synchronize()
     finite = torch.tensor([float(torch.isfinite(out).all())], device=out.device)
     if world_size > 1:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     out_all = _gather_rows(out[inputs.check_idx], world_size)
-    from weave_moe.reference import moe_error
-
     rel_error, max_norm_error = moe_error(out_all.float(), inputs.reference)
     if finite.item() < 1:
         rel_error, max_norm_error = math.inf, math.inf
@@ -471,31 +537,19 @@ def _check(layer, inputs, config, world_size) -> dict:
                 check_passed=bool(finite.item() >= 1 and rel_error <= config.tolerance))
 
 
-def _sync_backend(layer) -> None:
-    """Wait for the layer's last call and raise its deferred errors: the weave backend reads its kernel's status word
-    at the next call, or in `backend.synchronize()`. A no-op for backends without one."""
-    synchronize = getattr(getattr(layer, "backend", None), "synchronize", None)
-    if callable(synchronize):
-        synchronize()
-
-
-def _plan_of(layer) -> dict | None:
-    plan = getattr(getattr(layer, "backend", None), "last_plan", None)
+def _plan_summary(plan) -> dict | None:
+    """The JSON form of a backend's `last_plan` (None for backends without plans)."""
     if plan is None:
         return None
-    summary = {}
-    for name in ("c", "K", "n_steal", "predicted_us", "policy"):
-        value = getattr(plan, name, None)
-        summary[name] = value if isinstance(value, (int, float, str, type(None))) else str(value)
-    return summary
+    return dict(c=plan.c, K=plan.K, n_steal=plan.n_steal, predicted_us=plan.predicted_us, policy=plan.policy)
 
 
 def _warm_up(layer, sets, warmup: int) -> list:
-    """max(warmup, R) calls so every set is seen once; returns this rank's plan per set (None: no plan exposed)."""
+    """max(warmup, R) calls so every set is seen once; returns this rank's plan per set (None: no plan)."""
     plans = [None] * len(sets)
     for call in range(max(warmup, len(sets))):
         layer(*sets[call % len(sets)])
-        plans[call % len(sets)] = _plan_of(layer)
+        plans[call % len(sets)] = _plan_summary(layer.last_plan)
     return plans
 
 
@@ -522,7 +576,7 @@ def _timed_loop(layer, sets, iters: int, device) -> list[float]:
 
 
 def _stage_times(layer, sets, device) -> dict:
-    """Per-stage ms of one call per input set, from backends that fill `timings` (the nccl backend on CUDA does).
+    """Per-stage ms of one call per input set, from backends that fill `timings` (CUDA only).
 
     Untimed extra calls after the timed loop: a backend that fills `timings` synchronises to read its events.
     Returns {stage: [ms per set]} for this rank ({} when the backend reports nothing).
@@ -532,13 +586,9 @@ def _stage_times(layer, sets, device) -> dict:
     stages: dict[str, list] = {}
     for input_set in sets:
         timings: dict = {}
-        try:
-            layer(*input_set, timings=timings)
-        except TypeError:  # a layer/backend without the timings argument
-            return {}
+        layer(*input_set, timings=timings)
         for stage, ms in timings.items():
-            if isinstance(ms, (int, float)):
-                stages.setdefault(stage, []).append(float(ms))
+            stages.setdefault(stage, []).append(float(ms))
     return stages
 
 
@@ -572,27 +622,31 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
+def _make_row(config, model, spec, variant, inputs, world_size, error, skipped, result) -> dict:
+    """One CSV/JSON row. `model` is the model as named, `spec` the shape that ran (they differ under --emulate-ep)."""
     floors = inputs.floors
     floor_ms = statistics.fmean(f.floor_s for f in floors) * 1e3
     flops_per_gpu = statistics.fmean(f.total_flops for f in floors) / world_size
     bytes_per_gpu = statistics.fmean(f.total_bytes_sent for f in floors) / world_size
     bounds = {f.bound for f in floors}
     row = dict(
-        model=spec.name, num_experts=spec.num_experts, top_k=spec.top_k, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, world_size=world_size, tokens_per_rank=inputs.tokens,
-        routing=inputs.routing, skew=config.skew if inputs.routing == "skewed" else None,
+        model=model.name, num_experts=model.num_experts, top_k=model.top_k, hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size, num_local_experts=spec.num_experts // world_size,
+        world_size=world_size, emulate_ep=config.emulate_ep, tokens_per_rank=inputs.tokens, routing=inputs.routing,
+        skew=config.skew if inputs.routing == "skewed" else None,
         variant=variant.name, backend=variant.backend, policy=variant.policy or "",
         iters=len(result["times_ms"]),
         median_ms=None, p10_ms=None, p90_ms=None, min_ms=None, mean_ms=None, tflops=None, nvlink_gbps=None,
         floor_ms=floor_ms,
         floor_compute_ms=statistics.fmean(max(f.compute_s) for f in floors) * 1e3,
         floor_comm_ms=statistics.fmean(max(f.comm_s) for f in floors) * 1e3,
-        floor_bound=bounds.pop() if len(bounds) == 1 else "mixed",
         floor_weights_ms=statistics.fmean(f.weights_floor_s for f in floors) * 1e3,
-        pct_of_floor=None, x_floor=None, x_floor_weights=None, c=None, K=None, n_steal=None, predicted_ms=None, prediction_error_pct=None,
+        floor_bound=bounds.pop() if len(bounds) == 1 else "mixed",
+        pct_of_floor=None, x_floor=None,
+        lib_compute_ms=inputs.lib_compute_ms, x_lib_compute=None, lib_compute_error=inputs.lib_compute_error,
+        c=None, K=None, n_steal=None, predicted_ms=None, prediction_error_pct=None,
         rel_error=result["rel_error"], max_norm_error=result["max_norm_error"], check_passed=result["check_passed"],
-        error=error or "",
+        error=error or "", skipped=skipped or "",
         stages_ms=";".join(f"{k}={v:.4g}" for k, v in result["stages_ms"].items() if v is not None),
         times_ms=result["times_ms"], plans=result["plans"],
     )
@@ -606,11 +660,11 @@ def _make_row(config, spec, variant, inputs, world_size, error, result) -> dict:
             nvlink_gbps=bytes_per_gpu / (median_ms * 1e-3) / 1e9,
             pct_of_floor=100.0 * floor_ms / median_ms, x_floor=median_ms / floor_ms if floor_ms > 0 else None,
         )
-        bound_ms = max(floor_ms, row["floor_weights_ms"])
-        row["x_floor_weights"] = median_ms / bound_ms if bound_ms > 0 else None
+        if inputs.lib_compute_ms:
+            row["x_lib_compute"] = median_ms / inputs.lib_compute_ms
     first_plan = next((p for p in (result["plans"][0] if result["plans"] else []) if p), None)
     if first_plan:
-        row.update(c=first_plan.get("c"), K=first_plan.get("K"), n_steal=first_plan.get("n_steal"))
+        row.update(c=first_plan["c"], K=first_plan["K"], n_steal=first_plan["n_steal"])
         # a plan without a prediction (fixed policies carry NaN: they never model the call's workload) counts as none
         predicted = [max(_finite((p or {}).get("predicted_us")) for p in per_set) for per_set in result["plans"]]
         if any(predicted):
@@ -625,9 +679,12 @@ def _finite(value) -> float:
 
 
 def _short(row: dict) -> str:
+    where = f"{row['tokens_per_rank']} {row['routing']}"
+    if row.get("skipped"):
+        return f"{where}: skipped"
     if row.get("error"):
-        return f"{row['tokens_per_rank']} {row['routing']}: error"
-    return f"{row['tokens_per_rank']} {row['routing']}: {row['median_ms']:.3f} ms ({row['pct_of_floor']:.0f}% floor)"
+        return f"{where}: error"
+    return f"{where}: {row['median_ms']:.3f} ms ({row['pct_of_floor']:.0f}% floor)"
 
 
 def _free(device) -> None:
@@ -636,12 +693,3 @@ def _free(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def config_to_dict(config: BenchConfig) -> dict:
-    """The JSON form of a config (models as their shapes)."""
-    data = asdict(config)
-    data["models"] = [spec.to_dict() for spec in config.models]
-    data["variants"] = [asdict(v) for v in config.variants]
-    data.pop("metadata", None)
-    return data

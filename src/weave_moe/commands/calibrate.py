@@ -1,18 +1,24 @@
-"""`weave-moe calibrate`: fit a HardwareProfile to in-kernel timelines (CPU), or record them first (--measure, GPU)."""
+"""`weave-moe calibrate`: fit a HardwareProfile to in-kernel timelines (CPU), or record them first (--measure, GPU);
+measure the GPU's HBM read bandwidth into the profile (--hbm, one GPU; --measure does it too)."""
 
 from __future__ import annotations
 
-HELP = "fit a hardware profile to measured megakernel timelines (--from-timelines) or record them (--measure, 2 GPUs)"
+HELP = ("fit a hardware profile to measured megakernel timelines (--from-timelines) or record them (--measure, "
+        "2 GPUs); measure the HBM read bandwidth (--hbm, one GPU)")
 
 DEFAULT_GRID = (12, 20, 32, 54, 96)
 
 
 def add_arguments(parser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--from-timelines", nargs="+", metavar="FILE",
                         help="timeline JSON files (scripts/timeline_stats.py format); CPU only")
     source.add_argument("--measure", action="store_true",
                         help="record timelines on 2 GPUs (weave:serial and weave:static:<c> for c in --grid), then fit")
+    parser.add_argument("--hbm", action="store_true",
+                        help="measure this GPU's HBM read bandwidth (torch.sum over --hbm-gib GiB of bf16, median) "
+                             "into the profile's hbm_read_gbps; alone it copies --base with that one field changed")
+    parser.add_argument("--hbm-gib", type=float, default=8.0, help="--hbm: size of the tensor read, GiB")
     parser.add_argument("--out", default="h200_measured.json", help="where to write the fitted profile JSON")
     parser.add_argument("--name", default="h200-measured", help="profile name")
     parser.add_argument("--base", default=None, help="profile JSON whose unfitted fields are kept (default: shipped)")
@@ -32,20 +38,49 @@ def run(args) -> int:
 
     from weave_moe.plan.profile import HardwareProfile
 
+    if not (args.from_timelines or args.measure or args.hbm):
+        print("weave-moe calibrate: say what to do: --from-timelines FILE... (CPU), --measure (2 GPUs) and/or --hbm "
+              "(one GPU)")
+        return 2
     base = HardwareProfile.load(args.base) if args.base else HardwareProfile.default()
+    files = None
     if args.measure:
         try:
             files = measure(args)
         except RuntimeError as error:
             print(f"weave-moe calibrate --measure: {error}")
             return 2
-    else:
+    elif args.from_timelines:
         files = [Path(f) for f in args.from_timelines]
         missing = [str(f) for f in files if not f.exists()]
         if missing:
             print(f"weave-moe calibrate: no such timeline file(s): {', '.join(missing)}")
             return 2
+    if args.hbm or args.measure:
+        try:
+            base = _with_hbm(base, args.hbm_gib)
+        except RuntimeError as error:
+            print(f"weave-moe calibrate --hbm: {error}")
+            return 2
+    if files is None:
+        base.save(args.out)
+        print(f"wrote {args.out}: '{base.name}' with hbm_read_gbps = {base.hbm_read_gbps:g}")
+        return 0
     return _fit_and_write(files, base, args)
+
+
+def _with_hbm(base, gib: float):
+    """`base` with `hbm_read_gbps` measured on this GPU now (and a line in its notes saying so)."""
+    import dataclasses
+    import datetime
+
+    from weave_moe.plan.calibrate import measure_hbm_read_gbps
+
+    gbps = measure_hbm_read_gbps(gib=gib)
+    print(f"HBM read: {gbps:.0f} GB/s (torch.sum over {gib:g} GiB bf16, median)")
+    note = (f"hbm_read_gbps: {gbps:.0f} GB/s measured {datetime.date.today().isoformat()} by `weave-moe calibrate "
+            f"--hbm` (torch.sum over {gib:g} GiB bf16, median).")
+    return dataclasses.replace(base, hbm_read_gbps=round(gbps, 1), notes=f"{note} {base.notes}".strip())
 
 
 def _fit_and_write(files, base, args) -> int:

@@ -103,6 +103,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from weave_moe import routing
+    from weave_moe.commands import print_table
     from weave_moe.reference import DEFAULT_TOLERANCE
     from weave_moe.testing import run_distributed
 
@@ -152,7 +153,7 @@ def run(args) -> int:
             "NaN" if result["nan"] else f"{rel:.2e}",
             "-" if result["milliseconds"] is None else f"{result['milliseconds']:.3f}",
         )
-    console.print(rank_table)
+    print_table(rank_table, console)
 
     top = min(8, spec.num_experts)
     expert_table = Table(title=f"busiest {top} of {spec.num_experts} experts")
@@ -163,7 +164,7 @@ def run(args) -> int:
     for count, expert in zip(counts[:top].tolist(), experts[:top].tolist()):
         expert_table.add_row(str(expert), str(expert // num_local_experts), str(count),
                              f"{count / mean_count:.2f}" if mean_count else "-")
-    console.print(expert_table)
+    print_table(expert_table, console)
 
     total_ref = sum(r["ref_sq"] for r in results)
     rel_fro = (sum(r["diff_sq"] for r in results) / total_ref) ** 0.5 if total_ref else 0.0

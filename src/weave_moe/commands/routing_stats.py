@@ -28,6 +28,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from weave_moe import routing
+    from weave_moe.commands import print_table
     from weave_moe.models import MoESpec
 
     console = Console()
@@ -77,7 +78,7 @@ def run(args) -> int:
             _mib(stats.bytes_received[rank].item()),
             f"{load / mean_load:.2f}" if mean_load else "-",
         )
-    console.print(rank_table)
+    print_table(rank_table, console)
 
     expert_table = Table(title=f"busiest {min(args.top, spec.num_experts)} of {spec.num_experts} experts")
     for column in ("expert", "rank", "pairs", "x mean"):
@@ -88,7 +89,7 @@ def run(args) -> int:
         expert_table.add_row(
             str(expert), str(expert // num_local_experts), str(count), f"{count / mean_count:.2f}" if mean_count else "-"
         )
-    console.print(expert_table)
+    print_table(expert_table, console)
 
     remote_dedup = stats.remote_rows_sent.sum().item()
     remote_pairs = stats.remote_pairs_sent.sum().item()

@@ -3,10 +3,10 @@
 Every curve is piecewise linear over measured points (`np.interp`; clamped at the ends). Units: SM counts are CTAs
 (one CTA per SM), bandwidth is GB/s (1e9 B/s), GEMM throughput is TFLOP/s, fixed costs are microseconds.
 
-The default profile (`HardwareProfile.default()`, data in `profiles/h200_default.json`) is built from the figures in
-shared/PLATFORM.md measured on 2 x H200 SXM on 2026-11-29, NOT from the megakernel's own tile functions:
-`weave-moe calibrate` replaces it with measured curves. Which numbers are measured and which are guesses is written
-in the JSON's `notes` and in `source`.
+The default profile (`HardwareProfile.default()`, data in `profiles/h200_measured.json`) is calibrated on 2 x H200 SXM
+from the megakernel's own in-kernel timelines (`weave-moe calibrate --measure`); `profiles/h200_default.json` keeps the
+uncalibrated figures (torch / copy-engine measurements on the same pair, 2026-11-29). Which numbers are measured and
+which are guesses is written in each JSON's `notes` and in `source`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class HardwareProfile:
         max_comm_sms: largest comm CTA count c a split candidate may use (0: N - 1). A split with most SMs on
             communication is the serial schedule with extra flag traffic; a calibrated profile caps c at the range
             its sweep measured.
+        hbm_read_gbps: HBM read bandwidth of the whole GPU, GB/s (`torch.sum` over a large bf16 tensor, median;
+            `weave-moe calibrate --hbm`). The benchmark floor's weights term reads it; the cost model does not.
+            0 = not measured (profiles written before the field existed load with 0).
         notes: free text on how each number was obtained.
     """
 
@@ -74,6 +77,7 @@ class HardwareProfile:
     per_tile_overhead_us: float = 0.5
     call_overhead_us: float = 0.0
     max_comm_sms: int = 0
+    hbm_read_gbps: float = 0.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -97,7 +101,8 @@ class HardwareProfile:
                 raise ValueError(f"HardwareProfile.{name} must be > 0")
         if not 0 <= int(self.max_comm_sms) <= self.num_sms - 1:
             raise ValueError(f"HardwareProfile.max_comm_sms must be in [0, {self.num_sms - 1}], got {self.max_comm_sms}")
-        for name in ("launch_us", "flag_round_trip_us", "role_switch_us", "per_tile_overhead_us", "call_overhead_us"):
+        for name in ("launch_us", "flag_round_trip_us", "role_switch_us", "per_tile_overhead_us", "call_overhead_us",
+                     "hbm_read_gbps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"HardwareProfile.{name} must be >= 0")
 
@@ -105,7 +110,7 @@ class HardwareProfile:
     @classmethod
     def default(cls) -> "HardwareProfile":
         """The shipped H200 profile: calibrated on the 2 x H200 pair (profiles/h200_measured.json). The uncalibrated
-        shared/PLATFORM.md figures remain available as `load_named("h200_default")`."""
+        figures remain available as `load_named("h200_default")`."""
         return _default_profile()
 
     @classmethod

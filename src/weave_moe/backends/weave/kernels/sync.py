@@ -1,6 +1,6 @@
 """Flags, bounded spin-waits and release signals: every cross-CTA and cross-GPU wait of the megakernel lives here.
 
-Protocol (checked on the H200 pair, see ../shared/PLATFORM.md):
+Protocol (checked on the H200 pair, docs/platform.md, "Cross-GPU code with Triton 3.6 and torch 2.11"):
 - A writer makes its data visible with `tl.debug_barrier()` (all threads of the CTA finished their stores) followed by
   ONE release atomic on the flag (`signal_add`). Scalar atomics are executed once per program.
 - A reader spins with acquire atomics (`wait_at_least`) before it touches the data. `scope="sys"` for flags that a

@@ -1,0 +1,420 @@
+"""Persistent grouped GEMMs of the expert MLP for Hopper, as two launches: GEMM0 + SiLU-mul, then GEMM1.
+
+Shape legend: P = rows (token, expert pairs) on this rank, H = hidden size, I = intermediate size, E_local = local
+experts, BM/BN/BK = tile sizes.
+
+Layout the caller provides: the rows of every local expert contiguous and in expert order, `a` [P, H] bf16 with
+expert e's rows at [expert_offsets[e], expert_offsets[e + 1]) (`expert_offsets` int32 [E_local + 1], a prefix sum
+that starts at 0; rows past expert_offsets[-1] are never read into an output). `h` [P, I] and `y` [P, H] use the same
+row order.
+
+How the kernels are built (Hopper, Triton 3.6):
+- Grid = number of SMs; each CTA walks a flat list of (M tile, N tile) work items. M tiles come from a tile table
+  built on the device (`build_tile_table`, no host sync): ceil(rows_e / BM) tiles per expert, each with its expert,
+  first row and the expert's end row, so no tile spans two experts and the padding is under one tile per expert
+  (`split_tail`: tails of at most BM/2 rows run as BM/2-row tiles after the full ones, in the same launch).
+- Every operand comes through the bulk tensor copy engine (TMA) from host-built descriptors: A rows of a tile past
+  the expert's end read the next expert's rows (or zeros past P); they land in accumulator rows that are never
+  stored. K tails are zero-filled by the descriptor bounds. GEMM1 reads `h` through TMA: it must have been written
+  by an earlier launch (a separate launch orders the generic-proxy stores before the copy engine's reads).
+- GEMM0 multiplies gate and up columns in ONE wide MMA: w13 is re-laid once at load time (`interleave_w13`) so that
+  gate row j and up row j are neighbours; a [BN, BK] block of it is BN/2 gate-up pairs, the fp32 accumulator's
+  column pairs are in the same thread, and `tl.split` separates them for the SiLU-mul epilogue for free.
+- The epilogue (GemmConfig.epilogue) stores through masked pointer stores, or through TMA from a descriptor made on
+  the device per tile whose row bound is the expert's end (TMA clips the rows past it), or TMA for full tiles and
+  masked stores for tails (not with `flatten`: Triton 3.6 fails to compile that branch inside a flattened loop).
+- `flatten` pipelines the tile loop and the K loop as one, so the next tile's loads overlap this tile's epilogue.
+  `warp_specialize` compiles on sm_90 with Triton 3.6 but yields the same code as without (no producer/consumer
+  split on Hopper in this Triton); it is kept for newer Tritons and measured, not used by default.
+- Work order: GROUP_M consecutive M tiles (mostly one expert's rows) sweep the N tiles together, so a weight block
+  is read from HBM about once and reused from L2 by the group.
+
+Everything also runs under TRITON_INTERPRET=1 with DOT_FP32 (the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table, build_tile_table_torch
+
+__all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
+           "grouped_gemm1", "default_config", "compile_for_sm90"]
+
+# Epilogue kinds (GemmConfig.epilogue).
+EPILOGUE_MASKED = 0  # every tile through masked pointer stores
+EPILOGUE_TMA = 1     # full tiles through TMA, tail tiles through masked stores
+EPILOGUE_TMA_CLIPPED = 2  # every tile through TMA, from a descriptor made on the device that ends at the expert's
+#                           last row (needs triton.set_allocator for the descriptors' global scratch)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and schedule of one grouped GEMM launch.
+
+    Attributes:
+        block_m: rows per M tile (64 or 128).
+        block_n: accumulator columns per tile; for GEMM0 with `interleaved`, BN/2 gate-up pairs (BN/2 columns of h).
+        block_k: K step.
+        group_m: M tiles that sweep the N tiles together (L2 reuse of weight blocks).
+        num_stages: software pipeline depth (shared-memory stages).
+        num_warps: 4 (one warpgroup) or 8 (two).
+        epilogue: EPILOGUE_MASKED, EPILOGUE_TMA or EPILOGUE_TMA_CLIPPED.
+        warp_specialize: 0 none, 1 on the persistent tile loop, 2 on the K loop.
+        flatten: flatten the tile loop and the K loop into one pipelined loop (the next tile's loads overlap the
+            epilogue).
+        interleaved: GEMM0 only: one wide MMA over interleaved w13 (True) or two MMAs, gate and up (False, w13 as
+            given).
+        split_tail: tails of at most block_m / 2 rows run as half-height tiles after the full ones (TileTable).
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    epilogue: int = EPILOGUE_TMA
+    warp_specialize: int = 0
+    flatten: bool = True
+    interleaved: bool = True
+    split_tail: bool = False
+
+    def with_(self, **changes) -> "GemmConfig":
+        return replace(self, **changes)
+
+
+def default_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
+    """The configuration measured best on one H200 (scripts/gemm_bench.py, bench/results/gemm/) for a GEMM of
+    `rows` rows over `num_local_experts` experts; `gemm` is 0 or 1. Decided on the host, without the per-expert counts.
+
+    128x256 tiles (two warpgroups, 4 stages; GEMM0 stores through the clipped TMA epilogue) unless 64-row tiles
+    would pad the average expert by over 25 points less: e.g. 154 rows per expert pad to 256 in 128-row tiles (66%)
+    but to 192 in 64-row tiles (25%), and there one warpgroup with 64x256 tiles wins despite its lower MMA rate.
+    Assumes balanced-ish experts (the average stands for each).
+    """
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    mean = max(rows / max(num_local_experts, 1), 1.0)
+
+    def padding(block_m):
+        return -(-mean // block_m) * block_m / mean - 1
+
+    epilogue = EPILOGUE_TMA_CLIPPED if gemm == 0 else EPILOGUE_MASKED
+    if padding(128) - padding(64) > 0.25:
+        return GemmConfig(block_m=64, num_warps=4, num_stages=4 if gemm == 0 else 5, epilogue=epilogue)
+    return GemmConfig(block_m=128, num_warps=8, num_stages=4, epilogue=epilogue)
+
+
+def interleave_w13(w13: torch.Tensor) -> torch.Tensor:
+    """[E_local, 2I, H] (gate rows, then up rows) -> [E_local, 2I, H] with row 2j = gate j, row 2j + 1 = up j."""
+    num_experts, two_i, hidden = w13.shape
+    return w13.view(num_experts, 2, two_i // 2, hidden).transpose(1, 2).reshape(num_experts, two_i, hidden).contiguous()
+
+
+@triton.jit
+def _tile_coords(work, num_tiles, num_n, GROUP_M: tl.constexpr):
+    per_group = GROUP_M * num_n
+    group = work // per_group
+    first = group * GROUP_M
+    size = tl.minimum(num_tiles - first, GROUP_M)
+    tile = first + (work % per_group) % size
+    n = (work % per_group) // size
+    return tile, n
+
+
+@triton.jit
+def _masked_store(out_ptr, values, m_start, m_end, n_start, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * num_cols + offs_n[None, :]
+    tl.store(ptrs, values, mask=(offs_m < m_end)[:, None] & (offs_n < num_cols)[None, :])
+
+
+@triton.jit
+def _store_tile(out_ptr, out_desc, values, m_start, m_end, n_start, num_cols,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr):
+    """out[m_start + m, n_start + n] = values[m, n] for rows < m_end and columns < num_cols."""
+    values = values.to(out_ptr.dtype.element_ty)
+    if EPILOGUE == 2:
+        clipped = tl.make_tensor_descriptor(out_ptr, shape=[m_end, num_cols], strides=[num_cols, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+        clipped.store([m_start, n_start], values)
+    elif EPILOGUE == 1:
+        if m_end - m_start >= BLOCK_M:
+            out_desc.store([m_start, n_start], values)  # columns past num_cols are clipped by the descriptor
+        else:
+            _masked_store(out_ptr, values, m_start, m_end, n_start, num_cols, BLOCK_M, BLOCK_N)
+    else:
+        _masked_store(out_ptr, values, m_start, m_end, n_start, num_cols, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _section_work(pid, work_before, NUM_SMS: tl.constexpr):
+    """First work index of this CTA in a section that follows `work_before` items: the round-robin over CTAs goes on
+    across sections, so the CTAs that ran out of section-0 work first take section 1's first items."""
+    return ((pid - work_before) % NUM_SMS + NUM_SMS) % NUM_SMS
+
+
+@triton.jit
+def _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_tiles, num_n, work, H, I,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
+    expert = tl.load(tiles_ptr + column0 + tile)
+    m_start = tl.load(tiles_ptr + width + column0 + tile)
+    m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
+    n_start = n * HALF_N
+    if INTERLEAVED:
+        w_row = expert * 2 * I + 2 * n_start
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
+            a = a_desc.load([m_start, k])
+            w = w_desc.load([w_row, k])
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w.T, acc)
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
+    else:
+        gate_row = expert * 2 * I + n_start
+        gate = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+        for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
+            a = a_desc.load([m_start, k])
+            wg = w_desc.load([gate_row, k])
+            wu = w_desc.load([gate_row + I, k])
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            gate = tl.dot(a, wg.T, gate)
+            up = tl.dot(a, wu.T, up)
+    h = gate * tl.sigmoid(gate) * up
+    _store_tile(h_ptr, h_desc, h, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
+
+
+@triton.jit(do_not_specialize=["max_tiles"])
+def _gemm0_kernel(a_desc, a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  NUM_SMS: tl.constexpr, INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr,
+                  SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """h[m, j] = silu(a[m] . gate_j) * (a[m] . up_j) over every tile of the table.
+
+    a_desc: [P, H] block [BM, BK] (a_tail_desc: block [BM / 2, BK], section 1 of a split table); w_desc: w13 as
+    [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK]; h: [P, I] bf16 (h_desc block [BM, BN / 2]);
+    tiles: int32 [3, 2 * max_tiles] (TileTable).
+    """
+    pid = tl.program_id(0)
+    width = 2 * max_tiles
+    num_n = tl.cdiv(I, BLOCK_N // 2)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_work = num_tiles * num_n
+    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
+        _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, 0, num_tiles, num_n, work, H, I,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32)
+    if SPLIT_TAIL:
+        num_tails = tl.load(num_tiles_ptr + 1)
+        for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
+            _gemm0_tile(a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, max_tiles, num_tails, num_n, work,
+                        H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32)
+
+
+@triton.jit
+def _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, column0, num_tiles, num_n, work, H, I,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
+    tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
+    expert = tl.load(tiles_ptr + column0 + tile)
+    m_start = tl.load(tiles_ptr + width + column0 + tile)
+    m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
+    n_start = n * BLOCK_N
+    w_row = expert * H + n_start
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, I, BLOCK_K, warp_specialize=WS_INNER):
+        a = h_desc.load([m_start, k])
+        w = w_desc.load([w_row, k])
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w.T, acc)
+    if HAS_SCALE:
+        rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
+        acc = acc * tl.load(scale_ptr + rows)[:, None]
+    _store_tile(y_ptr, y_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
+
+
+@triton.jit(do_not_specialize=["max_tiles"])
+def _gemm1_kernel(h_desc, h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  NUM_SMS: tl.constexpr, HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr,
+                  SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
+                  DOT_FP32: tl.constexpr):
+    """y[m] = scale[m] * (h[m] . w2[expert]^T) over every tile of the table (scale = 1 without HAS_SCALE).
+
+    h_desc: [P, I] block [BM, BK] (h_tail_desc: block [BM / 2, BK]); w_desc: w2 as [E_local * H, I], block
+    [BN, BK]; y: [P, H] bf16 (y_desc block [BM, BN]); scale: fp32 [P] (the routing weight of each row).
+    """
+    pid = tl.program_id(0)
+    width = 2 * max_tiles
+    num_n = tl.cdiv(H, BLOCK_N)
+    num_tiles = tl.load(num_tiles_ptr)
+    num_work = num_tiles * num_n
+    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
+        _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, 0, num_tiles, num_n, work, H, I,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
+    if SPLIT_TAIL:
+        num_tails = tl.load(num_tiles_ptr + 1)
+        for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
+            _gemm1_tile(h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, max_tiles, num_tails, num_n,
+                        work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter runs programs one after another: a few programs still walk the persistent loop
+
+
+def _check(name, tensor, shape, dtype):
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or not tensor.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous {dtype} {tuple(shape)}, given {tensor.dtype} "
+                         f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+
+
+def _check_tiles(tiles: TileTable, config: GemmConfig):
+    if tiles.block_m != config.block_m:
+        raise ValueError(f"tiles.block_m: expected config.block_m={config.block_m}, given {tiles.block_m}")
+    if tiles.split_tail != config.split_tail:
+        raise ValueError(f"tiles.split_tail: expected config.split_tail={config.split_tail}, given {tiles.split_tail}")
+    if config.split_tail and config.epilogue == EPILOGUE_TMA:
+        raise ValueError("config.epilogue: EPILOGUE_TMA has one store descriptor, of full tiles; split_tail needs "
+                         "EPILOGUE_MASKED or EPILOGUE_TMA_CLIPPED")
+
+
+def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False):
+    """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0)."""
+    rows, hidden = a.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    _check("a", a, (rows, hidden), a.dtype)
+    _check("w13", w13, (num_experts, two_i, hidden), a.dtype)
+    _check("h", h, (rows, inter), a.dtype)
+    _check_tiles(tiles, config)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    w_block = [bn, bk] if config.interleaved else [bn // 2, bk]
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+    a_tail_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk])
+    w_desc = TensorDescriptor.from_tensor(w13.view(num_experts * two_i, hidden), w_block)
+    h_desc = TensorDescriptor.from_tensor(h, [bm, bn // 2])
+    num_sms = _num_sms(a.device)
+    args = (a_desc, a_tail_desc, w_desc, h, h_desc, tiles.table, tiles.num_tiles, tiles.max_tiles, hidden, inter)
+    kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
+                  INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
+                  WS_OUTER=config.warp_specialize == 1,
+                  WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    return _gemm0_kernel, (num_sms,), args, kwargs
+
+
+def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, dot_fp32: bool = False):
+    """(kernel, grid, args, kwargs) of one GEMM1 launch (see grouped_gemm1)."""
+    rows, inter = h.shape
+    num_experts, hidden, _ = w2.shape
+    _check("h", h, (rows, inter), h.dtype)
+    _check("w2", w2, (num_experts, hidden, inter), h.dtype)
+    _check("y", y, (rows, hidden), h.dtype)
+    if scale is not None:
+        _check("scale", scale, (rows,), torch.float32)
+    _check_tiles(tiles, config)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    h_desc = TensorDescriptor.from_tensor(h, [bm, bk])
+    h_tail_desc = TensorDescriptor.from_tensor(h, [bm // 2, bk])
+    w_desc = TensorDescriptor.from_tensor(w2.view(num_experts * hidden, inter), [bn, bk])
+    y_desc = TensorDescriptor.from_tensor(y, [bm, bn])
+    num_sms = _num_sms(h.device)
+    args = (h_desc, h_tail_desc, w_desc, y, y_desc, scale if scale is not None else y, tiles.table, tiles.num_tiles,
+            tiles.max_tiles, hidden, inter)
+    kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
+                  HAS_SCALE=scale is not None, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
+                  WS_OUTER=config.warp_specialize == 1,
+                  WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    return _gemm1_kernel, (num_sms,), args, kwargs
+
+
+def _torch_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _launch(kernel, grid, args, kwargs, needs_scratch: bool):
+    """Launch; a kernel that makes descriptors on the device needs Triton's global scratch allocator: when the
+    caller has set none, a torch one is set for this launch only (Triton keeps it in a ContextVar)."""
+    from triton.runtime import _allocation
+
+    if not needs_scratch or _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR:
+        kernel[grid](*args, **kwargs)
+        return
+    token = _allocation._allocator.set(_torch_scratch)
+    try:
+        kernel[grid](*args, **kwargs)
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
+                  dot_fp32: bool = False) -> torch.Tensor:
+    """h = silu(a @ gate^T) * (a @ up^T) per expert, one persistent launch.
+
+    Args:
+        a: [P, H] bf16, rows in expert order (see the module docstring).
+        w13: [E_local, 2I, H] bf16: `interleave_w13(w13)` when config.interleaved, else gate rows then up rows.
+        h: [P, I] bf16 output; rows outside every tile are left untouched.
+        tiles: `build_tile_table(expert_offsets, config.block_m, P, config.split_tail)`.
+        config: tile shape and schedule.
+        dot_fp32: multiply in fp32 (interpreter tests only).
+    """
+    kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32)
+    _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and a.is_cuda)
+    return h
+
+
+def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable, config: GemmConfig,
+                  scale: torch.Tensor | None = None, dot_fp32: bool = False) -> torch.Tensor:
+    """y = scale * (h @ w2[expert]^T) per expert, one persistent launch.
+
+    Args:
+        h: [P, I] bf16, rows in expert order.
+        w2: [E_local, H, I] bf16.
+        y: [P, H] bf16 output; rows outside every tile are left untouched.
+        tiles: `build_tile_table(expert_offsets, config.block_m, P, config.split_tail)`.
+        config: tile shape and schedule (`interleaved` is ignored).
+        scale: optional fp32 [P], multiplied into each row in fp32 before the bf16 rounding (routing weights).
+        dot_fp32: multiply in fp32 (interpreter tests only).
+    """
+    kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32)
+    _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and h.is_cuda)
+    return y
+
+
+def compile_for_sm90(kernel, args, kwargs, capability: int = 90):
+    """Compile `kernel` for sm_<capability> without a GPU, specialised exactly as a launch with these arguments
+    would be (pointer alignment, integer divisibility, constexprs, options); returns triton's CompiledKernel (its
+    .asm["ptx"], .n_regs, .n_spills need no GPU except n_regs, which is filled in at load time)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)

@@ -1,0 +1,138 @@
+"""Tile tables of the grouped GEMMs (kernels/grouped_gemm.py): each expert's rows cut into M tiles, on the device.
+
+Shape legend: E_local = local experts, P = rows, BM = rows per tile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["TileTable", "build_tile_table", "build_tile_table_torch"]
+
+
+@dataclass(frozen=True)
+class TileTable:
+    """M tiles of one grouped GEMM, built on the device, in two sections of `max_tiles` entries each.
+
+    Section 0 holds tiles of block_m rows; with `split_tail`, an expert whose last tile would hold at most block_m / 2
+    rows gets that tail as a tile of section 1 instead, run with block_m / 2 rows (less padding). Without it, section
+    1 is empty.
+
+    Attributes:
+        table: int32 [3, 2 * max_tiles]: per tile (expert, first row, end row of its expert); section s starts at
+            column s * max_tiles; entries past a section's count are unused.
+        num_tiles: int32 [2]: tiles in sections 0 and 1 (read by the kernels on the device).
+        block_m: rows per tile of section 0.
+        split_tail: whether section 1 is used.
+    """
+
+    table: torch.Tensor
+    num_tiles: torch.Tensor
+    block_m: int
+    split_tail: bool = False
+
+    @property
+    def max_tiles(self) -> int:
+        return self.table.shape[1] // 2
+
+
+def _table_size(expert_offsets: torch.Tensor, block_m: int, max_rows: int) -> tuple[int, int]:
+    if expert_offsets.dim() != 1 or expert_offsets.numel() < 2 or expert_offsets.dtype != torch.int32:
+        raise ValueError("expert_offsets: expected int32 [E_local + 1] with E_local >= 1, given "
+                         f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}")
+    num_experts = expert_offsets.numel() - 1
+    return num_experts, triton.cdiv(max_rows, block_m) + num_experts
+
+
+def build_tile_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int, split_tail: bool = False) -> TileTable:
+    """Cut each expert's rows into tiles (see TileTable), on the device, in one launch and without a host sync.
+
+    Args:
+        expert_offsets: int32 [E_local + 1], prefix sum of rows per expert, starting at 0, ending <= max_rows.
+        block_m: rows per tile (section 0).
+        max_rows: an upper bound of expert_offsets[-1] known on the host (sizes the table).
+        split_tail: give tails of at most block_m / 2 rows their own half-height tiles (section 1).
+    """
+    num_experts, max_tiles = _table_size(expert_offsets, block_m, max_rows)
+    table = torch.empty(3, 2 * max_tiles, dtype=torch.int32, device=expert_offsets.device)
+    num_tiles = torch.empty(2, dtype=torch.int32, device=expert_offsets.device)
+    block_t = 64
+    _tile_table_kernel[(triton.cdiv(max_tiles, block_t),)](
+        expert_offsets, table, num_tiles, num_experts, max_tiles, BLOCK_M=block_m, SPLIT_TAIL=split_tail,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=block_t)
+    return TileTable(table, num_tiles, block_m, split_tail)
+
+
+def build_tile_table_torch(expert_offsets: torch.Tensor, block_m: int, max_rows: int,
+                           split_tail: bool = False) -> TileTable:
+    """`build_tile_table` in plain torch ops (the test reference; ~20 launches instead of one)."""
+    num_experts, max_tiles = _table_size(expert_offsets, block_m, max_rows)
+    offsets = expert_offsets.to(torch.int64)
+    rows = offsets[1:] - offsets[:-1]
+    remainder = rows % block_m
+    small = (remainder > 0) & (remainder <= block_m // 2) if split_tail else torch.zeros_like(rows, dtype=torch.bool)
+    big = (rows + block_m - 1) // block_m - small.long()
+    tile = torch.arange(max_tiles, device=expert_offsets.device)
+    sections, counts = [], []
+    for per_expert, height in ((big, block_m), (small.long(), block_m // 2)):
+        psum = torch.cumsum(per_expert, 0)
+        expert = torch.searchsorted(psum, tile, right=True).clamp_(max=num_experts - 1)
+        index = tile - (psum[expert] - per_expert[expert])
+        if height == block_m:
+            m_start = offsets[expert] + index * block_m
+        else:  # the tail after the expert's full tiles
+            m_start = offsets[expert] + rows[expert] // block_m * block_m
+        sections.append(torch.stack([expert, m_start, offsets[expert + 1]]))
+        counts.append(psum[-1:])
+    return TileTable(torch.cat(sections, 1).to(torch.int32), torch.cat(counts).to(torch.int32), block_m, split_tail)
+
+
+@triton.jit(do_not_specialize=["num_experts", "max_tiles"])
+def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_tiles,
+                       BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_T: tl.constexpr):
+    """Entries [pid * BLOCK_T, +BLOCK_T) of both sections; every program recomputes the tile prefix sums over the
+    experts (E_local <= BLOCK_E numbers), so there is no cross-program dependency. Entries past a section's count
+    repeat its last expert and are never read."""
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < num_experts
+    start = tl.load(offsets_ptr + experts, mask=valid, other=0)
+    end = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
+    rows = end - start
+    remainder = rows % BLOCK_M
+    if SPLIT_TAIL:
+        small = tl.where(valid & (remainder > 0) & (remainder <= BLOCK_M // 2), 1, 0)
+    else:
+        small = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    big = tl.where(valid, (rows + BLOCK_M - 1) // BLOCK_M, 0) - small
+    if tl.program_id(0) == 0:
+        tl.store(num_tiles_ptr, tl.sum(big, 0))
+        tl.store(num_tiles_ptr + 1, tl.sum(small, 0))
+    tile = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    width = 2 * max_tiles
+    # section 0: the expert holding a tile is the number of experts whose tiles all come before it (searchsorted,
+    # right); tile i of an expert starts i * BLOCK_M rows in
+    psum = tl.cumsum(big, 0)
+    first = psum - big
+    expert = tl.minimum(tl.sum(((psum[None, :] <= tile[:, None]) & valid[None, :]).to(tl.int32), 1), num_experts - 1)
+    pick = experts[None, :] == expert[:, None]
+    m_start = tl.sum(tl.where(pick, start[None, :] + (tile[:, None] - first[None, :]) * BLOCK_M, 0), 1)
+    m_end = tl.sum(tl.where(pick, end[None, :], 0), 1)
+    ok = tile < max_tiles
+    tl.store(table_ptr + tile, expert, mask=ok)
+    tl.store(table_ptr + width + tile, m_start, mask=ok)
+    tl.store(table_ptr + 2 * width + tile, m_end, mask=ok)
+    # section 1: at most one tail tile per expert, after its full tiles
+    psum = tl.cumsum(small, 0)
+    first = psum - small
+    expert = tl.minimum(tl.sum(((psum[None, :] <= tile[:, None]) & valid[None, :]).to(tl.int32), 1), num_experts - 1)
+    pick = experts[None, :] == expert[:, None]
+    m_start = tl.sum(tl.where(pick, start[None, :] + rows[None, :] // BLOCK_M * BLOCK_M, 0), 1)
+    m_end = tl.sum(tl.where(pick, end[None, :], 0), 1)
+    tl.store(table_ptr + max_tiles + tile, expert, mask=ok)
+    tl.store(table_ptr + width + max_tiles + tile, m_start, mask=ok)
+    tl.store(table_ptr + 2 * width + max_tiles + tile, m_end, mask=ok)

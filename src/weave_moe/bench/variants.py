@@ -1,0 +1,100 @@
+"""Variant names: the one parser of `backend[:policy]` strings, used by `weave-moe bench` and `weave_moe.validate`.
+
+    "nccl"                -> Variant("nccl", backend="nccl", policy=None)
+    "weave"               -> Variant("weave", backend="weave", policy="weave")       (the backend's default policy)
+    "weave:static:20,4"   -> Variant("weave:static:20,4", backend="weave", policy="static:20,4")
+    "nccl,weave:static:20,4,weave" (a list) -> three variants: a part that is only digits belongs to the one before
+
+A backend name must be registered in `weave_moe.layer.BACKENDS`; a policy is allowed on the weave backend only and is
+checked by `weave_moe.plan.parse_policy`, so a typo fails before any rank starts, with the valid names in the message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weave_moe.plan.calibrate import WEAVE_POLICIES  # the weave policies of the default comparison
+
+__all__ = ["Variant", "parse_variant", "parse_variants", "BASELINES", "WEAVE_POLICIES", "default_variants"]
+
+#: The baselines a user would run instead of weave, in report order. The best of them (per configuration) is what the
+#: report ranks every variant against.
+BASELINES = ("nccl", "symm", "deepep")
+
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the comparison: a backend and, for weave, a schedule policy.
+
+    Attributes:
+        name: the text it was parsed from ("weave:static:20"); the row's `variant`.
+        backend: a key of `weave_moe.layer.BACKENDS`.
+        policy: the weave policy ("weave" when none was given); None for the other backends.
+    """
+
+    name: str
+    backend: str
+    policy: str | None = None
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.backend in BASELINES
+
+
+def _known_backends() -> tuple[str, ...]:
+    from weave_moe.layer import BACKENDS
+
+    return tuple(BACKENDS)
+
+
+def parse_variant(text: str) -> Variant:
+    """One `backend[:policy]` name -> Variant; ValueError naming what is allowed."""
+    from weave_moe.plan import parse_policy
+
+    text = text.strip()
+    if not text:
+        raise ValueError("empty variant name; expected backend[:policy], e.g. nccl or weave:static:20")
+    backend, _, policy = text.partition(":")
+    known = _known_backends()
+    if backend not in known:
+        raise ValueError(f"variant {text!r}: unknown backend {backend!r}; registered backends: {', '.join(known)}")
+    if backend != "weave":
+        if policy:
+            raise ValueError(f"variant {text!r}: only the weave backend takes a policy; use {backend!r} alone")
+        return Variant(name=text, backend=backend)
+    policy = policy or "weave"
+    try:
+        parse_policy(policy)
+    except ValueError as error:  # its message lists the valid policies
+        raise ValueError(f"variant {text!r}: {error}") from None
+    return Variant(name=text, backend=backend, policy=policy)
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """A comma-separated list of variant names (a `--variants` value). 'weave:static:20,4' keeps its comma: a part
+    that is only digits joins the one before it. Duplicates are an error (their rows would be indistinguishable)."""
+    names: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if names and part.isdigit():
+            names[-1] += "," + part
+        else:
+            names.append(part)
+    if not names:
+        raise ValueError(f"no variant in {text!r}; expected e.g. nccl,weave:serial,weave")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"variant(s) given twice: {', '.join(duplicates)}")
+    return [parse_variant(name) for name in names]
+
+
+def default_variants() -> str:
+    """Every registered baseline, then weave with each policy of WEAVE_POLICIES (the last one, 'weave', as plain
+    'weave'), as a --variants string."""
+    known = _known_backends()
+    names = [b for b in BASELINES if b in known]
+    if "weave" in known:
+        names += [f"weave:{p}" if p != "weave" else "weave" for p in WEAVE_POLICIES]
+    return ",".join(names)
