@@ -169,7 +169,8 @@ class WeaveBackend:
         self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
         self.last_chunks: list[int] | None = None
         self.comb_flags = tuple(self.workspace.flags(p)[world_size * MAX_CHUNKS:] for p in (0, 1))
-        self.graphs = GraphCache(device, use_cuda_graph)
+        self.graphs = GraphCache(device, use_cuda_graph, wait_for=lambda is_done: self.coordinator.poll(
+            is_done, "the routing exchange (before a CUDA-graph capture)"))
         self.layout_builder = LayoutBuilder(cfg.compile_layout)
         self.calls = 0
         self.compiled: set = set()

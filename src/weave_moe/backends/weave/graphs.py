@@ -61,10 +61,14 @@ class GraphCache:
     follows records without executing. `build` need not be idempotent: the counts graph masks bad expert ids in
     place, so running it twice on one call's routing would count them once and report zero the second time. Falls
     back to eager execution, with a warning, if a capture fails (and for good once one has failed).
+
+    `wait_for(is_done)`, when given, bounds the wait before a capture: the warm-up may sit behind a collective that a
+    peer never joins (the routing all-gather), and `torch.cuda.synchronize` alone would wait for it forever.
     """
 
-    def __init__(self, device: torch.device, enabled: bool):
+    def __init__(self, device: torch.device, enabled: bool, wait_for=None):
         self.device, self.enabled = device, enabled
+        self.wait_for = wait_for
         self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def run(self, name: str, build):
@@ -86,6 +90,10 @@ class GraphCache:
         # pending collectives, and in the default ("global") mode such a call from another thread during the
         # capture invalidates it and errors in the watchdog (suspected cause of a hang seen once on the H200
         # pair when the counts graph was captured right behind the routing all-gather).
+        if self.wait_for is not None:
+            warmed_up = torch.cuda.Event()
+            warmed_up.record(side)
+            self.wait_for(warmed_up.query)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
