@@ -538,6 +538,7 @@ def test_warm_up_records_each_sets_plan():
 
     class Layer:  # a backend whose plan depends on the input, as the weave backend's does
         backend = Backend()
+        last_plan = property(lambda self: self.backend.last_plan)
 
         def __call__(self, x, ids, weights):
             self.backend.last_plan = Plan(c=x, K=2, n_steal=3, predicted_us=10.0 * x, policy="weave")
@@ -549,6 +550,7 @@ def test_warm_up_records_each_sets_plan():
 
     class NoPlans:
         backend = Backend()
+        last_plan = None
 
         def __call__(self, *inputs):
             pass

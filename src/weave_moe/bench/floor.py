@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from weave_moe.plan.profile import BYTES_PER_ELEMENT
+from weave_moe.models import BYTES_PER_ELEMENT
 
 __all__ = ["FloorConstants", "RankTraffic", "LayerFloor", "rank_traffic", "layer_floor", "FLOOR_TERMS"]
 

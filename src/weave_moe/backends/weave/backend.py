@@ -26,7 +26,8 @@ from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
 from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
-from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES
+from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
+from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
 from weave_moe.models import MoESpec
@@ -181,13 +182,19 @@ class WeaveBackend:
         self.w13 = self.w2 = None
         self.descriptors: dict = {}
         self.use_tma = bool(cfg.tma and H % 8 == 0 and I % 8 == 0 and cfg.block_n1 >= 256)
+        # The serial policy's GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm). Only for the fixed
+        # serial policy: its megakernel launches never run the GEMM phase, so w13 can be held interleaved.
+        self.grouped = bool(cfg.grouped_gemm and self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
+                            and H % 8 == 0 and I % 8 == 0 and torch.cuda.get_device_capability(device) >= (9, 0))
+        self.max_pairs = max_pairs
+        self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
         self.constants = mk_launch.MegakernelConstants.from_config(cfg, spec.top_k, MAX_CHUNKS, self.timeline_events,
                                                                    self.use_tma)
 
     # ---- contract ---------------------------------------------------------------------------------------------------
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """w13 [E_local, 2I, H], w2 [E_local, H, I] bf16 on this device (checked by the layer)."""
-        self.w13, self.w2 = w13.contiguous(), w2.contiguous()
+        self.w13, self.w2 = (grouped_gemm.interleave_w13(w13) if self.grouped else w13.contiguous()), w2.contiguous()
         self.descriptors = self._tma_descriptors() if self.use_tma else dict(w13_desc=None, w2_desc=None)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -242,6 +249,8 @@ class WeaveBackend:
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
         plans = [self.fixed_plan] * self.world_size if self.fixed_plan is not None else self._plans(counts)
         self.last_plan, self.last_plans = plans[self.rank], plans
+        first = self.rank * self.num_local_experts
+        self.local_rows = sum(counts.expert_pairs[first:first + self.num_local_experts])
         clock.lap("plan")
         # 4. task tables (one CUDA-graph replay, unless built above with the right chunk counts) and launch
         chunks = [p.K for p in plans]
@@ -366,10 +375,37 @@ class WeaveBackend:
         self._ensure_compiled(args, launch_options)
         if self.debug_skip_launch:
             return
-        stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if serial and not self.config.fused_serial else [(0, 3)]
-        for first, last in stages:
-            args.PHASE_FIRST, args.PHASE_LAST = first, last
+        if serial and self.grouped:
+            stages = [(0, 0), "grouped", (2, 2), (3, 3)]
+        elif serial and not self.config.fused_serial:
+            stages = [(0, 0), (1, 1), (2, 2), (3, 3)]
+        else:
+            stages = [(0, 3)]
+        for stage in stages:
+            if stage == "grouped":
+                self._grouped_gemms(layout)
+                continue
+            args.PHASE_FIRST, args.PHASE_LAST = stage
             mk_launch.launch(args=args, **launch_options)
+
+    def _grouped_gemms(self, layout) -> None:
+        """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
+        overwrites afterwards), GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
+        combine phase, which waits on those counters."""
+        rows, E_local = self.local_rows, self.num_local_experts
+        count = layout.expert_offsets[E_local:]
+        grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.y, count, 4 * self.num_sms)
+        configs = [grouped_gemm.default_config(g, rows, E_local) for g in (0, 1)]
+        tables = {}
+        for config in configs:
+            if config.block_m not in tables:
+                tables[config.block_m] = grouped_tiles.build_tile_table(layout.expert_offsets, config.block_m,
+                                                                        self.max_pairs)
+        grouped_gemm.grouped_gemm0(self.y[:self.max_pairs], self.w13, self.h[:self.max_pairs],
+                                   tables[configs[0].block_m], configs[0])
+        grouped_gemm.grouped_gemm1(self.h[:self.max_pairs], self.w2, self.y[:self.max_pairs],
+                                   tables[configs[1].block_m], configs[1])
+        self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS].copy_(layout.gemm1_expected)
 
     def _ensure_compiled(self, args, launch_options) -> None:
         """Compile before the first launch and line the ranks up, so no rank's waits time out while a peer is still
@@ -379,6 +415,16 @@ class WeaveBackend:
         if self.constants in self.compiled:
             return
         mk_launch.warmup(args=args, **launch_options)
+        if self.grouped:  # compile every grouped-GEMM variant a call may pick, on an empty tile table
+            empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
+            for rows in (self.max_pairs, 64 * self.num_local_experts + 1, 1):
+                for g, config in enumerate(grouped_gemm.default_config(g, rows, self.num_local_experts)
+                                           for g in (0, 1)):
+                    table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
+                    run = grouped_gemm.grouped_gemm0 if g == 0 else grouped_gemm.grouped_gemm1
+                    ins, out = (self.y, self.h) if g == 0 else (self.h, self.y)
+                    run(ins[:self.max_pairs], self.w13 if g == 0 else self.w2, out[:self.max_pairs], table, config)
+            grouped_tiles.gather_rows(self.workspace.recv(), self.ctrl, self.y, empty[:1], 4 * self.num_sms)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             work = torch.distributed.barrier(group=self.group, async_op=True)

@@ -47,6 +47,10 @@ class KernelConfig:
             kernels), then captured as a CUDA graph. Costs a compile per layer shape and rank on the first call
             (~22 s cold for a fresh process, ~5 s per further shape). On: 1.19x faster weave calls on the H200 pair
             (1.35x at 2048 tokens; fef48c7).
+        grouped_gemm: the `serial` policy runs its GEMM stage as two persistent grouped-GEMM launches
+            (kernels/grouped_gemm.py: TMA for every operand, one wide MMA over an interleaved w13) instead of the
+            megakernel's GEMM tiles; the received rows are first gathered into expert order. Needs H and I multiples
+            of 8 and a Hopper GPU; w13 is then held interleaved (gate j, up j neighbours).
     """
 
     block_m: int = 128
@@ -66,6 +70,7 @@ class KernelConfig:
     fused_serial: bool = False
     tma: bool = True
     compile_layout: bool = True
+    grouped_gemm: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

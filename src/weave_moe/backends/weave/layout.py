@@ -66,6 +66,7 @@ class Layout:
     token_dest_mask: torch.Tensor      # [T_max] bit d set = token went to rank d
     combine_expected: torch.Tensor     # [EP] rows each destination writes back to this rank
     max_pairs: int                     # rows of h / y the tables may address
+    expert_offsets: torch.Tensor       # [E_local + 1] prefix sum of chunk 0's rows per local expert (all rows if K = 1)
 
 
 def _segment_blocks(counts: torch.Tensor, block: int, max_tasks: int):
@@ -172,7 +173,10 @@ def build_layout(
 
     # M tiles: one segment per (chunk, expert)
     trash = MAX_CHUNKS * num_local_experts
-    segment_rows = static_bincount(torch.where(pair_valid, pair_chunk * num_local_experts + pair_expert, trash), trash + 1)[:trash]
+    segment_key = torch.where(pair_valid, pair_chunk * num_local_experts + pair_expert, trash)
+    segment_rows = static_bincount(segment_key, trash + 1)[:trash]
+    # rows of chunk 0 per local expert, as a prefix sum: with one chunk (K = 1) every expert's rows are contiguous
+    expert_offsets = torch.cat([segment_rows.new_zeros(1), torch.cumsum(segment_rows[:num_local_experts], 0)])
     max_mtiles = max_pairs // block_m + MAX_CHUNKS * num_local_experts + 1
     seg, m_start, m_rows, num_mtiles = _segment_blocks(segment_rows, block_m, max_mtiles)
     m_chunk, m_expert = seg // num_local_experts, seg % num_local_experts
@@ -248,6 +252,7 @@ def build_layout(
         token_dest_mask=bits.to(**int32),
         combine_expected=combine_expected,
         max_pairs=max_pairs,
+        expert_offsets=expert_offsets.to(**int32),
     )
 
 

@@ -1,4 +1,5 @@
-"""Tile tables of the grouped GEMMs (kernels/grouped_gemm.py): each expert's rows cut into M tiles, on the device.
+"""Tile tables of the grouped GEMMs (kernels/grouped_gemm.py): each expert's rows cut into M tiles, on the device;
+and the row gather that lays the received rows out in expert order for them.
 
 Shape legend: E_local = local experts, P = rows, BM = rows per tile.
 """
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TileTable", "build_tile_table", "build_tile_table_torch"]
+__all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -136,3 +137,35 @@ def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_t
     tl.store(table_ptr + max_tiles + tile, expert, mask=ok)
     tl.store(table_ptr + width + max_tiles + tile, m_start, mask=ok)
     tl.store(table_ptr + 2 * width + max_tiles + tile, m_end, mask=ok)
+
+
+@triton.jit
+def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, count_ptr, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dst[r] = src[index[r]] for r < count (a device scalar); a persistent grid strides over the rows."""
+    count = tl.load(count_ptr)
+    offs_r = tl.arange(0, ROWS)
+    offs_h = tl.arange(0, BLOCK_H)
+    for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
+        rows = first + offs_r
+        row_ok = rows < count
+        src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + offs_h
+            mask = row_ok[:, None] & (cols < H)[None, :]
+            values = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=mask)
+            tl.store(dst_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], values, mask=mask)
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count: torch.Tensor,
+                num_programs: int) -> torch.Tensor:
+    """dst[r] = src[index[r]] for r < count, with no host sync: the grouped GEMMs read their A rows contiguous.
+
+    Args:
+        src: [S, H] bf16 (the receive buffer). index: [>= count] int32 rows of src. dst: [>= count, H], same dtype.
+        count: int32 device scalar (e.g. `expert_offsets[-1:]`): rows to gather. num_programs: persistent grid size.
+    """
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+        raise ValueError(f"gather_rows: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
+                         "must be [*, H] of one dtype")
+    _gather_rows_kernel[(num_programs,)](src, index, dst, count, src.shape[1], ROWS=16, BLOCK_H=512, num_warps=8)
+    return dst
