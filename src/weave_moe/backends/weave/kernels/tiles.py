@@ -31,6 +31,40 @@ def dispatch_rows(x_ptr, dst_ptr, token_ptr, slot_ptr, start, count, H,
 
 
 @triton.jit
+def _paired_k_loop(a_ptrs, b0_ptrs, b1_ptrs, K, b_desc, b0_row, b1_row,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                   STAGES: tl.constexpr, USE_TMA: tl.constexpr):
+    """(A @ B0, A @ B1) over K in BLOCK_K steps: two [BLOCK_M, BLOCK_N] fp32 accumulators sharing each A block.
+
+    a_ptrs: [BLOCK_M, BLOCK_K] pointers of the first A block; b0_ptrs / b1_ptrs: [BLOCK_K, BLOCK_N] pointers of the
+    first B blocks (K-contiguous rows of the weights). With USE_TMA the B blocks come from `b_desc` at rows b0_row /
+    b1_row instead (block [BLOCK_N, BLOCK_K], transposed on load). The K tail is masked (pointers) or zero-filled (TMA).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if USE_TMA:
+            b0 = b_desc.load([b0_row, k0]).T
+            b1 = b_desc.load([b1_row, k0]).T
+        else:
+            b0 = tl.load(b0_ptrs, mask=k_ok[:, None], other=0.0)
+            b1 = tl.load(b1_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b0 = b0.to(tl.float32)
+            b1 = b1.to(tl.float32)
+        acc0 = tl.dot(a, b0, acc0)
+        acc1 = tl.dot(a, b1, acc1)
+        a_ptrs += BLOCK_K
+        b0_ptrs += BLOCK_K
+        b1_ptrs += BLOCK_K
+    return acc0, acc1
+
+
+@triton.jit
 def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start, H, I,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
                STAGES: tl.constexpr = 3, w13_desc=None, USE_TMA: tl.constexpr = False):
@@ -54,28 +88,9 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
     gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I) * H + cols[None, :] * H + offs_k[:, None]
-    up_ptrs = gate_ptrs + I * H
     gate_row = expert * (2 * I) + n_start  # TMA coordinates of the gate block; the up block is I rows further
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-        k_ok = (k0 + offs_k) < H
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        if USE_TMA:
-            gate = w13_desc.load([gate_row, k0]).T
-            up = w13_desc.load([gate_row + I, k0]).T
-        else:
-            gate = tl.load(gate_ptrs, mask=k_ok[:, None], other=0.0)
-            up = tl.load(up_ptrs, mask=k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            gate = gate.to(tl.float32)
-            up = up.to(tl.float32)
-        acc_gate = tl.dot(a, gate, acc_gate)
-        acc_up = tl.dot(a, up, acc_up)
-        a_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
+    acc_gate, acc_up = _paired_k_loop(a_ptrs, gate_ptrs, gate_ptrs + I * H, H, w13_desc, gate_row, gate_row + I,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out_ptrs = h_ptr + (row_start + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
     tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -146,29 +161,10 @@ def _gemm1_pair(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H, I
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
     w_base = w2_ptr + expert.to(tl.int64) * H * I
-    lo_ptrs = w_base + cols_lo[None, :] * I + offs_k[:, None]
-    hi_ptrs = w_base + cols_hi[None, :] * I + offs_k[:, None]
     w_row = expert * H + n_start  # TMA coordinates of the low half; the high half is HALF_N rows further
-    acc_lo = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        k_ok = (k0 + offs_k) < I
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        if USE_TMA:
-            lo = w2_desc.load([w_row, k0]).T
-            hi = w2_desc.load([w_row + HALF_N, k0]).T
-        else:
-            lo = tl.load(lo_ptrs, mask=k_ok[:, None], other=0.0)
-            hi = tl.load(hi_ptrs, mask=k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
-        acc_lo = tl.dot(a, lo, acc_lo)
-        acc_hi = tl.dot(a, hi, acc_hi)
-        a_ptrs += BLOCK_K
-        lo_ptrs += BLOCK_K
-        hi_ptrs += BLOCK_K
+    acc_lo, acc_hi = _paired_k_loop(a_ptrs, w_base + cols_lo[None, :] * I + offs_k[:, None],
+                                    w_base + cols_hi[None, :] * I + offs_k[:, None], I, w2_desc, w_row,
+                                    w_row + HALF_N, BLOCK_M, HALF_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA)
     row_ptrs = y_ptr + (row_start + offs_m)[:, None].to(tl.int64) * H
     tl.store(row_ptrs + offs_lo[None, :], acc_lo.to(y_ptr.dtype.element_ty),
              mask=mask_m[:, None] & (offs_lo < H)[None, :])
