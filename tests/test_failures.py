@@ -361,3 +361,22 @@ def test_weave_counts_vector_carries_every_rank_header():
     counts, bad_ids, got_headers, got_status = counts_format.parse(flat)
     assert len(got_headers[0]) == HEADER_WORDS and got_headers == headers
     assert bad_ids == [1, 0] and got_status == [0, 0, 0, 0] and counts.num_tokens == [3, 0]
+
+
+def _validate_failures_on_gloo(rank: int, world_size: int) -> list[dict]:
+    import torch.distributed as dist
+
+    from weave_moe.validate import _failures
+
+    return _failures(rank, world_size, dist.group.WORLD if world_size > 1 else None, torch.device("cpu"), "nccl")
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_gpu_suite_failure_cases_pass_with_the_nccl_backend_on_gloo(world_size):
+    """`python -m weave_moe.validate --failures` runs these cases for weave and nccl on GPUs; here its code runs on
+    the CPU with the nccl backend, so the suite cannot rot between GPU runs."""
+    rows = [row for per_rank in run_distributed(_validate_failures_on_gloo, world_size, timeout_s=240)
+            for row in per_rank]
+    assert rows and all(row["passed"] for row in rows), [row for row in rows if not row["passed"]]
+    expected_cases = 4 if world_size == 1 else 8
+    assert len(rows) == expected_cases * world_size

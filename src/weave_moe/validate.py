@@ -6,8 +6,9 @@ only this rank's tokens and all experts). Writes one JSON with a row per (case, 
 
 Also: back-to-back calls with fresh routing (no hang, no drift), a stalled peer that must end in
 WeaveTimeoutError within seconds, and (`--failures`) the cross-rank failure cases of tests/test_failures.py for the
-weave backend: a local check failing on one rank, ids >= 2**32, layers called in a different order, ranks building
-different layers, a rank that never calls, inputs that require grad (at EP = 1 only the cases that need no peer).
+weave and nccl backends: a local check failing on one rank, ids >= 2**32, layers called in a different order, ranks
+building different layers, a rank that never calls, inputs that require grad (at EP = 1 only the cases that need no
+peer). tests/test_failures.py runs the same code with the nccl backend on gloo, so it cannot rot between GPU runs.
 """
 
 from __future__ import annotations
@@ -133,18 +134,19 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
         log("stall")
         rows.append(_stall(rank, world_size, group, device))
     if extra.get("failures"):
-        log("failures")
-        rows.extend(_failures(rank, world_size, group, device))
+        for backend in ("weave", "nccl"):  # nccl: its count exchange and polled waits on real NCCL
+            log(f"failures {backend}")
+            rows.extend(_failures(rank, world_size, group, device, backend))
     return rows
 
 
-def _weave_layer(spec, rank, world_size, group, device, seed, max_tokens, **options):
-    """A weave layer holding this rank's experts, and the full expert set (for the reference)."""
+def _weave_layer(spec, rank, world_size, group, device, seed, max_tokens, backend="weave", **options):
+    """A weave (or `backend`) layer holding this rank's experts, and the full expert set (for the reference)."""
     from weave_moe.layer import ExpertParallelMoE
 
     w13, w2 = make_experts(spec, seed=seed, device=device)
     local = spec.num_experts // world_size
-    layer = ExpertParallelMoE(spec, group=group, backend="weave", device=device, max_tokens_per_rank=max_tokens,
+    layer = ExpertParallelMoE(spec, group=group, backend=backend, device=device, max_tokens_per_rank=max_tokens,
                               **options)
     layer.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
     return layer, w13, w2
@@ -268,8 +270,9 @@ def _stall(rank, world_size, group, device) -> dict:
                 passed=outcome.startswith(expected) and seconds < 10)
 
 
-def _failures(rank, world_size, group, device) -> list[dict]:
-    """The cross-rank failure cases of tests/test_failures.py on the weave backend; one row per case and rank.
+def _failures(rank, world_size, group, device, backend: str = "weave") -> list[dict]:
+    """The cross-rank failure cases of tests/test_failures.py on `backend` (weave; nccl runs them on gloo in CI, here
+    on NCCL); one row per case and rank.
 
     Each case expects, on every rank in the same call, a named error (the failing rank its own, the others
     PeerError / CallOrderError / LayerMismatchError / CollectiveTimeoutError), and then a next call that matches the
@@ -304,14 +307,15 @@ def _failures(rank, world_size, group, device) -> list[dict]:
 
     def record(case, outcome, expected, rel=0.0, **more):
         passed = outcome.startswith(expected) and rel <= TOLERANCE
-        rows.append(dict(failures=case, rank=rank, outcome=outcome[:500], expected=expected, rel_error=rel,
-                         passed=bool(passed), **more))
+        rows.append(dict(failures=f"{backend}:{case}", rank=rank, outcome=outcome[:500], expected=expected,
+                         rel_error=rel, passed=bool(passed), **more))
 
     def expect(failing_rank, own):  # what this rank must raise when `failing_rank` fails with `own`
         return own if rank == failing_rank else "PeerError"
 
     try:
-        layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, debug_poison=True)
+        poison = dict(debug_poison=True) if backend == "weave" else {}
+        layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, backend, **poison)
         if world_size == 1:
             last = 0
         bad_calls = {"x-fp16": ((x.half(), ids, w), "TypeError"),
@@ -334,7 +338,7 @@ def _failures(rank, world_size, group, device) -> list[dict]:
         if world_size == 1:
             return rows
 
-        unloaded = ExpertParallelMoE(spec, group=group, backend="weave", device=device, max_tokens_per_rank=max_tokens)
+        unloaded = ExpertParallelMoE(spec, group=group, backend=backend, device=device, max_tokens_per_rank=max_tokens)
         local = spec.num_experts // world_size
         if rank != 0:
             unloaded.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
@@ -344,8 +348,8 @@ def _failures(rank, world_size, group, device) -> list[dict]:
         record("not-loaded", outcome, expect(0, "RuntimeError"), next_error(unloaded, w13, w2))
         del unloaded
 
-        first = _weave_layer(spec, rank, world_size, group, device, 6, max_tokens)
-        second = _weave_layer(spec, rank, world_size, group, device, 7, max_tokens)
+        first = _weave_layer(spec, rank, world_size, group, device, 6, max_tokens, backend)
+        second = _weave_layer(spec, rank, world_size, group, device, 7, max_tokens, backend)
         order = (first, second) if rank == 0 else (second, first)
         outcomes = [outcome_of(lambda: each[0](x, ids, w)) for each in order]
         rel = max(next_error(*first), next_error(*second))
@@ -353,35 +357,42 @@ def _failures(rank, world_size, group, device) -> list[dict]:
                else f"not every call raised CallOrderError: {outcomes}", "CallOrderError", rel)
         del first, second
 
-        outcome = outcome_of(lambda: ExpertParallelMoE(spec, group=group, backend="weave", device=device,
+        outcome = outcome_of(lambda: ExpertParallelMoE(spec, group=group, backend=backend, device=device,
                                                        max_tokens_per_rank=max_tokens + (rank == last)))
         record("build-mismatch", outcome, "LayerMismatchError: ranks disagree on the MoE layer being built: "
                "max_tokens_per_rank differs")
 
         # The last rank never calls: the others raise within timeout_s. Then it joins the pending all-gather (and
         # nothing else), so the others' NCCL stream drains and the process group stays usable for the report.
-        doomed, _, _ = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens)
+        doomed, _, _ = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, backend)
         doomed.coordinator.timeout_s = 3.0  # after construction, which a small timeout could trip on a slow start
         store = torch.distributed.distributed_c10d._get_default_store()
         if rank == last:
-            store.wait([f"weave-never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
-            backend = doomed.backend
-            backend._write_header()
-            backend.message.pack(backend.send_routing, ids[:0], w[:0], backend.routing_pad, backend.token_counts,
-                                 backend.header_device)
-            torch.distributed.all_gather_into_tensor(backend.all_routing, backend.send_routing, group=group)
-            torch.cuda.synchronize(device)
+            store.wait([f"{backend}-never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
+            layer_backend = doomed.backend
+            if backend == "weave":  # the routing all-gather, with a T = 0 message
+                layer_backend._write_header()
+                layer_backend.message.pack(layer_backend.send_routing, ids[:0], w[:0], layer_backend.routing_pad,
+                                           layer_backend.token_counts, layer_backend.header_device)
+                torch.distributed.all_gather_into_tensor(layer_backend.all_routing, layer_backend.send_routing,
+                                                         group=group)
+            else:  # the count all-to-all
+                counts = layer_backend._counts
+                torch.distributed.all_to_all_single(counts[1], counts[0], group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             record("never-calls", "did not call", "did not call")
         else:
             start = time.perf_counter()
             outcome = outcome_of(lambda: doomed(x, ids, w))
             seconds = time.perf_counter() - start
             after = outcome_of(lambda: doomed(x, ids, w))
-            store.set(f"weave-never-calls/{rank}", "done")
+            store.set(f"{backend}-never-calls/{rank}", "done")
             record("never-calls", outcome if after.startswith("LayerBrokenError") else f"{outcome} / then {after}",
                    "CollectiveTimeoutError", 0.0 if seconds < 3.0 + 5.0 else float("inf"), seconds=seconds)
     except Exception as error:  # noqa: BLE001 - a case that crashed is a failed row, the report goes on
-        rows.append(dict(failures="crashed", rank=rank, passed=False, error=f"{type(error).__name__}: {error}"[:2000]))
+        rows.append(dict(failures=f"{backend}:crashed", rank=rank, passed=False,
+                         error=f"{type(error).__name__}: {error}"[:2000]))
     return rows
 
 
