@@ -133,18 +133,17 @@ class ExpertParallelMoE(torch.nn.Module):
                  policy: str = DEFAULT_POLICY, device=None, check_expert_ids: bool = True,
                  timeout_s: float = DEFAULT_TIMEOUT_S, **backend_options) -> None:
         super().__init__()
-        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.group, self.rank, self.world_size = _resolve_group(group)
-        self.timeout_s = float(timeout_s)
         # Checks that could fail on one rank alone: every rank learns of them in the construction check below.
         try:
-            self._check_arguments(spec, max_tokens_per_rank, policy, backend)
+            self._check_arguments(spec, max_tokens_per_rank, policy, backend, timeout_s)
+            self.timeout_s = float(timeout_s)
             self.device = _resolve_device(device, self.group)
             local_error = None
         except (TypeError, ValueError, RuntimeError) as error:
             local_error = error
-            self.device = _resolve_device(None, self.group)  # where the construction check's exchange runs
+            # what the construction check's exchange runs with
+            self.timeout_s, self.device = DEFAULT_TIMEOUT_S, _resolve_device(None, self.group)
         description = describe_layer(spec, max_tokens_per_rank, backend, policy)
         index = 0
         if self.world_size > 1:
@@ -173,7 +172,9 @@ class ExpertParallelMoE(torch.nn.Module):
         self._loaded = False
         self._no_tokens = None  # T = 0 inputs, for a call this rank cannot make but its peers wait for
 
-    def _check_arguments(self, spec, max_tokens_per_rank, policy, backend) -> None:
+    def _check_arguments(self, spec, max_tokens_per_rank, policy, backend, timeout_s) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if not isinstance(spec, MoESpec):
             raise TypeError(f"spec must be a MoESpec, got {type(spec).__name__}")
         if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank <= 0:
