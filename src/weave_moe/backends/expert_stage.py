@@ -107,7 +107,7 @@ def _grid(num_rows: int, num_cols: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- ops (CUDA | CPU)
 def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, limit: torch.Tensor,
-                index_divisor: int = 1) -> torch.Tensor:
+                index_divisor: int = 1, use_triton: bool | None = None) -> torch.Tensor:
     """out[m] = src[index[m] // index_divisor] for m < limit (the permute of the expert stage).
 
     Args:
@@ -117,11 +117,12 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, limit
         limit: [1] int32 on the device: rows at and past it are left untouched on CUDA (the CPU path gathers all M,
             so every index must be valid there).
         index_divisor: e.g. k, to turn a (row, slot) pair position into its row.
+        use_triton: None = on CUDA only (tests force it under TRITON_INTERPRET=1).
     """
     num_rows, num_cols = out.shape
     if num_rows == 0 or num_cols == 0:
         return out
-    if src.is_cuda:
+    if src.is_cuda if use_triton is None else use_triton:
         _gather_rows_kernel[_grid(num_rows, num_cols)](
             src, index, out, limit, num_rows, num_cols, src.stride(0), out.stride(0),
             INDEX_DIVISOR=index_divisor, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
@@ -130,18 +131,20 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor, limit
     return torch.index_select(src, 0, rows, out=out)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, limit: torch.Tensor,
+             use_triton: bool | None = None) -> torch.Tensor:
     """out = silu(gate_up[:, :I]) * gate_up[:, I:] with fp32 math, bf16 out, for rows < limit (all rows on CPU).
 
     Args:
         gate_up: [M, 2I] bf16 (GEMM0's output: gate columns then up columns).
         out: [M, I] bf16.
         limit: [1] int32 on the device.
+        use_triton: None = on CUDA only.
     """
     num_rows, intermediate = out.shape
     if num_rows == 0:
         return out
-    if gate_up.is_cuda:
+    if gate_up.is_cuda if use_triton is None else use_triton:
         _silu_mul_kernel[_grid(num_rows, intermediate)](
             gate_up, out, limit, num_rows, intermediate, gate_up.stride(0), out.stride(0),
             BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
@@ -151,7 +154,8 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, limit: torch.Tensor) -> t
 
 
 def gather_weighted_sum(src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
-                        limit: torch.Tensor, row_limit: torch.Tensor | None = None) -> torch.Tensor:
+                        limit: torch.Tensor, row_limit: torch.Tensor | None = None,
+                        use_triton: bool | None = None) -> torch.Tensor:
     """out[m] = sum_j weights[m, j] * src[index[m, j]] over slots with 0 <= index[m, j] < limit.
 
     The un-permute of the expert stage (and the nccl combine's sum over ranks): each output row gathers its few
@@ -165,12 +169,13 @@ def gather_weighted_sum(src: torch.Tensor, index: torch.Tensor, weights: torch.T
         out: [M, H] bf16 (last dim contiguous, any row stride).
         limit: [1] int32 on the device (the pair count), see above.
         row_limit: [1] int32 on the device: rows at and past it are not written (CUDA only; None = all M rows).
+        use_triton: None = on CUDA only.
     """
     num_rows, num_slots = index.shape
     num_cols = out.shape[1]
     if num_rows == 0 or num_cols == 0:
         return out
-    if src.is_cuda:
+    if src.is_cuda if use_triton is None else use_triton:
         weights_arg = weights if weights is not None else index  # never read when HAS_WEIGHTS is False
         row_limit = row_limit if row_limit is not None else limit.new_full((1,), _NO_LIMIT)
         _gather_weighted_sum_kernel[_grid(num_rows, num_cols)](
