@@ -91,7 +91,7 @@ class SymmBackend:
         if options:
             raise TypeError(f"symm backend: unknown options {sorted(options)}")
         device = torch.device(device)
-        symm_mem = _symmetric_memory(device)
+        symm_mem = self._symmetric_memory(device)
         self.spec, self.group, self.rank, self.world_size = spec, group, rank, world_size
         self.device = device
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -137,10 +137,25 @@ class SymmBackend:
         self._slot_index = torch.arange(send_rows, dtype=torch.int32, device=device)
         self._recv_row_index = torch.arange(recv_rows, dtype=torch.int32, device=device).view(-1, 1)
         self._recv_ids = torch.empty(recv_rows, 1, dtype=torch.int32, device=device)
+        self._no_expert = torch.full((1, 1), -1, dtype=torch.int32, device=device)
         self._recv_count = torch.empty(1, dtype=torch.int64, device=device)
         self.experts = GroupedExperts(num_local_experts, hidden, spec.intermediate_size, max_slots=recv_rows,
                                       max_pairs=recv_rows, device=device)
         self.use_grouped_mm = self.experts.use_grouped_mm
+
+    # The three touch points with NVSHMEM, methods so that the CPU tests can stand in for them with gloo.
+    def _symmetric_memory(self, device: torch.device):
+        return _symmetric_memory(device)
+
+    def _all_to_all_2d(self, send, recv, in_splits, out_splits_offsets) -> None:
+        """Dispatch: send's rows, grouped by (destination rank, bucket), to recv grouped by (bucket, source rank)."""
+        torch.ops.symm_mem.all_to_all_vdev_2d(send, recv, in_splits, out_splits_offsets, self.group_name,
+                                              major_align=1)
+
+    def _all_to_all_2d_offset(self, send, recv, in_splits_offsets, out_splits_offsets) -> None:
+        """Combine: the reverse shuffle, (bucket, source rank) chunks at the given offsets back to their ranks."""
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(send, recv, in_splits_offsets, out_splits_offsets,
+                                                     self.group_name)
 
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """w13 [E_local, 2I, H], w2 [E_local, H, I] bf16 on this backend's device (checked by the layer)."""
@@ -183,18 +198,17 @@ class SymmBackend:
         gather_rows(x, order, send_x[:num_slots], num_sent, index_divisor=top_k)
         torch.remainder(sorted_keys.view(-1, 1), self.num_local_experts, out=send_ids[:num_slots])
         # 2. dispatch: received rows bucket-major, then source rank; splits / offsets in [2, EP*B] on the device.
-        torch.ops.symm_mem.all_to_all_vdev_2d(self._send, self._recv, self._in_splits,
-                                              self._dispatch_splits_offsets, self.group_name, major_align=1)
+        self._all_to_all_2d(self._send, self._recv, self._in_splits, self._dispatch_splits_offsets)
         timer.mark("dispatch")
         # 3. experts, in place: rows past the received count get id -1 and are neither computed nor written.
         splits, offsets = self._dispatch_splits_offsets
         torch.add(offsets[-1:], splits[-1:], out=self._recv_count)
         recv_x, recv_ids = self._row_fields(self._recv)
-        ids = torch.where(self._recv_row_index < self._recv_count, recv_ids, -1, out=self._recv_ids)
+        ids = torch.where(self._recv_row_index < self._recv_count, recv_ids, self._no_expert, out=self._recv_ids)
         self.experts.run(recv_x, ids, None, recv_x, row_limit=self._recv_count, timer=timer)
         # 4. combine: every row back to the slot it was sent from (the send buffer, in send order).
-        torch.ops.symm_mem.all_to_all_vdev_2d_offset(self._recv, self._send, self._dispatch_splits_offsets,
-                                                     self._combine_splits_offsets, self.group_name)
+        self._all_to_all_2d_offset(self._recv, self._send, self._dispatch_splits_offsets,
+                                   self._combine_splits_offsets)
         # 5. each token's weighted sum over its k pair rows.
         out = torch.empty(num_tokens, self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         gather_weighted_sum(send_x, position.view(num_tokens, top_k), topk_weights, out, num_sent)
