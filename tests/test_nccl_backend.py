@@ -45,6 +45,7 @@ CASES = [
     Case("ep1-holes", 1, (17,), routing="holes"),
     Case("ep1-t0", 1, (0,)),
     Case("ep1-t1", 1, (1,), top_k=4, routing="holes"),
+    Case("ep1-256-experts", 1, (50,), num_experts=256, top_k=8, routing="holes"),  # int32 sort keys (E_local >= 255)
     Case("ep2-uniform", 2, (48, 40), num_experts=16, top_k=4, hidden_size=128, intermediate_size=96),
     Case("ep2-skewed", 2, (64, 64), num_experts=16, top_k=4, routing="skewed", seed=3),
     Case("ep2-rank0-gets-all", 2, (32, 24), num_experts=8, top_k=3, routing="rank0"),
@@ -209,7 +210,8 @@ def test_run_distributed_reports_failures_and_hangs():
 
     with pytest.raises(DistributedError, match="boom on rank one"):
         run_distributed(_rank_one_fails, 2, timeout_s=60)
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish"):
+    # Rank 0 returns at once, but on a loaded CI machine spawning it can outlast the timeout too: it may be listed.
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] of 2 did not finish"):
         run_distributed(_rank_one_hangs, 2, timeout_s=6)
 
 

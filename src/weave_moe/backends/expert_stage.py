@@ -147,7 +147,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor, limit: torch.Tensor,
     if gate_up.is_cuda if use_triton is None else use_triton:
         _silu_mul_kernel[_grid(num_rows, intermediate)](
             gate_up, out, limit, num_rows, intermediate, gate_up.stride(0), out.stride(0),
-            BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+            BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=8)
         return out
     gate = F.silu(gate_up[:, :intermediate].float(), inplace=True)
     return torch.mul(gate, gate_up[:, intermediate:], out=out)
@@ -182,7 +182,7 @@ def gather_weighted_sum(src: torch.Tensor, index: torch.Tensor, weights: torch.T
             src, index, weights_arg, out, limit, row_limit, num_rows, num_cols,
             src.stride(0), index.stride(0), index.stride(1), weights_arg.stride(0), weights_arg.stride(1),
             out.stride(0), NUM_SLOTS=num_slots, HAS_WEIGHTS=weights is not None,
-            BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N)
+            BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, num_warps=8)  # 8 warps: the fp32 accumulator is 32 values a thread
         return out
     full_out = out
     if row_limit is not None:  # the CPU path may read it on the host (CPU tests of GPU-only backends use it)
@@ -311,7 +311,7 @@ class GroupedExperts:
         if self._key_dtype == torch.uint8:
             keys = ids.to(torch.uint8)  # -1 -> 255: after every expert
         else:
-            keys = torch.where(ids >= 0, ids, self.num_local_experts)
+            keys = torch.where(ids >= 0, ids, self.num_local_experts).to(self._key_dtype)
         sorted_keys, order = torch.sort(keys.view(-1), stable=True,
                                         out=(self._sorted_keys[:num_slots], self._order[:num_slots]))
         group_ends = torch.searchsorted(sorted_keys, self._expert_ids, right=True, out_int32=True,
