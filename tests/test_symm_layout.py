@@ -76,12 +76,16 @@ class EmulatedSymm(SymmBackend):
         received = self._exchange_rows(chunks)
         offset = 0
         for b in range(buckets):
+            bucket_start = offset
             for source in range(world_size):
                 chunk = received[source][b]
                 recv[offset : offset + len(chunk)] = chunk
                 out_splits_offsets[0, b * world_size + source] = len(chunk)
                 out_splits_offsets[1, b * world_size + source] = offset
                 offset += len(chunk)
+            if offset == bucket_start:  # the op gives an empty bucket one row (max(aligned length, major_align))
+                recv[offset] = torch.randint(0, 256, (recv.shape[1],), dtype=torch.uint8)  # stale bytes
+                offset += 1
 
     def _all_to_all_2d_offset(self, send, recv, in_splits_offsets, out_splits_offsets) -> None:
         world_size, buckets = self.world_size, self.num_buckets
@@ -117,6 +121,7 @@ CASES = [
     Case("ep2-8-local", 2, (40, 33), 16, 4),  # E_local = 8 <= 16: one expert per bucket
     Case("ep2-40-local-buckets", 2, (48, 21), 80, 6, "skewed"),  # E_local = 40 > 16: 16 buckets of 2-3 experts
     Case("ep2-holes-empty-rank", 2, (25, 0), 64, 4, "holes"),
+    Case("ep2-empty-buckets", 2, (3, 2), 64, 2),  # few pairs: most buckets empty
     Case("ep4-32-local", 4, (16, 9, 1, 20), 128, 8, "holes"),
 ]
 

@@ -13,7 +13,9 @@ Per call (EP > 1), on a rank with T tokens:
   1. source: one stable sort of the T*k global expert ids (-1 last); searchsorted at the bucket boundaries gives the
      [EP*B] input splits; the rows are packed in that order (a gather of x, fused with the pair -> token division);
   2. `all_to_all_vdev_2d`: every rank pulls its buckets; received rows are bucket-major, then source rank, and the
-     received splits / offsets land in a symmetric [2, EP*B] tensor;
+     received splits / offsets land in a symmetric [2, EP*B] tensor. The op gives an empty bucket one row anyway
+     (its output stays grouped-GEMM friendly); such a row keeps stale bytes, is computed like any row (at most
+     EP*B of them) and is never sent back;
   3. experts (`GroupedExperts`, one slot per row, no weights): sort the received rows by local expert id (rows past
      the received count, read on the device, get -1), gather, GEMM0, SiLU-mul, GEMM1, and write each row's result
      back in place of its input row (rows past the count untouched);
