@@ -8,7 +8,8 @@ Run under torchrun with one process (symm needs a process group for its exchange
    reference, for two paper models with skewed routing, -1 holes, an empty token, T=1 and T=0.
 2. The exchange paths on a one-rank process group (the backends built directly with the group): nccl (NCCL
    all-to-all) and symm (NVSHMEM all_to_all_vdev_2d / _offset, E_local > 16 so its expert buckets are exercised),
-   each paper model at 2048 tokens against the reference. DeepEP has no one-rank config: reported as skipped.
+   each paper model at 2048 tokens against the reference, with the host syncs of one call counted (nccl: 1, the
+   split sizes; symm: 0) and its per-stage ms. DeepEP has no one-rank config: reported as skipped.
 3. Timing, per paper model at 2048 and 8192 tokens, on the per-rank work of EP=2 (E/2 local experts, T*k rows,
    uniform routing): lib_compute_ms = torch._grouped_mm GEMM0 + torch SiLU-mul + GEMM1 on rows already grouped by
    expert, in a CUDA graph; nccl at EP=1 on the same work with per-stage CUDA events: "gemms" (GEMM0 + Triton
@@ -25,6 +26,7 @@ import os
 import statistics
 import time
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -74,8 +76,10 @@ def check_exchange(backend_class, spec: MoESpec, w13, w2, num_tokens: int, devic
     backend = backend_class(spec, dist.group.WORLD, 0, 1, num_tokens, device)
     backend.load_experts(w13, w2)
     x, ids, weights = make_inputs(spec, num_tokens, "skewed", seed=7, device=device)
+    out = backend.forward(x, ids, weights)  # also compiles the Triton kernels
+    host_syncs = count_host_syncs(lambda: backend.forward(x, ids, weights))
     timings: dict = {}
-    out = backend.forward(x, ids, weights, timings=timings)
+    backend.forward(x, ids, weights, timings=timings)
     small = backend.forward(x[:5], ids[:5], weights[:5])
     ref = reference_moe(x, ids, weights, w13, w2)
     rel_fro, max_abs = moe_error(out, ref)
@@ -83,8 +87,21 @@ def check_exchange(backend_class, spec: MoESpec, w13, w2, num_tokens: int, devic
     del backend
     torch.cuda.empty_cache()
     return {"backend": backend_class.name, "model": spec.name, "tokens": num_tokens, "path": "exchange, 1-rank group",
-            "rel_fro": rel_fro, "max_abs": max_abs, "rel_small": rel_small, "timings_ms": timings,
+            "rel_fro": rel_fro, "max_abs": max_abs, "rel_small": rel_small, "timings_ms": timings, "host_syncs": host_syncs,
             "ok": rel_fro <= DEFAULT_TOLERANCE and rel_small <= DEFAULT_TOLERANCE}
+
+
+def count_host_syncs(call) -> int:
+    """Synchronizing CUDA calls (blocking copies, stream syncs) made by `call()` (CUDA sync debug mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
 
 
 def time_cuda(fn, iters: int) -> list[float]:

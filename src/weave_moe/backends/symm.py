@@ -23,7 +23,7 @@ Per call (EP > 1), on a rank with T tokens:
      the slot it was sent from, so the source's buffer again holds its rows in send order;
   5. each token's weighted sum over its k pair rows (by their sorted positions, fp32, bf16 out).
 Buffers are allocated once as symmetric memory: send [T*k rows] (also the combine's output) and receive
-[EP*T*min(k, E_local) rows] (also the combine's input). Every rank must use the same `max_tokens_per_rank`.
+[EP*T*min(k, E_local) + B rows] (also the combine's input). Every rank must use the same `max_tokens_per_rank`.
 
 Requirements and limits:
   * CUDA with NVSHMEM (`symm_mem.is_nvshmem_available()`); elsewhere constructing the backend raises RuntimeError.
@@ -112,7 +112,8 @@ class SymmBackend:
 
         self.num_buckets = min(num_local_experts, MAX_BUCKETS)
         send_rows = max_tokens_per_rank * top_k
-        recv_rows = world_size * max_tokens_per_rank * min(top_k, num_local_experts)
+        # + one row per bucket: the op gives an empty bucket a row, which shifts the buckets after it.
+        recv_rows = world_size * max_tokens_per_rank * min(top_k, num_local_experts) + self.num_buckets
         self.row_bytes = _round_up(_ROW_ALIGN_BYTES + 2 * hidden, _ROW_ALIGN_BYTES)
         heap_bytes = (send_rows + recv_rows) * self.row_bytes + _HEAP_MARGIN_BYTES
         os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(heap_bytes))
