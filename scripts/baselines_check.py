@@ -39,6 +39,9 @@ from weave_moe.reference import DEFAULT_TOLERANCE, moe_error, reference_moe
 from weave_moe.testing import make_experts
 
 
+_EXPECTED_HOST_SYNCS = {"nccl": 1, "symm": 0}  # per exchange-path call: nccl's split sizes; symm none
+
+
 def make_inputs(spec: MoESpec, num_tokens: int, routing_kind: str, seed: int, device):
     generator = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(num_tokens, spec.hidden_size, generator=generator, device=device).to(torch.bfloat16)
@@ -88,7 +91,8 @@ def check_exchange(backend_class, spec: MoESpec, w13, w2, num_tokens: int, devic
     torch.cuda.empty_cache()
     return {"backend": backend_class.name, "model": spec.name, "tokens": num_tokens, "path": "exchange, 1-rank group",
             "rel_fro": rel_fro, "max_abs": max_abs, "rel_small": rel_small, "timings_ms": timings, "host_syncs": host_syncs,
-            "ok": rel_fro <= DEFAULT_TOLERANCE and rel_small <= DEFAULT_TOLERANCE}
+            "ok": rel_fro <= DEFAULT_TOLERANCE and rel_small <= DEFAULT_TOLERANCE
+            and host_syncs == _EXPECTED_HOST_SYNCS[backend_class.name]}
 
 
 def count_host_syncs(call) -> int:

@@ -267,6 +267,8 @@ class GroupedExperts:
         # uint8 keys: the int32 -> uint8 cast alone maps -1 to 255 (one elementwise op, one radix-sort pass on CUDA).
         self._key_dtype = torch.uint8 if num_local_experts < 255 else torch.int32
         self._expert_ids = torch.arange(num_local_experts, dtype=self._key_dtype, device=device)
+        self._no_expert_key = torch.tensor(num_local_experts, dtype=self._key_dtype, device=device)  # int32 keys
+        self._keys = torch.empty(max_slots, dtype=self._key_dtype, device=device)
         self._sorted_keys = torch.empty(max_slots, dtype=self._key_dtype, device=device)
         self._order = torch.empty(max_slots, dtype=torch.int64, device=device)
         self._position = torch.empty(max_slots, dtype=torch.int32, device=device)  # sorted position of each slot
@@ -278,7 +280,7 @@ class GroupedExperts:
 
     def buffers(self) -> list[torch.Tensor]:
         """The reusable buffers (for poisoning in tests)."""
-        return [self._sorted_keys, self._order, self._position, self._group_ends, self._gathered, self._h]
+        return [self._keys, self._sorted_keys, self._order, self._position, self._group_ends, self._gathered, self._h]
 
     def load(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """w13 [E_local, 2I, H], w2 [E_local, H, I] bf16."""
@@ -308,11 +310,12 @@ class GroupedExperts:
         num_slots = num_rows * top_k
         if num_slots == 0:
             return out
+        keys = self._keys[:num_slots]
         if self._key_dtype == torch.uint8:
-            keys = ids.to(torch.uint8)  # -1 -> 255: after every expert
+            keys.view(num_rows, top_k).copy_(ids)  # the cast maps -1 to 255: after every expert (ids may be strided)
         else:
-            keys = torch.where(ids >= 0, ids, self.num_local_experts).to(self._key_dtype)
-        sorted_keys, order = torch.sort(keys.view(-1), stable=True,
+            torch.where(ids >= 0, ids, self._no_expert_key, out=keys.view(num_rows, top_k))
+        sorted_keys, order = torch.sort(keys, stable=True,
                                         out=(self._sorted_keys[:num_slots], self._order[:num_slots]))
         group_ends = torch.searchsorted(sorted_keys, self._expert_ids, right=True, out_int32=True,
                                         out=self._group_ends)

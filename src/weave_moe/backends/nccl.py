@@ -25,8 +25,9 @@ EP=1 (no process group) skips 1-3 and 5 and makes no host sync at all: the exper
 the device. The forward's comment block lists the per-call op (kernel launch) and sync budget.
 
 Memory, allocated once: the receive side is sized for the worst case (every rank sends every token here), EP * T
-rows of H + 8k bf16-equivalents, and EP * T * min(k, E_local) gathered pairs of H + I bf16. Per call, only the two
-GEMM outputs (`torch._grouped_mm` has no `out=`) and the returned [T, H] come from PyTorch's caching allocator.
+rows of H + 8k bf16-equivalents, and EP * T * min(k, E_local) gathered pairs of H + I bf16. Per call, the two
+GEMM outputs (`torch._grouped_mm` has no `out=`), the returned [T, H] and the layout's small [EP, T, k] temporaries
+come from PyTorch's caching allocator (no device allocation once warm, no kernel launch).
 """
 
 from __future__ import annotations
