@@ -12,6 +12,9 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
 SCRIPT = textwrap.dedent(
     r"""
     import torch
@@ -77,3 +80,25 @@ def test_expert_stage_kernels_match_torch_paths():
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("num_local_experts, ids_dtype", [(16, torch.int64), (300, torch.int64), (300, torch.int32)])
+def test_grouped_experts_matches_reference(num_local_experts: int, ids_dtype: torch.dtype):
+    """The stage's torch path, uint8 and int32 sort keys, int32 and int64 ids (DeepEP's), strided ids, -1 holes."""
+    from weave_moe.backends.expert_stage import GroupedExperts
+    from weave_moe.models import MoESpec
+    from weave_moe.reference import DEFAULT_TOLERANCE, moe_error, reference_moe
+    from weave_moe.testing import make_experts
+
+    spec = MoESpec(num_local_experts, 4, 64, 32)
+    w13, w2 = make_experts(spec)
+    stage = GroupedExperts(num_local_experts, 64, 32, max_slots=400, max_pairs=400, device=torch.device("cpu"))
+    stage.load(w13, w2)
+    generator = torch.Generator().manual_seed(num_local_experts)
+    x = torch.randn(100, 64, generator=generator).to(torch.bfloat16)
+    packed = torch.randint(-1, num_local_experts, (100, 6), generator=generator, dtype=ids_dtype)
+    ids = packed[:, 1:5]  # strided, as the nccl backend's packed rows are
+    weights = torch.rand(100, 4, generator=generator)
+    out = torch.full((100, 64), float("nan"), dtype=torch.bfloat16)
+    stage.run(x, ids, weights, out)
+    assert moe_error(out, reference_moe(x, ids, weights, w13, w2))[0] <= DEFAULT_TOLERANCE

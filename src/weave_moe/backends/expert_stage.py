@@ -311,10 +311,9 @@ class GroupedExperts:
         if num_slots == 0:
             return out
         keys = self._keys[:num_slots]
-        if self._key_dtype == torch.uint8:
-            keys.view(num_rows, top_k).copy_(ids)  # the cast maps -1 to 255: after every expert (ids may be strided)
-        else:
-            torch.where(ids >= 0, ids, self._no_expert_key, out=keys.view(num_rows, top_k))
+        keys.view(num_rows, top_k).copy_(ids)  # int32/int64 -> key dtype (ids may be strided); uint8 maps -1 to 255
+        if self._key_dtype != torch.uint8:  # int32 keys: -1 -> E_local, after every expert
+            torch.where(keys >= 0, keys, self._no_expert_key, out=keys)
         sorted_keys, order = torch.sort(keys, stable=True,
                                         out=(self._sorted_keys[:num_slots], self._order[:num_slots]))
         group_ends = torch.searchsorted(sorted_keys, self._expert_ids, right=True, out_int32=True,
