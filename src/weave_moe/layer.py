@@ -23,6 +23,8 @@ BACKENDS = {
     "reference": ("weave_moe.backends.reference", "ReferenceBackend"),
     "nccl": ("weave_moe.backends.nccl", "NcclBackend"),
     "weave": ("weave_moe.backends.weave", "WeaveBackend"),
+    "symm": ("weave_moe.backends.symm", "SymmBackend"),
+    "deepep": ("weave_moe.backends.deepep", "DeepEPBackend"),
 }
 #: Backends that take a schedule policy; the others accept only the default.
 _POLICY_BACKENDS = {"weave"}
