@@ -118,10 +118,7 @@ class DeepEPBackend:
         """
         timer = StageTimer(self.device, timings is not None)
         if not self.use_exchange:
-            out = torch.empty_like(x)
-            self.experts.run(x, topk_ids, topk_weights, out, timer=timer)
-            timer.finish(timings)
-            return out
+            return self.experts.forward_local(x, topk_ids, topk_weights, timer, timings)
         topk_idx = topk_ids.to(torch.int64)  # DeepEP's index dtype
         num_tokens_per_rank, _, num_tokens_per_expert, is_token_in_rank, _ = self.buffer.get_dispatch_layout(
             topk_idx, self.spec.num_experts)

@@ -289,6 +289,14 @@ class GroupedExperts:
         if not self.use_grouped_mm:  # the loop fallback multiplies in fp32: copies made once
             self.w13_t, self.w2_t = self.w13_t.float(), self.w2_t.float()
 
+    def forward_local(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, timer: StageTimer,
+                      timings: dict | None) -> torch.Tensor:
+        """The whole layer without an exchange (EP = 1): this stage on x's own rows -> a new [T, H] bf16."""
+        out = torch.empty_like(x)
+        self.run(x, ids, weights, out, timer=timer)
+        timer.finish(timings)
+        return out
+
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor,
             num_pairs: int | None = None, row_limit: torch.Tensor | None = None,
             timer: StageTimer | None = None) -> torch.Tensor:

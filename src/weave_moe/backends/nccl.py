@@ -163,10 +163,7 @@ class NcclBackend:
         """
         timer = StageTimer(self.device, timings is not None)
         if not self.use_exchange:
-            out = torch.empty_like(x)
-            self.experts.run(x, topk_ids, topk_weights, out, timer=timer)
-            timer.finish(timings)
-            return out
+            return self.experts.forward_local(x, topk_ids, topk_weights, timer, timings)
         dispatched = self._dispatch(x, topk_ids, topk_weights)
         timer.mark("dispatch")
         partial = self._combine_send[: dispatched.x.shape[0]]

@@ -183,10 +183,7 @@ class SymmBackend:
         """
         timer = StageTimer(self.device, timings is not None)
         if not self.use_exchange:
-            out = torch.empty_like(x)
-            self.experts.run(x, topk_ids, topk_weights, out, timer=timer)
-            timer.finish(timings)
-            return out
+            return self.experts.forward_local(x, topk_ids, topk_weights, timer, timings)
         num_tokens, top_k = topk_ids.shape
         num_slots = num_tokens * top_k
         # 1. source: pairs sorted by global expert (-1 -> E, last), splits per (rank, bucket), packed rows.
