@@ -12,7 +12,12 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     env) nvidia-smi -L; nvidia-smi topo -m | head -4; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())";;
-    quick) timeout 400 python3 -m weave_moe.validate --suite quick --out "$W/validate-quick.json" --timeout 380;;
+    quick) timeout 400 python3 -m weave_moe.validate --suite quick --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-quick.json" --timeout 380 > "$W/validate-quick.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick.log" | tail -12;;
+    edge) timeout 400 python3 -m weave_moe.validate --suite edge --stress-calls 300 --bad-ids --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-edge.json" --timeout 380 > "$W/validate-edge.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-edge.log" | tail -12;;
+    # one GPU: the per-rank work of EP=2 (E/2 local experts, T*k rows), every backend side by side
+    emu-quick) timeout 300 python3 -m weave_moe.bench --emulate-ep 2 --models qwen3-30b-a3b,deepseek-v3,deepseek-v2-lite --tokens 128,2048,8192 --routing uniform --variants nccl,weave:serial,weave --check --iters 20 --no-progress --timeout 280 --name "${BENCH_NAME:-emu-quick}" --out "$W" 2>&1 | tail -25;;
+    utilisation) timeout 400 python3 scripts/timeline_stats.py --emulate-ep 2 --models deepseek-v3:4096,qwen3-30b-a3b:8192 --variants weave:serial,weave:static:20,weave --out "$W/util" > "$W/utilisation.log" 2>&1; echo "rc=$?"; grep -v '^   ' "$W/utilisation.log" | tail -14;;
+    hf) mkdir -p "$W/hf"; timeout 400 python3 examples/hf_generate.py --preset qwen3-30b-a3b --new-tokens 8 --time-dir "$W/hf" > "$W/hf/hf_generate_gpu_ep1.log" 2>&1; echo "rc=$?"; tail -15 "$W/hf/hf_generate_gpu_ep1.log";;
     # validate-all / verify: a fresh machine compiles ~20 layer shapes' task tables (~5 s each, cold) before the suite's
     # ~60 s; the first run gets 400 s, later ones find the caches warm.
     validate-all) timeout 420 python3 -m weave_moe.validate --suite all --stress-calls 1000 --stall --bad-ids --out "$W/validate-all.json" --timeout 400 > "$W/validate-all.log" 2>&1; grep -vE "^PASS" "$W/validate-all.log" | tail -30;;

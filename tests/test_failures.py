@@ -139,6 +139,7 @@ def _failure_cases(rank: int, world_size: int) -> dict:
     reference = ExpertParallelMoE(SPEC, backend="reference", max_tokens_per_rank=MAX_TOKENS, device="cpu")
     local = SPEC.num_experts // world_size
     reference.load_experts(*make_experts(SPEC, local, first_expert=rank * local, seed=1))
+    results["reference-first"] = _error_of_good_call(reference, rank, seed=1, call=8)  # the checked first call
     results["reference-x-fp16"] = _outcome(lambda: reference(x.half() if rank == last else x, ids, weights))
     results["reference-x-fp16/next"] = _error_of_good_call(reference, rank, seed=1, call=8)
 
@@ -149,7 +150,10 @@ def _failure_cases(rank: int, world_size: int) -> dict:
     dying = ExpertParallelMoE(SPEC, group=spare, backend="nccl", max_tokens_per_rank=MAX_TOKENS, device="cpu")
     dying.load_experts(*make_experts(SPEC, local, first_expert=rank * local, seed=1))
     doomed = _layer(rank, world_size, seed=1)
-    # Set after construction: a small timeout there could fire on a loaded machine while a peer is still building.
+    # One good call each (the first call of a layer has a check of its own), then the small timeout: set after the
+    # construction and the first call, which a small timeout could trip on a loaded machine.
+    results["never-calls/first"] = _error_of_good_call(doomed, rank, seed=1, call=9)
+    results["peer-died/first"] = _error_of_good_call(dying, rank, seed=1, call=10)
     doomed.coordinator.timeout_s = dying.coordinator.timeout_s = NEVER_CALLS_TIMEOUT_S
     if rank == last:
         # Stay in the group (no collective, no exit) until every other rank has its verdict, then exit (the runner
@@ -264,6 +268,7 @@ def test_a_rank_that_never_calls_makes_the_others_raise_within_timeout(world_siz
         # Bounded by timeout_s, far from gloo's own 30 minutes; the slack covers a loaded CI machine.
         assert result["never-calls/seconds"] < NEVER_CALLS_TIMEOUT_S + 30
         assert result["never-calls/next"].startswith("LayerBrokenError"), result["never-calls/next"]
+        assert "the count exchange" in result["never-calls"]  # the per-call exchange's wait, not the first call's
 
 
 @pytest.mark.parametrize("world_size", EP_SIZES)

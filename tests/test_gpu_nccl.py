@@ -92,5 +92,5 @@ def test_nccl_backend_on_two_gpus():
             assert result["rel_small"] <= DEFAULT_TOLERANCE, where
             assert result["zero_row"], where
             assert result["host_syncs"] == 1, where  # the count exchange's .tolist(), nothing else
-            assert set(result["timings"]) == {"dispatch", "gemms", "combine", "total"}, where
+            assert set(result["timings"]) == {"dispatch", "permute", "gemms", "unpermute", "combine", "total"}, where
             assert all(value > 0 for value in result["timings"].values()), where

@@ -100,7 +100,7 @@ def test_bad_weights_raise(bad: BadWeights):
     "kwargs, error, match",
     [
         (dict(spec=(8, 2, 32, 16)), TypeError, "spec must be a MoESpec"),
-        (dict(backend="deepep"), ValueError, "unknown backend 'deepep'"),
+        (dict(backend="tutel"), ValueError, "unknown backend 'tutel'"),
         (dict(backend="nccl", policy="serial"), ValueError, "applies to the weave backend only"),
         (dict(backend="reference", policy="static:20"), ValueError, "applies to the weave backend only"),
         (dict(backend="nccl", max_tokens_per_rank=0), ValueError, "max_tokens_per_rank must be a positive int"),

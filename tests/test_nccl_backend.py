@@ -45,6 +45,7 @@ CASES = [
     Case("ep1-holes", 1, (17,), routing="holes"),
     Case("ep1-t0", 1, (0,)),
     Case("ep1-t1", 1, (1,), top_k=4, routing="holes"),
+    Case("ep1-256-experts", 1, (50,), num_experts=256, top_k=8, routing="holes"),  # int32 sort keys (E_local >= 255)
     Case("ep2-uniform", 2, (48, 40), num_experts=16, top_k=4, hidden_size=128, intermediate_size=96),
     Case("ep2-skewed", 2, (64, 64), num_experts=16, top_k=4, routing="skewed", seed=3),
     Case("ep2-rank0-gets-all", 2, (32, 24), num_experts=8, top_k=3, routing="rank0"),
@@ -209,17 +210,22 @@ def test_run_distributed_reports_failures_and_hangs():
 
     with pytest.raises(DistributedError, match="boom on rank one"):
         run_distributed(_rank_one_fails, 2, timeout_s=60)
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish"):
-        run_distributed(_rank_one_hangs, 2, timeout_s=15)  # rank 0 must finish first, also on a loaded machine
+    # Rank 0 returns at once, but on a loaded CI machine spawning it can outlast the timeout too: it may be listed.
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] of 2 did not finish"):
+        run_distributed(_rank_one_hangs, 2, timeout_s=10)
 
 
 # ---------------------------------------------------------------------------------------------- launch / sync budget
 # The nccl backend is the baseline every speed-up is measured against, and on the GPU it is host-bound (kernel
-# launches, host syncs), so its per-call budget is pinned here. Counted on the CPU, which runs the same code as CUDA
-# when this torch has torch._grouped_mm on the CPU: every aten op that reaches a backend kernel (views and allocations
-# excluded) is one launch-equivalent; tolist / item / bool / int on a tensor are host syncs on CUDA.
-_OP_BUDGET = {1: 15, 2: 40}  # measured: EP=1 15, EP=2 40 with the id check and the call header (one copy) riding on the
-#                               count exchange (34 without either; 3 collectives); the old layout took 23 and 58
+# launches, host syncs), so its per-call budget is pinned here. Counted on the CPU, which runs the same host code as
+# CUDA when this torch has torch._grouped_mm on the CPU: every aten op that reaches a backend kernel (views and
+# allocations excluded) is one launch-equivalent, and each call of an expert_stage helper that is one Triton kernel on
+# CUDA (gather_rows, silu_mul, gather_weighted_sum) counts once, whatever torch ops its CPU path runs; tolist / item /
+# bool / int on a tensor are host syncs on CUDA.
+_OP_BUDGET = {1: 9, 2: 33}  # measured: EP=1 9, EP=2 33 with the id check and the call header (one copy) that ride on
+#                             the count exchange (27 without either; 3 collectives); the torch-glue version took 15 and 34
+_SYNC_BUDGET = {1: 0, 2: 1}  # EP=1 reads its pair count on the device; EP=2 needs the all-to-all-v split sizes
+_TRITON_HELPERS = ("gather_rows", "silu_mul", "gather_weighted_sum")
 _NO_KERNEL_OPS = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
                   "squeeze", "permute", "empty", "empty_strided", "resize_", "alias", "detach", "_reshape_alias",
                   "lift_fresh", "split", "unbind", "view_as", "empty_like", "scalar_tensor"}
@@ -234,16 +240,21 @@ def _count_forward(rank: int, world_size: int) -> dict:
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from weave_moe.backends import expert_stage, nccl
+
     class Kernels(TorchDispatchMode):
         def __init__(self):
             super().__init__()
             self.ops: list[str] = []
+            self.inside_helper = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.__name__.split(".")[0]
             if name == "index" and any(getattr(index, "dtype", None) == torch.bool for index in args[1]):
                 name = "index_with_bool_mask"
-            if name not in _NO_KERNEL_OPS:
+            if name in _SYNCING_OPS or name == "index_with_bool_mask":
+                self.ops.append(name)  # never allowed, not even inside a helper's CPU path
+            elif name not in _NO_KERNEL_OPS and not self.inside_helper:
                 self.ops.append(name)
             return func(*args, **(kwargs or {}))
 
@@ -257,6 +268,23 @@ def _count_forward(rank: int, world_size: int) -> dict:
                 self.calls.append(func.__name__)
             return func(*args, **(kwargs or {}))
 
+    kernels, syncs = Kernels(), Syncs()
+
+    def one_kernel(helper):
+        def counted(*args, **kwargs):
+            kernels.ops.append(helper.__name__)
+            kernels.inside_helper += 1
+            try:
+                return helper(*args, **kwargs)
+            finally:
+                kernels.inside_helper -= 1
+        return counted
+
+    for module in (expert_stage, nccl):
+        for helper in _TRITON_HELPERS:
+            if hasattr(module, helper):
+                setattr(module, helper, one_kernel(getattr(module, helper)))
+
     spec = MoESpec(32, 8, 128, 64)
     num_local_experts = spec.num_experts // world_size
     ids, weights = routing.skewed(96, spec.num_experts, spec.top_k, skew=2.0, seed=rank)
@@ -268,7 +296,7 @@ def _count_forward(rank: int, world_size: int) -> dict:
     layer.load_experts(*make_experts(spec, num_local_experts, first_expert=rank * num_local_experts))
     backend = layer.backend
     backend.forward(x, ids, weights)
-    kernels, syncs = Kernels(), Syncs()
+    kernels.ops.clear()  # the helpers' counters record outside the mode too
     with syncs, kernels:
         backend.forward(x, ids, weights)
     return {"grouped_mm": backend.use_grouped_mm, "ops": kernels.ops, "syncs": syncs.calls}
@@ -282,7 +310,8 @@ def test_op_and_sync_budget(world_size: int):
             pytest.skip("this torch has no torch._grouped_mm on the CPU: the CPU path is not the CUDA path")
         ops = result["ops"]
         where = f"EP={world_size} rank {rank}: {len(ops)} ops {sorted(ops)}; syncs {result['syncs']}"
-        assert len(result["syncs"]) == 1, where
+        assert len(result["syncs"]) == _SYNC_BUDGET[world_size], where
         assert not set(ops) & (_SYNCING_OPS | {"index_with_bool_mask"}), where
         assert len(ops) <= _OP_BUDGET[world_size], where
         assert ops.count("alltoall_base_") == (3 if world_size > 1 else 0), where
+        assert ops.count("gather_weighted_sum") == (2 if world_size > 1 else 1), where

@@ -22,7 +22,7 @@ import torch
 
 from weave_moe.backends.coordination import (DEFAULT_TIMEOUT_S, CallCoordinator, CallOrderError, CollectiveError,
                                              CollectiveTimeoutError, CoordinationError, LayerBrokenError,
-                                             LayerMismatchError, PeerError, agree_on_layer, confirm_built,
+                                             LayerMismatchError, PeerError, agree_no_errors, agree_on_layer,
                                              describe_layer, layer_fingerprint)
 from weave_moe.models import MoESpec
 
@@ -36,6 +36,8 @@ BACKENDS = {
     "reference": ("weave_moe.backends.reference", "ReferenceBackend"),
     "nccl": ("weave_moe.backends.nccl", "NcclBackend"),
     "weave": ("weave_moe.backends.weave", "WeaveBackend"),
+    "symm": ("weave_moe.backends.symm", "SymmBackend"),
+    "deepep": ("weave_moe.backends.deepep", "DeepEPBackend"),
 }
 #: Backends that take a schedule policy; the others accept only the default.
 _POLICY_BACKENDS = {"weave"}
@@ -166,10 +168,12 @@ class ExpertParallelMoE(torch.nn.Module):
         except Exception as error:  # noqa: BLE001 - reported to the peers below, then raised here
             local_error = error
         if self.world_size > 1:
-            confirm_built(self.group, self.rank, self.world_size, self.device, local_error, self.timeout_s, index)
+            agree_no_errors(self.group, self.rank, self.world_size, self.device, local_error, self.timeout_s,
+                            "building the MoE layer's backend")
         elif local_error is not None:
             raise local_error
         self._loaded = False
+        self._first_call_done = self.world_size == 1  # the first call at EP > 1 is checked on every rank first
         self._no_tokens = None  # T = 0 inputs, for a call this rank cannot make but its peers wait for
 
     def _check_arguments(self, spec, max_tokens_per_rank, policy, backend, timeout_s) -> None:
@@ -235,7 +239,11 @@ class ExpertParallelMoE(torch.nn.Module):
         except Exception as error:  # noqa: BLE001 - every local failure is reported to the peers the same way
             if self.world_size == 1:
                 raise
+            if not self._first_call_done:
+                self._check_first_call(error)
             self._abandon_call(error)
+        if not self._first_call_done:
+            self._check_first_call(None)
         topk_weights = topk_weights.contiguous()
         if not torch.is_grad_enabled():
             return self._backend_forward(x, topk_ids, topk_weights, timings)
@@ -253,6 +261,14 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def _backend_forward(self, x, topk_ids, topk_weights, timings):
         return self.backend.forward(x, topk_ids, topk_weights, timings=timings)
+
+    def _check_first_call(self, error: BaseException | None) -> None:
+        """Before a layer's first call at EP > 1, one small all-gather: every rank raises if any rank cannot make it
+        (above all: experts not loaded, which the symm and deepep backends, whose calls carry no header, could not
+        tell the peers that need this rank's experts)."""
+        agree_no_errors(self.group, self.rank, self.world_size, self.device, error, self.coordinator.timeout_s,
+                        "the MoE layer's first call", self.coordinator.mark_broken)
+        self._first_call_done = True
 
     def _abandon_call(self, error: BaseException):
         """This rank cannot make the call; its peers are (or will be) in the call's first exchange. Take part in it

@@ -364,8 +364,9 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
 
         # The last rank never calls: the others raise within timeout_s. Then it joins the pending all-gather (and
         # nothing else), so the others' NCCL stream drains and the process group stays usable for the report.
-        doomed, _, _ = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, backend)
-        doomed.coordinator.timeout_s = 3.0  # after construction, which a small timeout could trip on a slow start
+        doomed, doomed_w13, doomed_w2 = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, backend)
+        first_error = next_error(doomed, doomed_w13, doomed_w2)  # the first call has a check of its own
+        doomed.coordinator.timeout_s = 3.0  # after construction and compiles, which a small timeout could trip
         store = torch.distributed.distributed_c10d._get_default_store()
         if rank == last:
             store.wait([f"{backend}-never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
@@ -381,7 +382,7 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
                 torch.distributed.all_to_all_single(counts[1], counts[0], group=group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            record("never-calls", "did not call", "did not call")
+            record("never-calls", "did not call", "did not call", first_error)
         else:
             start = time.perf_counter()
             outcome = outcome_of(lambda: doomed(x, ids, w))
@@ -389,7 +390,7 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
             after = outcome_of(lambda: doomed(x, ids, w))
             store.set(f"{backend}-never-calls/{rank}", "done")
             record("never-calls", outcome if after.startswith("LayerBrokenError") else f"{outcome} / then {after}",
-                   "CollectiveTimeoutError", 0.0 if seconds < 3.0 + 5.0 else float("inf"), seconds=seconds)
+                   "CollectiveTimeoutError", first_error if seconds < 3.0 + 5.0 else float("inf"), seconds=seconds)
     except Exception as error:  # noqa: BLE001 - a case that crashed is a failed row, the report goes on
         rows.append(dict(failures=f"{backend}:crashed", rank=rank, passed=False,
                          error=f"{type(error).__name__}: {error}"[:2000]))

@@ -8,6 +8,10 @@ that fragile, and this module handles each once for every backend:
    max_tokens_per_rank, backend, policy) with the layer's creation index on its process group and a local error
    flag. Only on a mismatch or an error, a second exchange carries the descriptions or the error messages, so the
    error names the differing field (or the failing rank's message) on every rank.
+   After the backends are built, and before a layer's first call, one more small all-gather of an error code
+   (`agree_no_errors`) makes a backend constructor that failed, or experts not loaded, raise on every rank: the
+   backends whose calls carry no header (symm, deepep) could not tell the peers, whose tokens need this rank's
+   experts.
 2. Calls (`CallCoordinator`): every call's FIRST exchange carries a header of `HEADER_WORDS` int32-sized words
    [identity, creation index, call sequence number, error code] from every rank. A rank whose local checks failed
    (or that raised before its exchange) still enters that exchange, with tokens T = 0 and a non-zero code; after it,
@@ -28,7 +32,9 @@ that fragile, and this module handles each once for every backend:
    `LayerBrokenError` at once. The process group itself should then be destroyed (or the process restarted).
 
 The reference backend has no per-call collective (it gathers all experts once, in `load_experts`), so a call there
-has nothing to coordinate: a failing rank raises alone and no peer waits for it.
+has nothing to coordinate: a failing rank raises alone and no peer waits for it. The symm and deepep backends'
+exchanges (NVSHMEM, DeepEP) carry no header: a rank whose input is rejected still makes the call with T = 0, so its
+peers finish it correctly and only that rank raises; their calls are not checked for order.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CallCoordinator", "agree_on_layer", "confirm_built", "describe_layer", "layer_fingerprint", "exchange_text", "DEFAULT_TIMEOUT_S",
+    "CallCoordinator", "agree_on_layer", "agree_no_errors", "describe_layer", "layer_fingerprint", "exchange_text", "DEFAULT_TIMEOUT_S",
     "HEADER_WORDS", "CODE_OK", "CODE_REJECTED", "CODE_FAILED", "CoordinationError", "PeerError", "CallOrderError",
     "LayerMismatchError", "CollectiveError", "CollectiveTimeoutError", "LayerBrokenError",
 ]
@@ -236,7 +242,7 @@ def agree_on_layer(group, rank: int, world_size: int, device: torch.device, desc
     _bounded(work, device, timeout_s, f"rank {rank}: the construction check of layer #{index}", lambda reason: None)
     rows = gathered.view(world_size, 3).cpu().tolist()
     _raise_if_any_failed(group, rank, world_size, device, [row[2] for row in rows], local_error, timeout_s,
-                         f"layer #{index}'s construction")
+                         "building the MoE layer", f"layer #{index}'s construction", lambda reason: None)
     if any(row[:2] != rows[0][:2] for row in rows):
         texts = exchange_text(group, world_size, device, json.dumps({**description, "creation index": index}),
                               timeout_s, f"rank {rank}: the description exchange of layer #{index}")
@@ -253,31 +259,36 @@ def agree_on_layer(group, rank: int, world_size: int, device: torch.device, desc
     return index
 
 
-def confirm_built(group, rank: int, world_size: int, device: torch.device, local_error: BaseException | None,
-                  timeout_s: float, index: int) -> None:
-    """After the backends are built: one all-gather of an error code, so that a backend constructor that raised on
-    one rank (out of memory, a bad option) raises there and PeerError on the others, instead of leaving them to
-    time out in the first call."""
+def agree_no_errors(group, rank: int, world_size: int, device: torch.device, local_error: BaseException | None,
+                    timeout_s: float, what: str, on_timeout: Callable[[str], None] = lambda reason: None) -> None:
+    """One all-gather of an error code (and, only if one is set, of the messages): `local_error` raises on its rank
+    and PeerError on the others, or nothing raises anywhere.
+
+    The layer uses it after building its backend (a constructor that raised on one rank, e.g. out of memory or a bad
+    option, instead of leaving the others to time out in the first call) and on a layer's first call (experts not
+    loaded on one rank: backends whose calls carry no header, symm and deepep, could not tell the peers, whose tokens
+    need this rank's experts). `what` names the step in the messages.
+    """
     code = CODE_OK if local_error is None else _error_code(local_error)
     mine = torch.full((1,), code, dtype=torch.int64, device=device)
     gathered = torch.empty(world_size, dtype=torch.int64, device=device)
     work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True)
-    _bounded(work, device, timeout_s, f"rank {rank}: the construction check of layer #{index}'s backend",
-             lambda reason: None)
-    _raise_if_any_failed(group, rank, world_size, device, gathered.cpu().tolist(), local_error, timeout_s,
-                         f"layer #{index}'s backend construction")
+    _bounded(work, device, timeout_s, f"rank {rank}: the check of {what}", on_timeout)
+    _raise_if_any_failed(group, rank, world_size, device, gathered.cpu().tolist(), local_error, timeout_s, what,
+                         what, on_timeout)
 
 
-def _raise_if_any_failed(group, rank, world_size, device, codes: list[int], local_error, timeout_s, what) -> None:
+def _raise_if_any_failed(group, rank, world_size, device, codes: list[int], local_error, timeout_s, what: str,
+                         step: str, on_timeout: Callable[[str], None]) -> None:
     """Every rank sees the same `codes`: if one is set, exchange the messages and raise on every rank."""
     if all(code == CODE_OK for code in codes):
         return
     texts = exchange_text(group, world_size, device, "" if local_error is None else _error_text(local_error),
-                          timeout_s, f"rank {rank}: the error exchange of {what}")
+                          timeout_s, f"rank {rank}: the error exchange of {step}", on_timeout)
     if local_error is not None:
         raise local_error
     failures = {r: texts[r] for r, code in enumerate(codes) if code != CODE_OK}
-    raise PeerError(f"building the MoE layer failed on another rank: "
+    raise PeerError(f"rank {rank}: {what} failed on another rank: "
                     + "; ".join(f"rank {r}: {m}" for r, m in failures.items()), failures)
 
 

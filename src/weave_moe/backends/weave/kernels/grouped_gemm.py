@@ -162,6 +162,21 @@ def _section_work(pid, work_before, NUM_SMS: tl.constexpr):
 
 
 @triton.jit
+def _desc_k_loop(a_desc, w_desc, m_start, w_row, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 = A rows [m_start, +BLOCK_M) @ W rows [w_row, +BLOCK_N)^T over K, both through TMA."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K, warp_specialize=WS_INNER):
+        a = a_desc.load([m_start, k])
+        w = w_desc.load([w_row, k])
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w.T, acc)
+    return acc
+
+
+@triton.jit
 def _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_tiles, num_n, work, H, I,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -172,15 +187,8 @@ def _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_ti
     m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
     n_start = n * HALF_N
     if INTERLEAVED:
-        w_row = expert * 2 * I + 2 * n_start
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
-            a = a_desc.load([m_start, k])
-            w = w_desc.load([w_row, k])
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w.T, acc)
+        acc = _desc_k_loop(a_desc, w_desc, m_start, expert * 2 * I + 2 * n_start, H,
+                           BLOCK_M, BLOCK_N, BLOCK_K, WS_INNER, DOT_FP32)
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
     else:
         gate_row = expert * 2 * I + n_start
@@ -236,15 +244,7 @@ def _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, colu
     m_start = tl.load(tiles_ptr + width + column0 + tile)
     m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
     n_start = n * BLOCK_N
-    w_row = expert * H + n_start
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, I, BLOCK_K, warp_specialize=WS_INNER):
-        a = h_desc.load([m_start, k])
-        w = w_desc.load([w_row, k])
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            w = w.to(tl.float32)
-        acc = tl.dot(a, w.T, acc)
+    acc = _desc_k_loop(h_desc, w_desc, m_start, expert * H + n_start, I, BLOCK_M, BLOCK_N, BLOCK_K, WS_INNER, DOT_FP32)
     if HAS_SCALE:
         rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
         acc = acc * tl.load(scale_ptr + rows)[:, None]

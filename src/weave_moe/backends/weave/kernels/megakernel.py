@@ -58,6 +58,23 @@ def _peer_ptr(peer_base_ptr, rank, byte_offset, dtype: tl.constexpr):
 
 
 @triton.jit
+def _claim(counter_ptr, TIMELINE: tl.constexpr):
+    """(next task index of a queue, the claim's %globaltimer when TIMELINE): one relaxed atomic per claim."""
+    task = tl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu")
+    t_start = tl.full([], 0, tl.int64)
+    if TIMELINE:
+        t_start = sync.global_time_ns()
+    return task, t_start
+
+
+@triton.jit
+def _task_row(tasks_ptr, task):
+    """The four int32 columns of a dispatch or combine task (layout.DISPATCH_COLUMNS / COMBINE_COLUMNS)."""
+    row = tasks_ptr + task * 4
+    return tl.load(row + 0), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+
+
+@triton.jit
 def _record(timeline_ptr, pid, num_events, kind, t_start, t_ready, MAX_EVENTS: tl.constexpr):
     if num_events < MAX_EVENTS:
         event = timeline_ptr + (pid.to(tl.int64) * MAX_EVENTS + num_events) * 4
@@ -116,14 +133,9 @@ def moe_megakernel(
     is_stealer = is_comm & (num_comm_ctas < tl.num_programs(0))
     while phase <= PHASE_LAST:
         if phase == 0:
-            task = tl.atomic_add(ctrl_ptr + CTRL_DISPATCH, 1, sem="relaxed", scope="gpu")
+            task, t_start = _claim(ctrl_ptr + CTRL_DISPATCH, TIMELINE)
             if task < num_dispatch:
-                if TIMELINE:
-                    t_start = sync.global_time_ns()
-                dest = tl.load(dispatch_tasks_ptr + task * 4 + 0)
-                chunk = tl.load(dispatch_tasks_ptr + task * 4 + 1)
-                start = tl.load(dispatch_tasks_ptr + task * 4 + 2)
-                count = tl.load(dispatch_tasks_ptr + task * 4 + 3)
+                dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
                 dst = _peer_ptr(peer_base_ptr, dest, recv_offset + rank.to(tl.int64) * max_tokens * row_bytes,
                                 tl.bfloat16)
                 tiles.dispatch_rows(x_ptr, dst, send_token_ptr, send_slot_ptr, start, count, H,
@@ -184,14 +196,9 @@ def moe_megakernel(
             else:
                 phase = 2
         elif phase == 2:
-            task = tl.atomic_add(ctrl_ptr + CTRL_COMBINE, 1, sem="relaxed", scope="gpu")
+            task, t_start = _claim(ctrl_ptr + CTRL_COMBINE, TIMELINE)
             if task < num_combine:
-                if TIMELINE:
-                    t_start = sync.global_time_ns()
-                source = tl.load(combine_tasks_ptr + task * 4 + 0)
-                chunk = tl.load(combine_tasks_ptr + task * 4 + 1)
-                start = tl.load(combine_tasks_ptr + task * 4 + 2)
-                count = tl.load(combine_tasks_ptr + task * 4 + 3)
+                source, chunk, start, count = _task_row(combine_tasks_ptr, task)
                 if ((combinable_chunks >> chunk) & 1) == 0:
                     expected = tl.load(gemm1_expected_ptr + chunk)
                     if sync.wait_at_least(ctrl_ptr + CTRL_GEMM1_DONE + chunk, expected, status_ptr,
