@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weave_moe.backends.weave.kernels import sync
 from weave_moe.models import BYTES_PER_ELEMENT, MoESpec
 from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, parse_policy
 from weave_moe.plan.cost_model import _per_iteration_c
@@ -215,10 +216,15 @@ def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, world_size,
 
 
 @triton.jit
-def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, num_batches, counts_stride, world_size,
-                num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, block_m, static_c, static_k,
-                POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-                MAX_CHUNKS: tl.constexpr):
+def _clock_cycles():
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, num_batches, counts_stride,
+                world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, block_m, static_c,
+                static_k, POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_C: tl.constexpr, MAX_CHUNKS: tl.constexpr, TIMING: tl.constexpr = False):
     """Every rank's plan from the global counts (module docstring), for `num_batches` counts vectors.
 
     Args:
@@ -227,15 +233,27 @@ def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, num_batches, 
         model_ptr: fp32 model table (`DevicePlanner.model`).
         per_iteration_ptr: int32 [PER_ITERATION_BUCKETS] comm CTAs per token bucket (read by POLICY 3 only).
         out_ptr: int32 [num_batches, EP, 4] (c, K, n_steal, predicted_us fp32 bits).
+        timing_ptr: int64 [programs, 4] (TIMING only): SM clock and %globaltimer at each program's start and end.
         static_c, static_k: the plan of POLICY 2 ("static:<c>,<K>").
     """
     pid = tl.program_id(0)
+    if TIMING:
+        start_cycles = _clock_cycles()
+        start_ns = sync.global_time_ns()
     for item in range(pid, num_batches * world_size, tl.num_programs(0)):
         batch = item // world_size
         _plan_rank(counts_ptr + batch.to(tl.int64) * counts_stride, model_ptr, per_iteration_ptr,
                    out_ptr + batch.to(tl.int64) * world_size * 4, item % world_size, world_size, num_local_experts,
                    num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, block_m, static_c, static_k, POLICY,
                    BLOCK_EP, BLOCK_E, BLOCK_C, MAX_CHUNKS)
+    if TIMING:
+        tl.debug_barrier()
+        end_cycles = _clock_cycles()
+        end_ns = sync.global_time_ns()
+        tl.store(timing_ptr + pid * 4 + 0, start_cycles)
+        tl.store(timing_ptr + pid * 4 + 1, end_cycles)
+        tl.store(timing_ptr + pid * 4 + 2, start_ns)
+        tl.store(timing_ptr + pid * 4 + 3, end_ns)
 
 
 # ---- the host side --------------------------------------------------------------------------------------------------
@@ -323,7 +341,8 @@ class DevicePlanner:
                                         torch.from_numpy(self.per_iteration_c.copy()).to(device))
         return self._device_tables[key]
 
-    def launch(self, counts: torch.Tensor, out: torch.Tensor, num_programs: int | None = None) -> torch.Tensor:
+    def launch(self, counts: torch.Tensor, out: torch.Tensor, num_programs: int | None = None,
+               timing: torch.Tensor | None = None) -> torch.Tensor:
         """Enqueue the planner on `counts`' device: `out` gets every rank's (c, K, n_steal, predicted_us bits).
 
         Args:
@@ -331,6 +350,7 @@ class DevicePlanner:
                 words past counts_words are not read.
             out: int32 [EP, 4] (or [B, EP, 4] for a batch), contiguous, on the same device.
             num_programs: programs of the grid (default: one per rank and vector; 1: one program plans them all).
+            timing: int64 [programs, 4] to record each program's (start, end) SM clock and %globaltimer (GPU only).
         """
         batched = counts.dim() == 2
         if counts.dtype != torch.int32 or counts.dim() not in (1, 2) or counts.shape[-1] < self.counts_words \
@@ -344,9 +364,12 @@ class DevicePlanner:
                              f"{tuple(out.shape)}")
         model, per_iteration = self.tables(counts.device)
         grid = (num_programs or num_batches * self.world_size,)
+        if timing is not None and (timing.dtype != torch.int64 or tuple(timing.shape) != (grid[0], 4)):
+            raise ValueError(f"timing must be int64 [{grid[0]}, 4], got {timing.dtype} {tuple(timing.shape)}")
         options = {} if _interpreting() else dict(enable_fp_fusion=False)
-        plan_kernel[grid](counts, model, per_iteration, out, num_batches, counts.stride(0) if batched else 0,
-                          **self.scalar_args(), **self.constants(), num_warps=4, **options)
+        plan_kernel[grid](counts, model, per_iteration, out, out if timing is None else timing, num_batches,
+                          counts.stride(0) if batched else 0, **self.scalar_args(), **self.constants(),
+                          TIMING=timing is not None, num_warps=4, **options)
         return out
 
     def decode(self, rows) -> list[Plan]:
@@ -499,15 +522,15 @@ def _mirror_block(planner: DevicePlanner, x: dict) -> np.ndarray:
     return out
 
 
-def compile_planner_ptx(planner: DevicePlanner, capability: int = 90) -> str:
+def compile_planner_ptx(planner: DevicePlanner, capability: int = 90, timing: bool = False) -> str:
     """The planner kernel's PTX for `sm_<capability>`, compiled without a GPU with the launch's options."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {"counts_ptr": "*i32", "model_ptr": "*fp32", "per_iteration_ptr": "*i32", "out_ptr": "*i32",
-                 "num_batches": "i32", "counts_stride": "i32"}
+                 "timing_ptr": "*i64", "num_batches": "i32", "counts_stride": "i32"}
     signature.update({name: "i32" for name in planner.scalar_args()})
-    constants = planner.constants()
+    constants = dict(planner.constants(), TIMING=timing)
     signature.update({name: "constexpr" for name in constants})
     source = ASTSource(fn=plan_kernel, signature=signature, constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
