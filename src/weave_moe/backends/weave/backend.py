@@ -123,10 +123,10 @@ class WeaveBackend:
 
         H, I = spec.hidden_size, spec.intermediate_size
         cfg = self.config
-        self.workspace = SymmetricWorkspace(group, rank, world_size, max_tokens_per_rank, H, device)
         max_pairs = world_size * max_tokens_per_rank * min(spec.top_k, self.num_local_experts)
-        self.h = torch.empty(max(max_pairs, 1), I, dtype=torch.bfloat16, device=device)
-        self.y = torch.empty(max(max_pairs, 1), H, dtype=torch.bfloat16, device=device)
+        # one workspace per (group, device) shared by every layer, h and y included (workspace.py: the protocol)
+        self.workspace = SymmetricWorkspace.shared(group, rank, world_size, device).attach(
+            max_tokens_per_rank, H, I, max(max_pairs, 1))
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
@@ -144,7 +144,6 @@ class WeaveBackend:
         self.chunks_host = torch.zeros(world_size, dtype=torch.long).pin_memory()
         self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
         self.last_chunks: list[int] | None = None
-        self.comb_flags = tuple(self.workspace.flags(p)[world_size * MAX_CHUNKS:] for p in (0, 1))
         self.graphs = GraphCache(device, use_cuda_graph)
         self.layout_builder = LayoutBuilder(cfg.compile_layout)
         self.calls = 0
@@ -187,7 +186,7 @@ class WeaveBackend:
                                                                                    self.status))
         self.counts_host.copy_(counts_device, non_blocking=True)
         self.counts_ready.record(torch.cuda.current_stream(self.device))
-        parity = self.calls % 2
+        parity = self.workspace.parity  # of the group's call sequence, shared by its layers
         layout = self._layout(parity) if self.last_chunks is not None else None
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
@@ -213,6 +212,7 @@ class WeaveBackend:
         self._launch(x, out, layout, plans[self.rank], parity)
         clock.lap("launch")
         self.calls += 1
+        self.workspace.finish_call()
         return out
 
     def synchronize(self) -> None:
@@ -280,7 +280,7 @@ class WeaveBackend:
                 block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
                 combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
 
-        return self.graphs.run(f"layout{parity}", build)
+        return self.graphs.run(f"layout{parity}.{self.workspace.generation}", build)
 
     def _raise_on_status(self, status: list[int]) -> None:
         code = status[0]
@@ -288,6 +288,7 @@ class WeaveBackend:
             return
         what, tag = ERROR_NAMES.get(code, (f"unknown error code {code}", "tag"))
         self.broken = what
+        self.workspace.retire()  # its flags are dirty and a stalled peer may still write: new layers get a new one
         raise WeaveTimeoutError(
             f"weave megakernel on rank {self.rank}: {what} within {self.timeout_s:.1f} s "
             f"({tag} = {status[1]}, counter saw {status[2]} of {status[3]}); a peer stalled, died or ran a "
@@ -299,12 +300,12 @@ class WeaveBackend:
             self.timeline_buf.zero_()
         serial = my_plan.is_serial(grid)
         if x.shape[0] == 0:  # the kernel never touches x or out then, but needs valid pointers
-            x = out = self.y[:1]
+            x = out = ws.y()[:1]
         args = mk_launch.MegakernelArgs(
             x_ptr=x, out_ptr=out, w13_ptr=self.w13, w2_ptr=self.w2,
-            recv_ptr=ws.recv(), h_ptr=self.h, y_ptr=self.y, comb_ptr=ws.comb(parity),
+            recv_ptr=ws.recv(), h_ptr=ws.h(), y_ptr=ws.y(), comb_ptr=ws.comb(parity),
             peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset, comb_offset=ws.comb_offsets[parity],
-            flags_offset=ws.flags_offsets[parity], arrival_ptr=ws.flags(parity), comb_flag_ptr=self.comb_flags[parity],
+            flags_offset=ws.flags_offsets[parity], arrival_ptr=ws.flags(parity), comb_flag_ptr=ws.comb_flags(parity),
             ctrl_ptr=self.ctrl, status_ptr=self.status, meta_ptr=layout.meta, timeline_ptr=self.timeline_buf,
             dispatch_tasks_ptr=layout.dispatch_tasks, send_token_ptr=layout.send_token,
             send_slot_ptr=layout.send_slot, gemm_tasks_ptr=layout.gemm_tasks, gather_ptr=layout.gather_rows,
