@@ -24,6 +24,7 @@ from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
 from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES
+from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
 from weave_moe.models import MoESpec
@@ -138,6 +139,11 @@ class WeaveBackend:
         self.counts_format = CountsFormat(world_size, spec.num_experts, STATUS_WORDS)
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
+        # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
+        self.device_planner = (DevicePlanner(spec, world_size, self.profile, policy)
+                               if cfg.device_plan and self.fixed_plan is None else None)
+        self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
+        self.plans_host = torch.zeros(world_size, 4, dtype=torch.int32).pin_memory()
         self.timeline_events = 2048 if timeline else 0
         self.timeline_buf = torch.zeros(self.num_sms, max(self.timeline_events, 1), 4, dtype=torch.int64,
                                         device=device)
@@ -185,6 +191,8 @@ class WeaveBackend:
         counts_device = self.graphs.run("counts", lambda: self.counts_format.build(self.all_routing, self.message,
                                                                                    self.status))
         self.counts_host.copy_(counts_device, non_blocking=True)
+        if self.device_planner is not None:
+            self.plans_host.copy_(self.device_planner.launch(counts_device, self.plans_device), non_blocking=True)
         self.counts_ready.record(torch.cuda.current_stream(self.device))
         parity = self.workspace.parity  # of the group's call sequence, shared by its layers
         layout = self._layout(parity) if self.last_chunks is not None else None
@@ -198,7 +206,9 @@ class WeaveBackend:
         # Every rank sees every rank's count and raises here, before any kernel of this call: the layer stays usable.
         raise_on_bad_ids(bad_ids, self.spec.num_experts)
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
-        plans = [self.fixed_plan] * self.world_size if self.fixed_plan is not None else self._plans(counts)
+        plans = ([self.fixed_plan] * self.world_size if self.fixed_plan is not None else
+                 self.device_planner.decode(self.plans_host) if self.device_planner is not None else
+                 self._plans(counts))
         self.last_plan, self.last_plans = plans[self.rank], plans
         clock.lap("plan")
         # 4. task tables (one CUDA-graph replay, unless built above with the right chunk counts) and launch
@@ -288,7 +298,6 @@ class WeaveBackend:
             return
         what, tag = ERROR_NAMES.get(code, (f"unknown error code {code}", "tag"))
         self.broken = what
-        self.workspace.retire()  # its flags are dirty and a stalled peer may still write: new layers get a new one
         raise WeaveTimeoutError(
             f"weave megakernel on rank {self.rank}: {what} within {self.timeout_s:.1f} s "
             f"({tag} = {status[1]}, counter saw {status[2]} of {status[3]}); a peer stalled, died or ran a "

@@ -47,6 +47,10 @@ class KernelConfig:
             kernels), then captured as a CUDA graph. Costs a compile per layer shape and rank on the first call
             (~22 s cold for a fresh process, ~5 s per further shape). On: 1.19x faster weave calls on the H200 pair
             (1.35x at 2048 tokens; fef48c7).
+        device_plan: every rank's plan computed on the GPU from the counts (kernels/planner.py, one small kernel
+            after the counts, read back with them) instead of by the Python planner on the host. Off until measured
+            on the GPU (scripts/device_planner_check.py); its choices match the Python planner's up to fp32 near-ties
+            (tests/test_device_planner.py).
     """
 
     block_m: int = 128
@@ -66,6 +70,7 @@ class KernelConfig:
     fused_serial: bool = False
     tma: bool = True
     compile_layout: bool = True
+    device_plan: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

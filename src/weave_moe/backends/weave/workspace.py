@@ -29,9 +29,11 @@ is stream-ordered after that rank's call-n zeroing and call-n kernel; so no peer
 rows or combine rows before this rank has zeroed them and finished reading call n's. The flags of parity n % 2 are
 complete when call n's kernel ends (it waits for every count it was promised) and are zeroed by call n + 1 for call
 n + 2. So a layer's counters never leak into another layer's call, as long as every rank calls the layers in the
-same order (one sequence per group) on one stream. A kernel that timed out leaves its parity's flags dirty and a
-stalled peer may still write late: rebuild every layer of the group then (the workspace is `retire`d, so new layers
-get a fresh one).
+same order (one sequence per group) on one stream. A kernel that timed out leaves its parity's flags dirty (the next
+call zeroes them) and a stalled peer may still write late, and the ranks' call counters part when some ranks raise
+and others launch: after a WeaveTimeoutError, `retire` the workspace on every rank and rebuild every layer of the
+group. The workspace outlives its layers (it is freed by `retire` once no layer holds a view), so that allocating
+stays a function of the construction sequence alone.
 
 Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max = max_tokens_per_rank) and
 P = EP * T_max * min(k, E_local) (max_pairs):
@@ -100,8 +102,10 @@ class WorkspaceBytes:
         return self.symmetric + self.local
 
 
-# (group name or None, device, rank, EP) -> the live workspace; entries vanish with the last layer using them.
-_SHARED: "weakref.WeakValueDictionary[tuple, SymmetricWorkspace]" = weakref.WeakValueDictionary()
+# (group name or None, device, rank, EP) -> the workspace. Strong references: whether a construction allocates (a
+# collective) must depend only on the sequence of constructions, the same on every rank, never on when the garbage
+# collector of each rank happens to free a dropped layer. A workspace lives until `retire` (on every rank).
+_SHARED: dict[tuple, "SymmetricWorkspace"] = {}
 
 
 class SymmetricWorkspace:
@@ -214,7 +218,9 @@ class SymmetricWorkspace:
         self.calls += 1
 
     def retire(self) -> None:
-        """Take this workspace out of the registry (after a kernel error), so layers built later get a fresh one."""
+        """Take this workspace out of the registry, so that layers built later get a new one (and this one is freed
+        with the last view). Call it on every rank at the same point of the construction sequence: the next
+        construction allocates, collectively."""
         for key, value in list(_SHARED.items()):
             if value is self:
                 del _SHARED[key]

@@ -279,6 +279,7 @@ class DevicePlanner:
     model: np.ndarray = field(init=False, repr=False)
     per_iteration_c: np.ndarray = field(init=False, repr=False)
     _device_tables: dict = field(init=False, repr=False, default_factory=dict, compare=False)
+    _launch_args: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.spec.num_experts % self.world_size:
@@ -307,6 +308,7 @@ class DevicePlanner:
                 buckets[b] = _per_iteration_c(spec, self.world_size, 1 << b, profile)
         buckets.flags.writeable = False
         object.__setattr__(self, "per_iteration_c", buckets)
+        object.__setattr__(self, "_launch_args", dict(self.scalar_args(), **self.constants()))
 
     # -- launch parameters --
     @property
@@ -329,9 +331,12 @@ class DevicePlanner:
                     static_c=static_c, static_k=static_k)
 
     def constants(self) -> dict:
-        return dict(POLICY=POLICY_CODES[parse_policy(self.policy)[0]], BLOCK_EP=_next_pow2(self.world_size),
-                    BLOCK_E=_next_pow2(self.num_local_experts), BLOCK_C=_next_pow2(self.profile.num_sms - 1),
-                    MAX_CHUNKS=MAX_CHUNKS)
+        """Compile-time sizes: the candidate grid spans c = 1..BLOCK_C, the largest c the policy can pick (the
+        profile's cap on c for the searching policies, e.g. 48 of 131 on the calibrated H200: a 4x smaller grid)."""
+        name, args = parse_policy(self.policy)
+        largest_c = args[0] if name == "static" else self.profile.comm_sms_limit
+        return dict(POLICY=POLICY_CODES[name], BLOCK_EP=_next_pow2(self.world_size),
+                    BLOCK_E=_next_pow2(self.num_local_experts), BLOCK_C=_next_pow2(largest_c), MAX_CHUNKS=MAX_CHUNKS)
 
     def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(model [fp32], per_iteration_c [int32]) on `device`, copied once per device."""
@@ -368,8 +373,8 @@ class DevicePlanner:
             raise ValueError(f"timing must be int64 [{grid[0]}, 4], got {timing.dtype} {tuple(timing.shape)}")
         options = {} if _interpreting() else dict(enable_fp_fusion=False)
         plan_kernel[grid](counts, model, per_iteration, out, out if timing is None else timing, num_batches,
-                          counts.stride(0) if batched else 0, **self.scalar_args(), **self.constants(),
-                          TIMING=timing is not None, num_warps=4, **options)
+                          counts.stride(0) if batched else 0, **self._launch_args, TIMING=timing is not None,
+                          num_warps=4, **options)
         return out
 
     def decode(self, rows) -> list[Plan]:
