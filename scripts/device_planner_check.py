@@ -38,13 +38,13 @@ from weave_moe.models import MoESpec  # noqa: E402
 from weave_moe.plan import HardwareProfile  # noqa: E402
 
 
-def check_choices(num_vectors: int, seed: int) -> dict:
-    groups = cases.make_groups(num_vectors, seed=seed, num_groups=60)
+def check_choices(num_vectors: int, seed: int, device: str = "cuda", num_groups: int = 60) -> dict:
+    groups = cases.make_groups(num_vectors, seed=seed, num_groups=num_groups)
     rows, mismatches = [], []
     for group in groups:
         planner = DevicePlanner(group.spec, group.world_size, cases.PROFILES[group.profile_name](), group.policy)
-        counts = torch.from_numpy(group.counts.astype(np.int32)).cuda()
-        out = torch.full((len(group.counts), group.world_size, 4), -7, dtype=torch.int32, device="cuda")
+        counts = torch.from_numpy(group.counts.astype(np.int32)).to(device)
+        out = torch.full((len(group.counts), group.world_size, 4), -7, dtype=torch.int32, device=device)
         planner.launch(counts, out)
         single = torch.full_like(out, -7)
         planner.launch(counts, single, num_programs=1)

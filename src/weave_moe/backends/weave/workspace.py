@@ -114,8 +114,10 @@ class SymmetricWorkspace:
     @classmethod
     def shared(cls, group, rank: int, world_size: int, device: torch.device) -> "SymmetricWorkspace":
         """The workspace of (group, device), created empty on first use (module docstring)."""
-        key = (None if group is None or world_size == 1 else group.group_name, str(torch.device(device)), rank,
-               world_size)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (None if group is None or world_size == 1 else group.group_name, str(device), rank, world_size)
         workspace = _SHARED.get(key)
         if workspace is None:
             workspace = cls(group, rank, world_size, device)

@@ -59,9 +59,9 @@ _BIG = tl.constexpr(1 << 30)
 # ---- the kernel ---------------------------------------------------------------------------------------------------
 @triton.jit
 def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, world_size, num_local_experts, num_sms,
-               comm_sms_limit, n0_per_mtile, n1_per_mtile, block_m, static_c, static_k,
+               comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
                POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-               MAX_CHUNKS: tl.constexpr):
+               MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
     # -- rank d's workload (Workload.from_counts) --
     offs_ep = tl.arange(0, BLOCK_EP)
     ep_mask = offs_ep < world_size
@@ -73,19 +73,20 @@ def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, world_size,
     remote_rows = tl.maximum(sent - local, received - local)
     offs_e = tl.arange(0, BLOCK_E)
     pairs_base = counts_ptr + world_size + world_size * world_size + d * num_local_experts
-    expert_rows = tl.load(pairs_base + offs_e, mask=offs_e < num_local_experts, other=0).to(tl.int64)
+    expert_rows = tl.load(pairs_base + offs_e, mask=offs_e < num_local_experts, other=0)
     num_pairs = tl.sum(expert_rows, axis=0)
-    # M tiles for K = 1..MAX_CHUNKS: chunk j of K holds (j+1)*n//K - j*n//K rows of an expert with n pairs
+    # M tiles for K = 1..MAX_CHUNKS: chunk j of K holds (j+1)*n//K - j*n//K rows of an expert with n pairs. int32:
+    # exact while n * MAX_CHUNKS < 2^31 (n <= EP * T_max, pairs of one expert: millions at most).
     ks = tl.arange(0, MAX_CHUNKS) + 1
     rows_2d = expert_rows[:, None]
-    ks_2d = ks.to(tl.int64)[None, :]
-    mtiles_2d = tl.zeros([BLOCK_E, MAX_CHUNKS], dtype=tl.int64)
-    chunk_start = tl.zeros([BLOCK_E, MAX_CHUNKS], dtype=tl.int64)
+    ks_2d = ks[None, :]
+    mtiles_2d = tl.zeros([BLOCK_E, MAX_CHUNKS], dtype=tl.int32)
+    chunk_start = tl.zeros([BLOCK_E, MAX_CHUNKS], dtype=tl.int32)
     for j in tl.static_range(MAX_CHUNKS):
         chunk_end = ((j + 1) * rows_2d) // ks_2d
-        mtiles_2d += tl.where(j < ks_2d, (chunk_end - chunk_start + block_m - 1) // block_m, 0)
+        mtiles_2d += tl.where(j < ks_2d, (chunk_end - chunk_start + BLOCK_M - 1) // BLOCK_M, 0)
         chunk_start = chunk_end
-    m_tiles = tl.sum(mtiles_2d, axis=0)                                       # [MAX_CHUNKS] int64
+    m_tiles = tl.sum(mtiles_2d, axis=0)                                       # [MAX_CHUNKS] int32
     n0_int = m_tiles * n0_per_mtile
     n1_int = m_tiles * n1_per_mtile
     tiles_int = n0_int + n1_int
@@ -222,9 +223,9 @@ def _clock_cycles():
 
 @triton.jit
 def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, num_batches, counts_stride,
-                world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, block_m, static_c,
-                static_k, POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_C: tl.constexpr, MAX_CHUNKS: tl.constexpr, TIMING: tl.constexpr = False):
+                world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
+                POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, TIMING: tl.constexpr = False):
     """Every rank's plan from the global counts (module docstring), for `num_batches` counts vectors.
 
     Args:
@@ -244,8 +245,8 @@ def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, n
         batch = item // world_size
         _plan_rank(counts_ptr + batch.to(tl.int64) * counts_stride, model_ptr, per_iteration_ptr,
                    out_ptr + batch.to(tl.int64) * world_size * 4, item % world_size, world_size, num_local_experts,
-                   num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, block_m, static_c, static_k, POLICY,
-                   BLOCK_EP, BLOCK_E, BLOCK_C, MAX_CHUNKS)
+                   num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k, POLICY,
+                   BLOCK_EP, BLOCK_E, BLOCK_C, MAX_CHUNKS, BLOCK_M)
     if TIMING:
         tl.debug_barrier()
         end_cycles = _clock_cycles()
@@ -327,7 +328,7 @@ class DevicePlanner:
         return dict(world_size=self.world_size, num_local_experts=self.num_local_experts, num_sms=profile.num_sms,
                     comm_sms_limit=profile.comm_sms_limit,
                     n0_per_mtile=-(-spec.intermediate_size // profile.block_n0),
-                    n1_per_mtile=-(-spec.hidden_size // profile.block_n1), block_m=profile.block_m,
+                    n1_per_mtile=-(-spec.hidden_size // profile.block_n1),
                     static_c=static_c, static_k=static_k)
 
     def constants(self) -> dict:
@@ -336,7 +337,8 @@ class DevicePlanner:
         name, args = parse_policy(self.policy)
         largest_c = args[0] if name == "static" else self.profile.comm_sms_limit
         return dict(POLICY=POLICY_CODES[name], BLOCK_EP=_next_pow2(self.world_size),
-                    BLOCK_E=_next_pow2(self.num_local_experts), BLOCK_C=_next_pow2(largest_c), MAX_CHUNKS=MAX_CHUNKS)
+                    BLOCK_E=_next_pow2(self.num_local_experts), BLOCK_C=_next_pow2(largest_c), MAX_CHUNKS=MAX_CHUNKS,
+                    BLOCK_M=self.profile.block_m)
 
     def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(model [fp32], per_iteration_c [int32]) on `device`, copied once per device."""

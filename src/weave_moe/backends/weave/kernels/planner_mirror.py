@@ -1,6 +1,6 @@
 """The device planner's CPU mirror: `_plan_rank` of kernels/planner.py in numpy float32, bit for bit.
 
-Every operation of the kernel, in the same order and precision (fp32 values, int64 tile counts), vectorised over R
+Every operation of the kernel, in the same order and precision (fp32 values; integer tile counts, exact in both), vectorised over R
 rank-workloads and the [K, c] candidate grid: `DevicePlanner.mirror` is its entry point. Change the kernel and this
 file together; tests/test_device_planner.py compares them bit for bit under the interpreter, and
 scripts/device_planner_check.py on the GPU.
@@ -41,6 +41,7 @@ def mirror_rows(planner: DevicePlanner, x: dict, block: int = 512) -> np.ndarray
 def mirror_block(planner: DevicePlanner, x: dict) -> np.ndarray:
     f32 = np.float32
     model, args, N = planner.model, planner.scalar_args(), planner.profile.num_sms
+    block_m = planner.profile.block_m
     policy = POLICY_CODES[parse_policy(planner.policy)[0]]
     sent, received, local, num_tokens = x["sent"], x["received"], x["local"], x["num_tokens"]
     remote_rows = np.maximum(sent - local, received - local)
@@ -52,7 +53,7 @@ def mirror_block(planner: DevicePlanner, x: dict) -> np.ndarray:
     chunk_start = np.zeros_like(rows_3d)
     for j in range(MAX_CHUNKS):
         chunk_end = ((j + 1) * rows_3d) // ks
-        m_tiles += np.where(j < ks, (chunk_end - chunk_start + args["block_m"] - 1) // args["block_m"], 0).sum(axis=1)
+        m_tiles += np.where(j < ks, (chunk_end - chunk_start + block_m - 1) // block_m, 0).sum(axis=1)
         chunk_start = chunk_end
     n0_int, n1_int = m_tiles * args["n0_per_mtile"], m_tiles * args["n1_per_mtile"]
     tiles_int = n0_int + n1_int                                               # [R, K]
