@@ -6,7 +6,8 @@ Symmetric part (PyTorch symmetric memory, CUDA IPC; no NVLink multicast), one bu
     recv   [EP * T_max, H] bf16   rows dispatched to this rank (source s at rows [s*T_max, (s+1)*T_max))
     comb   [2 parities][EP * T_max, H] bf16   combine rows written back to this rank (destination d at [d*T_max...))
 
-Local part (ordinary memory, the same sharing): h [max_pairs, I] and y [max_pairs, H] bf16, the GEMM scratch.
+Local part (ordinary memory, shared the same way; only this rank's kernels touch it, in stream order): h [max_pairs,
+I] and y [max_pairs, H] bf16, the GEMM scratch.
 
 Peers are addressed as base address (from the rendezvous) + byte offset, so the kernel needs one int64 table. With no
 process group (EP = 1) the buffer is an ordinary allocation.
@@ -26,7 +27,8 @@ counter advances only when a kernel was launched (`finish_call`), so a call that
 ids, on every rank at once) leaves the parity as it was, and the other parity, zeroed again, stays zero. Why the
 zeroing needs no barrier: call n + 1 of every rank starts with the routing all-gather of call n + 1, which on each rank
 is stream-ordered after that rank's call-n zeroing and call-n kernel; so no peer writes call n + 1's flags, receive
-rows or combine rows before this rank has zeroed them and finished reading call n's. The flags of parity n % 2 are
+rows or combine rows before this rank has zeroed them and finished reading call n's (a routing exchange that
+replaces the all-gather must keep this ordering). The flags of parity n % 2 are
 complete when call n's kernel ends (it waits for every count it was promised) and are zeroed by call n + 1 for call
 n + 2. So a layer's counters never leak into another layer's call, as long as every rank calls the layers in the
 same order (one sequence per group) on one stream. A kernel that timed out leaves its parity's flags dirty (the next
@@ -39,7 +41,7 @@ Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max
 P = EP * T_max * min(k, E_local) (max_pairs):
 
     symmetric = 2 * align256(4 * (EP * MAX_CHUNKS + EP)) + 3 * align256(R)
-    local     = P * I * 2 + P * H * 2
+    local     = max(P * I) * 2 + max(P * H) * 2          (each over the layers attached)
 
 DeepSeek-V3 (H 7168, I 2048, k 8, E_local 128) at T_max 8192, EP 2: R = 224 MiB, symmetric = 672 MiB + 512 B,
 P = 131072, local = 512 MiB (h) + 1792 MiB (y): 2976 MiB per rank for the whole model, where one workspace per layer
