@@ -159,8 +159,13 @@ def layer_check(num_calls: int = 30) -> dict:
             rows.append(dict(tokens=tokens, device_plan=device_plan, rel_error=rel, passed=rel <= 1e-2,
                              plan=dict(c=plan.c, K=plan.K, n_steal=plan.n_steal, predicted_us=plan.predicted_us),
                              call_ms_median=_median(host_ms[5:])))
-    return dict(rows=rows, workspace_generation=shared.generation, workspace_calls=shared.calls,
-                workspace_bytes=shared.capacity.total, ok=all(r["passed"] for r in rows))
+    by_tokens = {}
+    for row in rows:
+        by_tokens.setdefault(row["tokens"], []).append(tuple(row["plan"][k] for k in ("c", "K", "n_steal")))
+    same_plans = {tokens: len(set(plans)) == 1 for tokens, plans in by_tokens.items()}
+    return dict(rows=rows, same_plan_host_and_device=same_plans, workspace_generation=shared.generation,
+                workspace_calls=shared.calls, workspace_bytes=shared.capacity.total,
+                ok=all(r["passed"] for r in rows) and shared.generation == 2)
 
 
 def main() -> int:
