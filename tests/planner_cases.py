@@ -94,12 +94,13 @@ def make_groups(num_vectors: int, seed: int, num_groups: int | None = None) -> l
               for profile_name in PROFILES]
     if num_groups is not None:
         combos = [combos[i] for i in sorted(rng.choice(len(combos), min(num_groups, len(combos)), replace=False))]
-    policies = ["weave"] * 6 + ["spatial", "static:20,2", "static:3,8", "per_iteration", "serial"]
+    # static:100 lies above the calibrated profile's cap on c (48): the cap binds the searching policies only
+    policies = ["weave"] * 6 + ["spatial", "static:20,2", "static:3,8", "static:100,3", "per_iteration", "serial"]
     per_group = -(-num_vectors // len(combos))
     groups = []
     for spec, ep, profile_name in combos:
         policy = str(rng.choice(policies))
-        if policy.startswith("static:20") and profile_name == "odd20":
+        if policy.startswith(("static:20", "static:100")) and profile_name == "odd20":
             policy = "static:19,1"
         kinds = rng.choice(KINDS, per_group)
         counts = np.stack([random_counts(spec, ep, str(kind), rng) for kind in kinds])
