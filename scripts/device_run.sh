@@ -16,7 +16,13 @@ for stage in "$@"; do
     edge) timeout 400 python3 -m weave_moe.validate --suite edge --stress-calls 300 --bad-ids --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-edge.json" --timeout 380 > "$W/validate-edge.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-edge.log" | tail -12;;
     # one GPU: the per-rank work of EP=2 (E/2 local experts, T*k rows), every backend side by side
     emu-quick) timeout 300 python3 -m weave_moe.bench --emulate-ep 2 --models qwen3-30b-a3b,deepseek-v3,deepseek-v2-lite --tokens 128,2048,8192 --routing uniform --variants nccl,weave:serial,weave --check --iters 20 --no-progress --timeout 280 --name "${BENCH_NAME:-emu-quick}" --out "$W" 2>&1 | tail -25;;
-    utilisation) timeout 400 python3 scripts/timeline_stats.py --emulate-ep 2 --models deepseek-v3:4096,qwen3-30b-a3b:8192 --variants weave:serial,weave:static:20,weave --out "$W/util" > "$W/utilisation.log" 2>&1; echo "rc=$?"; grep -v '^   ' "$W/utilisation.log" | tail -14;;
+    # grouped_gemm=off: the serial policy's GEMMs inside the megakernel, so its timeline covers the whole call
+    utilisation) WEAVE_MOE_KERNEL_CONFIG=grouped_gemm=off timeout "${UTIL_TIMEOUT:-400}" python3 scripts/timeline_stats.py --emulate-ep 2 --models deepseek-v3:4096,qwen3-30b-a3b:8192 --variants weave:serial,weave:static:20,weave:static:20,4,weave --out "$W/util" > "$W/utilisation.log" 2>&1; echo "rc=$?"; grep -v '^   ' "$W/utilisation.log" | tail -16;;
+    planner) timeout "${PLANNER_TIMEOUT:-300}" python3 scripts/device_planner_check.py --vectors 1000 --out "$W/device_planner_check.json" > "$W/device_planner_check.log" 2>&1; echo "rc=$?"; tail -20 "$W/device_planner_check.log";;
+    baselines) timeout "${BASELINES_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 scripts/baselines_check.py --iters 20 --out "$W/baselines_check.json" > "$W/baselines_check.log" 2>&1; echo "rc=$?"; tail -30 "$W/baselines_check.log";;
+    # eval6 on one GPU: every paper model, the per-rank work of EP=2, every baseline that runs at EP=1 and the weave
+    # policies, --check on all; partial JSON/CSV survive the timeout
+    eval6-emu) timeout "${EVAL_TIMEOUT:-560}" python3 -m weave_moe.bench --emulate-ep 2 --tokens "${EVAL_TOKENS:-128,2048,8192}" --routing uniform,skewed --variants "${EVAL_VARIANTS:-nccl,weave:serial,weave:static:20,weave}" --check --iters 10 --no-progress --timeout 300 --name "${BENCH_NAME:-h200-eval6-emu-ep2}" --out "$W" > "$W/eval6.log" 2>&1; echo "rc=$?"; tail -40 "$W/eval6.log";;
     hf) mkdir -p "$W/hf"; timeout 400 python3 examples/hf_generate.py --preset qwen3-30b-a3b --new-tokens 8 --time-dir "$W/hf" > "$W/hf/hf_generate_gpu_ep1.log" 2>&1; echo "rc=$?"; tail -15 "$W/hf/hf_generate_gpu_ep1.log";;
     # validate-all / verify: a fresh machine compiles ~20 layer shapes' task tables (~5 s each, cold) before the suite's
     # ~60 s; the first run gets 400 s, later ones find the caches warm.

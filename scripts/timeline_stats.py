@@ -156,7 +156,9 @@ def main() -> int:
         args.ep = 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants = [v for v in args.variants.split(",") if v]
+    from weave_moe.bench.variants import parse_variants
+
+    variants = [v.name for v in parse_variants(args.variants)]  # "static:20,4" keeps its comma
     rows = []
     mode_tag = f"ep{args.ep}" if args.ep else f"ep1of{args.emulate_ep}"
     for item in [m for m in args.models.split(",") if m]:

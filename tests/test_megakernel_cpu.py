@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
-    def run(T, E, k, H, I, K, staged, seed, tma=False):
+    def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None):
         torch.manual_seed(seed)
         max_tokens = T + 3
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.zeros(0, k, dtype=torch.int32)
@@ -48,14 +48,22 @@ SCRIPT = textwrap.dedent(
         blocks = dict(block_m=16, block_n0=16, block_n1=bn1, dispatch_rows=4, combine_rows=4, reduce_rows=4)
         lay = build_layout(all_ids, all_w, torch.tensor([T]), torch.tensor([K]), 0, E, hidden_size=H,
                            intermediate_size=I, **blocks)
-        ws = SymmetricWorkspace(None, 0, 1, max_tokens, H, torch.device("cpu"))
+        if ws is None:
+            ws = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(max_tokens, H)
+        assert (ws.max_tokens, ws.hidden_size) == (max_tokens, H)
+        # the flag protocol of a shared workspace (workspace.py): this call's parity is clean, and the call zeroes
+        # the other parity for the next call, whichever layer makes it
+        parity = ws.parity
+        flags = ws.flags(parity)
+        assert not flags.any(), ("flags of this call's parity must be zero", parity, flags)
+        ws.flags(1 - parity).fill_(123)  # what a previous call left there
+        ws.flags(1 - parity).zero_()
         pairs = lay.max_pairs
         h = torch.full((pairs, I), float("nan")).bfloat16()
         y = torch.full((pairs, H), float("nan")).bfloat16()
         ctrl = torch.zeros(16 + lay.num_mtiles_bound, dtype=torch.int32)
         status = torch.zeros(4, dtype=torch.int32)
         out = torch.full((max(T, 1), H), float("nan")).bfloat16()
-        flags = ws.flags(0)
         grid = 3
         stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if staged else [(0, 3)]
         descs = {}
@@ -66,9 +74,9 @@ SCRIPT = textwrap.dedent(
         for first, last in stages:
             args = MegakernelArgs(
                 x_ptr=x if T else out, out_ptr=out, w13_ptr=w13, w2_ptr=w2, recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
-                comb_ptr=ws.comb(0), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
-                comb_offset=ws.comb_offsets[0], flags_offset=ws.flags_offsets[0], arrival_ptr=flags,
-                comb_flag_ptr=flags[MAX_CHUNKS:], ctrl_ptr=ctrl, status_ptr=status, meta_ptr=lay.meta,
+                comb_ptr=ws.comb(parity), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
+                comb_offset=ws.comb_offsets[parity], flags_offset=ws.flags_offsets[parity], arrival_ptr=flags,
+                comb_flag_ptr=ws.comb_flags(parity), ctrl_ptr=ctrl, status_ptr=status, meta_ptr=lay.meta,
                 timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=lay.dispatch_tasks,
                 send_token_ptr=lay.send_token, send_slot_ptr=lay.send_slot, gemm_tasks_ptr=lay.gemm_tasks,
                 gather_ptr=lay.gather_rows, arrival_expected_ptr=lay.arrival_expected,
@@ -86,6 +94,7 @@ SCRIPT = textwrap.dedent(
         # every flag reached its expectation
         assert torch.equal(flags[:MAX_CHUNKS], lay.arrival_expected[0]), (flags, lay.arrival_expected)
         assert int(flags[MAX_CHUNKS]) == int(lay.combine_expected[0])
+        ws.finish_call()
         if T == 0:
             return
         out = out[:T]
@@ -105,6 +114,17 @@ SCRIPT = textwrap.dedent(
     # the TMA tiles (KernelConfig.tma) through the whole kernel; H and I multiples of 8 (16-byte strides)
     for case in [(9, 4, 2, 40, 24, 2, True), (17, 2, 2, 48, 16, 8, False), (21, 8, 3, 40, 24, 4, False)]:
         run(*case, seed=sum(case), tma=True)
+    # two layers of different sizes share one workspace (as every layer of a model does): the second attach grows
+    # it and re-points the first layer's views; calls alternate the workspace's parity across layers
+    shared = SymmetricWorkspace(None, 0, 1, torch.device("cpu"))
+    small = shared.attach(5 + 3, 16)
+    large = shared.attach(11 + 3, 40)
+    assert shared.generation == 2 and small.generation == 2
+    assert small.recv().data_ptr() == large.recv().data_ptr() == shared.buffer.data_ptr() + shared.recv_offset
+    for case, view in [((5, 4, 2, 16, 16, 2, False), small), ((11, 4, 3, 40, 24, 3, False), large),
+                       ((5, 4, 2, 16, 16, 1, False), small)]:
+        run(*case, seed=sum(case), ws=view)
+    assert shared.calls == 3
     print("MEGAKERNEL INTERPRETER OK")
     """
 )

@@ -6,8 +6,9 @@
     layout.py     routing -> the megakernel's task tables (torch, static shapes, no host sync)
     graphs.py     CUDA-graph capture/replay and the torch.compile'd task tables
     launch.py     the megakernel's argument list (one source), launch, AOT PTX compile
-    workspace.py  the symmetric-memory buffers peers write into
-    kernels/      Triton: megakernel.py (persistent kernel), tiles.py (one task per function), sync.py (waits, flags)
+    workspace.py  the symmetric-memory buffers peers write into, one workspace per process group for all layers
+    kernels/      Triton: megakernel.py (persistent kernel), tiles.py (one task per function), sync.py (waits, flags),
+                  planner.py (the cost model and plan() on the GPU; planner_mirror.py, its numpy twin)
 
 Imports stay inside this package, plus weave_moe.models / plan / backends (raise_on_bad_ids).
 """

@@ -28,6 +28,7 @@ from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, Routin
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
+from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
 from weave_moe.models import MoESpec
@@ -142,10 +143,10 @@ class WeaveBackend:
 
         H, I = spec.hidden_size, spec.intermediate_size
         cfg = self.config
-        self.workspace = SymmetricWorkspace(group, rank, world_size, max_tokens_per_rank, H, device)
         max_pairs = world_size * max_tokens_per_rank * min(spec.top_k, self.num_local_experts)
-        self.h = torch.empty(max(max_pairs, 1), I, dtype=torch.bfloat16, device=device)
-        self.y = torch.empty(max(max_pairs, 1), H, dtype=torch.bfloat16, device=device)
+        # one workspace per (group, device) shared by every layer, h and y included (workspace.py: the protocol)
+        self.workspace = SymmetricWorkspace.shared(group, rank, world_size, device).attach(
+            max_tokens_per_rank, H, I, max(max_pairs, 1))
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
@@ -163,13 +164,17 @@ class WeaveBackend:
         self.counts_format = CountsFormat(world_size, spec.num_experts, STATUS_WORDS)
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
+        # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
+        self.device_planner = (DevicePlanner(spec, world_size, self.profile, policy)
+                               if cfg.device_plan and self.fixed_plan is None else None)
+        self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
+        self.plans_host = torch.zeros(world_size, 4, dtype=torch.int32).pin_memory()
         self.timeline_events = 2048 if timeline else 0
         self.timeline_buf = torch.zeros(self.num_sms, max(self.timeline_events, 1), 4, dtype=torch.int64,
                                         device=device)
         self.chunks_host = torch.zeros(world_size, dtype=torch.long).pin_memory()
         self.chunks_device = torch.ones(world_size, dtype=torch.long, device=device)
         self.last_chunks: list[int] | None = None
-        self.comb_flags = tuple(self.workspace.flags(p)[world_size * MAX_CHUNKS:] for p in (0, 1))
         self.graphs = GraphCache(device, use_cuda_graph, wait_for=lambda is_done: self.coordinator.poll(
             is_done, "the routing exchange (before a CUDA-graph capture)"))
         self.layout_builder = LayoutBuilder(cfg.compile_layout)
@@ -231,8 +236,10 @@ class WeaveBackend:
         counts_device = self.graphs.run("counts", lambda: self.counts_format.build(self.all_routing, self.message,
                                                                                    self.status))
         self.counts_host.copy_(counts_device, non_blocking=True)
+        if self.device_planner is not None:
+            self.plans_host.copy_(self.device_planner.launch(counts_device, self.plans_device), non_blocking=True)
         self.counts_ready.record(torch.cuda.current_stream(self.device))
-        parity = self.calls % 2
+        parity = self.workspace.parity  # of the group's call sequence, shared by its layers
         layout = self._layout(parity) if self.last_chunks is not None else None
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
@@ -247,7 +254,9 @@ class WeaveBackend:
         coordinator.finish(headers)
         raise_on_bad_ids(bad_ids, self.spec.num_experts)
         # 3. every rank's plan (same counts everywhere -> same plans everywhere)
-        plans = [self.fixed_plan] * self.world_size if self.fixed_plan is not None else self._plans(counts)
+        plans = ([self.fixed_plan] * self.world_size if self.fixed_plan is not None else
+                 self.device_planner.decode(self.plans_host) if self.device_planner is not None else
+                 self._plans(counts))
         self.last_plan, self.last_plans = plans[self.rank], plans
         first = self.rank * self.num_local_experts
         self.local_rows = sum(counts.expert_pairs[first:first + self.num_local_experts])
@@ -263,6 +272,7 @@ class WeaveBackend:
         self._launch(x, out, layout, plans[self.rank], parity)
         clock.lap("launch")
         self.calls += 1
+        self.workspace.finish_call()
         return out
 
     def _write_header(self) -> None:
@@ -334,7 +344,7 @@ class WeaveBackend:
                 block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
                 combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
 
-        return self.graphs.run(f"layout{parity}", build)
+        return self.graphs.run(f"layout{parity}.{self.workspace.generation}", build)
 
     def _raise_on_status(self, status: list[int]) -> None:
         code = status[0]
@@ -353,12 +363,12 @@ class WeaveBackend:
             self.timeline_buf.zero_()
         serial = my_plan.is_serial(grid)
         if x.shape[0] == 0:  # the kernel never touches x or out then, but needs valid pointers
-            x = out = self.y[:1]
+            x = out = ws.y()[:1]
         args = mk_launch.MegakernelArgs(
             x_ptr=x, out_ptr=out, w13_ptr=self.w13, w2_ptr=self.w2,
-            recv_ptr=ws.recv(), h_ptr=self.h, y_ptr=self.y, comb_ptr=ws.comb(parity),
+            recv_ptr=ws.recv(), h_ptr=ws.h(), y_ptr=ws.y(), comb_ptr=ws.comb(parity),
             peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset, comb_offset=ws.comb_offsets[parity],
-            flags_offset=ws.flags_offsets[parity], arrival_ptr=ws.flags(parity), comb_flag_ptr=self.comb_flags[parity],
+            flags_offset=ws.flags_offsets[parity], arrival_ptr=ws.flags(parity), comb_flag_ptr=ws.comb_flags(parity),
             ctrl_ptr=self.ctrl, status_ptr=self.status, meta_ptr=layout.meta, timeline_ptr=self.timeline_buf,
             dispatch_tasks_ptr=layout.dispatch_tasks, send_token_ptr=layout.send_token,
             send_slot_ptr=layout.send_slot, gemm_tasks_ptr=layout.gemm_tasks, gather_ptr=layout.gather_rows,
@@ -394,16 +404,16 @@ class WeaveBackend:
         combine phase, which waits on those counters."""
         rows, E_local = self.local_rows, self.num_local_experts
         count = layout.expert_offsets[E_local:]
-        grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.y, count, 4 * self.num_sms)
+        grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.workspace.y(), count, 4 * self.num_sms)
         configs = [grouped_gemm.default_config(g, rows, E_local) for g in (0, 1)]
         tables = {}
         for config in configs:
             if config.block_m not in tables:
                 tables[config.block_m] = grouped_tiles.build_tile_table(layout.expert_offsets, config.block_m,
                                                                         self.max_pairs)
-        grouped_gemm.grouped_gemm0(self.y[:self.max_pairs], self.w13, self.h[:self.max_pairs],
+        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(),
                                    tables[configs[0].block_m], configs[0])
-        grouped_gemm.grouped_gemm1(self.h[:self.max_pairs], self.w2, self.y[:self.max_pairs],
+        grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(),
                                    tables[configs[1].block_m], configs[1])
         self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS].copy_(layout.gemm1_expected)
 
@@ -422,9 +432,9 @@ class WeaveBackend:
                                            for g in (0, 1)):
                     table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
                     run = grouped_gemm.grouped_gemm0 if g == 0 else grouped_gemm.grouped_gemm1
-                    ins, out = (self.y, self.h) if g == 0 else (self.h, self.y)
-                    run(ins[:self.max_pairs], self.w13 if g == 0 else self.w2, out[:self.max_pairs], table, config)
-            grouped_tiles.gather_rows(self.workspace.recv(), self.ctrl, self.y, empty[:1], 4 * self.num_sms)
+                    h, y = self.workspace.h(), self.workspace.y()
+                    run(y if g == 0 else h, self.w13 if g == 0 else self.w2, h if g == 0 else y, table, config)
+            grouped_tiles.gather_rows(self.workspace.recv(), self.ctrl, self.workspace.y(), empty[:1], 4 * self.num_sms)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             work = torch.distributed.barrier(group=self.group, async_op=True)

@@ -51,6 +51,10 @@ class KernelConfig:
             (kernels/grouped_gemm.py: TMA for every operand, one wide MMA over an interleaved w13) instead of the
             megakernel's GEMM tiles; the received rows are first gathered into expert order. Needs H and I multiples
             of 8 and a Hopper GPU; w13 is then held interleaved (gate j, up j neighbours).
+        device_plan: every rank's plan computed on the GPU from the counts (kernels/planner.py, one small kernel
+            after the counts, read back with them) instead of by the Python planner on the host. Off until measured
+            on the GPU (scripts/device_planner_check.py); its choices match the Python planner's up to fp32 near-ties
+            (tests/test_device_planner.py).
     """
 
     block_m: int = 128
@@ -71,6 +75,7 @@ class KernelConfig:
     tma: bool = True
     compile_layout: bool = True
     grouped_gemm: bool = True
+    device_plan: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

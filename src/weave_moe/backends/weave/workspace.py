@@ -1,28 +1,64 @@
-"""Symmetric-memory workspace of the weave backend: the one place that knows how peers' memory is reached.
+"""The weave backend's workspace: ONE per (process group, device), shared by every layer, like DeepEP's `Buffer`.
 
-One symmetric buffer per rank (PyTorch symmetric memory, CUDA IPC; no NVLink multicast), carved into regions:
+Symmetric part (PyTorch symmetric memory, CUDA IPC; no NVLink multicast), one buffer per rank, carved into regions:
 
     flags  [2 parities][EP * MAX_CHUNKS arrival counters | EP combine counters]  int32
     recv   [EP * T_max, H] bf16   rows dispatched to this rank (source s at rows [s*T_max, (s+1)*T_max))
     comb   [2 parities][EP * T_max, H] bf16   combine rows written back to this rank (destination d at [d*T_max...))
 
-Peers are addressed as base address (from the rendezvous) + byte offset, so the kernel needs one int64 table.
-Calls alternate parity: call n uses parity n % 2 and zeroes the other parity's flags for call n + 1. That is safe
-without a barrier: a peer can only start call n + 1 after it has received this rank's combine rows of call n, which
-this rank writes after the zeroing (stream order). Combine rows are double-buffered for the same reason; the receive
-buffer needs no second copy because a peer's next dispatch follows this rank's last read of it: the peer waits for
-this rank's combine rows of call n, which this rank writes after its GEMMs have read the received rows.
-With no process group (EP = 1) the buffer is an ordinary allocation.
+Local part (ordinary memory, shared the same way; only this rank's kernels touch it, in stream order): h [max_pairs,
+I] and y [max_pairs, H] bf16, the GEMM scratch.
+
+Peers are addressed as base address (from the rendezvous) + byte offset, so the kernel needs one int64 table. With no
+process group (EP = 1) the buffer is an ordinary allocation.
+
+Sharing. Every layer's call runs on one stream and the layers of a model run one after another, so all of them can
+use the same buffers: `SymmetricWorkspace.shared(group, rank, EP, device)` returns the one workspace of that group and
+device, and `attach(T_max, H, I, max_pairs)` hands a layer its `WorkspaceView`, views of the first EP * T_max * H
+elements of each region shaped for that layer. The regions are sized by the largest layer attached so far; a layer
+that needs more grows the workspace at construction (a collective allocation and rendezvous: every rank constructs
+its layers in the same order and shapes, so every rank grows at the same layer) and every view is re-pointed to the
+new buffers (`generation` counts the re-pointings; a layer keys its captured CUDA graphs by it). The regions' byte
+offsets depend only on the capacity, so they are the same on every rank.
+
+Flag protocol across layers. The parity belongs to the workspace, not to a layer: call n of the group (whichever
+layer makes it) uses parity n % 2 and, before its kernel, zeroes the OTHER parity's flags for call n + 1; the call
+counter advances only when a kernel was launched (`finish_call`), so a call that raises before its launch (bad expert
+ids, on every rank at once) leaves the parity as it was, and the other parity, zeroed again, stays zero. Why the
+zeroing needs no barrier: call n + 1 of every rank starts with the routing all-gather of call n + 1, which on each rank
+is stream-ordered after that rank's call-n zeroing and call-n kernel; so no peer writes call n + 1's flags, receive
+rows or combine rows before this rank has zeroed them and finished reading call n's (a routing exchange that
+replaces the all-gather must keep this ordering). The flags of parity n % 2 are
+complete when call n's kernel ends (it waits for every count it was promised) and are zeroed by call n + 1 for call
+n + 2. So a layer's counters never leak into another layer's call, as long as every rank calls the layers in the
+same order (one sequence per group) on one stream. A kernel that timed out leaves its parity's flags dirty (the next
+call zeroes them) and a stalled peer may still write late, and the ranks' call counters part when some ranks raise
+and others launch: after a WeaveTimeoutError, `retire` the workspace on every rank and rebuild every layer of the
+group. The workspace outlives its layers (it is freed by `retire` once no layer holds a view), so that allocating
+stays a function of the construction sequence alone.
+
+Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max = max_tokens_per_rank) and
+P = EP * T_max * min(k, E_local) (max_pairs):
+
+    symmetric = 2 * align256(4 * (EP * MAX_CHUNKS + EP)) + 3 * align256(R)
+    local     = max(P * I) * 2 + max(P * H) * 2          (each over the layers attached)
+
+DeepSeek-V3 (H 7168, I 2048, k 8, E_local 128) at T_max 8192, EP 2: R = 224 MiB, symmetric = 672 MiB + 512 B,
+P = 131072, local = 512 MiB (h) + 1792 MiB (y): 2976 MiB per rank for the whole model, where one workspace per layer
+cost 58 x 2976 MiB (169 GiB, more than an H200 holds) for its 58 MoE layers.
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 from weave_moe.models import BYTES_PER_ELEMENT
 from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["SymmetricWorkspace"]
+__all__ = ["SymmetricWorkspace", "WorkspaceView", "WorkspaceBytes"]
 
 _ALIGN = 256
 
@@ -31,48 +67,226 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-class SymmetricWorkspace:
-    """Receive, combine and flag buffers of one layer on one rank, allocated once for `max_tokens`."""
+@dataclass(frozen=True)
+class WorkspaceBytes:
+    """Bytes of each part of a workspace (module docstring's formula).
 
-    def __init__(self, group, rank: int, world_size: int, max_tokens: int, hidden_size: int, device: torch.device):
-        self.rank, self.world_size, self.max_tokens, self.hidden_size = rank, world_size, max_tokens, hidden_size
+    Attributes:
+        flags: both parities' flags, aligned.
+        rows: one rows region (recv, or one parity of comb): EP * T_max * H * 2, aligned.
+        h, y: local GEMM scratch (max_pairs * I * 2 and max_pairs * H * 2).
+    """
+
+    flags: int
+    rows: int
+    h: int
+    y: int
+
+    @classmethod
+    def of(cls, world_size: int, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
+           max_pairs: int = 0) -> "WorkspaceBytes":
+        flag_words = world_size * MAX_CHUNKS + world_size
+        return cls(flags=2 * _align(flag_words * 4),
+                   rows=_align(world_size * max_tokens * hidden_size * BYTES_PER_ELEMENT),
+                   h=max_pairs * intermediate_size * BYTES_PER_ELEMENT,
+                   y=max_pairs * hidden_size * BYTES_PER_ELEMENT)
+
+    @property
+    def symmetric(self) -> int:
+        return self.flags + 3 * self.rows
+
+    @property
+    def local(self) -> int:
+        return self.h + self.y
+
+    @property
+    def total(self) -> int:
+        return self.symmetric + self.local
+
+
+# (group name or None, device, rank, EP) -> the workspace. Strong references: whether a construction allocates (a
+# collective) must depend only on the sequence of constructions, the same on every rank, never on when the garbage
+# collector of each rank happens to free a dropped layer. A workspace lives until `retire` (on every rank).
+_SHARED: dict[tuple, "SymmetricWorkspace"] = {}
+
+
+class SymmetricWorkspace:
+    """Receive, combine, flag and scratch buffers of one process group on one device, shared by its layers."""
+
+    @classmethod
+    def shared(cls, group, rank: int, world_size: int, device: torch.device) -> "SymmetricWorkspace":
+        """The workspace of (group, device), created empty on first use (module docstring)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (None if group is None or world_size == 1 else group.group_name, str(device), rank, world_size)
+        workspace = _SHARED.get(key)
+        if workspace is None:
+            workspace = cls(group, rank, world_size, device)
+            _SHARED[key] = workspace
+        return workspace
+
+    def __init__(self, group, rank: int, world_size: int, device: torch.device):
+        """An empty workspace of its own (not registered: `shared` is how layers get one)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} is outside [0, {world_size})")
+        self.group, self.rank, self.world_size, self.device = group, rank, world_size, torch.device(device)
         self.flag_words = world_size * MAX_CHUNKS + world_size
-        flag_bytes = _align(self.flag_words * 4)
-        rows_bytes = world_size * max_tokens * hidden_size * BYTES_PER_ELEMENT
+        self.capacity = WorkspaceBytes.of(world_size, 0, 0)
+        self.buffer: torch.Tensor | None = None
+        self.handle = None
+        self.h_buffer = self.y_buffer = None
+        self.generation = 0
+        self.calls = 0
+        self._views: "weakref.WeakSet[WorkspaceView]" = weakref.WeakSet()
+        self._key = None
+
+    # ---- layers -----------------------------------------------------------------------------------------------------
+    def attach(self, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
+               max_pairs: int = 0) -> "WorkspaceView":
+        """A layer's view (grows the workspace first when this layer needs more; collective then, see module doc).
+
+        Args:
+            max_tokens: T_max of the layer (max_tokens_per_rank).
+            hidden_size: H.
+            intermediate_size: I (0: the layer needs no h scratch).
+            max_pairs: rows of h and y (0: no scratch).
+        """
+        for name, value in (("max_tokens", max_tokens), ("hidden_size", hidden_size),
+                            ("intermediate_size", intermediate_size), ("max_pairs", max_pairs)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        self.reserve(WorkspaceBytes.of(self.world_size, max_tokens, hidden_size, intermediate_size, max_pairs))
+        view = WorkspaceView(self, max_tokens, hidden_size, intermediate_size, max_pairs)
+        self._views.add(view)
+        return view
+
+    def reserve(self, need: WorkspaceBytes) -> None:
+        """Grow the symmetric part (collectively) and the local part (locally) to at least `need`."""
+        grow_rows = need.rows > self.capacity.rows or self.buffer is None
+        grow_h, grow_y = need.h > self.capacity.h, need.y > self.capacity.y
+        if not (grow_rows or grow_h or grow_y):
+            return
+        if self.buffer is not None:
+            # every rank is here at the same layer; no kernel of this group may still use the old buffers
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.barrier()
+        capacity = WorkspaceBytes(self.capacity.flags if self.buffer is not None else need.flags,
+                                  max(need.rows, self.capacity.rows), max(need.h, self.capacity.h),
+                                  max(need.y, self.capacity.y))
+        if grow_rows:
+            self._allocate_symmetric(capacity)
+        if grow_h:
+            self.h_buffer = torch.empty(capacity.h // BYTES_PER_ELEMENT, dtype=torch.bfloat16, device=self.device)
+        if grow_y:
+            self.y_buffer = torch.empty(capacity.y // BYTES_PER_ELEMENT, dtype=torch.bfloat16, device=self.device)
+        self.capacity = capacity
+        self.generation += 1
+        for view in list(self._views):
+            view._point()
+
+    def _allocate_symmetric(self, capacity: WorkspaceBytes) -> None:
+        flag_bytes = capacity.flags // 2
         self.flags_offsets = (0, flag_bytes)
-        self.recv_offset = 2 * flag_bytes
-        self.comb_offsets = (_align(self.recv_offset + rows_bytes), _align(self.recv_offset + rows_bytes) +
-                             _align(rows_bytes))
-        total = self.comb_offsets[1] + _align(rows_bytes)
-        if group is None or world_size == 1:
-            self.buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+        self.recv_offset = capacity.flags
+        self.comb_offsets = (self.recv_offset + capacity.rows, self.recv_offset + 2 * capacity.rows)
+        total = capacity.symmetric
+        if self.group is None or self.world_size == 1:
+            self.buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
             bases = [self.buffer.data_ptr()]
             self.handle = None
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
-            self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
-            self.buffer[: 2 * flag_bytes].zero_()
-            torch.cuda.synchronize(device)
-            self.handle = symm_mem.rendezvous(self.buffer, group.group_name)
+            self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+            self.buffer[:capacity.flags].zero_()
+            torch.cuda.synchronize(self.device)
+            self.handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
             bases = [int(p) for p in self.handle.buffer_ptrs]
             self.handle.barrier()
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
-        self.total_bytes = total
-        # Views are made once: each slicing op costs host time on every call otherwise.
-        rows = world_size * max_tokens
-        self._flags = tuple(self._view(self.flags_offsets[p], self.flag_words, torch.int32) for p in (0, 1))
-        self._recv = self._view(self.recv_offset, rows * hidden_size, torch.bfloat16).view(rows, hidden_size)
-        self._comb = tuple(self._view(self.comb_offsets[p], rows * hidden_size, torch.bfloat16).view(rows, hidden_size)
-                           for p in (0, 1))
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
 
     def _view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.tensor([], dtype=dtype).element_size()
         return self.buffer[offset: offset + count * size].view(dtype)
 
+    # ---- the call sequence (module docstring: flag protocol across layers) ------------------------------------------
+    @property
+    def parity(self) -> int:
+        """Parity of the group's next call: its flags are zero; the call zeroes the other parity's."""
+        return self.calls % 2
+
+    def finish_call(self) -> None:
+        """Count a call whose kernel was enqueued (any layer): the next call uses the other parity."""
+        self.calls += 1
+
+    def retire(self) -> None:
+        """Take this workspace out of the registry, so that layers built later get a new one (and this one is freed
+        with the last view). Call it on every rank at the same point of the construction sequence: the next
+        construction allocates, collectively."""
+        for key, value in list(_SHARED.items()):
+            if value is self:
+                del _SHARED[key]
+
+    def barrier(self) -> None:
+        if self.handle is not None:
+            self.handle.barrier()
+
+
+class WorkspaceView:
+    """One layer's views of the shared workspace, re-pointed when it grows (`SymmetricWorkspace.attach`).
+
+    Attributes:
+        workspace: the shared SymmetricWorkspace.
+        peer_bases: [EP] int64 base address of every rank's symmetric buffer.
+        recv_offset, comb_offsets, flags_offsets: byte offsets of the regions in every rank's buffer.
+    """
+
+    def __init__(self, workspace: SymmetricWorkspace, max_tokens: int, hidden_size: int, intermediate_size: int,
+                 max_pairs: int):
+        self.workspace = workspace
+        self.max_tokens, self.hidden_size = max_tokens, hidden_size
+        self.intermediate_size, self.max_pairs = intermediate_size, max_pairs
+        self._point()
+
+    def _point(self) -> None:
+        # Views are made once per generation: each slicing op costs host time on every call otherwise.
+        ws = self.workspace
+        ep, H, I, pairs = ws.world_size, self.hidden_size, self.intermediate_size, self.max_pairs
+        rows = ep * self.max_tokens
+        self.generation = ws.generation
+        self.peer_bases = ws.peer_bases
+        self.recv_offset, self.comb_offsets, self.flags_offsets = ws.recv_offset, ws.comb_offsets, ws.flags_offsets
+        self._flags = tuple(ws._view(ws.flags_offsets[p], ws.flag_words, torch.int32) for p in (0, 1))
+        self._comb_flags = tuple(flags[ep * MAX_CHUNKS:] for flags in self._flags)
+        self._recv = ws._view(ws.recv_offset, rows * H, torch.bfloat16).view(rows, H)
+        self._comb = tuple(ws._view(ws.comb_offsets[p], rows * H, torch.bfloat16).view(rows, H) for p in (0, 1))
+        self._h = ws.h_buffer[:pairs * I].view(pairs, I) if pairs and I else None
+        self._y = ws.y_buffer[:pairs * H].view(pairs, H) if pairs else None
+
+    @property
+    def rank(self) -> int:
+        return self.workspace.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.workspace.world_size
+
+    @property
+    def parity(self) -> int:
+        return self.workspace.parity
+
+    def finish_call(self) -> None:
+        self.workspace.finish_call()
+
     def flags(self, parity: int) -> torch.Tensor:
-        """[EP * MAX_CHUNKS + EP] int32 flags of this rank for `parity`."""
+        """[EP * MAX_CHUNKS + EP] int32 flags of this rank for `parity` (arrival counters, then combine counters)."""
         return self._flags[parity]
+
+    def comb_flags(self, parity: int) -> torch.Tensor:
+        """[EP] int32 combine counters of this rank for `parity` (the tail of `flags(parity)`)."""
+        return self._comb_flags[parity]
 
     def recv(self) -> torch.Tensor:
         """[EP * T_max, H] bf16 receive rows of this rank."""
@@ -82,6 +296,16 @@ class SymmetricWorkspace:
         """[EP * T_max, H] bf16 combine rows written to this rank for `parity`."""
         return self._comb[parity]
 
+    def h(self) -> torch.Tensor:
+        """[max_pairs, I] bf16 GEMM0 output (SiLU-mul applied)."""
+        return self._h
+
+    def y(self) -> torch.Tensor:
+        """[max_pairs, H] bf16 GEMM1 output."""
+        return self._y
+
+    def retire(self) -> None:
+        self.workspace.retire()
+
     def barrier(self) -> None:
-        if self.handle is not None:
-            self.handle.barrier()
+        self.workspace.barrier()
