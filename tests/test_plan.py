@@ -268,3 +268,16 @@ def test_plan_command(capsys):
     out = capsys.readouterr().out
     assert "c=20 us" in out and out.count("%") >= 4
     assert main(["plan", "--model", "qwen3-30b-a3b", "--tokens", "64", "--ep", "2", "--policy", "fast"]) == 2
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_per_iteration_plans_every_token_bucket(world_size):
+    """The per_iteration policy plans a balanced workload per power-of-two bucket; at 1 token a rank's expected rows
+    can round to 0, and its pairs must follow (a ValueError in Workload.from_counts before; found on the GPU by the
+    device planner's check at EP=1 with 16 experts, top-2)."""
+    from weave_moe.plan.cost_model import _per_iteration_c
+
+    for spec in (MoESpec(16, 2, 4096, 6400), MoESpec.from_name("deepseek-v3")):
+        for tokens in (1, 2, 3, 64, 8192):
+            c = _per_iteration_c(spec, world_size, tokens, PROFILE)
+            assert 1 <= c <= PROFILE.num_sms - 1

@@ -326,6 +326,8 @@ def _balanced_workload(spec: MoESpec, world_size: int, num_tokens: int) -> Workl
     rows = int(round(num_tokens * (1.0 - miss)))
     # EP sources x T tokens x k pairs, 1/EP of them on this rank's experts: T * k pairs, spread evenly.
     counts = np.full(world_size, rows, dtype=np.int64)
-    pairs = max(num_tokens * spec.top_k, int(counts.sum()))  # rounding guard: pairs >= received rows
+    received = int(counts.sum())
+    # rounding guard: every received row carries 1..k pairs (rows round to 0 when a token rarely visits this rank)
+    pairs = min(max(num_tokens * spec.top_k, received), spec.top_k * received)
     expert_rows = even_split(np.int64(pairs), num_local_experts)
     return Workload.from_counts(spec, world_size, 0, counts, counts, expert_rows, num_tokens=num_tokens)
