@@ -183,9 +183,16 @@ class _Implementation:
         key = (spec, device, _ep_rank())
         if key not in self.layers:
             backend = self.backend or ("weave" if device.type == "cuda" else "nccl")
+            options = dict(self.layer_options)
+            if backend == "weave" and "config" not in options:
+                # One layer serves every MoE layer of this shape and is handed each module's experts per call; the
+                # grouped-GEMM serial path would re-lay w13 (a copy of it) on every such hand-over.
+                from weave_moe.backends.weave import KernelConfig
+
+                options["config"] = dataclasses.replace(KernelConfig.from_env(), grouped_gemm=False)
             self.layers[key] = ExpertParallelMoE(spec, group=None, backend=backend,
                                                  max_tokens_per_rank=self.max_tokens_per_rank, device=device,
-                                                 **self.layer_options)
+                                                 **options)
         return key, self.layers[key]
 
     def __call__(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -187,10 +187,14 @@ class WeaveBackend:
         self.w13 = self.w2 = None
         self.descriptors: dict = {}
         self.use_tma = bool(cfg.tma and H % 8 == 0 and I % 8 == 0 and cfg.block_n1 >= 256)
-        # The serial policy's GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm). Only for the fixed
-        # serial policy: its megakernel launches never run the GEMM phase, so w13 can be held interleaved.
-        self.grouped = bool(cfg.grouped_gemm and self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
-                            and H % 8 == 0 and I % 8 == 0 and torch.cuda.get_device_capability(device) >= (9, 0))
+        # Serial plans run their GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm), which read w13
+        # interleaved (gate j, up j neighbours). The fixed serial policy never runs the megakernel's GEMM phase, so it
+        # holds only the interleaved copy; a policy that may also plan splits holds both (w13's size again: 7.3 GiB
+        # per rank for DeepSeek-V3 at EP=2; KernelConfig(grouped_gemm=False) avoids it).
+        self.grouped = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0
+                            and torch.cuda.get_device_capability(device) >= (9, 0))
+        self.only_serial = self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
+        self.w13_grouped = None
         self.max_pairs = max_pairs
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
         self.constants = mk_launch.MegakernelConstants.from_config(cfg, spec.top_k, MAX_CHUNKS, self.timeline_events,
@@ -199,7 +203,11 @@ class WeaveBackend:
     # ---- contract ---------------------------------------------------------------------------------------------------
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """w13 [E_local, 2I, H], w2 [E_local, H, I] bf16 on this device (checked by the layer)."""
-        self.w13, self.w2 = (grouped_gemm.interleave_w13(w13) if self.grouped else w13.contiguous()), w2.contiguous()
+        self.w2 = w2.contiguous()
+        self.w13_grouped = grouped_gemm.interleave_w13(w13) if self.grouped else None
+        # the megakernel's GEMM tiles read w13 as given; a fixed serial layer never runs them (it passes a valid
+        # pointer the GEMM phase never reads)
+        self.w13 = self.w13_grouped if self.only_serial and self.grouped else w13.contiguous()
         self.descriptors = self._tma_descriptors() if self.use_tma else dict(w13_desc=None, w2_desc=None)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -411,7 +419,7 @@ class WeaveBackend:
             if config.block_m not in tables:
                 tables[config.block_m] = grouped_tiles.build_tile_table(layout.expert_offsets, config.block_m,
                                                                         self.max_pairs)
-        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(),
+        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13_grouped, self.workspace.h(),
                                    tables[configs[0].block_m], configs[0])
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(),
                                    tables[configs[1].block_m], configs[1])
@@ -433,7 +441,7 @@ class WeaveBackend:
                     table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
                     run = grouped_gemm.grouped_gemm0 if g == 0 else grouped_gemm.grouped_gemm1
                     h, y = self.workspace.h(), self.workspace.y()
-                    run(y if g == 0 else h, self.w13 if g == 0 else self.w2, h if g == 0 else y, table, config)
+                    run(y if g == 0 else h, self.w13_grouped if g == 0 else self.w2, h if g == 0 else y, table, config)
             grouped_tiles.gather_rows(self.workspace.recv(), self.ctrl, self.workspace.y(), empty[:1], 4 * self.num_sms)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
