@@ -184,7 +184,7 @@ class _Implementation:
         if key not in self.layers:
             backend = self.backend or ("weave" if device.type == "cuda" else "nccl")
             options = dict(self.layer_options)
-            if backend == "weave" and "config" not in options:
+            if backend == "weave" and "config" not in options and self.layer_options.get("policy") == "serial":
                 # One layer serves every MoE layer of this shape and is handed each module's experts per call; the
                 # grouped-GEMM serial path would re-lay w13 (a copy of it) on every such hand-over.
                 from weave_moe.backends.weave import KernelConfig

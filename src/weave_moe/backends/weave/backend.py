@@ -187,13 +187,14 @@ class WeaveBackend:
         self.w13 = self.w2 = None
         self.descriptors: dict = {}
         self.use_tma = bool(cfg.tma and H % 8 == 0 and I % 8 == 0 and cfg.block_n1 >= 256)
-        # Serial plans run their GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm), which read w13
-        # interleaved (gate j, up j neighbours). The fixed serial policy never runs the megakernel's GEMM phase, so it
-        # holds only the interleaved copy; a policy that may also plan splits holds both (w13's size again: 7.3 GiB
-        # per rank for DeepSeek-V3 at EP=2; KernelConfig(grouped_gemm=False) avoids it).
-        self.grouped = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0
-                            and torch.cuda.get_device_capability(device) >= (9, 0))
+        # The fixed serial policy runs its GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm) over an
+        # interleaved w13 (gate j, up j neighbours); it never runs the megakernel's GEMM phase, so it holds only that
+        # copy. Serial plans of the other policies keep the megakernel's GEMMs: routing them through the grouped
+        # GEMMs (with both copies of w13) measured 14-32% faster at 8192 tokens but 45-75% slower at 2048 on small
+        # models, where the extra launches' host time dominates (bench/results/eval6-emu-h200-2b24350).
         self.only_serial = self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
+        self.grouped = bool(cfg.grouped_gemm and self.only_serial and H % 8 == 0 and I % 8 == 0
+                            and torch.cuda.get_device_capability(device) >= (9, 0))
         self.w13_grouped = None
         self.max_pairs = max_pairs
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
@@ -205,9 +206,9 @@ class WeaveBackend:
         """w13 [E_local, 2I, H], w2 [E_local, H, I] bf16 on this device (checked by the layer)."""
         self.w2 = w2.contiguous()
         self.w13_grouped = grouped_gemm.interleave_w13(w13) if self.grouped else None
-        # the megakernel's GEMM tiles read w13 as given; a fixed serial layer never runs them (it passes a valid
-        # pointer the GEMM phase never reads)
-        self.w13 = self.w13_grouped if self.only_serial and self.grouped else w13.contiguous()
+        # the megakernel's GEMM tiles read w13 as given; a grouped (fixed serial) layer never runs them and passes the
+        # interleaved copy as a valid pointer its GEMM phase never reads
+        self.w13 = self.w13_grouped if self.grouped else w13.contiguous()
         self.descriptors = self._tma_descriptors() if self.use_tma else dict(w13_desc=None, w2_desc=None)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
