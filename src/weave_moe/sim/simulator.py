@@ -35,13 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from weave_moe.plan import HardwareProfile, Plan, Workload
-from weave_moe.sim.timeline import COMBINE, DISPATCH, GEMM0, GEMM1, SPIN, STOLEN, Timeline, Utilisation, utilisation
+from weave_moe.sim.timeline import (COMBINE, DISPATCH, GEMM0, GEMM1, SPIN, STOLEN, Timeline, Utilisation, UtilisationFigures,
+                                     utilisation)
 
 __all__ = ["simulate", "SimResult"]
 
 
 @dataclass(frozen=True)
-class SimResult:
+class SimResult(UtilisationFigures):
     """What one simulated layer did on one rank.
 
     Attributes:
@@ -59,16 +60,6 @@ class SimResult:
     arrival_us: np.ndarray
     chunk_done_us: np.ndarray
     plan: Plan
-
-    @property
-    def sm_active(self) -> float:
-        """Work SM-time / (N x span of the timeline), in [0, 1]: waiting on a flag is not active."""
-        return self.utilisation.sm_active
-
-    @property
-    def overlap(self) -> float:
-        """Fraction of the span during which communication work and GEMM work both progress."""
-        return self.utilisation.overlap
 
 
 def simulate(workload: Workload, profile: HardwareProfile, plan: Plan, *, combine_blocks: int | None = None) -> SimResult:

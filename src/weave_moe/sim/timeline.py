@@ -244,8 +244,22 @@ _KERNEL_KINDS = {"dispatch": DISPATCH, "gemm0": GEMM0, "gemm1": GEMM1, "combine"
                  "stolen_gemm0": STOLEN, "stolen_gemm1": STOLEN, "spin": SPIN}
 
 
+class UtilisationFigures:
+    """`sm_active` and `overlap` of a result that carries a `utilisation` (simulated and measured alike)."""
+
+    @property
+    def sm_active(self) -> float:
+        """Work SM-time / (N x span of the timeline), in [0, 1]: waiting on a flag is not active."""
+        return self.utilisation.sm_active
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the span during which communication work and GEMM work both progress."""
+        return self.utilisation.overlap
+
+
 @dataclass(frozen=True)
-class MeasuredResult:
+class MeasuredResult(UtilisationFigures):
     """A timeline recorded inside the megakernel, shaped like a SimResult so `plot_timeline` draws it beside a
     simulated one. latency_us = the span of the recorded events."""
 
@@ -253,14 +267,6 @@ class MeasuredResult:
     timeline: Timeline
     plan: object
     utilisation: Utilisation
-
-    @property
-    def sm_active(self) -> float:
-        return self.utilisation.sm_active
-
-    @property
-    def overlap(self) -> float:
-        return self.utilisation.overlap
 
 
 def measured_result(events, num_sms: int, plan) -> MeasuredResult:
