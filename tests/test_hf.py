@@ -327,3 +327,31 @@ def test_hf_generate_example_on_two_gloo_ranks(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("routing agrees") == 6, result.stdout  # 2 ranks x 3 steps, each held to the tolerance
     assert result.stdout.count(": OK") == 2, result.stdout
+
+
+def _too_many_tokens_on_one_rank(rank: int, world_size: int) -> list[str]:
+    """Rank 1 hands its experts more tokens than max_tokens_per_rank: every rank raises in that call (no peer left
+    waiting), and the next call works."""
+    weave_hf.register("weave-test-ep", backend="nccl", max_tokens_per_rank=8)
+    model = _model(_BY_NAME["Qwen3MoeConfig"], implementation="weave-test-ep")
+    _, module = _experts_modules(model)[0]
+    spec = weave_hf.experts_spec(module)
+    outcomes = []
+    for num_tokens in ((5, 12)[rank], 5):
+        x = torch.randn(num_tokens, spec.hidden_size, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        ids, weights = _routing(num_tokens, spec, torch.bfloat16, seed=rank)
+        try:
+            with torch.no_grad():
+                module(x, ids, weights)
+            outcomes.append("ok")
+        except Exception as error:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes.append(type(error).__name__)
+    return outcomes
+
+
+def test_too_many_tokens_on_one_rank_raises_on_every_rank_at_ep2():
+    from weave_moe.testing import run_distributed
+
+    results = run_distributed(_too_many_tokens_on_one_rank, 2, timeout_s=120)
+    assert results[1] == ["ValueError", "ok"], results
+    assert results[0] == ["PeerError", "ok"], results

@@ -219,9 +219,14 @@ class _Implementation:
             out = torch.cat([layer(x[start:start + limit], top_k_index[start:start + limit],
                                    weights[start:start + limit]) for start in range(0, num_tokens, limit)])
         else:
-            raise ValueError(f"a MoE layer got T={num_tokens} tokens on this rank, more than max_tokens_per_rank="
-                             f"{limit} of experts_implementation={self.name!r}: register it with a larger "
-                             f"max_tokens_per_rank")
+            # At EP > 1 the peers must take part in this call too: the layer raises on every rank together (this rank
+            # the ValueError, the others a PeerError), where raising here would leave them waiting in the exchange.
+            try:
+                out = layer(x, top_k_index, weights)
+            except ValueError as error:
+                raise ValueError(f"a MoE layer got T={num_tokens} tokens on this rank, more than max_tokens_per_rank="
+                                 f"{limit} of experts_implementation={self.name!r}: register it with a larger "
+                                 f"max_tokens_per_rank") from error
         return out.to(hidden_states.dtype)
 
 
