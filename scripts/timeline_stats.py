@@ -21,69 +21,21 @@ where <mode> is "ep1of<N>" (emulated) or "ep<N>".
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 from collections import defaultdict
 from pathlib import Path
 
+from weave_moe.bench.config import emulated_spec
+from weave_moe.commands.calibrate import record_timelines
 from weave_moe.models import MoESpec
-
-CALLS = 3  # the timeline of the last call is kept (the first compiles and builds the task tables)
-
-
-def layer_spec(model: str, emulate_ep: int) -> MoESpec:
-    """The layer's shape: the model's, or its per-rank share of experts when emulating EP=N on one GPU."""
-    spec = MoESpec.from_name(model)
-    if emulate_ep <= 1:
-        return spec
-    if spec.num_experts % emulate_ep:
-        raise ValueError(f"{model}: num_experts={spec.num_experts} is not divisible by --emulate-ep {emulate_ep}")
-    return dataclasses.replace(spec, num_experts=spec.num_experts // emulate_ep, name=f"{spec.name}/ep{emulate_ep}")
 
 
 def routing_of(spec: MoESpec, tokens: int, rank: int):
-    """Rank `rank`'s (topk_ids, topk_weights) on the CPU: uniform routing, seed = rank (deterministic)."""
+    """Rank `rank`'s (topk_ids, topk_weights) on the CPU: uniform routing, seed = rank, as `record_timelines` routes."""
     from weave_moe import routing
 
     return routing.uniform(tokens, spec.num_experts, spec.top_k, seed=rank)
-
-
-def record(rank: int, world_size: int, spec: MoESpec, tokens: int, variants: list[str]) -> dict:
-    """On one rank: for each variant build the weave layer with timeline=True, run it CALLS times, keep the last
-    call's plan and events. Returns {variant: {"plan", "events", "num_sms"}, "_meta": kernel tile shape}."""
-    import torch
-
-    from weave_moe.layer import ExpertParallelMoE
-    from weave_moe.testing import make_experts
-
-    device = torch.device("cuda", rank)
-    torch.cuda.set_device(device)
-    local = spec.num_experts // world_size
-    w13, w2 = make_experts(spec, local, first_expert=rank * local, seed=1, device=device)
-    ids, weights = (t.to(device) for t in routing_of(spec, tokens, rank))
-    x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(rank)).to(device, torch.bfloat16)
-    out = {}
-    for variant in variants:
-        _, _, policy = variant.partition(":")
-        layer = ExpertParallelMoE(spec, backend="weave", policy=policy or "weave", device=device,
-                                  max_tokens_per_rank=tokens, check_expert_ids=False, timeline=True)
-        layer.load_experts(w13, w2)
-        for _ in range(CALLS):
-            layer(x, ids, weights)
-        backend = layer.backend
-        backend.synchronize()
-        plan = backend.last_plan
-        out[variant] = dict(plan=dict(c=plan.c, K=plan.K, n_steal=plan.n_steal, predicted_us=plan.predicted_us,
-                                      policy=plan.policy),
-                            events=[list(event) for event in backend.last_timeline()], num_sms=backend.num_sms,
-                            device=torch.cuda.get_device_name(device))
-        config = backend.config
-        out["_meta"] = dict(block_m=config.block_m, block_n0=config.block_n0, block_n1=config.block_n1,
-                            dispatch_rows=config.dispatch_rows)
-        del layer, backend
-        torch.cuda.empty_cache()
-    return out
 
 
 def kind_table(events) -> list[str]:
@@ -167,11 +119,12 @@ def main() -> int:
         if args.ep:
             from weave_moe.testing import run_distributed
 
-            spec = layer_spec(model, 1)
-            results = run_distributed(record, args.ep, spec, tokens, variants, backend="nccl", timeout_s=500)
+            spec = MoESpec.from_name(model)
+            results = run_distributed(record_timelines, args.ep, spec, tokens, variants, backend="nccl",
+                                      timeout_s=500)
         else:
-            spec = layer_spec(model, args.emulate_ep)
-            results = [record(0, 1, spec, tokens, variants)]
+            spec = emulated_spec(MoESpec.from_name(model), args.emulate_ep)
+            results = [record_timelines(0, 1, spec, tokens, variants)]
         world_size = args.ep or 1
         tag = f"{model}-{tokens}-{mode_tag}"
         meta = dict(results[0].pop("_meta"), model=model, tokens=tokens, mode=mode_tag,

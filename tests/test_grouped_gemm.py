@@ -168,3 +168,12 @@ def test_ptx_is_hopper_tma_wgmma_without_local_memory(gemm, mean_rows, tmp_path)
     assert ptx.count("wgmma.mma_async") == cfg.block_k // 16, ptx.count("wgmma.mma_async")
     report = _ptxas_report(ptx, tmp_path)
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+
+
+def test_default_config_only_picks_from_default_configs():
+    """The weave backend compiles `default_configs` before its first-call barrier: nothing else may be picked."""
+    for gemm in (0, 1):
+        allowed = gg.default_configs(gemm)
+        for experts in (1, 8, 80, 128):
+            for rows in (0, 1, 63, 64, 154 * experts, 174 * experts, 4096 * experts):
+                assert gg.default_config(gemm, rows, experts) in allowed

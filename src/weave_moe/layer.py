@@ -246,9 +246,9 @@ class ExpertParallelMoE(torch.nn.Module):
             self._check_first_call(None)
         topk_weights = topk_weights.contiguous()
         if not torch.is_grad_enabled():
-            return self._backend_forward(x, topk_ids, topk_weights, timings)
+            return self.backend.forward(x, topk_ids, topk_weights, timings=timings)
         with torch.no_grad():
-            out = self._backend_forward(x, topk_ids, topk_weights, timings)
+            out = self.backend.forward(x, topk_ids, topk_weights, timings=timings)
         if x.requires_grad or topk_weights.requires_grad:
             out = _InferenceOnly.apply(out, x, topk_weights)
         return out
@@ -258,9 +258,6 @@ class ExpertParallelMoE(torch.nn.Module):
         WeaveTimeoutError)."""
         self.coordinator.check_usable()
         self.backend.synchronize()
-
-    def _backend_forward(self, x, topk_ids, topk_weights, timings):
-        return self.backend.forward(x, topk_ids, topk_weights, timings=timings)
 
     def _check_first_call(self, error: BaseException | None) -> None:
         """Before a layer's first call at EP > 1, one small all-gather: every rank raises if any rank cannot make it

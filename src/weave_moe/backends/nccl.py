@@ -133,7 +133,6 @@ class NcclBackend:
         #: With an exchange the id check rides on the count exchange (every rank sees every rank's bad-id count and
         #: raises in the same call; no extra sync).
         self.checks_expert_ids = self.use_exchange
-        self.check_ids = True
 
     def synchronize(self) -> None:
         """Wait (within the coordinator's timeout_s) until this rank's last call has finished on its device; nothing
@@ -227,8 +226,8 @@ class NcclBackend:
             visits = on_rank.any(2)  # [EP, T]: one row per (token, destination rank) it visits (dedup)
             torch.sum(visits, 1, out=send_counts[:, 0])
             torch.sum(on_rank.view(world_size, -1), 1, out=send_counts[:, 1])
-            if self.check_ids:  # ids that floor-divide onto no rank are dropped above: nothing fails before the check
-                send_counts[:, 2] = ((topk_ids < -1) | (topk_ids >= self.spec.num_experts)).sum()
+            # ids that floor-divide onto no rank are dropped above, so nothing fails before this check
+            send_counts[:, 2] = ((topk_ids < -1) | (topk_ids >= self.spec.num_experts)).sum()
         except Exception as error:  # noqa: BLE001 - the peers are in the exchange below: tell them, raise after it
             coordinator.fail(error)
             send_counts[:, :3].zero_()
@@ -249,8 +248,7 @@ class NcclBackend:
         counts = self._counts.tolist()  # the one host sync: all-to-all-v needs split sizes on the host
         # Raises on every rank alike: this rank's failure above, a peer's (PeerError), mismatched calls (CallOrderError).
         coordinator.finish([c[3:] for c in counts[1]])
-        if self.check_ids:
-            raise_on_bad_ids([c[2] for c in counts[1]], self.spec.num_experts)
+        raise_on_bad_ids([c[2] for c in counts[1]], self.spec.num_experts)
         send_rows = [c[0] for c in counts[0]]
         recv_rows = [c[0] for c in counts[1]]
         num_pairs = sum(c[1] for c in counts[1])

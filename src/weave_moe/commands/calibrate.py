@@ -113,10 +113,16 @@ def _fit_and_write(files, base, args) -> int:
 
 
 # ---- --measure (GPU; untested on GPU) -----------------------------------------------------------------------------
-def record_timelines(rank, world_size, model, tokens, variants):
-    """One rank (under weave_moe.testing.run_distributed): build each weave variant's layer with timeline=True, run it
-    3 times on uniform routing, return {variant: {"plan", "events"}, "_meta": tile shapes}. Also used by
-    scripts/timeline_stats.py."""
+def record_timelines(rank, world_size, spec, tokens, variants, calls: int = 3):
+    """One rank (under weave_moe.testing.run_distributed, or rank 0 of 1): build each weave variant's layer with
+    timeline=True, run it `calls` times on uniform routing (seed = rank), keep the last call's plan and events.
+
+    Args:
+        spec: a MoESpec, or a registered model name.
+    Returns:
+        {variant: {"plan", "events", "num_sms", "device"}, "_meta": the kernel's tile shape}. Also used by
+        scripts/timeline_stats.py.
+    """
     import torch
 
     from weave_moe import routing
@@ -126,24 +132,26 @@ def record_timelines(rank, world_size, model, tokens, variants):
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    spec = MoESpec.from_name(model)
+    spec = spec if isinstance(spec, MoESpec) else MoESpec.from_name(spec)
     local = spec.num_experts // world_size
     w13, w2 = make_experts(spec, local, first_expert=rank * local, seed=1, device=device)
     ids, weights = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=rank)
     ids, weights = ids.to(device), weights.to(device)
-    x = torch.randn(tokens, spec.hidden_size, device=device).to(torch.bfloat16)
+    x = torch.randn(tokens, spec.hidden_size, generator=torch.Generator().manual_seed(rank)).to(device, torch.bfloat16)
     out = {}
     for variant in variants:
         _, _, policy = variant.partition(":")
         layer = ExpertParallelMoE(spec, backend="weave", policy=policy or "weave", device=device,
                                   max_tokens_per_rank=tokens, check_expert_ids=False, timeline=True)
         layer.load_experts(w13, w2)
-        for _ in range(3):
+        for _ in range(calls):  # the first call compiles and builds the task tables
             layer(x, ids, weights)
         layer.synchronize()
         plan = layer.last_plan
-        out[variant] = dict(plan=dict(c=plan.c, K=plan.K, n_steal=plan.n_steal, predicted_us=plan.predicted_us),
-                            events=layer.backend.last_timeline())
+        out[variant] = dict(plan=dict(c=plan.c, K=plan.K, n_steal=plan.n_steal, predicted_us=plan.predicted_us,
+                                      policy=plan.policy),
+                            events=[list(event) for event in layer.backend.last_timeline()],
+                            num_sms=layer.backend.num_sms, device=torch.cuda.get_device_name(device))
         config = layer.backend.config
         out["_meta"] = dict(block_m=config.block_m, block_n0=config.block_n0, block_n1=config.block_n1,
                             dispatch_rows=config.dispatch_rows)

@@ -436,13 +436,13 @@ class WeaveBackend:
         mk_launch.warmup(args=args, **launch_options)
         if self.grouped:  # compile every grouped-GEMM variant a call may pick, on an empty tile table
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
-            for rows in (self.max_pairs, 64 * self.num_local_experts + 1, 1):
-                for g, config in enumerate(grouped_gemm.default_config(g, rows, self.num_local_experts)
-                                           for g in (0, 1)):
-                    table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
-                    run = grouped_gemm.grouped_gemm0 if g == 0 else grouped_gemm.grouped_gemm1
-                    h, y = self.workspace.h(), self.workspace.y()
-                    run(y if g == 0 else h, self.w13_grouped if g == 0 else self.w2, h if g == 0 else y, table, config)
+            h, y = self.workspace.h(), self.workspace.y()
+            for config in grouped_gemm.default_configs(0):
+                table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
+                grouped_gemm.grouped_gemm0(y, self.w13_grouped, h, table, config)
+            for config in grouped_gemm.default_configs(1):
+                table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
+                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config)
             grouped_tiles.gather_rows(self.workspace.recv(), self.ctrl, self.workspace.y(), empty[:1], 4 * self.num_sms)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:

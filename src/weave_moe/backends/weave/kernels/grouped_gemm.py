@@ -44,7 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table, build_tile_table_torch
 
 __all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
-           "grouped_gemm1", "default_config", "compile_for_sm90"]
+           "grouped_gemm1", "default_config", "default_configs", "compile_for_sm90"]
 
 # Epilogue kinds (GemmConfig.epilogue).
 EPILOGUE_MASKED = 0  # every tile through masked pointer stores
@@ -98,17 +98,23 @@ def default_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
     but to 192 in 64-row tiles (25%), and there one warpgroup with 64x256 tiles wins despite its lower MMA rate.
     Assumes balanced-ish experts (the average stands for each).
     """
-    if gemm not in (0, 1):
-        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    narrow, wide = default_configs(gemm)
     mean = max(rows / max(num_local_experts, 1), 1.0)
 
     def padding(block_m):
         return -(-mean // block_m) * block_m / mean - 1
 
+    return narrow if padding(128) - padding(64) > 0.25 else wide
+
+
+def default_configs(gemm: int) -> tuple[GemmConfig, GemmConfig]:
+    """Every configuration `default_config` can pick for `gemm` (0 or 1): (64-row tiles, 128-row tiles). A caller
+    that must not compile during a call (the weave backend, before its first-call barrier) compiles these."""
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
     epilogue = EPILOGUE_TMA_CLIPPED if gemm == 0 else EPILOGUE_MASKED
-    if padding(128) - padding(64) > 0.25:
-        return GemmConfig(block_m=64, num_warps=4, num_stages=4 if gemm == 0 else 5, epilogue=epilogue)
-    return GemmConfig(block_m=128, num_warps=8, num_stages=4, epilogue=epilogue)
+    return (GemmConfig(block_m=64, num_warps=4, num_stages=4 if gemm == 0 else 5, epilogue=epilogue),
+            GemmConfig(block_m=128, num_warps=8, num_stages=4, epilogue=epilogue))
 
 
 def interleave_w13(w13: torch.Tensor) -> torch.Tensor:
