@@ -84,3 +84,46 @@ def test_plan_key_buckets_similar_workloads_and_separates_different_ones():
     assert base != _plan_key(counts(1.5), 2, 8, 128)          # a different workload plans again
     empty = LayoutCounts([0, 0], [[0, 0], [0, 0]], [0] * 16)
     assert _plan_key(empty, 2, 8, 128) != base
+
+
+def test_verdict_refuses_bad_ids_failed_ranks_and_call_order_on_the_device():
+    """The resident call's checks (CountsFormat.verdict): the same rejection on every rank, the first error kept."""
+    import torch
+
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels import sync
+
+    ep, E, k, T_max = 3, 6, 2, 4
+    message = RoutingMessage(T_max, k)
+    fmt = CountsFormat(ep, E, 4)
+
+    def gathered(ids_per_rank, headers):
+        rows = []
+        for ids, header in zip(ids_per_rank, headers):
+            out = torch.empty(message.words, dtype=torch.int32)
+            ids = torch.tensor(ids, dtype=torch.int32).view(-1, k)
+            message.pack(out, ids, torch.full(ids.shape, 0.5), message.pad(), torch.arange(T_max + 1, dtype=torch.int32),
+                         torch.tensor(header, dtype=torch.int32))
+            rows.append(out)
+        return torch.stack(rows)
+
+    good = [[0, 1, 2, 3], [4, 5], []]
+    header = [7, 1, 5, 0]
+
+    def verdict(ids_per_rank, headers, rank=0, status=None):
+        status = torch.zeros(4, dtype=torch.int32) if status is None else status
+        counts = fmt.build(gathered(ids_per_rank, headers), message, status.clone())
+        fmt.verdict(counts, rank, status)
+        return status.tolist()
+
+    assert verdict(good, [header] * 3) == [0, 0, 0, 0]
+    # rank 1 sent two ids outside [-1, E): every rank writes [BAD_IDS, 1, 2, its call number]
+    for rank in range(ep):
+        assert verdict([[0, 1, 2, 3], [6, -2], []], [header] * 3, rank) == [sync.REJECT_BAD_IDS, 1, 2, 5]
+    # rank 2 failed its local checks (code 1), rank 1 is at another call: a failure outranks the call order
+    assert verdict(good, [header, header, [7, 1, 5, 1]]) == [sync.REJECT_PEER_FAILED, 2, 1, 5]
+    assert verdict(good, [header, [7, 1, 6, 0], header]) == [sync.REJECT_CALL_ORDER, 1, 6, 5]
+    assert verdict(good, [header, header, [8, 1, 5, 0]], rank=2) == [sync.REJECT_CALL_ORDER, 0, 5, 5]
+    # the first error stays
+    earlier = torch.tensor([1, 3, 4, 9], dtype=torch.int32)
+    assert verdict([[0, 1, 2, 3], [6, -2], []], [header] * 3, status=earlier) == [1, 3, 4, 9]

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 __all__ = [
     "CallCoordinator", "agree_on_layer", "agree_no_errors", "describe_layer", "layer_fingerprint", "exchange_text", "DEFAULT_TIMEOUT_S",
-    "HEADER_WORDS", "CODE_OK", "CODE_REJECTED", "CODE_FAILED", "CoordinationError", "PeerError", "CallOrderError",
+    "HEADER_WORDS", "code_name", "CODE_OK", "CODE_REJECTED", "CODE_FAILED", "CoordinationError", "PeerError", "CallOrderError",
     "LayerMismatchError", "CollectiveError", "CollectiveTimeoutError", "LayerBrokenError",
 ]
 
@@ -130,6 +130,11 @@ def _next_layer_index(group) -> int:
     index = _LAYER_COUNTERS.get(group, 0)
     _LAYER_COUNTERS[group] = index + 1
     return index
+
+
+def code_name(code: int) -> str:
+    """What a header's error code means (for messages)."""
+    return _CODE_NAMES.get(code, f"error code {code}")
 
 
 def _error_code(error: BaseException) -> int:

@@ -21,7 +21,8 @@ import time
 import torch
 
 from weave_moe.backends import raise_on_bad_ids
-from weave_moe.backends.coordination import HEADER_WORDS, CallCoordinator
+from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordinator, CallOrderError, PeerError,
+                                             code_name)
 from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
 from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage
@@ -29,6 +30,7 @@ from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
+from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
 from weave_moe.models import MoESpec
@@ -165,9 +167,17 @@ class WeaveBackend:
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
+        # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
+        self.resident = cfg.resident
         self.device_planner = (DevicePlanner(spec, world_size, self.profile, policy)
-                               if cfg.device_plan and self.fixed_plan is None else None)
+                               if (cfg.device_plan or cfg.resident) and self.fixed_plan is None else None)
         self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
+        if self.fixed_plan is not None:  # every rank's (c, K, n_steal): the resident call's tables read K here
+            p = self.fixed_plan
+            self.plans_device.copy_(torch.tensor([[p.c, p.K, p.n_steal, 0]] * world_size, dtype=torch.int32))
+        # the resident call's errors: the status word copied to the host after every call, read at the next one
+        self.status_host = torch.zeros(STATUS_WORDS, dtype=torch.int32).pin_memory()
+        self.status_copied: torch.cuda.Event | None = None
         self.plans_host = torch.zeros(world_size, 4, dtype=torch.int32).pin_memory()
         self.timeline_events = 2048 if timeline else 0
         self.timeline_buf = torch.zeros(self.num_sms, max(self.timeline_events, 1), 4, dtype=torch.int64,
@@ -198,8 +208,13 @@ class WeaveBackend:
         self.w13_grouped = None
         self.max_pairs = max_pairs
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
-        self.constants = mk_launch.MegakernelConstants.from_config(cfg, spec.top_k, MAX_CHUNKS, self.timeline_events,
-                                                                   self.use_tma)
+        self.constants = mk_launch.MegakernelConstants.from_config(
+            cfg, spec.top_k, MAX_CHUNKS, self.timeline_events, self.use_tma,
+            plan_from_device=self.resident and self.fixed_plan is None)
+        if self.resident:
+            # the header's call number lives on the device (incremented by every call's tables, so that a captured
+            # CUDA graph advances it on every replay); identity and creation index are fixed
+            self.header_device.copy_(torch.tensor(self.coordinator.header(), dtype=torch.int32))
 
     # ---- contract ---------------------------------------------------------------------------------------------------
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -216,6 +231,8 @@ class WeaveBackend:
         """x [T, H] bf16, topk_ids [T, k] int32 global ids (-1 = none), topk_weights [T, k] fp32 -> [T, H] bf16.
 
         `timings`, when given, accumulates host milliseconds per step (host_exchange_ms, host_sync_ms, ...)."""
+        if self.resident:
+            return self._forward_resident(x, topk_ids, topk_weights, timings)
         if self.broken:
             raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
         coordinator = self.coordinator
@@ -290,6 +307,125 @@ class WeaveBackend:
         self.header_host_numpy[:] = self.coordinator.header()
         self.header_device.copy_(self.header_host, non_blocking=True)
 
+    # ---- the device-resident call (KernelConfig.resident) --------------------------------------------------------
+    def _forward_resident(self, x, topk_ids, topk_weights, timings) -> torch.Tensor:
+        """One call that never waits for the GPU: the routing exchange, counts, checks, plan and task tables are
+        device work enqueued behind each other (at EP = 1 one CUDA-graph replay), then the kernel.
+
+        Checks the host used to make after reading the counts are made on the device (`CountsFormat.verdict`): a
+        refused call writes a rejection into the status word, its kernel does nothing and returns NaN rows, and the
+        host raises the named error at the next call or `synchronize()` (`_raise_status`). Works under a caller's
+        `torch.cuda.graph` capture once the layer has made one call outside it (the first call compiles and
+        captures the layer's own graphs); errors of captured replays surface at `synchronize()`.
+        """
+        if self.broken:
+            raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
+        coordinator = self.coordinator
+        coordinator.check_usable()
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and self.constants not in self.compiled:
+            raise RuntimeError("weave: call the layer once outside CUDA-graph capture before capturing it (the first "
+                               "call compiles the kernels and captures the layer's own graphs)")
+        if not capturing:
+            self._raise_deferred()
+        clock = _HostClock(timings)
+        # a rank that failed its local checks still takes part (T = 0, its error code in the header): every peer's
+        # verdict refuses the call; this rank raises its own error after enqueueing it, the peers PeerError later
+        code = coordinator.header()[3]
+        failure = coordinator.take_failure() if code != CODE_OK else None
+        if failure is not None:
+            if capturing:
+                raise failure
+            x = x[:0]
+            topk_ids, topk_weights = self.no_tokens
+            self.header_device[3:4].fill_(code)
+        if self.world_size > 1:
+            # this call's flags are zeroed before this rank's message leaves: a peer writes them only after it has
+            # received that message (workspace.py, flag protocol; the resident call always uses parity 0)
+            self.workspace.flags(0).zero_()
+        self.message.pack(self.send_routing, topk_ids, topk_weights, self.routing_pad, self.token_counts,
+                          self.header_device)
+        if failure is not None:
+            self.header_device[3:4].zero_()
+        if self.world_size > 1:
+            work = torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group,
+                                                            async_op=True)
+            coordinator.wait(work, "the routing exchange", host=False)
+        clock.lap("exchange")
+        layout = self.graphs.run(f"resident.{self.workspace.generation}", self._resident_tables)
+        clock.lap("layout")
+        out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if self.debug_poison:
+            out.fill_(float("nan"))
+        # the grouped GEMMs' config is picked from the rows a uniform routing would bring (the host has no counts)
+        self.local_rows = x.shape[0] * min(self.spec.top_k, self.num_local_experts)
+        # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None
+        self.last_plan = self.fixed_plan
+        self._launch(x, out, layout, self.fixed_plan, 0)
+        if not capturing:
+            self.status_host.copy_(self.status, non_blocking=True)
+            if self.status_copied is None:
+                self.status_copied = torch.cuda.Event()
+            self.status_copied.record(torch.cuda.current_stream(self.device))
+        clock.lap("launch")
+        self.calls += 1
+        if failure is not None:
+            raise failure
+        return out
+
+    def _resident_tables(self):
+        """The resident call's device work between the exchange and the kernel (one graph): counts, the verdict, the
+        plan (adaptive policies), the next call number, and the task tables for the planned chunk counts."""
+        self.ctrl.zero_()
+        if self.world_size == 1:
+            self.workspace.flags(0).zero_()
+            self.all_routing.copy_(self.send_routing[None])
+        counts = self.counts_format.build(self.all_routing, self.message, self.status)
+        self.counts_format.verdict(counts, self.rank, self.status)
+        if self.device_planner is not None:
+            self.device_planner.launch(counts, self.plans_device)
+        self.header_device[2:3].add_(1)
+        cfg, spec = self.config, self.spec
+        all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
+        return self.layout_builder(
+            all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
+            hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
+            block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
+            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+
+    def _raise_deferred(self) -> None:
+        """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no
+        wait: a copy still in flight is read at a later call or at `synchronize()`)."""
+        if self.status_copied is not None and self.status_copied.query():
+            status = self.status_host.tolist()
+            if status[0] != 0:
+                self._raise_status(status)
+
+    def _raise_status(self, status: list[int]) -> None:
+        """Raise what a status word holds (kernels/sync.py): a kernel error (the layer is broken) or a rejection (the
+        word is cleared and the layer goes on)."""
+        code = status[0]
+        if code < sync.REJECT_FIRST:
+            self._raise_on_status(status)
+            return
+        self.status.zero_()
+        self.status_host.zero_()
+        rank, detail, call = status[1:]
+        where = (f"in call {call} of this layer; that call, and any made before this error surfaced, returned NaN "
+                 "rows (errors of the device-resident call surface at the next call or at synchronize())")
+        if code == sync.REJECT_BAD_IDS:
+            raise ValueError(f"rank {self.rank}: rank {rank} passed {detail} expert ids outside "
+                             f"[-1, {self.spec.num_experts}) (-1 = no expert) {where}")
+        if code == sync.REJECT_PEER_FAILED:
+            if rank == self.rank:
+                return  # this rank raised its own error in that call
+            raise PeerError(f"rank {self.rank}: rank {rank} {code_name(detail)} {where}", {rank: code_name(detail)})
+        if code == sync.REJECT_CALL_ORDER:
+            raise CallOrderError(f"rank {self.rank}: rank {rank} was at call {detail} of a layer while this rank was "
+                                 f"at its call {call} (or at another layer) {where}; every rank must call the MoE "
+                                 "layers of a process group in the same order")
+        raise WeaveError(f"rank {self.rank}: unknown status {status}")
+
     def synchronize(self) -> None:
         """Wait for the last call (its stream, not the whole GPU) and raise WeaveTimeoutError if its kernel reported
         an error."""
@@ -297,7 +433,7 @@ class WeaveBackend:
         done.record(torch.cuda.current_stream(self.device))
         # the kernel's own waits end within self.timeout_s; the bound here only guards against anything else
         self.coordinator.poll(done.query, "synchronize", timeout_s=self.timeout_s + self.coordinator.timeout_s)
-        self._raise_on_status(self.status.tolist())
+        self._raise_status(self.status.tolist())
 
     def last_timeline(self) -> list:
         """The last call's events as `weave_moe.sim.measured.Event` (cta, kind, start_ns, end_ns, ready_ns), times
@@ -366,11 +502,15 @@ class WeaveBackend:
             f"({tag} = {status[1]}, counter saw {status[2]} of {status[3]}); a peer stalled, died or ran a "
             "different layer. The caller's tensors are untouched; rebuild the layer.")
 
-    def _launch(self, x, out, layout, my_plan: Plan, parity: int) -> None:
+    def _launch(self, x, out, layout, my_plan: Plan | None, parity: int) -> None:
+        """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
+        kernel: KernelConfig.resident with an adaptive policy), in one launch."""
         ws, spec, grid = self.workspace, self.spec, self.num_sms
         if self.timeline_events:
             self.timeline_buf.zero_()
-        serial = my_plan.is_serial(grid)
+        serial = my_plan is not None and my_plan.is_serial(grid)
+        num_comm_ctas = grid if serial or my_plan is None else my_plan.c
+        num_steal = (1 << 30) if serial or my_plan is None else my_plan.n_steal
         if x.shape[0] == 0:  # the kernel never touches x or out then, but needs valid pointers
             x = out = ws.y()[:1]
         args = mk_launch.MegakernelArgs(
@@ -378,7 +518,8 @@ class WeaveBackend:
             recv_ptr=ws.recv(), h_ptr=ws.h(), y_ptr=ws.y(), comb_ptr=ws.comb(parity),
             peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset, comb_offset=ws.comb_offsets[parity],
             flags_offset=ws.flags_offsets[parity], arrival_ptr=ws.flags(parity), comb_flag_ptr=ws.comb_flags(parity),
-            ctrl_ptr=self.ctrl, status_ptr=self.status, meta_ptr=layout.meta, timeline_ptr=self.timeline_buf,
+            ctrl_ptr=self.ctrl, status_ptr=self.status, meta_ptr=layout.meta, plan_ptr=self.plans_device,
+            timeline_ptr=self.timeline_buf,
             dispatch_tasks_ptr=layout.dispatch_tasks, send_token_ptr=layout.send_token,
             send_slot_ptr=layout.send_slot, gemm_tasks_ptr=layout.gemm_tasks, gather_ptr=layout.gather_rows,
             arrival_expected_ptr=layout.arrival_expected, gemm1_expected_ptr=layout.gemm1_expected,
@@ -387,7 +528,7 @@ class WeaveBackend:
             token_mask_ptr=layout.token_dest_mask, combine_expected_ptr=layout.combine_expected,
             rank=self.rank, world_size=self.world_size, max_tokens=self.max_tokens, num_tokens=x.shape[0],
             H=spec.hidden_size, I=spec.intermediate_size,
-            num_comm_ctas=grid if serial else my_plan.c, num_steal=(1 << 30) if serial else my_plan.n_steal,
+            num_comm_ctas=num_comm_ctas, num_steal=num_steal,
             timeout_ns=self.timeout_ns, PHASE_FIRST=0, PHASE_LAST=3)
         launch_options = dict(grid=grid, constants=self.constants, descriptors=self.descriptors,
                               num_warps=self.config.num_warps, num_stages=self.config.num_stages)

@@ -55,6 +55,12 @@ class KernelConfig:
             after the counts, read back with them) instead of by the Python planner on the host. Off until measured
             on the GPU (scripts/device_planner_check.py); its choices match the Python planner's up to fp32 near-ties
             (tests/test_device_planner.py).
+        resident: the device-resident call: the host never waits for the GPU. The counts, the checks of every
+            rank's header and expert ids, the plan (the device planner, for the adaptive policies) and the task
+            tables are device work behind the routing exchange (one CUDA-graph replay at EP = 1), the kernel reads its
+            plan from the device, and errors found there surface as named exceptions at the next call or at
+            `synchronize()` (the refused call returns NaN rows). The layer can then be captured in a caller's CUDA
+            graph after one eager call. Adaptive policies run their kernel as one launch.
     """
 
     block_m: int = 128
@@ -76,6 +82,7 @@ class KernelConfig:
     compile_layout: bool = True
     grouped_gemm: bool = True
     device_plan: bool = False
+    resident: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

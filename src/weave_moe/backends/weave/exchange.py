@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from weave_moe.backends.coordination import HEADER_WORDS
+from weave_moe.backends.weave.kernels import sync
 
 __all__ = ["RoutingMessage", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing"]
 
@@ -149,6 +150,29 @@ class CountsFormat:
         all_ids, _, tokens = message.unpack(messages)
         return torch.cat([count_routing(all_ids, tokens, self.num_experts), bad_ids,
                           message.headers(messages).flatten(), status])
+
+    def verdict(self, counts: torch.Tensor, rank: int, status: torch.Tensor) -> None:
+        """The device-resident call's check of a counts vector (`build`'s output), with no host sync: if any rank
+        failed its local checks, met another layer or call, or sent ids outside [-1, E), write the rejection
+        [code, rank at fault, detail, this rank's call number] (kernels/sync.py) into `status` unless it already
+        holds an error (the first one stays). Every rank reads the same gathered counts, so every rank writes the same
+        code, and the kernels that follow do no work (the megakernel checks the word when it starts)."""
+        ep = self.world_size
+        pairs_end = ep + ep * ep + self.num_experts
+        bad = counts[pairs_end:pairs_end + ep]
+        headers = counts[pairs_end + ep:pairs_end + ep + ep * HEADER_WORDS].view(ep, HEADER_WORDS)
+        mine = headers[rank]
+        failed = headers[:, 3] != 0
+        other_call = (headers[:, :3] != mine[:3]).any(dim=1)
+        codes = torch.where(failed, sync.REJECT_PEER_FAILED,
+                            torch.where(other_call, sync.REJECT_CALL_ORDER,
+                                        torch.where(bad > 0, sync.REJECT_BAD_IDS, 0))).to(torch.int32)
+        first = (codes != 0).to(torch.int32).argmax()          # the lowest rank at fault (0 if none)
+        code = codes[first]
+        detail = torch.where(code == sync.REJECT_PEER_FAILED, headers[first, 3],
+                             torch.where(code == sync.REJECT_CALL_ORDER, headers[first, 2], bad[first]))
+        rejection = torch.stack([code, first.to(torch.int32), detail.to(torch.int32), mine[2]])
+        status.copy_(torch.where((status[0] == 0) & (code != 0), rejection, status))
 
     def parse(self, flat: list[int]) -> tuple[LayoutCounts, list[int], list[list[int]], list[int]]:
         """(counts, bad ids per rank [EP], headers [EP][HEADER_WORDS], status words) of the host copy of a counts

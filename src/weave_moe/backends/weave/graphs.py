@@ -62,6 +62,9 @@ class GraphCache:
     place, so running it twice on one call's routing would count them once and report zero the second time. Falls
     back to eager execution, with a warning, if a capture fails (and for good once one has failed).
 
+    Under a caller's stream capture (`torch.cuda.graph`), `run` calls `build` directly, so its ops become part of
+    the caller's graph.
+
     `wait_for(is_done)`, when given, bounds the wait before a capture: the warm-up may sit behind a collective that a
     peer never joins (the routing all-gather), and `torch.cuda.synchronize` alone would wait for it forever.
     """
@@ -72,7 +75,9 @@ class GraphCache:
         self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
 
     def run(self, name: str, build):
-        if not self.enabled:
+        # inside a caller's capture the ops are recorded into the caller's graph (a graph launch is not replayed
+        # inside another capture)
+        if not self.enabled or torch.cuda.is_current_stream_capturing():
             return build()
         if name in self.graphs:
             graph, output = self.graphs[name]

@@ -96,7 +96,7 @@ def moe_megakernel(
     peer_base_ptr, recv_offset, comb_offset, flags_offset,
     arrival_ptr, comb_flag_ptr,
     # control and status
-    ctrl_ptr, status_ptr, meta_ptr, timeline_ptr,
+    ctrl_ptr, status_ptr, meta_ptr, plan_ptr, timeline_ptr,
     # task tables (weave_moe.backends.weave.layout)
     dispatch_tasks_ptr, send_token_ptr, send_slot_ptr,
     gemm_tasks_ptr, gather_ptr, arrival_expected_ptr, gemm1_expected_ptr,
@@ -113,8 +113,19 @@ def moe_megakernel(
     STAGES0: tl.constexpr = 3, STAGES1: tl.constexpr = 4, BLOCK_K1: tl.constexpr = 64,
     # TMA (KernelConfig.tma): host-built tensor descriptors of w13 [E_local*2I, H] and w2 [E_local*H, I]
     w13_desc=None, w2_desc=None, USE_TMA: tl.constexpr = False,
+    # the plan from the device planner's output (`plan_ptr` [EP, 4]: c, K, n_steal, predicted) instead of the
+    # num_comm_ctas / num_steal arguments; c >= grid is the serial schedule in this one launch
+    PLAN_FROM_DEVICE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
+    if PLAN_FROM_DEVICE:
+        planned_c = tl.load(plan_ptr + rank * 4)
+        serial = planned_c >= tl.num_programs(0)
+        num_comm_ctas = tl.where(serial, tl.num_programs(0), planned_c)
+        num_steal = tl.where(serial, 1 << 30, tl.load(plan_ptr + rank * 4 + 2))
+    # A call refused before its kernel (sync.py: rejections) or a layer whose earlier kernel failed: no work, and the
+    # output (in the launch that writes it) is NaN. The status word is read with an atomic: the same in every thread.
+    refused = sync.status_set(status_ptr)
     num_dispatch = tl.load(meta_ptr + 0)
     num_gemm = tl.load(meta_ptr + 1)
     num_combine = tl.load(meta_ptr + 2)
@@ -131,6 +142,12 @@ def moe_megakernel(
     # staged launches (serial) write each stage into its own quarter of the CTA's event rows
     num_events = PHASE_FIRST * (MAX_EVENTS // 4)
     is_stealer = is_comm & (num_comm_ctas < tl.num_programs(0))
+    if refused != 0:
+        phase = PHASE_LAST + 1
+        if PHASE_LAST == 3:
+            for first_row in range(pid * REDUCE_ROWS, num_tokens, tl.num_programs(0) * REDUCE_ROWS):
+                tiles.poison_rows(out_ptr, first_row, tl.minimum(num_tokens - first_row, REDUCE_ROWS), H, REDUCE_ROWS,
+                                  BLOCK_H)
     while phase <= PHASE_LAST:
         if phase == 0:
             task, t_start = _claim(ctrl_ptr + CTRL_DISPATCH, TIMELINE)

@@ -17,6 +17,12 @@ Protocol (checked on the H200 pair, docs/platform.md, "Cross-GPU code with Trito
 
 Status word layout (int32 [4]): [0] first error code (0 = none), [1] flag index that timed out, [2] value seen,
 [3] value expected.
+
+Rejections (codes >= REJECT_FIRST, only in the device-resident call, `KernelConfig.resident`): the call's routing was
+refused before its kernel, on every rank alike (`exchange.CountsFormat.verdict`); the word is then
+[code, rank at fault, detail, this layer's call number]. A kernel that finds the status word set when it starts does
+no work and fills its output with NaN. Unlike a timeout, a rejection leaves the layer usable: the host raises the
+named error (`REJECT_NAMES`) at the next call or `synchronize()` and clears the word.
 """
 
 import triton
@@ -27,6 +33,18 @@ ERROR_ARRIVAL_TIMEOUT = tl.constexpr(1)      # dispatch rows from a peer never a
 ERROR_GEMM0_TIMEOUT = tl.constexpr(2)        # a GEMM1 tile waited for its GEMM0 tiles
 ERROR_GEMM1_TIMEOUT = tl.constexpr(3)        # a combine block waited for its chunk's GEMM1 tiles
 ERROR_COMBINE_TIMEOUT = tl.constexpr(4)      # the final reduce waited for a peer's combine rows
+
+REJECT_FIRST = 16
+REJECT_BAD_IDS = 16        # detail: number of expert ids outside [-1, E) the rank sent
+REJECT_PEER_FAILED = 17    # detail: the rank's coordination error code (its local checks failed)
+REJECT_CALL_ORDER = 18     # detail: the call number in that rank's header (it called another layer or call)
+
+#: rejection code -> what it means (the host's exception names it)
+REJECT_NAMES = {
+    REJECT_BAD_IDS: "expert ids outside [-1, E)",
+    REJECT_PEER_FAILED: "a rank failed its local checks",
+    REJECT_CALL_ORDER: "ranks called different layers or calls",
+}
 
 #: error code -> (what happened, how the flag tag in status[1] reads)
 ERROR_NAMES = {

@@ -223,3 +223,16 @@ def reduce_rows(comb_ptr, mask_ptr, out_ptr, start, count, H, max_tokens, world_
             acc += values.to(tl.float32)
         tl.store(out_ptr + token.to(tl.int64)[:, None] * H + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_r[:, None] & mask_h[None, :])
+
+
+@triton.jit
+def poison_rows(out_ptr, start, count, H, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = NaN for t in [start, start + count): the output of a call the kernel refused to run (sync.py,
+    rejections), so that a caller who ignores the deferred error cannot mistake it for an answer."""
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    mask_r = offs_r < count
+    token = (start + offs_r).to(tl.int64)
+    nan = tl.full((BLOCK_ROWS, BLOCK_H), float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        tl.store(out_ptr + token[:, None] * H + offs_h[None, :], nan, mask=mask_r[:, None] & (offs_h < H)[None, :])

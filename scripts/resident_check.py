@@ -1,0 +1,232 @@
+"""GPU check of the device-resident weave call (KernelConfig.resident) on one GPU (EP = 1), written as JSON.
+
+    python scripts/resident_check.py --out $OUT/resident_check.json
+
+What it checks (each a row with passed = True/False and the numbers behind it):
+  1. every policy matches weave_moe.reference on fresh uniform, skewed, empty (T = 0) and degenerate routing (every
+     token on one expert, ids of -1), outputs poisoned with NaN before each call;
+  2. no host synchronisation inside a call: 20 calls under torch.cuda.set_sync_debug_mode("error");
+  3. the host's own time per call (perf_counter around the call, no synchronisation), median of 200 calls;
+  4. deferred errors: a call with an id outside [-1, E) returns NaN rows, the next call (or synchronize) raises
+     ValueError on this rank, and the layer is correct again afterwards;
+  5. capture in a caller's CUDA graph after one eager call, then 100 replays with fresh routing written into the
+     captured inputs, each checked against the reference;
+  6. 10^4 back-to-back calls (alternating routing sets), then synchronize and check the last outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+
+from weave_moe import ExpertParallelMoE
+from weave_moe.backends.weave.config import KernelConfig
+from weave_moe.models import MoESpec
+from weave_moe.reference import DEFAULT_TOLERANCE, moe_error, reference_moe
+from weave_moe.routing import skewed, uniform
+from weave_moe.testing import make_experts
+
+POLICIES = ("serial", "weave", "spatial", "static:20,2", "per_iteration")
+
+
+def _layer(spec, policy, max_tokens, device):
+    layer = ExpertParallelMoE(spec, backend="weave", policy=policy, max_tokens_per_rank=max_tokens, device=device,
+                              config=KernelConfig(resident=True), debug_poison=True)
+    w13, w2 = make_experts(spec, seed=1, device=device)
+    layer.load_experts(w13, w2)
+    return layer, w13, w2
+
+
+def _routing(kind, T, spec, seed, device):
+    if kind == "uniform":
+        return uniform(T, spec.num_experts, spec.top_k, seed=seed, device=device)
+    if kind == "skewed":
+        return skewed(T, spec.num_experts, spec.top_k, skew=4.0, seed=seed, device=device)
+    ids, w = uniform(T, spec.num_experts, spec.top_k, seed=seed, device=device)
+    if kind == "one-expert":
+        ids = torch.stack([(torch.arange(spec.top_k, device=device) + 3) % spec.num_experts] * T) if T else ids
+    elif kind == "holes":
+        ids = ids.clone()
+        ids[::3, -1] = -1
+        ids[1::7] = -1
+    return ids.int(), w
+
+
+def _error(out, x, ids, w, w13, w2):
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return moe_error(out.float(), reference_moe(x, ids, w, w13, w2).float())[0]
+
+
+def check_policies(rows, device):
+    spec = MoESpec(32, 4, 512, 256, name="resident-small")
+    for policy in POLICIES:
+        layer, w13, w2 = _layer(spec, policy, 512, device)
+        worst, cases = 0.0, 0
+        for seed, (kind, T) in enumerate([("uniform", 300), ("skewed", 512), ("uniform", 0), ("one-expert", 77),
+                                          ("holes", 129), ("uniform", 1), ("skewed", 33)]):
+            x = torch.randn(T, spec.hidden_size, device=device).bfloat16()
+            ids, w = _routing(kind, T, spec, seed, device)
+            out = layer(x, ids, w)
+            layer.synchronize()
+            err = _error(out, x, ids, w, w13, w2) if T else 0.0
+            worst = max(worst, err)
+            cases += 1
+        rows.append(dict(check="policy_vs_reference", policy=policy, cases=cases, worst_rel_error=worst,
+                         passed=worst <= DEFAULT_TOLERANCE))
+
+
+def check_no_sync_and_host_time(rows, device):
+    for name, spec, T in [("qwen3-30b-a3b/ep2-emulated", MoESpec(64, 8, 2048, 768, name="q3-emu"), 2048),
+                          ("qwen3-30b-a3b/ep2-emulated", MoESpec(64, 8, 2048, 768, name="q3-emu"), 8),
+                          ("deepseek-v3/ep2-emulated", MoESpec(128, 8, 7168, 2048, name="dsv3-emu"), 1)]:
+        for policy in ("serial", "weave"):
+            layer, w13, w2 = _layer(spec, policy, max(T, 8), device)
+            x = torch.randn(T, spec.hidden_size, device=device).bfloat16()
+            ids, w = uniform(T, spec.num_experts, spec.top_k, seed=3, device=device)
+            layer(x, ids, w)
+            layer.synchronize()
+            error = None
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(20):
+                    layer(x, ids, w)
+            except RuntimeError as e:  # a synchronising op inside the call
+                error = str(e)[:300]
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            layer.synchronize()
+            host_us = []
+            for _ in range(200):
+                start = time.perf_counter()
+                out = layer(x, ids, w)
+                host_us.append((time.perf_counter() - start) * 1e6)
+                if len(host_us) % 50 == 0:
+                    layer.synchronize()  # keep the host from running far ahead of the GPU
+            layer.synchronize()
+            err = _error(out, x, ids, w, w13, w2)
+            rows.append(dict(check="no_sync_and_host_time", model=name, policy=policy, tokens=T, sync_error=error,
+                             host_us_median=statistics.median(host_us), host_us_p90=sorted(host_us)[179],
+                             rel_error=err, passed=error is None and err <= DEFAULT_TOLERANCE))
+
+
+def check_deferred_errors(rows, device):
+    spec = MoESpec(16, 2, 256, 128, name="bad-ids")
+    for policy in ("serial", "weave"):
+        layer, w13, w2 = _layer(spec, policy, 64, device)
+        x = torch.randn(40, spec.hidden_size, device=device).bfloat16()
+        ids, w = uniform(40, spec.num_experts, spec.top_k, seed=9, device=device)
+        layer(x, ids, w)
+        bad = ids.clone()
+        bad[5, 1] = spec.num_experts
+        out_bad = layer(x, bad, w)
+        raised = None
+        try:
+            layer.synchronize()
+        except ValueError as e:
+            raised = str(e)
+        nan_rows = bool(out_bad.isnan().all())
+        out = layer(x, ids, w)
+        layer.synchronize()
+        err = _error(out, x, ids, w, w13, w2)
+        # the next call (not synchronize) raises too
+        layer(x, bad, w)
+        torch.cuda.synchronize()
+        raised_next = None
+        try:
+            layer(x, ids, w)
+        except ValueError as e:
+            raised_next = str(e)
+        out = layer(x, ids, w)
+        layer.synchronize()
+        err2 = _error(out, x, ids, w, w13, w2)
+        rows.append(dict(check="deferred_bad_ids", policy=policy, raised_at_synchronize=raised,
+                         raised_at_next_call=raised_next, refused_call_nan=nan_rows, rel_error_after=max(err, err2),
+                         passed=bool(raised and raised_next and nan_rows and max(err, err2) <= DEFAULT_TOLERANCE)))
+
+
+def check_graph_capture(rows, device):
+    spec = MoESpec(64, 8, 2048, 768, name="q3-emu")
+    for policy, T in (("serial", 128), ("weave", 128), ("weave", 8)):
+        layer, w13, w2 = _layer(spec, policy, 256, device)
+        x_s = torch.randn(T, spec.hidden_size, device=device).bfloat16()
+        ids_s, w_s = uniform(T, spec.num_experts, spec.top_k, seed=0, device=device)
+        ids_s = ids_s.int()
+        layer(x_s, ids_s, w_s)
+        layer.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        error, worst = None, 0.0
+        try:
+            with torch.cuda.graph(graph):
+                out_s = layer(x_s, ids_s, w_s)
+            for replay in range(100):
+                kind = ("uniform", "skewed", "holes")[replay % 3]
+                ids, w = _routing(kind, T, spec, 100 + replay, device)
+                x_s.copy_(torch.randn(T, spec.hidden_size, device=device).bfloat16())
+                ids_s.copy_(ids)
+                w_s.copy_(w)
+                graph.replay()
+                torch.cuda.synchronize()
+                worst = max(worst, _error(out_s, x_s, ids_s, w_s, w13, w2))
+            layer.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(dict(check="cuda_graph_capture", policy=policy, tokens=T, replays=100, worst_rel_error=worst,
+                         error=error, passed=error is None and worst <= DEFAULT_TOLERANCE))
+
+
+def check_back_to_back(rows, device, calls):
+    spec = MoESpec(32, 4, 512, 256, name="resident-small")
+    for policy in ("serial", "weave"):
+        layer, w13, w2 = _layer(spec, policy, 256, device)
+        sets = []
+        for seed in range(4):
+            x = torch.randn(200 + seed, spec.hidden_size, device=device).bfloat16()
+            ids, w = _routing(("uniform", "skewed", "holes", "uniform")[seed], x.shape[0], spec, seed, device)
+            sets.append((x, ids, w))
+        start = time.perf_counter()
+        outs = [None] * 4
+        for call in range(calls):
+            outs[call % 4] = layer(*sets[call % 4])
+        layer.synchronize()
+        seconds = time.perf_counter() - start
+        worst = max(_error(outs[i], *sets[i], w13, w2) for i in range(4))
+        rows.append(dict(check="back_to_back", policy=policy, calls=calls, seconds=seconds, worst_rel_error=worst,
+                         passed=worst <= DEFAULT_TOLERANCE))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--calls", type=int, default=10_000)
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    rows: list[dict] = []
+    for check in (check_policies, check_no_sync_and_host_time, check_deferred_errors, check_graph_capture):
+        try:
+            check(rows, device)
+        except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
+            rows.append(dict(check=check.__name__, passed=False, error=f"{type(e).__name__}: {str(e)[:500]}"))
+        print(json.dumps(rows[-1]), flush=True)
+    try:
+        check_back_to_back(rows, device, args.calls)
+    except Exception as e:  # noqa: BLE001
+        rows.append(dict(check="back_to_back", passed=False, error=f"{type(e).__name__}: {str(e)[:500]}"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(device), commit=commit,
+                  command="python scripts/resident_check.py", torch=torch.__version__,
+                  passed=sum(r["passed"] for r in rows), total=len(rows), rows=rows)
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    for row in rows:
+        print(("PASS " if row["passed"] else "FAIL ") + json.dumps(row))
+    print(f"resident check: {record['passed']}/{record['total']} passed")
+
+
+if __name__ == "__main__":
+    main()
