@@ -127,3 +127,40 @@ def test_verdict_refuses_bad_ids_failed_ranks_and_call_order_on_the_device():
     # the first error stays
     earlier = torch.tensor([1, 3, 4, 9], dtype=torch.int32)
     assert verdict([[0, 1, 2, 3], [6, -2], []], [header] * 3, status=earlier) == [1, 3, 4, 9]
+
+
+def test_resident_tables_never_read_a_device_value_on_the_host():
+    """The resident call's device work (pack, counts, verdict, task tables) must not read a tensor's value on the
+    host: that is a sync, and it breaks CUDA-graph capture (a 0-d index tensor did, on the H200). On the CPU the same
+    ops dispatch `_local_scalar_dense` (`.item()`, `int(t)`, `t[0-d tensor]`) or `nonzero`, which this mode refuses."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.layout import build_layout
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+                raise AssertionError(f"a host read inside the resident call: {func}")
+            return func(*args, **(kwargs or {}))
+
+    ep, E, k, T = 2, 8, 2, 16
+    message, fmt = RoutingMessage(T, k), CountsFormat(ep, E, 4)
+    generator = torch.Generator().manual_seed(0)
+    messages, status, plans = [], torch.zeros(4, dtype=torch.int32), torch.ones(ep, 4, dtype=torch.int32)
+    with NoHostReads():
+        for rank in range(ep):
+            out = torch.empty(message.words, dtype=torch.int32)
+            ids = torch.randint(0, E, (T - rank, k), dtype=torch.int32, generator=generator)
+            ids[0, 0] = E
+            message.pack(out, ids, torch.rand(T - rank, k, generator=generator), message.pad(),
+                         torch.arange(T + 1, dtype=torch.int32), torch.tensor([1, 2, 3, 0], dtype=torch.int32))
+            messages.append(out)
+        gathered = torch.stack(messages)
+        counts = fmt.build(gathered, message, status)
+        fmt.verdict(counts, 0, status)
+        all_ids, all_weights, tokens = message.unpack(gathered)
+        build_layout(all_ids, all_weights, tokens, plans[:, 1], 0, E, hidden_size=32, intermediate_size=16,
+                     block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
+    assert status.tolist() == [16, 0, 1, 3]

@@ -167,12 +167,15 @@ class CountsFormat:
         codes = torch.where(failed, sync.REJECT_PEER_FAILED,
                             torch.where(other_call, sync.REJECT_CALL_ORDER,
                                         torch.where(bad > 0, sync.REJECT_BAD_IDS, 0))).to(torch.int32)
-        first = (codes != 0).to(torch.int32).argmax()          # the lowest rank at fault (0 if none)
-        code = codes[first]
-        detail = torch.where(code == sync.REJECT_PEER_FAILED, headers[first, 3],
-                             torch.where(code == sync.REJECT_CALL_ORDER, headers[first, 2], bad[first]))
-        rejection = torch.stack([code, first.to(torch.int32), detail.to(torch.int32), mine[2]])
-        status.copy_(torch.where((status[0] == 0) & (code != 0), rejection, status))
+        # one-element index tensors throughout: indexing with a 0-d tensor reads it on the host (a sync, which also
+        # breaks CUDA-graph capture)
+        first = (codes != 0).to(torch.int32).argmax(dim=0, keepdim=True)   # [1] the lowest rank at fault (0: none)
+        code = codes.gather(0, first)
+        at_fault = headers.index_select(0, first)[0]
+        detail = torch.where(code == sync.REJECT_PEER_FAILED, at_fault[3:4],
+                             torch.where(code == sync.REJECT_CALL_ORDER, at_fault[2:3], bad.gather(0, first)))
+        rejection = torch.cat([code, first.to(torch.int32), detail.to(torch.int32), mine[2:3]])
+        status.copy_(torch.where((status[0:1] == 0) & (code != 0), rejection, status))
 
     def parse(self, flat: list[int]) -> tuple[LayoutCounts, list[int], list[list[int]], list[int]]:
         """(counts, bad ids per rank [EP], headers [EP][HEADER_WORDS], status words) of the host copy of a counts
