@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
-    def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None, plan_from_device=False, refuse=False):
+    def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None, resident=False, refuse=False):
         torch.manual_seed(seed)
         max_tokens = T + 3
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.zeros(0, k, dtype=torch.int32)
@@ -69,6 +69,11 @@ SCRIPT = textwrap.dedent(
         grid = 3
         # the device planner's output row of rank 0: c >= grid is the serial schedule inside the one launch
         plans = torch.tensor([[grid + 4, K, 0, 0]], dtype=torch.int32)
+        # the resident call's x / out addresses and T, read by the kernel (the host's x_ptr, out_ptr and num_tokens
+        # arguments are then dummies)
+        io = torch.tensor([x.data_ptr() if T else 0, out.data_ptr()], dtype=torch.int64)
+        tokens = torch.tensor([T], dtype=torch.int32)
+        dummy = torch.zeros(1, H).bfloat16()
         stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if staged else [(0, 3)]
         descs = {}
         if tma:
@@ -77,24 +82,24 @@ SCRIPT = textwrap.dedent(
                          w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]))
         for first, last in stages:
             args = MegakernelArgs(
-                x_ptr=x if T else out, out_ptr=out, w13_ptr=w13, w2_ptr=w2, recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
+                x_ptr=dummy if resident else x if T else out, out_ptr=dummy if resident else out, w13_ptr=w13, w2_ptr=w2, recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
                 comb_ptr=ws.comb(parity), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
                 comb_offset=ws.comb_offsets[parity], flags_offset=ws.flags_offsets[parity], arrival_ptr=flags,
                 comb_flag_ptr=ws.comb_flags(parity), ctrl_ptr=ctrl, status_ptr=status, meta_ptr=lay.meta,
-                plan_ptr=plans, timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=lay.dispatch_tasks,
+                plan_ptr=plans, io_ptr=io, tokens_ptr=tokens, timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=lay.dispatch_tasks,
                 send_token_ptr=lay.send_token, send_slot_ptr=lay.send_slot, gemm_tasks_ptr=lay.gemm_tasks,
                 gather_ptr=lay.gather_rows, arrival_expected_ptr=lay.arrival_expected,
                 gemm1_expected_ptr=lay.gemm1_expected, combine_tasks_ptr=lay.combine_tasks,
                 combine_token_ptr=lay.combine_token, combine_pos_ptr=lay.combine_pos,
                 combine_weight_ptr=lay.combine_weight, token_mask_ptr=lay.token_dest_mask,
                 combine_expected_ptr=lay.combine_expected, rank=0, world_size=1, max_tokens=max_tokens,
-                num_tokens=T, H=H, I=I, num_comm_ctas=1 if plan_from_device else grid,
-                num_steal=0 if plan_from_device else 1 << 30, timeout_ns=10 ** 9,
+                num_tokens=0 if resident else T, H=H, I=I, num_comm_ctas=1 if resident else grid,
+                num_steal=0 if resident else 1 << 30, timeout_ns=10 ** 9,
                 PHASE_FIRST=first, PHASE_LAST=last)
             mk.moe_megakernel[(grid,)](
                 **args.by_name(), TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16,
                 DISPATCH_ROWS=4, COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False,
-                MAX_EVENTS=1, BLOCK_K1=16, PLAN_FROM_DEVICE=plan_from_device, **descs)
+                MAX_EVENTS=1, BLOCK_K1=16, RESIDENT=resident, **descs)
         if refuse:
             assert status.tolist() == [16, 0, 5, 0], status
             assert not flags.any() and not ctrl.any(), "a refused call must not run a task"
@@ -124,11 +129,12 @@ SCRIPT = textwrap.dedent(
     # the TMA tiles (KernelConfig.tma) through the whole kernel; H and I multiples of 8 (16-byte strides)
     for case in [(9, 4, 2, 40, 24, 2, True), (17, 2, 2, 48, 16, 8, False), (21, 8, 3, 40, 24, 4, False)]:
         run(*case, seed=sum(case), tma=True)
-    # c and n_steal from the device plan (KernelConfig.resident): the host's arguments say c = 1, no stealing, which
-    # could not finish under the interpreter; the plan row's c >= grid makes it the serial schedule
-    run(9, 4, 2, 40, 24, 2, False, seed=5, plan_from_device=True)
+    # the resident call: c, n_steal, x, out and T from the device. The host's arguments say c = 1, no stealing (which
+    # could not finish under the interpreter), dummy x / out and T = 0; the plan row's c >= grid makes it the serial
+    # schedule, and the rows land in the real out
+    run(9, 4, 2, 40, 24, 2, False, seed=5, resident=True)
     run(9, 4, 2, 40, 24, 2, False, seed=6, refuse=True)
-    run(9, 4, 2, 40, 24, 2, True, seed=6, refuse=True)
+    run(9, 4, 2, 40, 24, 2, True, seed=6, refuse=True, resident=True)
     # two layers of different sizes share one workspace (as every layer of a model does): the second attach grows
     # it and re-points the first layer's views; calls alternate the workspace's parity across layers
     shared = SymmetricWorkspace(None, 0, 1, torch.device("cpu"))

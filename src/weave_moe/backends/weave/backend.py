@@ -210,7 +210,10 @@ class WeaveBackend:
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
         self.constants = mk_launch.MegakernelConstants.from_config(
             cfg, spec.top_k, MAX_CHUNKS, self.timeline_events, self.use_tma,
-            plan_from_device=self.resident and self.fixed_plan is None)
+            resident=self.resident)
+        # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
+        self.io = torch.zeros(2, dtype=torch.int64, device=device)
+        self.tokens_word = self.send_routing[2 * self.message.id_words:2 * self.message.id_words + 1]
         if self.resident:
             # the header's call number lives on the device (incremented by every call's tables, so that a captured
             # CUDA graph advances it on every replay); identity and creation index are fixed
@@ -339,6 +342,12 @@ class WeaveBackend:
             x = x[:0]
             topk_ids, topk_weights = self.no_tokens
             self.header_device[3:4].fill_(code)
+        # this call's x and out, by address: the kernel reads them from `io`, so one captured launch serves any call
+        out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if self.debug_poison:
+            out.fill_(float("nan"))
+        self.io[0:1].fill_(x.data_ptr())
+        self.io[1:2].fill_(out.data_ptr())
         if self.world_size > 1:
             # this call's flags are zeroed before this rank's message leaves: a peer writes them only after it has
             # received that message (workspace.py, flag protocol; the resident call always uses parity 0)
@@ -352,16 +361,11 @@ class WeaveBackend:
                                                             async_op=True)
             coordinator.wait(work, "the routing exchange", host=False)
         clock.lap("exchange")
-        layout = self.graphs.run(f"resident.{self.workspace.generation}", self._resident_tables)
-        clock.lap("layout")
-        out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
-        if self.debug_poison:
-            out.fill_(float("nan"))
-        # the grouped GEMMs' config is picked from the rows a uniform routing would bring (the host has no counts)
-        self.local_rows = x.shape[0] * min(self.spec.top_k, self.num_local_experts)
+        # everything else of the call is one graph (per grouped-GEMM config pair, picked from T on the host)
+        configs = self._grouped_configs(x.shape[0] * min(self.spec.top_k, self.num_local_experts))
+        self.graphs.run(f"resident.{self.workspace.generation}.{configs}", lambda: self._resident_call(configs))
         # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None
         self.last_plan = self.fixed_plan
-        self._launch(x, out, layout, self.fixed_plan, 0)
         if not capturing:
             self.status_host.copy_(self.status, non_blocking=True)
             if self.status_copied is None:
@@ -373,9 +377,16 @@ class WeaveBackend:
             raise failure
         return out
 
+    def _resident_call(self, grouped_configs) -> None:
+        """The resident call's device work after the exchange: the tables, then the kernel (dummy x / out: it reads
+        this call's from `io`)."""
+        layout = self._resident_tables()
+        dummy = self.workspace.y()[:1]
+        self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs)
+
     def _resident_tables(self):
-        """The resident call's device work between the exchange and the kernel (one graph): counts, the verdict, the
-        plan (adaptive policies), the next call number, and the task tables for the planned chunk counts."""
+        """The resident call's tables: counts, the verdict, the plan (adaptive policies), the next call number, and
+        the task tables for the planned chunk counts."""
         self.ctrl.zero_()
         if self.world_size == 1:
             self.workspace.flags(0).zero_()
@@ -502,7 +513,7 @@ class WeaveBackend:
             f"({tag} = {status[1]}, counter saw {status[2]} of {status[3]}); a peer stalled, died or ran a "
             "different layer. The caller's tensors are untouched; rebuild the layer.")
 
-    def _launch(self, x, out, layout, my_plan: Plan | None, parity: int) -> None:
+    def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None) -> None:
         """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
         kernel: KernelConfig.resident with an adaptive policy), in one launch."""
         ws, spec, grid = self.workspace, self.spec, self.num_sms
@@ -519,7 +530,7 @@ class WeaveBackend:
             peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset, comb_offset=ws.comb_offsets[parity],
             flags_offset=ws.flags_offsets[parity], arrival_ptr=ws.flags(parity), comb_flag_ptr=ws.comb_flags(parity),
             ctrl_ptr=self.ctrl, status_ptr=self.status, meta_ptr=layout.meta, plan_ptr=self.plans_device,
-            timeline_ptr=self.timeline_buf,
+            io_ptr=self.io, tokens_ptr=self.tokens_word, timeline_ptr=self.timeline_buf,
             dispatch_tasks_ptr=layout.dispatch_tasks, send_token_ptr=layout.send_token,
             send_slot_ptr=layout.send_slot, gemm_tasks_ptr=layout.gemm_tasks, gather_ptr=layout.gather_rows,
             arrival_expected_ptr=layout.arrival_expected, gemm1_expected_ptr=layout.gemm1_expected,
@@ -543,19 +554,24 @@ class WeaveBackend:
             stages = [(0, 3)]
         for stage in stages:
             if stage == "grouped":
-                self._grouped_gemms(layout)
+                self._grouped_gemms(layout, grouped_configs or self._grouped_configs(self.local_rows))
                 continue
             args.PHASE_FIRST, args.PHASE_LAST = stage
             mk_launch.launch(args=args, **launch_options)
 
-    def _grouped_gemms(self, layout) -> None:
+    def _grouped_configs(self, rows: int) -> tuple | None:
+        """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""
+        if not self.grouped:
+            return None
+        return tuple(grouped_gemm.default_config(g, rows, self.num_local_experts) for g in (0, 1))
+
+    def _grouped_gemms(self, layout, configs) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
         overwrites afterwards), GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
         combine phase, which waits on those counters."""
-        rows, E_local = self.local_rows, self.num_local_experts
+        E_local = self.num_local_experts
         count = layout.expert_offsets[E_local:]
         grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.workspace.y(), count, 4 * self.num_sms)
-        configs = [grouped_gemm.default_config(g, rows, E_local) for g in (0, 1)]
         tables = {}
         for config in configs:
             if config.block_m not in tables:

@@ -47,7 +47,9 @@ class MegakernelArgs:
     ctrl_ptr: torch.Tensor = _arg("*i32")
     status_ptr: torch.Tensor = _arg("*i32")          # [4] error code, tag, counter seen, expected
     meta_ptr: torch.Tensor = _arg("*i32")            # layout.META_FIELDS
-    plan_ptr: torch.Tensor = _arg("*i32")            # [EP, 4] device plans (read when PLAN_FROM_DEVICE)
+    plan_ptr: torch.Tensor = _arg("*i32")            # [EP, 4] device plans (read when RESIDENT)
+    io_ptr: torch.Tensor = _arg("*i64")              # [2] addresses of x and out (read when RESIDENT)
+    tokens_ptr: torch.Tensor = _arg("*i32")          # [1] T of this call (read when RESIDENT)
     timeline_ptr: torch.Tensor = _arg("*i64")
     # task tables (layout.Layout)
     dispatch_tasks_ptr: torch.Tensor = _arg("*i32")
@@ -101,19 +103,19 @@ class MegakernelConstants:
     STAGES1: int
     BLOCK_K1: int
     USE_TMA: bool
-    PLAN_FROM_DEVICE: bool = False
+    RESIDENT: bool = False
 
     @classmethod
     def from_config(cls, config, top_k: int, max_chunks: int, timeline_events: int, use_tma: bool,
-                    plan_from_device: bool = False):
+                    resident: bool = False):
         """From a KernelConfig; `timeline_events` = events per CTA of the timeline buffer (0: no timeline);
-        `plan_from_device`: the kernel reads c and n_steal from `plan_ptr` (the device planner's output)."""
+        `resident`: the kernel reads its plan, x / out addresses and T from the device (KernelConfig.resident)."""
         return cls(TOP_K=top_k, MAX_CHUNKS=max_chunks, BLOCK_M=config.block_m, BLOCK_N0=config.block_n0,
                    BLOCK_N1=config.block_n1, BLOCK_K=config.block_k, DISPATCH_ROWS=config.dispatch_rows,
                    COMBINE_ROWS=config.combine_rows, REDUCE_ROWS=config.reduce_rows, BLOCK_H=config.block_h,
                    DOT_FP32=config.dot_fp32, TIMELINE=timeline_events > 0, MAX_EVENTS=max(timeline_events, 1),
                    STAGES0=config.stages0, STAGES1=config.stages1, BLOCK_K1=config.block_k1, USE_TMA=use_tma,
-                   PLAN_FROM_DEVICE=plan_from_device)
+                   RESIDENT=resident)
 
     def by_name(self) -> dict:
         return dataclasses.asdict(self)
@@ -153,13 +155,13 @@ def compile_ptx(constants: dict, capability: int = 90, num_warps: int = 8, num_s
     """Compile the megakernel for `sm_<capability>` without a GPU and return its PTX.
 
     `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
-    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, PLAN_FROM_DEVICE=False.
+    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False.
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
-                          DOT_FP32=False, PLAN_FROM_DEVICE=False), **constants)
+                          DOT_FP32=False, RESIDENT=False), **constants)
     signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
     signature.update({name: "constexpr" for name in constants})
     if constants["USE_TMA"]:

@@ -96,7 +96,7 @@ def moe_megakernel(
     peer_base_ptr, recv_offset, comb_offset, flags_offset,
     arrival_ptr, comb_flag_ptr,
     # control and status
-    ctrl_ptr, status_ptr, meta_ptr, plan_ptr, timeline_ptr,
+    ctrl_ptr, status_ptr, meta_ptr, plan_ptr, io_ptr, tokens_ptr, timeline_ptr,
     # task tables (weave_moe.backends.weave.layout)
     dispatch_tasks_ptr, send_token_ptr, send_slot_ptr,
     gemm_tasks_ptr, gather_ptr, arrival_expected_ptr, gemm1_expected_ptr,
@@ -113,12 +113,17 @@ def moe_megakernel(
     STAGES0: tl.constexpr = 3, STAGES1: tl.constexpr = 4, BLOCK_K1: tl.constexpr = 64,
     # TMA (KernelConfig.tma): host-built tensor descriptors of w13 [E_local*2I, H] and w2 [E_local*H, I]
     w13_desc=None, w2_desc=None, USE_TMA: tl.constexpr = False,
-    # the plan from the device planner's output (`plan_ptr` [EP, 4]: c, K, n_steal, predicted) instead of the
-    # num_comm_ctas / num_steal arguments; c >= grid is the serial schedule in this one launch
-    PLAN_FROM_DEVICE: tl.constexpr = False,
+    # the device-resident call (KernelConfig.resident): what the host would pass per call is read from the device, so
+    # one captured launch serves every call: the plan (`plan_ptr` [EP, 4]: c, K, n_steal, predicted; c >= grid is the
+    # serial schedule in this launch), the addresses of x and out (`io_ptr` [2] int64) and T (`tokens_ptr`, the token
+    # count word of this rank's routing message)
+    RESIDENT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
-    if PLAN_FROM_DEVICE:
+    if RESIDENT:
+        x_ptr = tl.load(io_ptr).to(tl.pointer_type(tl.bfloat16))
+        out_ptr = tl.load(io_ptr + 1).to(tl.pointer_type(tl.bfloat16))
+        num_tokens = tl.load(tokens_ptr)
         planned_c = tl.load(plan_ptr + rank * 4)
         serial = planned_c >= tl.num_programs(0)
         num_comm_ctas = tl.where(serial, tl.num_programs(0), planned_c)
