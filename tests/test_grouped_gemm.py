@@ -138,36 +138,96 @@ def _ptxas_report(ptx: str, tmp_path) -> str:
     return result.stderr
 
 
-# The shipped defaults (both tile heights) at a DeepSeek-V3-like shape, with the runtime's own specialisation:
-# argument alignment and divisibility come from real tensors, as a launch computes them.
-@pytest.mark.parametrize("gemm,mean_rows", [(0, 512), (0, 154), (1, 512), (1, 154)])
-def test_ptx_is_hopper_tma_wgmma_without_local_memory(gemm, mean_rows, tmp_path):
+#: SMs of the GPU the runtime specialises NUM_SMS for when a table does not say (H200; its tables record "sms").
+H200_SMS = 132
+#: Layer shapes (H, I) whose analytical configs are compiled: DeepSeek-V3 and Qwen3-30B-A3B.
+ANALYTICAL_SHAPES = ((7168, 2048), (2048, 768))
+
+
+def _runtime_compile_cases():
+    """(gemm, config, H, I, sms) of every configuration the weave backend can launch: `default_configs` for each
+    shape of each shipped tuned table (the analytical pair and every tuned entry), and the analytical pair at
+    ANALYTICAL_SHAPES. Only the specialisation matters (E_local and rows are runtime values the kernel is not
+    specialised on), so repeats of one (config, H % 16, I % 16, sms) are dropped."""
+    cases, seen = [], set()
+
+    def add(gemm, config, hidden, inter, sms):
+        key = (gemm, config, hidden % 16 == 0, inter % 16 == 0, sms)
+        if key not in seen:
+            seen.add(key)
+            cases.append((gemm, config, hidden, inter, sms))
+
+    for path in sorted(gg.TUNED_DIR.glob("*.json")):
+        table = gg.load_tuned_table(path)
+        sms = table["data"].get("meta", {}).get("sms", H200_SMS)
+        for gemm, experts, hidden, inter in sorted(table["shapes"]):
+            for config in gg.default_configs(gemm, experts, hidden, inter, table=path):
+                add(gemm, config, hidden, inter, sms)
+    for hidden, inter in ANALYTICAL_SHAPES:
+        for gemm in (0, 1):
+            for config in gg.default_configs(gemm):
+                add(gemm, config, hidden, inter, H200_SMS)
+    return cases
+
+
+def _runtime_launch(gemm, cfg, hidden, inter, sms, scale=False):
+    """The launch the weave backend makes (backend._grouped_gemms: workspace h / y of max_pairs rows, a tile table
+    without split tails, GEMM1 without routing weights), on CPU tensors of 16-byte aligned storage like the GPU's."""
     import torch
 
-    experts, hidden, inter = 4, 7168, 2048
-    rows = mean_rows * experts
-    cfg = gg.default_config(gemm, rows, experts)
-    offsets = torch.arange(0, rows + 1, mean_rows, dtype=torch.int32)
+    experts, rows = 2, 512
+    offsets = torch.tensor([0, rows // 2, rows], dtype=torch.int32)
     tiles = gg.build_tile_table_torch(offsets, cfg.block_m, rows)
     h = torch.empty(rows, inter, dtype=torch.bfloat16)
     if gemm == 0:
         a = torch.empty(rows, hidden, dtype=torch.bfloat16)
         w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
-        launch = gg._gemm0_launch(a, w13, h, tiles, cfg)
-    else:
-        w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
-        y = torch.empty(rows, hidden, dtype=torch.bfloat16)
-        launch = gg._gemm1_launch(h, w2, y, tiles, cfg, scale=torch.empty(rows))
-    kernel, _, args, kwargs = launch
-    compiled = gg.compile_for_sm90(kernel, args, kwargs)
+        return gg._gemm0_launch(a, w13, h, tiles, cfg, num_sms=sms)
+    w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
+    y = torch.empty(rows, hidden, dtype=torch.bfloat16)
+    return gg._gemm1_launch(h, w2, y, tiles, cfg, scale=torch.empty(rows) if scale else None, num_sms=sms)
+
+
+def _check_hopper_ptx(cfg, compiled, tmp_path):
     ptx = compiled.asm["ptx"]
     assert "wgmma.mma_async" in ptx, "not on Hopper's tensor cores"
     assert "cp.async.bulk.tensor" in ptx, "operands not loaded by the bulk tensor copy engine"
     assert not re.search(r"\.local\b", ptx), "local memory in the GEMM kernel"
-    # one wide MMA per k16 step: BLOCK_K / 16 wgmma per K step (no separate gate and up MMAs)
-    assert ptx.count("wgmma.mma_async") == cfg.block_k // 16, ptx.count("wgmma.mma_async")
+    # one wide MMA per k16 step and warpgroup row block (GEMM0: no separate gate and up MMAs): BLOCK_K / 16 wgmma
+    # per K step, twice that where one warpgroup covers 128 rows
+    expected = cfg.block_k // 16 * max(1, cfg.block_m // (16 * cfg.num_warps))
+    assert ptx.count("wgmma.mma_async") == expected, (ptx.count("wgmma.mma_async"), expected)
     report = _ptxas_report(ptx, tmp_path)
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+
+
+# Every configuration the runtime may launch, compiled for sm_90 exactly as the runtime specialises it: Triton's own
+# binder on the launch's arguments (pointer alignment and the integers' divisibility by 16 -> tt.divisibility, the
+# host TMA descriptors' block types), NUM_SMS of the GPU, GEMM1 without routing weights as the backend calls it.
+@pytest.mark.parametrize("gemm,cfg,hidden,inter,sms", _runtime_compile_cases(),
+                         ids=lambda v: repr(v) if not isinstance(v, gg.GemmConfig) else
+                         f"{v.block_m}x{v.block_n}x{v.block_k}w{v.num_warps}s{v.num_stages}e{v.epilogue}")
+def test_runtime_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidden, inter, sms, tmp_path):
+    kernel, grid, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms)
+    assert grid == (sms,) and kwargs["NUM_SMS"] == sms
+    source, _, _ = gg.specialize_for_sm90(kernel, args, kwargs)
+    names = list(source.signature)
+    divisible = {names[i] for (i,), attrs in source.attrs.items() if ["tt.divisibility", 16] in attrs}
+    pointers = {n for n, ty in source.signature.items() if ty.startswith("*")}
+    assert pointers <= divisible, ("pointers without 16-byte alignment", pointers - divisible)
+    assert {"H", "I"} <= divisible, ("H / I not specialised divisible by 16", divisible)
+    assert "max_tiles" not in divisible  # do_not_specialize: one compile for every buffer size
+    assert all(source.signature[n].startswith("tensordesc<bf16[") for n in names if n.endswith("_desc"))
+    _check_hopper_ptx(cfg, gg.compile_for_sm90(kernel, args, kwargs), tmp_path)
+
+
+# GEMM1 with routing weights in its epilogue (scripts/gemm_bench.py's pipeline; not the backend's call).
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gemm1_with_routing_weights_compiles_without_local_memory(block_m, tmp_path):
+    cfg = next(c for c in gg.analytical_configs(1) if c.block_m == block_m)
+    kernel, _, args, kwargs = _runtime_launch(1, cfg, 7168, 2048, H200_SMS, scale=True)
+    assert kwargs["HAS_SCALE"]
+    _check_hopper_ptx(cfg, gg.compile_for_sm90(kernel, args, kwargs), tmp_path)
 
 
 def test_default_config_only_picks_from_default_configs():

@@ -20,6 +20,7 @@ COMMANDS = {
     "simulate": "simulate",
     "calibrate": "calibrate",
     "bench": "bench",
+    "tune": "tune",
 }
 
 

@@ -29,12 +29,23 @@ How the kernels are built (Hopper, Triton 3.6):
 - Work order: GROUP_M consecutive M tiles (mostly one expert's rows) sweep the N tiles together, so a weight block
   is read from HBM about once and reused from L2 by the group.
 
+Configurations: `default_config` looks the layer shape and rows bucket up in the current device's tuned table
+(kernels/tuned/<device key>.json, written by `weave-moe tune`; $WEAVE_MOE_TUNED_TABLE overrides it) and otherwise
+falls back to the analytical rule (`analytical_config`); `default_configs` lists every configuration it can return
+for a layer shape, which a caller that must not compile mid-call compiles first.
+
 Everything also runs under TRITON_INTERPRET=1 with DOT_FP32 (the interpreter's bf16 dot is wrong).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import os
+import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import triton
@@ -44,7 +55,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table, build_tile_table_torch
 
 __all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
-           "grouped_gemm1", "default_config", "default_configs", "compile_for_sm90"]
+           "grouped_gemm1", "default_config", "default_configs", "analytical_config", "analytical_configs",
+           "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
+           "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
+           "specialize_for_sm90", "compile_for_sm90"]
 
 # Epilogue kinds (GemmConfig.epilogue).
 EPILOGUE_MASKED = 0  # every tile through masked pointer stores
@@ -89,16 +103,52 @@ class GemmConfig:
         return replace(self, **changes)
 
 
-def default_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
-    """The configuration measured best on one H200 (scripts/gemm_bench.py, bench/results/gemm/) for a GEMM of
-    `rows` rows over `num_local_experts` experts; `gemm` is 0 or 1. Decided on the host, without the per-expert counts.
+def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | None = None,
+                   inter: int | None = None, *, table: str | os.PathLike | None = None) -> GemmConfig:
+    """The configuration of a GEMM of `rows` rows over `num_local_experts` experts of hidden size `hidden` and
+    intermediate size `inter`; `gemm` is 0 or 1. Decided on the host, without the per-expert counts.
+
+    First the tuned table (`tuned_config`: the current device's table, measured by `weave-moe tune`) for this shape
+    and rows bucket; without a table, an entry or the shape (`hidden` / `inter` None), the analytical default
+    (`analytical_config`). Cheap enough to run per call: the table is parsed once and each lookup is cached.
+
+    Args:
+        table: a table file to use instead of the device's (see `tuned_table_path`).
+    """
+    if hidden is not None and inter is not None:
+        tuned = tuned_config(gemm, rows, num_local_experts, hidden, inter, table=table)
+        if tuned is not None:
+            return tuned
+    return analytical_config(gemm, rows, num_local_experts)
+
+
+def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int | None = None,
+                    inter: int | None = None, *, table: str | os.PathLike | None = None) -> tuple[GemmConfig, ...]:
+    """Every configuration `default_config` can pick for `gemm` (0 or 1) at this layer shape: the analytical pair
+    (64-row tiles, 128-row tiles), then the tuned table's configs of the shape (every rows bucket), without repeats.
+    Without the shape, the analytical pair only (what `default_config` picks without it). A caller that must not
+    compile during a call (the weave backend, before its first-call barrier) compiles these."""
+    configs = analytical_configs(gemm)
+    if num_local_experts is None or hidden is None or inter is None:
+        return configs
+    path = _table_path(table)
+    if path is None:
+        return configs
+    tuned = _load_table(path)["shapes"].get((gemm, num_local_experts, hidden, inter), {})
+    return tuple(dict.fromkeys(configs + tuple(tuned[bucket] for bucket in sorted(tuned))))
+
+
+@functools.lru_cache(maxsize=4096)
+def analytical_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
+    """The configuration measured best on one H200 (scripts/gemm_bench.py, bench/results/gemm/) before any per-shape
+    tuning, for a GEMM of `rows` rows over `num_local_experts` experts.
 
     128x256 tiles (two warpgroups, 4 stages; GEMM0 stores through the clipped TMA epilogue) unless 64-row tiles
     would pad the average expert by over 25 points less: e.g. 154 rows per expert pad to 256 in 128-row tiles (66%)
     but to 192 in 64-row tiles (25%), and there one warpgroup with 64x256 tiles wins despite its lower MMA rate.
     Assumes balanced-ish experts (the average stands for each).
     """
-    narrow, wide = default_configs(gemm)
+    narrow, wide = analytical_configs(gemm)
     mean = max(rows / max(num_local_experts, 1), 1.0)
 
     def padding(block_m):
@@ -107,14 +157,223 @@ def default_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
     return narrow if padding(128) - padding(64) > 0.25 else wide
 
 
-def default_configs(gemm: int) -> tuple[GemmConfig, GemmConfig]:
-    """Every configuration `default_config` can pick for `gemm` (0 or 1): (64-row tiles, 128-row tiles). A caller
-    that must not compile during a call (the weave backend, before its first-call barrier) compiles these."""
+def analytical_configs(gemm: int) -> tuple[GemmConfig, GemmConfig]:
+    """Every configuration `analytical_config` can pick for `gemm` (0 or 1): (64-row tiles, 128-row tiles)."""
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
     epilogue = EPILOGUE_TMA_CLIPPED if gemm == 0 else EPILOGUE_MASKED
     return (GemmConfig(block_m=64, num_warps=4, num_stages=4 if gemm == 0 else 5, epilogue=epilogue),
             GemmConfig(block_m=128, num_warps=8, num_stages=4, epilogue=epilogue))
+
+
+# ---- tuned configurations ------------------------------------------------------------------------------------------
+# One JSON file per device kind, kernels/tuned/<device key>.json, written by `weave-moe tune` (commands/tune.py):
+#   {"format": TUNED_FORMAT, "device": "NVIDIA H200", "device_key": "nvidia-h200", "meta": {...},
+#    "entries": [{"gemm": 0, "E_local": 64, "H": 2048, "I": 768, "rows_bucket": 16384,
+#                 "config": {every GemmConfig field}, ...measurements...}, ...]}
+# Only "format" and the entries' key and config fields are read here; everything else is a record of the run.
+
+#: The table file to use instead of the device's: a path, or "off" / "none" for no table (the analytical defaults).
+TUNED_TABLE_ENV = "WEAVE_MOE_TUNED_TABLE"
+#: Where the shipped tables live (package data).
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+TUNED_FORMAT = "weave-moe-tuned-gemm/1"
+_ENTRY_KEYS = ("gemm", "E_local", "H", "I", "rows_bucket")
+
+
+def device_key(device_name: str) -> str:
+    """A device name as a file stem: "NVIDIA H200" -> "nvidia-h200" (lower case, runs of other characters -> "-")."""
+    key = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    if not key:
+        raise ValueError(f"device_key: no letters or digits in {device_name!r}")
+    return key
+
+
+def rows_bucket(rows: int) -> int:
+    """The power of two nearest `rows` on a log scale (the bucket boundaries are 2^n * sqrt(2)); 1 for rows <= 1.
+
+    Tuned points sit at T * k rows for power-of-two token counts, mostly at a bucket's centre, so the rows of real
+    calls (which scatter around T * k) land in the bucket their T was tuned for.
+    """
+    if rows <= 1:
+        return 1
+    low = 1 << (int(rows).bit_length() - 1)
+    return 2 * low if rows * rows >= 2 * low * low else low
+
+
+def tuned_table_path(device: torch.device | int | None = None) -> Path | None:
+    """The tuned table of `device` (default: the current CUDA device): TUNED_DIR / "<device_key(name)>.json"; None
+    without CUDA. The file may not exist (no table for this device)."""
+    if not _cuda_available():
+        return None
+    if isinstance(device, int):
+        index = device
+    elif device is not None and device.index is not None:
+        index = device.index
+    else:
+        index = torch.cuda.current_device()
+    return _device_table_path(index)
+
+
+def tuned_config(gemm: int, rows: int, num_local_experts: int, hidden: int, inter: int, *,
+                 table: str | os.PathLike | None = None) -> GemmConfig | None:
+    """The tuned configuration of this shape and `rows_bucket(rows)`, or None (no table, no entry).
+
+    The table: `table` if given, else the file named by $WEAVE_MOE_TUNED_TABLE ("off" / "none": no table), else the
+    current CUDA device's shipped table (`tuned_table_path`; none without CUDA). A table that exists but cannot be
+    used raises ValueError naming the file; so does a missing file given by `table` or the variable.
+    """
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    path = _table_path(table)
+    if path is None:
+        return None
+    return _lookup(path, gemm, num_local_experts, hidden, inter, rows_bucket(rows))
+
+
+def load_tuned_table(path: str | os.PathLike) -> dict:
+    """The table at `path`, checked: {"shapes": {(gemm, E_local, H, I): {rows_bucket: GemmConfig}}, "data": the JSON}
+    (cached per path: call `clear_tuned_cache` after changing a file). ValueError naming the file if it is not a
+    table this version reads."""
+    return _load_table(str(path))
+
+
+def clear_tuned_cache() -> None:
+    """Forget parsed tables and cached lookups (after a table file changed)."""
+    for cache in (_load_table, _lookup, _explicit_path, _existing_device_table):
+        cache.cache_clear()
+
+
+def check_config(gemm: int, config: GemmConfig) -> None:
+    """ValueError unless `config` is one the kernels compile and the weave backend can run for `gemm`."""
+    def power_of_two(value, least):
+        return isinstance(value, int) and value >= least and value & (value - 1) == 0
+
+    problems = []
+    for field, least in (("block_m", 16), ("block_n", 16), ("block_k", 16)):
+        if not power_of_two(getattr(config, field), least):
+            problems.append(f"{field}={getattr(config, field)!r} is not a power of two >= {least}")
+    if config.num_warps not in (4, 8):
+        problems.append(f"num_warps={config.num_warps!r} is not 4 or 8")
+    if not (isinstance(config.num_stages, int) and config.num_stages >= 1):
+        problems.append(f"num_stages={config.num_stages!r} is not an int >= 1")
+    if not (isinstance(config.group_m, int) and config.group_m >= 1):
+        problems.append(f"group_m={config.group_m!r} is not an int >= 1")
+    if config.epilogue not in (EPILOGUE_MASKED, EPILOGUE_TMA, EPILOGUE_TMA_CLIPPED):
+        problems.append(f"epilogue={config.epilogue!r} is not 0, 1 or 2")
+    elif config.epilogue == EPILOGUE_TMA and config.flatten:
+        problems.append("epilogue=1 (TMA) with flatten does not compile in Triton 3.6")
+    if config.warp_specialize not in (0, 1, 2):
+        problems.append(f"warp_specialize={config.warp_specialize!r} is not 0, 1 or 2")
+    if config.split_tail:
+        problems.append("split_tail: the weave backend builds tile tables without split tails")
+    if gemm == 0 and not config.interleaved:
+        problems.append("interleaved=False: the weave backend holds only the interleaved w13")
+    if problems:
+        raise ValueError(f"GEMM{gemm} config {config}: " + "; ".join(problems))
+
+
+def config_from_fields(gemm: int, fields: dict) -> GemmConfig:
+    """A GemmConfig from a table entry's "config" object (every field; unknown or missing ones are errors), checked
+    by `check_config`."""
+    names = [f.name for f in dataclasses.fields(GemmConfig)]
+    if not isinstance(fields, dict):
+        raise ValueError(f"config: expected an object with the fields {names}, given {fields!r}")
+    unknown = sorted(set(fields) - set(names))
+    missing = [name for name in names if name not in fields]
+    if unknown or missing:
+        raise ValueError(f"config: unknown fields {unknown}, missing fields {missing}")
+    config = GemmConfig(**fields)
+    check_config(gemm, config)
+    return config
+
+
+def _cuda_available() -> bool:
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = bool(torch.cuda.is_available())
+    return _CUDA
+
+
+_CUDA: bool | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_table_path(index: int) -> Path:
+    return TUNED_DIR / f"{device_key(torch.cuda.get_device_name(index))}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _existing_device_table(index: int) -> str | None:
+    path = _device_table_path(index)
+    return str(path) if path.is_file() else None
+
+
+def _table_path(table) -> str | None:
+    """The table file of one lookup as a string (the caches' key), or None for no table."""
+    if table is not None:
+        return _explicit_path(str(table), "table")
+    override = os.environ.get(TUNED_TABLE_ENV)
+    if override:
+        return None if override.lower() in ("off", "none") else _explicit_path(override, f"${TUNED_TABLE_ENV}")
+    if not _cuda_available():
+        return None
+    return _existing_device_table(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=64)
+def _explicit_path(path: str, source: str) -> str:
+    if not os.path.isfile(path):
+        raise ValueError(f"{source}: no tuned GEMM table at {path}")
+    return path
+
+
+@functools.lru_cache(maxsize=16)
+def _load_table(path: str) -> dict:
+    def fail(what):
+        raise ValueError(f"tuned GEMM table {path}: {what}")
+
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        fail(f"cannot be read as JSON ({error})")
+    if not isinstance(data, dict) or data.get("format") != TUNED_FORMAT:
+        fail(f"expected a JSON object with \"format\": \"{TUNED_FORMAT}\", given "
+             f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
+    entries = data.get("entries")
+    if not isinstance(entries, list):
+        fail("\"entries\" must be a list")
+    shapes: dict = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            fail(f"entry {i} is not an object")
+        key = []
+        for name in _ENTRY_KEYS:
+            value = entry.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "gemm" else 1):
+                fail(f"entry {i}: {name}={value!r} is not a positive int")
+            key.append(value)
+        gemm, experts, hidden, inter, bucket = key
+        if gemm not in (0, 1):
+            fail(f"entry {i}: gemm={gemm!r} is not 0 or 1")
+        if bucket & (bucket - 1):
+            fail(f"entry {i}: rows_bucket={bucket} is not a power of two")
+        try:
+            config = config_from_fields(gemm, entry.get("config"))
+        except (TypeError, ValueError) as error:
+            fail(f"entry {i}: {error}")
+        per_shape = shapes.setdefault((gemm, experts, hidden, inter), {})
+        if bucket in per_shape:
+            fail(f"entry {i}: a second entry for gemm={gemm} E_local={experts} H={hidden} I={inter} "
+                 f"rows_bucket={bucket}")
+        per_shape[bucket] = config
+    return dict(shapes=shapes, data=data)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(path: str, gemm: int, experts: int, hidden: int, inter: int, bucket: int) -> GemmConfig | None:
+    return _load_table(path)["shapes"].get((gemm, experts, hidden, inter), {}).get(bucket)
 
 
 def interleave_w13(w13: torch.Tensor) -> torch.Tensor:
@@ -305,8 +564,9 @@ def _check_tiles(tiles: TileTable, config: GemmConfig):
                          "EPILOGUE_MASKED or EPILOGUE_TMA_CLIPPED")
 
 
-def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False):
-    """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0)."""
+def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None):
+    """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0); `num_sms` overrides the grid (CTAs,
+    also the NUM_SMS constexpr), which is otherwise the device's SM count (a compile-only test passes the GPU's)."""
     rows, hidden = a.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -320,7 +580,7 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
     a_tail_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk])
     w_desc = TensorDescriptor.from_tensor(w13.view(num_experts * two_i, hidden), w_block)
     h_desc = TensorDescriptor.from_tensor(h, [bm, bn // 2])
-    num_sms = _num_sms(a.device)
+    num_sms = num_sms or _num_sms(a.device)
     args = (a_desc, a_tail_desc, w_desc, h, h_desc, tiles.table, tiles.num_tiles, tiles.max_tiles, hidden, inter)
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
@@ -330,8 +590,9 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
     return _gemm0_kernel, (num_sms,), args, kwargs
 
 
-def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, dot_fp32: bool = False):
-    """(kernel, grid, args, kwargs) of one GEMM1 launch (see grouped_gemm1)."""
+def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, dot_fp32: bool = False,
+                  num_sms: int | None = None):
+    """(kernel, grid, args, kwargs) of one GEMM1 launch (see grouped_gemm1; `num_sms` as in _gemm0_launch)."""
     rows, inter = h.shape
     num_experts, hidden, _ = w2.shape
     _check("h", h, (rows, inter), h.dtype)
@@ -345,7 +606,7 @@ def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, do
     h_tail_desc = TensorDescriptor.from_tensor(h, [bm // 2, bk])
     w_desc = TensorDescriptor.from_tensor(w2.view(num_experts * hidden, inter), [bn, bk])
     y_desc = TensorDescriptor.from_tensor(y, [bm, bn])
-    num_sms = _num_sms(h.device)
+    num_sms = num_sms or _num_sms(h.device)
     args = (h_desc, h_tail_desc, w_desc, y, y_desc, scale if scale is not None else y, tiles.table, tiles.num_tiles,
             tiles.max_tiles, hidden, inter)
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
@@ -410,10 +671,11 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
     return y
 
 
-def compile_for_sm90(kernel, args, kwargs, capability: int = 90):
-    """Compile `kernel` for sm_<capability> without a GPU, specialised exactly as a launch with these arguments
-    would be (pointer alignment, integer divisibility, constexprs, options); returns triton's CompiledKernel (its
-    .asm["ptx"], .n_regs, .n_spills need no GPU except n_regs, which is filled in at load time)."""
+def specialize_for_sm90(kernel, args, kwargs, capability: int = 90):
+    """(ASTSource, target, options) of `kernel` launched with these arguments, without a GPU: the same steps as
+    Triton's JITFunction.run (its binder computes each argument's specialisation: pointer alignment and integer
+    divisibility by 16 as "tt.divisibility" attrs, tensor descriptor types from the host TensorDescriptors,
+    constexprs; then `_pack_args`), for target sm_<capability>."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -423,4 +685,12 @@ def compile_for_sm90(kernel, args, kwargs, capability: int = 90):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return ASTSource(kernel, signature, constexprs, attrs), target, options
+
+
+def compile_for_sm90(kernel, args, kwargs, capability: int = 90):
+    """Compile `kernel` for sm_<capability> without a GPU, specialised exactly as a launch with these arguments
+    would be (`specialize_for_sm90`); returns triton's CompiledKernel (its .asm["ptx"], .n_regs, .n_spills need no GPU
+    except n_regs, which is filled in at load time)."""
+    source, target, options = specialize_for_sm90(kernel, args, kwargs, capability)
+    return triton.compile(source, target=target, options=options.__dict__)

@@ -1,0 +1,461 @@
+"""`weave-moe tune`: measure the grouped GEMMs' candidate configurations per layer shape on this GPU and write the
+tuned table that `grouped_gemm.default_config` looks up (kernels/tuned/<device key>.json).
+
+Work per (model, tokens): the per-rank work of EP = N (`--emulate-ep N`, as `weave-moe bench --emulate-ep`): E / N
+local experts, T tokens each picking k distinct local experts uniformly at random (weave_moe.routing.uniform), so
+T * k rows grouped by expert; both GEMMs of the layer: GEMM0 + SiLU-mul (a [P, H] x interleaved w13 -> h [P, I]) and
+GEMM1 (h x w2 -> y [P, H]), timed apart.
+
+Per candidate: one run checked against an fp32 reference of the same bf16 inputs on up to 16 experts spread over the
+range (relative Frobenius error <= weave_moe.reference.DEFAULT_TOLERANCE; outputs poisoned with NaN first and every
+row checked for NaN), then the launch captured in a CUDA graph, 3 warm-up replays and the median of --reps replays
+timed by CUDA events. A candidate that does not compile or launch (e.g. out of shared memory) is reported and skipped.
+
+Table entries: for each shape and GEMM, the fastest candidate that passed, keyed by (gemm, E_local, H, I,
+rows_bucket(T * k)), written only where it beats the analytical default (always one of the candidates) by at least
+--min-gain; elsewhere the shape is recorded under "measured_default" and the analytical default keeps deciding.
+Entries of an existing --out for shapes not measured in this run are kept (--replace starts a new table).
+
+Exit status: 0 when every shape was measured; 1 when a shape failed; 2 when refused before starting (no GPU, not
+Hopper or newer, an unknown model, an unusable --out).
+"""
+
+from __future__ import annotations
+
+# No percent sign in any help text: argparse %-formats them.
+HELP = ("measure the grouped GEMMs' tile configurations per layer shape on this GPU and write the tuned table that "
+        "the weave backend looks up (one GPU)")
+
+PAPER_TOKENS = "2048,8192"
+#: Hopper's largest shared memory per block (227 KiB), used to skip candidates up front when no GPU says otherwise.
+HOPPER_SMEM_BYTES = 232448
+#: Accumulator registers per thread above which a tile spills (255 registers per thread in all).
+MAX_ACC_REGS = 128
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--models", default=None,
+                        help="comma-separated registry names (default: the six paper models; see `weave-moe models`)")
+    parser.add_argument("--emulate-ep", type=int, default=1, metavar="N",
+                        help="tune the per-rank work of EP=N: E/N local experts, T*k rows (default 1: all experts)")
+    parser.add_argument("--tokens", default=PAPER_TOKENS, help="tokens per rank T, comma-separated (rows = T*k)")
+    parser.add_argument("--block-m", default="64,128", help="candidate block_m values")
+    parser.add_argument("--block-n", default="128,256", help="candidate block_n values (GEMM0: gate-up columns)")
+    parser.add_argument("--block-k", default="64", help="candidate block_k values")
+    parser.add_argument("--warps", default="4,8", help="candidate num_warps values")
+    parser.add_argument("--stages", default="3,4,5", help="candidate num_stages values")
+    parser.add_argument("--gemms", default="0,1", help="which GEMMs to tune: 0 (GEMM0 + SiLU-mul) and/or 1")
+    parser.add_argument("--reps", type=int, default=20, help="timed CUDA-graph replays per candidate (median)")
+    parser.add_argument("--min-gain", type=float, default=0.05,
+                        help="write an entry only where the best candidate is at least this fraction faster than the "
+                             "analytical default (run-to-run noise of one config is a few points)")
+    parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    parser.add_argument("--out", default=None,
+                        help="table file (.json) or directory (the file is <device key>.json in it); default: the "
+                             "package's table of this device (kernels/tuned/<device key>.json)")
+    parser.add_argument("--replace", action="store_true",
+                        help="write a new table instead of updating the measured shapes' entries of an existing --out")
+    parser.add_argument("--list", action="store_true",
+                        help="print the shapes and the candidate configurations, then stop (no GPU needed)")
+    parser.add_argument("--git-commit", default=None,
+                        help="commit to record when the tree here is not a git checkout (e.g. a copy on a GPU box)")
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated integers, given {text!r}") from None
+    if not values or min(values) < 0:
+        raise ValueError(f"{name}: expected comma-separated non-negative integers, given {text!r}")
+    return values
+
+
+def config_name(config) -> str:
+    """A short name of a GemmConfig, e.g. "128x256x64 w8 s4 e2" (tile, warps, stages, epilogue)."""
+    name = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} " \
+           f"e{config.epilogue}"
+    if config.group_m != 8:
+        name += f" g{config.group_m}"
+    if not config.flatten:
+        name += " noflat"
+    return name
+
+
+def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, smem_bytes: int = HOPPER_SMEM_BYTES):
+    """(candidates, skipped) for `gemm`: every combination as a variant of the analytical 128-row default (its
+    epilogue, group_m, flatten), plus both analytical defaults; skipped = [(config, reason)] for combinations that
+    cannot work: an accumulator over MAX_ACC_REGS fp32 registers per thread (spills), pipeline buffers over
+    `smem_bytes`, or a config `grouped_gemm.check_config` refuses."""
+    import itertools
+
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+
+    base = gg.analytical_configs(gemm)[1]
+    candidates, skipped = list(gg.analytical_configs(gemm)), []
+    for bm, bn, bk, nw, ns in itertools.product(block_m, block_n, block_k, warps, stages):
+        config = base.with_(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        if config in candidates:
+            continue
+        try:
+            gg.check_config(gemm, config)
+        except ValueError as error:
+            skipped.append((config, str(error)))
+            continue
+        acc_regs = bm * bn // (32 * nw)
+        buffers = ns * (bm + bn) * bk * 2
+        if acc_regs > MAX_ACC_REGS:
+            skipped.append((config, f"accumulator needs {acc_regs} fp32 registers per thread (> {MAX_ACC_REGS})"))
+        elif buffers > smem_bytes:
+            skipped.append((config, f"pipeline buffers need {buffers} bytes of shared memory (> {smem_bytes})"))
+        else:
+            candidates.append(config)
+    return candidates, skipped
+
+
+def tune_shapes(specs, tokens: list[int], emulate_ep: int) -> list[dict]:
+    """[{"model", "tokens", "E_local", "k", "H", "I", "rows", "rows_bucket"}] of every (model, tokens)."""
+    from weave_moe.backends.weave.kernels.grouped_gemm import rows_bucket
+    from weave_moe.bench.config import emulated_spec
+
+    shapes = []
+    for spec in specs:
+        local = emulated_spec(spec, emulate_ep)
+        for t in tokens:
+            rows = t * local.top_k
+            shapes.append(dict(model=spec.name, tokens=t, E_local=local.num_experts, k=local.top_k,
+                               H=local.hidden_size, I=local.intermediate_size, rows=rows, rows_bucket=rows_bucket(rows)))
+    return shapes
+
+
+def run(args) -> int:
+    import sys
+
+    from weave_moe.models import PAPER_MODELS, MoESpec
+
+    def refuse(message: str) -> int:
+        print(f"weave-moe tune: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        names = [n.strip() for n in args.models.split(",") if n.strip()] if args.models else list(PAPER_MODELS)
+        specs = [MoESpec.from_name(name) for name in names]
+        tokens = _ints(args.tokens, "--tokens")
+        if min(tokens) < 1:
+            raise ValueError(f"--tokens: every count must be >= 1, given {args.tokens!r}")
+        gemms = _ints(args.gemms, "--gemms")
+        if set(gemms) - {0, 1}:
+            raise ValueError(f"--gemms: expected 0 and/or 1, given {args.gemms!r}")
+        grid = dict(block_m=_ints(args.block_m, "--block-m"), block_n=_ints(args.block_n, "--block-n"),
+                    block_k=_ints(args.block_k, "--block-k"), warps=_ints(args.warps, "--warps"),
+                    stages=_ints(args.stages, "--stages"))
+        if args.emulate_ep < 1:
+            raise ValueError(f"--emulate-ep: expected an int >= 1, given {args.emulate_ep}")
+        if args.reps < 1:
+            raise ValueError(f"--reps: expected an int >= 1, given {args.reps}")
+        shapes = tune_shapes(specs, tokens, args.emulate_ep)
+    except (KeyError, ValueError) as error:
+        return refuse(str(error).strip("'\""))
+
+    if args.list:
+        _print_plan(shapes, gemms, grid)
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return refuse("needs a CUDA GPU (torch.cuda.is_available() is False): the table holds times measured on "
+                      "the device it is for. Without a GPU the analytical defaults apply; --list shows what would "
+                      "be measured.")
+    capability = torch.cuda.get_device_capability()
+    if capability < (9, 0):
+        return refuse(f"needs Hopper or newer (sm_90+: TMA and wgmma); this GPU is sm_{capability[0]}{capability[1]}")
+    try:
+        out = _out_path(args.out)
+        table = _start_table(out, args.replace)
+    except ValueError as error:
+        return refuse(str(error))
+    return _tune(args, specs, shapes, gemms, grid, out, table)
+
+
+def _print_plan(shapes, gemms, grid) -> None:
+    print(f"{len(shapes)} shapes (model, T: E_local x H x I, rows -> bucket):")
+    for s in shapes:
+        print(f"  {s['model']}, T={s['tokens']}: {s['E_local']} x {s['H']} x {s['I']}, {s['rows']} rows -> "
+              f"{s['rows_bucket']}")
+    for gemm in gemms:
+        candidates, skipped = candidate_configs(gemm, **grid)
+        print(f"GEMM{gemm}: {len(candidates)} candidates: {', '.join(config_name(c) for c in candidates)}")
+        for config, reason in skipped:
+            print(f"  skipped {config_name(config)}: {reason}")
+
+
+def _out_path(out):
+    from pathlib import Path
+
+    import torch
+
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+
+    name = f"{gg.device_key(torch.cuda.get_device_name())}.json"
+    if out is None:
+        return gg.TUNED_DIR / name
+    path = Path(out)
+    return path if path.suffix == ".json" else path / name
+
+
+def _start_table(out, replace: bool) -> dict:
+    """The table to update: the existing `out` (checked) unless `replace` or absent, else an empty one."""
+    import json
+
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+
+    if out.exists() and not replace:
+        gg.load_tuned_table(out)  # ValueError naming the file when it is not a table: refuse before measuring
+        gg.clear_tuned_cache()
+        return json.loads(out.read_text())
+    return dict(format=gg.TUNED_FORMAT, entries=[], measured_default=[])
+
+
+def _write_table(out, table: dict) -> None:
+    import json
+    import os
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1) + "\n")
+    os.replace(tmp, out)
+
+
+def _graph_time_ms(fn, reps: int) -> float:
+    """Median ms of `fn` captured in a CUDA graph over `reps` replays timed by CUDA events, after 3 warm-ups."""
+    import statistics
+
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
+    del graph
+    return statistics.median(times)
+
+
+class _Work:
+    """One shape's tensors on the GPU: inputs, weights, outputs, the fp32 reference on the checked experts."""
+
+    def __init__(self, shape: dict, seed: int):
+        import torch
+        import torch.nn.functional as F
+
+        from weave_moe import routing
+        from weave_moe.backends.weave.kernels import grouped_gemm as gg
+        from weave_moe.reference import _ieee_fp32_matmul
+
+        E, H, I = shape["E_local"], shape["H"], shape["I"]
+        ids, _ = routing.uniform(shape["tokens"], E, shape["k"], seed=seed)
+        counts = torch.bincount(ids.long().flatten(), minlength=E)
+        self.rows = int(counts.sum())
+        self.offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        self.offsets[1:] = torch.cumsum(counts, 0).cuda()
+        self.alloc = (self.rows + 127) // 128 * 128  # the backend's buffers are sized by a bound, not the count
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.a = torch.randn(self.alloc, H, device="cuda", generator=gen).bfloat16()
+        w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H ** 0.5).bfloat16()
+        self.w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I ** 0.5).bfloat16()
+        offs = self.offsets.tolist()
+        checked = sorted(set(torch.linspace(0, E - 1, min(16, E)).round().long().tolist()))
+        checked = [e for e in checked if offs[e + 1] > offs[e]]
+        self.check_rows = torch.cat([torch.arange(offs[e], offs[e + 1], device="cuda") for e in checked])
+        self.h_ref = torch.empty(len(self.check_rows), I, device="cuda")
+        self.y_ref = torch.empty(len(self.check_rows), H, device="cuda")
+        # GEMM1's input: the reference h (rounded to bf16) on the checked rows, random elsewhere
+        self.h_in = (torch.randn(self.alloc, I, device="cuda", generator=gen) / 4).bfloat16()
+        at = 0
+        with _ieee_fp32_matmul():
+            for e in checked:
+                s, f = offs[e], offs[e + 1]
+                gate_up = self.a[s:f].float() @ w13[e].float().T
+                h = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+                self.h_ref[at:at + f - s] = h
+                self.h_in[s:f] = h.bfloat16()
+                self.y_ref[at:at + f - s] = self.h_in[s:f].float() @ self.w2[e].float().T
+                at += f - s
+        self.w13 = gg.interleave_w13(w13)
+        del w13
+        self.h = torch.empty(self.alloc, I, device="cuda", dtype=torch.bfloat16)
+        self.y = torch.empty(self.alloc, H, device="cuda", dtype=torch.bfloat16)
+        self.tables: dict = {}
+
+    def table(self, block_m: int):
+        from weave_moe.backends.weave.kernels import grouped_gemm as gg
+
+        if block_m not in self.tables:
+            self.tables[block_m] = gg.build_tile_table(self.offsets, block_m, self.alloc)
+        return self.tables[block_m]
+
+    def launcher(self, gemm: int, config):
+        from weave_moe.backends.weave.kernels import grouped_gemm as gg
+
+        tiles = self.table(config.block_m)
+        if gemm == 0:
+            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config)
+        return lambda: gg.grouped_gemm1(self.h_in, self.w2, self.y, tiles, config)
+
+    def error(self, gemm: int, launch) -> float:
+        """Relative Frobenius error of one poisoned run on the checked rows (inf when any row holds NaN)."""
+        import torch
+
+        from weave_moe.reference import moe_error
+
+        out, ref = (self.h, self.h_ref) if gemm == 0 else (self.y, self.y_ref)
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        if torch.isnan(out[:self.rows]).any():
+            return float("inf")
+        return moe_error(out[self.check_rows], ref)[0]
+
+
+def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
+    import datetime
+    import shlex
+    import sys
+    import time
+    import traceback
+
+    import torch
+    import triton
+
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.bench.metadata import git_commit
+    from weave_moe.reference import DEFAULT_TOLERANCE
+
+    device = torch.cuda.get_device_name()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or HOPPER_SMEM_BYTES
+    candidates = {g: candidate_configs(g, **grid, smem_bytes=smem) for g in gemms}
+    table.update(format=gg.TUNED_FORMAT, device=device, device_key=gg.device_key(device), meta=dict(
+        date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+        commit=args.git_commit or git_commit(), command=shlex.join(["weave-moe", "tune"] + sys.argv[2:]
+                                                                   if sys.argv[1:2] == ["tune"] else sys.argv),
+        emulate_ep=args.emulate_ep, models=[s.name for s in specs], tokens=sorted({s["tokens"] for s in shapes}),
+        reps=args.reps, min_gain=args.min_gain, tolerance=DEFAULT_TOLERANCE,
+        candidates={f"gemm{g}": [config_name(c) for c in candidates[g][0]] for g in gemms},
+        timing="median of CUDA-event-timed CUDA-graph replays (3 warm-ups), one launch per replay"))
+    table.setdefault("measured_default", [])
+    print(f"tuning on {device} ({props.multi_processor_count} SMs), {len(shapes)} shapes, "
+          f"{', '.join(f'GEMM{g}: {len(candidates[g][0])} candidates' for g in gemms)}; writing {out}", flush=True)
+    for g in gemms:
+        for config, reason in candidates[g][1]:
+            print(f"  GEMM{g} skipped {config_name(config)}: {reason}")
+    results, failed, started = [], 0, time.time()
+    for shape in shapes:
+        print(f"{shape['model']} T={shape['tokens']}: {shape['E_local']} x {shape['H']} x {shape['I']}, "
+              f"{shape['rows']} rows (elapsed {time.time() - started:.0f} s)", flush=True)
+        try:
+            work = _Work(shape, args.seed)
+        except Exception:
+            traceback.print_exc()
+            failed += 1
+            continue
+        for gemm in gemms:
+            default = gg.analytical_config(gemm, work.rows, shape["E_local"])
+            measured = []
+            for config in candidates[gemm][0]:
+                name = config_name(config)
+                try:
+                    launch = work.launcher(gemm, config)
+                    err = work.error(gemm, launch)
+                    if not err <= DEFAULT_TOLERANCE:
+                        print(f"  GEMM{gemm} {name}: WRONG, error {err:.2e} > {DEFAULT_TOLERANCE:g}", flush=True)
+                        continue
+                    ms = _graph_time_ms(launch, args.reps)
+                except Exception as error:  # a config that does not compile or launch must not stop the sweep
+                    print(f"  GEMM{gemm} {name}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
+                    torch.cuda.synchronize()
+                    continue
+                measured.append((ms, config, err))
+                print(f"  GEMM{gemm} {name}: {ms:.4f} ms, error {err:.1e}{'  (default)' if config == default else ''}",
+                      flush=True)
+            result = _record(table, shape, gemm, default, measured, args.min_gain, args.emulate_ep)
+            if result is not None:
+                result.pop("run")
+            if result is None:
+                failed += 1
+                print(f"  GEMM{gemm}: no candidate passed", flush=True)
+                continue
+            results.append(result)
+            _write_table(out, table)
+        del work
+        torch.cuda.empty_cache()
+    table["entries"].sort(key=lambda e: tuple(e[k] for k in ("gemm", "E_local", "H", "I", "rows_bucket")))
+    table["measured_default"].sort(key=lambda e: tuple(e[k] for k in ("gemm", "E_local", "H", "I", "rows_bucket")))
+    _write_table(out, table)
+    gg.clear_tuned_cache()
+    _print_results(results, out)
+    print(f"wrote {out}: {len(table['entries'])} entries ({sum(r['written'] for r in results)} from this run), "
+          f"{time.time() - started:.0f} s")
+    return 1 if failed else 0
+
+
+def _record(table, shape, gemm, default, measured, min_gain, emulate_ep) -> dict | None:
+    """Put one measured (shape, gemm) into the table (replacing older records of its key); a result row for the
+    printout, or None when no candidate passed."""
+    import dataclasses
+
+    if not measured:
+        return None
+    best_ms, best, best_err = min(measured, key=lambda m: m[0])
+    default_ms = next((ms for ms, config, _ in measured if config == default), None)
+    gain = default_ms / best_ms - 1 if default_ms else float("inf")
+    written = best != default and gain >= min_gain
+    key = dict(gemm=gemm, E_local=shape["E_local"], H=shape["H"], I=shape["I"], rows_bucket=shape["rows_bucket"])
+    meta = table["meta"]
+    record = dict(key, model=shape["model"], tokens=shape["tokens"], emulate_ep=emulate_ep, rows=shape["rows"],
+                  ms=round(best_ms, 5), default_ms=None if default_ms is None else round(default_ms, 5),
+                  default=config_name(default), best=config_name(best), error=float(f"{best_err:.3g}"),
+                  candidates_measured=len(measured), run=f"{meta['date']} {meta['commit']}")
+    for section in ("entries", "measured_default"):
+        table[section] = [e for e in table[section] if any(e.get(k) != v for k, v in key.items())]
+    if written:
+        table["entries"].append(dict(record, config=dataclasses.asdict(best)))
+    else:
+        table["measured_default"].append(record)
+    return dict(record, gain=gain, written=written)
+
+
+def _print_results(results, out) -> None:
+    from rich.table import Table
+
+    from weave_moe.commands import print_table
+
+    table = Table(title=f"best candidate vs analytical default per shape (median ms; written to {out} where "
+                        f"'table' says yes)")
+    for column in ("model", "T", "GEMM", "E_local x H x I", "rows -> bucket", "default", "ms", "best", "ms",
+                   "speedup", "table"):
+        table.add_column(column, justify="left" if column in ("model", "default", "best", "table") else "right",
+                         no_wrap=True)
+    for r in results:
+        default_ms = "failed" if r["default_ms"] is None else f"{r['default_ms']:.4f}"
+        speedup = "-" if r["default_ms"] is None else f"{r['default_ms'] / r['ms']:.3f}x"
+        table.add_row(r["model"], str(r["tokens"]), str(r["gemm"]), f"{r['E_local']} x {r['H']} x {r['I']}",
+                      f"{r['rows']} -> {r['rows_bucket']}", r["default"], default_ms, r["best"], f"{r['ms']:.4f}",
+                      speedup, "yes" if r["written"] else "no")
+    print_table(table)

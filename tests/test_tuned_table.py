@@ -1,0 +1,249 @@
+"""The tuned grouped-GEMM table (kernels/grouped_gemm.py: tuned_config, default_config, default_configs) and the
+`weave-moe tune` command, without a GPU: lookups from a table given by $WEAVE_MOE_TUNED_TABLE or the `table`
+argument, rows buckets, fallbacks, malformed tables, and the command's refusal without CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from weave_moe import cli
+from weave_moe.backends.weave.kernels import grouped_gemm as gg
+from weave_moe.commands import tune
+
+SHAPE = dict(E_local=64, H=2048, I=768)  # Qwen3-30B-A3B at EP=2
+
+
+def _entry(gemm, bucket, config, **shape):
+    return dict(gemm=gemm, rows_bucket=bucket, **dict(SHAPE, **shape), config=dataclasses.asdict(config))
+
+
+def _write(path, entries, **extra):
+    path.write_text(json.dumps(dict(format=gg.TUNED_FORMAT, device="NVIDIA H200", entries=entries, **extra)))
+    return path
+
+
+TUNED0 = gg.analytical_configs(0)[1].with_(block_n=128, num_stages=5)
+TUNED1 = gg.analytical_configs(1)[1].with_(block_m=64, num_warps=8, num_stages=3)
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    """A table with GEMM0 at buckets 16384 and 65536 and GEMM1 at 16384 for SHAPE, selected by the variable."""
+    path = _write(tmp_path / "nvidia-h200.json", [
+        _entry(0, 16384, TUNED0), _entry(0, 65536, TUNED0.with_(num_stages=3)), _entry(1, 16384, TUNED1)])
+    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(path))
+    gg.clear_tuned_cache()
+    yield path
+    gg.clear_tuned_cache()
+
+
+@pytest.mark.parametrize("rows, bucket", [(0, 1), (1, 1), (2, 2), (3, 4), (5, 4), (6, 8), (11585, 8192),
+                                          (11586, 16384), (12288, 16384), (16384, 16384), (23170, 16384),
+                                          (23171, 32768), (49152, 65536)])
+def test_rows_bucket_is_the_nearest_power_of_two_on_a_log_scale(rows, bucket):
+    assert gg.rows_bucket(rows) == bucket
+
+
+def test_device_key_normalises_the_device_name():
+    assert gg.device_key("NVIDIA H200") == "nvidia-h200"
+    assert gg.device_key("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    with pytest.raises(ValueError):
+        gg.device_key(" -- ")
+
+
+def test_lookup_hits_the_shape_and_bucket_else_the_analytical_default(table):
+    E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
+    assert gg.default_config(0, 16384, E, H, I) == TUNED0
+    assert gg.default_config(0, 14000, E, H, I) == TUNED0  # same bucket
+    assert gg.default_config(0, 60000, E, H, I) == TUNED0.with_(num_stages=3)
+    assert gg.default_config(1, 16384, E, H, I) == TUNED1
+    # no entry: another bucket, another shape, no shape given
+    assert gg.default_config(1, 65536, E, H, I) == gg.analytical_config(1, 65536, E)
+    assert gg.default_config(0, 16384, E, H, 1408) == gg.analytical_config(0, 16384, E)
+    assert gg.default_config(0, 16384, 32, H, I) == gg.analytical_config(0, 16384, 32)
+    assert gg.default_config(0, 16384, E) == gg.analytical_config(0, 16384, E)
+    assert gg.tuned_config(1, 65536, E, H, I) is None
+    with pytest.raises(ValueError, match="gemm"):
+        gg.default_config(2, 16384, E, H, I)
+
+
+def test_lookups_are_cached(table):
+    E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
+    gg.default_config(0, 16384, E, H, I)
+    loads = gg._load_table.cache_info().misses
+    for rows in range(15000, 16000):
+        gg.default_config(0, rows, E, H, I)
+    assert gg._load_table.cache_info().misses == loads  # parsed once
+    assert gg._lookup.cache_info().hits >= 1000  # one cached lookup per (shape, bucket)
+
+
+def test_table_argument_overrides_the_variable(table, tmp_path):
+    other = _write(tmp_path / "other.json", [_entry(0, 16384, TUNED0.with_(group_m=4))])
+    assert gg.default_config(0, 16384, 64, 2048, 768, table=other) == TUNED0.with_(group_m=4)
+    assert gg.default_config(0, 16384, 64, 2048, 768) == TUNED0
+
+
+def test_no_table_means_the_analytical_default(monkeypatch, tmp_path):
+    gg.clear_tuned_cache()
+    monkeypatch.delenv(gg.TUNED_TABLE_ENV, raising=False)
+    monkeypatch.setattr(gg, "_CUDA", False)  # no GPU: no device table
+    assert gg.tuned_table_path() is None
+    assert gg.default_config(0, 16384, 64, 2048, 768) == gg.analytical_config(0, 16384, 64)
+    assert gg.default_configs(0, 64, 2048, 768) == gg.analytical_configs(0)
+    # "off" switches a table off
+    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(_write(tmp_path / "t.json", [_entry(0, 16384, TUNED0)])))
+    assert gg.default_config(0, 16384, 64, 2048, 768) == TUNED0
+    monkeypatch.setenv(gg.TUNED_TABLE_ENV, "off")
+    assert gg.default_config(0, 16384, 64, 2048, 768) == gg.analytical_config(0, 16384, 64)
+    gg.clear_tuned_cache()
+
+
+def test_device_table_path_is_named_by_the_device_key(monkeypatch):
+    gg.clear_tuned_cache()
+    gg._device_table_path.cache_clear()
+    monkeypatch.setattr(gg, "_CUDA", True)
+    monkeypatch.setattr(gg.torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    try:
+        assert gg.tuned_table_path(0) == gg.TUNED_DIR / "nvidia-h200.json"
+    finally:
+        gg._device_table_path.cache_clear()
+        gg.clear_tuned_cache()
+
+
+def test_default_configs_cover_every_table_entry_of_the_shape(table):
+    E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
+    for gemm in (0, 1):
+        allowed = gg.default_configs(gemm, E, H, I)
+        assert allowed[:2] == gg.analytical_configs(gemm) and len(set(allowed)) == len(allowed)
+        entries = [e for e in json.loads(table.read_text())["entries"] if e["gemm"] == gemm]
+        for e in entries:
+            assert gg.config_from_fields(gemm, e["config"]) in allowed
+        assert len(allowed) == 2 + len({json.dumps(e["config"], sort_keys=True) for e in entries})
+        for rows in (0, 1, 100, 154 * E, 11000, 16384, 30000, 65536, 200000):
+            assert gg.default_config(gemm, rows, E, H, I) in allowed
+    assert gg.default_configs(0) == gg.analytical_configs(0)  # without the shape: what default_config picks without it
+    assert gg.default_configs(0, 32, 2048, 768) == gg.analytical_configs(0)  # another shape
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{not json", "cannot be read as JSON"),
+    (json.dumps([]), "format"),
+    (json.dumps(dict(format="other/9", entries=[])), "format"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries={})), "entries"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), rows_bucket=12288)])),
+     "rows_bucket=12288"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), H="2048")])), "H='2048'"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), gemm=2)])), "gemm=2"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0), _entry(0, 16384, TUNED0)])),
+     "a second entry"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0),
+                                                           config=dict(block_m=64))])), "missing fields"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0),
+                                                           config=dict(dataclasses.asdict(TUNED0), tile=3))])),
+     "unknown fields"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0.with_(split_tail=True))])),
+     "split_tail"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0.with_(interleaved=False))])),
+     "interleaved"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(block_n=96))])), "block_n=96"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(num_warps=2))])),
+     "num_warps=2"),
+])
+def test_a_malformed_table_is_an_error_naming_the_file(content, message, tmp_path, monkeypatch):
+    path = tmp_path / "broken.json"
+    path.write_text(content)
+    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(path))
+    gg.clear_tuned_cache()
+    try:
+        for call in (lambda: gg.default_config(0, 16384, 64, 2048, 768),
+                     lambda: gg.default_configs(0, 64, 2048, 768)):
+            with pytest.raises(ValueError) as error:
+                call()
+            assert str(path) in str(error.value) and message in str(error.value), str(error.value)
+    finally:
+        gg.clear_tuned_cache()
+
+
+def test_a_missing_table_named_by_the_variable_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(tmp_path / "absent.json"))
+    gg.clear_tuned_cache()
+    with pytest.raises(ValueError, match=f"{gg.TUNED_TABLE_ENV}.*absent.json"):
+        gg.default_config(0, 16384, 64, 2048, 768)
+    gg.clear_tuned_cache()
+
+
+def test_shipped_tables_load():
+    """Every table shipped in the package is one this version reads (named by its device key)."""
+    for path in sorted(gg.TUNED_DIR.glob("*.json")):
+        data = gg.load_tuned_table(path)["data"]
+        assert data.get("device_key") == path.stem, path
+
+
+def test_tune_without_a_gpu_refuses_with_a_message(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["tune", "--models", "qwen3-30b-a3b", "--emulate-ep", "2", "--tokens", "2048"]) == 2
+    err = capsys.readouterr().err
+    assert "weave-moe tune: needs a CUDA GPU" in err
+
+
+def test_tune_refuses_an_unknown_model_before_looking_for_a_gpu(capsys):
+    assert cli.main(["tune", "--models", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_tune_list_shows_shapes_and_candidates_without_a_gpu(capsys):
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b,deepseek-v2", "--emulate-ep", "2",
+                     "--tokens", "2048,8192"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b, T=2048: 64 x 2048 x 768, 16384 rows -> 16384" in out
+    assert "deepseek-v2, T=2048: 80 x 5120 x 1536, 12288 rows -> 16384" in out
+    assert "GEMM0: 20 candidates" in out and "GEMM1: 20 candidates" in out
+
+
+def test_tune_candidates_include_the_defaults_and_skip_what_cannot_work():
+    for gemm in (0, 1):
+        candidates, skipped = tune.candidate_configs(gemm, [64, 128], [128, 256], [64], [4, 8], [3, 4, 5])
+        assert candidates[:2] == list(gg.analytical_configs(gemm))
+        assert len(set(candidates)) == len(candidates)
+        for config in candidates:
+            gg.check_config(gemm, config)
+            assert config.block_m * config.block_n // (32 * config.num_warps) <= tune.MAX_ACC_REGS
+            assert config.num_stages * (config.block_m + config.block_n) * config.block_k * 2 <= tune.HOPPER_SMEM_BYTES
+        reasons = {tune.config_name(c): r for c, r in skipped}
+        assert "registers" in reasons[f"128x256x64 w4 s3 e{candidates[0].epilogue}"]
+        assert "shared memory" in reasons[f"128x256x64 w8 s5 e{candidates[0].epilogue}"]
+
+
+def test_tune_records_round_trip_through_the_lookup(tmp_path):
+    """What the command writes (its _record / _write_table, fed made-up timings here) is what default_config reads:
+    an entry only where the best beats the default by --min-gain, older records of a re-measured key replaced."""
+    out = tmp_path / "nvidia-h200.json"
+    table = tune._start_table(out, replace=False)
+    table["meta"] = dict(date="2026-12-01T00:00:00+00:00", commit="abc")
+    shape = dict(model="qwen3-30b-a3b", tokens=2048, rows=16384, rows_bucket=16384, **SHAPE)
+    default0, default1 = gg.analytical_config(0, 16384, 64), gg.analytical_config(1, 16384, 64)
+    r0 = tune._record(table, shape, 0, default0, [(1.0, default0, 1e-3), (0.8, TUNED0, 1e-3)], 0.05, 2)
+    r1 = tune._record(table, shape, 1, default1, [(1.0, default1, 1e-3), (0.98, TUNED1, 1e-3)], 0.05, 2)
+    assert r0["written"] and not r1["written"]
+    tune._write_table(out, table)
+    gg.clear_tuned_cache()
+    try:
+        assert gg.default_config(0, 16384, 64, 2048, 768, table=out) == TUNED0
+        assert gg.default_config(1, 16384, 64, 2048, 768, table=out) == default1  # within --min-gain: not written
+        # re-measured: the new record replaces the old one
+        table = tune._start_table(out, replace=False)
+        assert [e["gemm"] for e in table["measured_default"]] == [1]
+        table["meta"] = dict(date="2026-12-02T00:00:00+00:00", commit="def")
+        tune._record(table, shape, 0, default0, [(1.0, default0, 1e-3), (0.99, TUNED0, 1e-3)], 0.05, 2)
+        tune._write_table(out, table)
+        gg.clear_tuned_cache()
+        assert gg.default_config(0, 16384, 64, 2048, 768, table=out) == default0
+        assert len(json.loads(out.read_text())["measured_default"]) == 2
+    finally:
+        gg.clear_tuned_cache()
