@@ -25,7 +25,10 @@ of source i's message. Protocol, per launch:
    system-scoped throughout, so every part's stores are visible to the destination.
 4. Receive. Program (s, part) waits (`sync.wait_at_least`, acquire, system scope, deadline `timeout_ns`) until
    rflags[s] in this rank's buffer reaches seq. On timeout it records ERROR_EXCHANGE_TIMEOUT in the status word
-   ([5, s, value seen, seq]) and stops; so do the other waits of the launch once the status word is set. After the
+   ([5, s, value seen, seq]) and stops; so do the other waits of the launch once the status word is set (as every
+   wait of sync.py does: a status word already set by an earlier kernel makes a wait that is not yet satisfied
+   return at once). After a timeout the ranks' sequences may have parted: retire the workspace on every rank, as
+   after any WeaveTimeoutError (workspace.py). After the
    wait it copies its share of routing[parity][s] into all_routing[s] (the local, fixed-address tensor the counts
    code reads): ids beyond T * k are written as -1 and weights beyond T * k as 0 (bits), explicitly, so words of an
    older, longer message in the slot never leak. Each program waits for the one source it copies; the launch ends
@@ -190,9 +193,9 @@ def exchange_routing(view: WorkspaceView, message: RoutingMessage, send: torch.T
     ep = view.world_size
     words = message.words
     stage = getattr(stage, "value", stage)
-    if view.routing_words <= 0 or view.routing_slot_words < words:
-        raise ValueError(f"the view's routing slots hold {view.routing_slot_words} words, the message has {words}: "
-                         f"attach the layer with routing_words=message.words")
+    if view.routing_words < words or view.routing_slot_words < words:
+        raise ValueError(f"the view was attached with routing_words={view.routing_words}, the message has {words} "
+                         f"words: attach the layer with routing_words=message.words")
     if send.dtype != torch.int32 or send.shape != (words,) or not send.is_contiguous():
         raise ValueError(f"send must be a contiguous [{words}] int32 tensor, got {send.dtype} {tuple(send.shape)}")
     if all_routing.dtype != torch.int32 or all_routing.shape != (ep, words) or not all_routing.is_contiguous():
