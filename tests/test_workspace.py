@@ -13,7 +13,9 @@ import random
 import pytest
 import torch
 
-from weave_moe.backends.weave.workspace import SymmetricWorkspace, WorkspaceBytes
+from weave_moe.backends.coordination import HEADER_WORDS
+from weave_moe.backends.weave.exchange import RoutingMessage
+from weave_moe.backends.weave.workspace import EXCHANGE_CTRL_FIXED, SymmetricWorkspace, WorkspaceBytes
 from weave_moe.models import MoESpec
 from weave_moe.plan import MAX_CHUNKS
 
@@ -102,11 +104,54 @@ def test_memory_per_rank_formula_deepseek_v3():
     """The number the module docstring gives: DeepSeek-V3 at T_max 8192, EP 2."""
     spec, ep, max_tokens = MoESpec.from_name("deepseek-v3"), 2, 8192
     max_pairs = ep * max_tokens * min(spec.top_k, spec.num_experts // ep)
-    size = WorkspaceBytes.of(ep, max_tokens, spec.hidden_size, spec.intermediate_size, max_pairs)
+    words = RoutingMessage(max_tokens, spec.top_k).words
+    assert words == 131077 == 2 * max_tokens * spec.top_k + 1 + HEADER_WORDS
+    size = WorkspaceBytes.of(ep, max_tokens, spec.hidden_size, spec.intermediate_size, max_pairs, words)
     assert size.rows == 224 * MiB and size.flags == 512
-    assert size.symmetric == 672 * MiB + 512
+    assert size.routing_flags == 256 and size.routing == 2 * MiB + 256
+    assert size.symmetric == 674 * MiB + 1024
     assert (size.h, size.y) == (512 * MiB, 1792 * MiB)
-    assert size.total == 2976 * MiB + 512
+    assert size.total == 2978 * MiB + 1024
+
+
+def test_routing_region_is_sized_by_the_largest_message_and_regrows_collectively():
+    ep = 3
+    ws = SymmetricWorkspace(None, 1, ep, CPU)
+    a = ws.attach(4, 8, routing_words=RoutingMessage(4, 2).words)
+    assert a.routing_words == 4 * 2 * 2 + 1 + HEADER_WORDS and ws.routing_slot_words >= a.routing_words
+    assert a.routing(0).shape == (ep, ws.routing_slot_words) and a.routing_flags().shape == (ep,)
+    assert a.exchange_ctrl is ws.exchange_ctrl and a.exchange_ctrl.shape == (EXCHANGE_CTRL_FIXED + ep,)
+    base = ws.buffer.data_ptr()
+    assert a.routing_flags().data_ptr() == base + a.routing_flags_offset
+    assert [a.routing(p).data_ptr() for p in (0, 1)] == [
+        base + a.routing_offset + p * ep * ws.routing_slot_words * 4 for p in (0, 1)]
+    spans = sorted([_span(a.flags(0)), _span(a.flags(1)), _span(a.routing_flags()), _span(a.routing(0)),
+                    _span(a.routing(1)), _span(a.recv()), _span(a.comb(0)), _span(a.comb(1))])
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+    assert spans[0][0] >= base and spans[-1][1] <= base + ws.buffer.numel() == base + ws.capacity.symmetric
+    assert all(o % 256 == 0 for o in (a.routing_offset, a.routing_flags_offset, a.recv_offset))
+    # a layer without routing words and a smaller message do not grow it
+    ws.attach(4, 8)
+    ws.attach(2, 8, routing_words=RoutingMessage(2, 2).words)
+    assert ws.generation == 1
+    # what the exchange left: flags at some sequence number, the counter at it
+    a.routing_flags().fill_(41)
+    a.exchange_ctrl[0] = 41
+    a.finish_call()
+    # a larger message (same rows) re-allocates the symmetric part: generation bump, views re-pointed, and the
+    # monotonic flags and the sequence counter restart together; the call parity is kept
+    b = ws.attach(4, 8, routing_words=RoutingMessage(4, 7).words)
+    assert ws.generation == 2 and a.generation == 2 and ws.parity == 1
+    assert ws.routing_slot_words >= b.routing_words > a.routing_words
+    assert a.routing_offset == b.routing_offset and a.recv_offset == b.recv_offset
+    assert a.routing(1).shape == (ep, ws.routing_slot_words)
+    assert not a.routing_flags().any() and not ws.exchange_ctrl.any() and a.exchange_ctrl is ws.exchange_ctrl
+    assert a.recv().data_ptr() == ws.buffer.data_ptr() + ws.recv_offset
+
+
+def test_attach_rejects_bad_routing_words():
+    with pytest.raises(ValueError, match="routing_words"):
+        SymmetricWorkspace(None, 0, 1, CPU).attach(4, 8, routing_words=-3)
 
 
 # ---- the flag protocol across layers, emulated -------------------------------------------------------------------

@@ -2,12 +2,19 @@
 
 Symmetric part (PyTorch symmetric memory, CUDA IPC; no NVLink multicast), one buffer per rank, carved into regions:
 
-    flags  [2 parities][EP * MAX_CHUNKS arrival counters | EP combine counters]  int32
-    recv   [EP * T_max, H] bf16   rows dispatched to this rank (source s at rows [s*T_max, (s+1)*T_max))
-    comb   [2 parities][EP * T_max, H] bf16   combine rows written back to this rank (destination d at [d*T_max...))
+    flags    [2 parities][EP * MAX_CHUNKS arrival counters | EP combine counters]  int32
+    rflags   [EP] int32   routing flags: rflags[s] = the sequence number of source s's last complete routing message
+                          (monotonic, never zeroed; kernels/routing_exchange.py)
+    routing  [2 parities][EP sources][M] int32   routing messages written to this rank (M = slot words, the largest
+                          RoutingMessage.words attached; the parity is chosen on the device by the exchange)
+    recv     [EP * T_max, H] bf16   rows dispatched to this rank (source s at rows [s*T_max, (s+1)*T_max))
+    comb     [2 parities][EP * T_max, H] bf16   combine rows written back to this rank (destination d at [d*T_max...))
 
 Local part (ordinary memory, shared the same way; only this rank's kernels touch it, in stream order): h [max_pairs,
-I] and y [max_pairs, H] bf16, the GEMM scratch.
+I] and y [max_pairs, H] bf16, the GEMM scratch, and `exchange_ctrl` [EXCHANGE_CTRL_FIXED + EP] int32, the routing
+exchange's control block (sequence counter, launch completion counter, per-destination send counters). The flags and
+rflags start at zero and `exchange_ctrl` is zeroed whenever the symmetric buffer is (re-)allocated, on every rank at
+the same layer, so the exchange's sequence numbers restart together with the flags they are compared with.
 
 Peers are addressed as base address (from the rendezvous) + byte offset, so the kernel needs one int64 table. With no
 process group (EP = 1) the buffer is an ordinary allocation.
@@ -28,7 +35,10 @@ ids, on every rank at once) leaves the parity as it was, and the other parity, z
 zeroing needs no barrier: call n + 1 of every rank starts with the routing all-gather of call n + 1, which on each rank
 is stream-ordered after that rank's call-n zeroing and call-n kernel; so no peer writes call n + 1's flags, receive
 rows or combine rows before this rank has zeroed them and finished reading call n's (a routing exchange that
-replaces the all-gather must keep this ordering). The flags of parity n % 2 are
+replaces the all-gather must keep this ordering; kernels/routing_exchange.py does: its launch for call n + 1 ends
+only once every peer's call n + 1 message arrived, which each peer sends after its own call-n work in stream
+order). The exchange's routing parity is its own (a device sequence counter in `exchange_ctrl`, advanced by every
+exchange launch, also of a call that raises after the exchange), not this call parity. The flags of parity n % 2 are
 complete when call n's kernel ends (it waits for every count it was promised) and are zeroed by call n + 1 for call
 n + 2. So a layer's counters never leak into another layer's call, as long as every rank calls the layers in the
 same order (one sequence per group) on one stream. A kernel that timed out leaves its parity's flags dirty (the next
@@ -37,15 +47,18 @@ and others launch: after a WeaveTimeoutError, `retire` the workspace on every ra
 group. The workspace outlives its layers (it is freed by `retire` once no layer holds a view), so that allocating
 stays a function of the construction sequence alone.
 
-Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max = max_tokens_per_rank) and
+Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max = max_tokens_per_rank),
+M = the largest routing message (RoutingMessage.words = 2 * T_max * k + 1 + HEADER_WORDS) and
 P = EP * T_max * min(k, E_local) (max_pairs):
 
-    symmetric = 2 * align256(4 * (EP * MAX_CHUNKS + EP)) + 3 * align256(R)
+    symmetric = 2 * align256(4 * (EP * MAX_CHUNKS + EP)) + align256(4 * EP) + align256(2 * EP * M * 4)
+                + 3 * align256(R)
     local     = max(P * I) * 2 + max(P * H) * 2          (each over the layers attached)
 
-DeepSeek-V3 (H 7168, I 2048, k 8, E_local 128) at T_max 8192, EP 2: R = 224 MiB, symmetric = 672 MiB + 512 B,
-P = 131072, local = 512 MiB (h) + 1792 MiB (y): 2976 MiB per rank for the whole model, where one workspace per layer
-cost 58 x 2976 MiB (169 GiB, more than an H200 holds) for its 58 MoE layers.
+plus the exchange's control block, 4 * (EXCHANGE_CTRL_FIXED + EP) bytes (not counted in `WorkspaceBytes`).
+DeepSeek-V3 (H 7168, I 2048, k 8, E_local 128) at T_max 8192, EP 2: R = 224 MiB, M = 131077 (routing: 2 MiB + 256 B),
+symmetric = 674 MiB + 1024 B, P = 131072, local = 512 MiB (h) + 1792 MiB (y): 2978 MiB per rank for the whole model,
+where one workspace per layer cost 58 x 2978 MiB (169 GiB, more than an H200 holds) for its 58 MoE layers.
 """
 
 from __future__ import annotations
@@ -58,9 +71,12 @@ import torch
 from weave_moe.models import BYTES_PER_ELEMENT
 from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["SymmetricWorkspace", "WorkspaceView", "WorkspaceBytes"]
+__all__ = ["SymmetricWorkspace", "WorkspaceView", "WorkspaceBytes", "EXCHANGE_CTRL_FIXED"]
 
 _ALIGN = 256
+
+#: int32 words of `exchange_ctrl` before its per-destination send counters (kernels/routing_exchange.py: CTRL_*)
+EXCHANGE_CTRL_FIXED = 2
 
 
 def _align(n: int) -> int:
@@ -75,28 +91,39 @@ class WorkspaceBytes:
         flags: both parities' flags, aligned.
         rows: one rows region (recv, or one parity of comb): EP * T_max * H * 2, aligned.
         h, y: local GEMM scratch (max_pairs * I * 2 and max_pairs * H * 2).
+        routing_flags: the routing flags, [EP] int32, aligned.
+        routing: the routing slots, [2][EP][M] int32 (M = routing words), aligned.
     """
 
     flags: int
     rows: int
     h: int
     y: int
+    routing_flags: int = 0
+    routing: int = 0
 
     @classmethod
     def of(cls, world_size: int, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
-           max_pairs: int = 0) -> "WorkspaceBytes":
+           max_pairs: int = 0, routing_words: int = 0) -> "WorkspaceBytes":
         flag_words = world_size * MAX_CHUNKS + world_size
         return cls(flags=2 * _align(flag_words * 4),
                    rows=_align(world_size * max_tokens * hidden_size * BYTES_PER_ELEMENT),
                    h=max_pairs * intermediate_size * BYTES_PER_ELEMENT,
-                   y=max_pairs * hidden_size * BYTES_PER_ELEMENT)
+                   y=max_pairs * hidden_size * BYTES_PER_ELEMENT,
+                   routing_flags=_align(world_size * 4),
+                   routing=_align(2 * world_size * routing_words * 4))
+
+    def routing_slot_words(self, world_size: int) -> int:
+        """M: int32 words of one routing slot (the stride between sources), >= every attached message's words."""
+        return self.routing // (2 * world_size * 4)
 
     @property
     def symmetric(self) -> int:
-        return self.flags + 3 * self.rows
+        return self.flags + self.routing_flags + self.routing + 3 * self.rows
 
     @property
     def local(self) -> int:
+        """The GEMM scratch (the exchange's control block, 4 * (EXCHANGE_CTRL_FIXED + EP) bytes, not counted)."""
         return self.h + self.y
 
     @property
@@ -133,7 +160,10 @@ class SymmetricWorkspace:
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, torch.device(device)
         self.flag_words = world_size * MAX_CHUNKS + world_size
         self.capacity = WorkspaceBytes.of(world_size, 0, 0)
+        self.routing_slot_words = 0
         self.buffer: torch.Tensor | None = None
+        # the routing exchange's control block (local; zeroed with every symmetric allocation)
+        self.exchange_ctrl = torch.zeros(EXCHANGE_CTRL_FIXED + world_size, dtype=torch.int32, device=self.device)
         self.handle = None
         self.h_buffer = self.y_buffer = None
         self.generation = 0
@@ -143,7 +173,7 @@ class SymmetricWorkspace:
 
     # ---- layers -----------------------------------------------------------------------------------------------------
     def attach(self, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
-               max_pairs: int = 0) -> "WorkspaceView":
+               max_pairs: int = 0, *, routing_words: int = 0) -> "WorkspaceView":
         """A layer's view (grows the workspace first when this layer needs more; collective then, see module doc).
 
         Args:
@@ -151,31 +181,38 @@ class SymmetricWorkspace:
             hidden_size: H.
             intermediate_size: I (0: the layer needs no h scratch).
             max_pairs: rows of h and y (0: no scratch).
+            routing_words: the layer's RoutingMessage.words (0: the layer does not use the routing exchange).
         """
         for name, value in (("max_tokens", max_tokens), ("hidden_size", hidden_size),
-                            ("intermediate_size", intermediate_size), ("max_pairs", max_pairs)):
+                            ("intermediate_size", intermediate_size), ("max_pairs", max_pairs),
+                            ("routing_words", routing_words)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        self.reserve(WorkspaceBytes.of(self.world_size, max_tokens, hidden_size, intermediate_size, max_pairs))
-        view = WorkspaceView(self, max_tokens, hidden_size, intermediate_size, max_pairs)
+        self.reserve(WorkspaceBytes.of(self.world_size, max_tokens, hidden_size, intermediate_size, max_pairs,
+                                       routing_words))
+        view = WorkspaceView(self, max_tokens, hidden_size, intermediate_size, max_pairs, routing_words)
         self._views.add(view)
         return view
 
     def reserve(self, need: WorkspaceBytes) -> None:
         """Grow the symmetric part (collectively) and the local part (locally) to at least `need`."""
-        grow_rows = need.rows > self.capacity.rows or self.buffer is None
+        grow_symmetric = (need.rows > self.capacity.rows or need.routing > self.capacity.routing
+                          or self.buffer is None)
         grow_h, grow_y = need.h > self.capacity.h, need.y > self.capacity.y
-        if not (grow_rows or grow_h or grow_y):
+        if not (grow_symmetric or grow_h or grow_y):
             return
         if self.buffer is not None:
             # every rank is here at the same layer; no kernel of this group may still use the old buffers
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.barrier()
-        capacity = WorkspaceBytes(self.capacity.flags if self.buffer is not None else need.flags,
-                                  max(need.rows, self.capacity.rows), max(need.h, self.capacity.h),
-                                  max(need.y, self.capacity.y))
-        if grow_rows:
+        first = self.buffer is None
+        capacity = WorkspaceBytes(flags=need.flags if first else self.capacity.flags,
+                                  rows=max(need.rows, self.capacity.rows), h=max(need.h, self.capacity.h),
+                                  y=max(need.y, self.capacity.y),
+                                  routing_flags=need.routing_flags if first else self.capacity.routing_flags,
+                                  routing=max(need.routing, self.capacity.routing))
+        if grow_symmetric:
             self._allocate_symmetric(capacity)
         if grow_h:
             self.h_buffer = torch.empty(capacity.h // BYTES_PER_ELEMENT, dtype=torch.bfloat16, device=self.device)
@@ -187,11 +224,17 @@ class SymmetricWorkspace:
             view._point()
 
     def _allocate_symmetric(self, capacity: WorkspaceBytes) -> None:
+        # offsets are a function of the capacity (and EP) alone: the same on every rank
         flag_bytes = capacity.flags // 2
         self.flags_offsets = (0, flag_bytes)
-        self.recv_offset = capacity.flags
+        self.routing_flags_offset = capacity.flags
+        self.routing_offset = self.routing_flags_offset + capacity.routing_flags
+        self.routing_slot_words = capacity.routing_slot_words(self.world_size)
+        self.recv_offset = self.routing_offset + capacity.routing
         self.comb_offsets = (self.recv_offset + capacity.rows, self.recv_offset + 2 * capacity.rows)
         total = capacity.symmetric
+        # the exchange's sequence numbers restart with the routing flags they are compared with (module docstring)
+        self.exchange_ctrl.zero_()
         if self.group is None or self.world_size == 1:
             self.buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
             bases = [self.buffer.data_ptr()]
@@ -200,7 +243,7 @@ class SymmetricWorkspace:
             import torch.distributed._symmetric_memory as symm_mem
 
             self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-            self.buffer[:capacity.flags].zero_()
+            self.buffer[:self.routing_offset].zero_()  # flags and routing flags (adjacent)
             torch.cuda.synchronize(self.device)
             self.handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
             bases = [int(p) for p in self.handle.buffer_ptrs]
@@ -241,13 +284,19 @@ class WorkspaceView:
         workspace: the shared SymmetricWorkspace.
         peer_bases: [EP] int64 base address of every rank's symmetric buffer.
         recv_offset, comb_offsets, flags_offsets: byte offsets of the regions in every rank's buffer.
+        routing_offset, routing_flags_offset: byte offsets of the routing slots and the routing flags.
+        routing_slot_words: M, int32 words of one routing slot (>= routing_words).
+        routing_words: this layer's RoutingMessage.words (0: none attached).
+        exchange_ctrl: [EXCHANGE_CTRL_FIXED + EP] int32, the routing exchange's local control block.
     """
 
     def __init__(self, workspace: SymmetricWorkspace, max_tokens: int, hidden_size: int, intermediate_size: int,
-                 max_pairs: int):
+                 max_pairs: int, routing_words: int = 0):
         self.workspace = workspace
         self.max_tokens, self.hidden_size = max_tokens, hidden_size
         self.intermediate_size, self.max_pairs = intermediate_size, max_pairs
+        self.routing_words = routing_words
+        self.exchange_ctrl = workspace.exchange_ctrl
         self._point()
 
     def _point(self) -> None:
@@ -258,6 +307,11 @@ class WorkspaceView:
         self.generation = ws.generation
         self.peer_bases = ws.peer_bases
         self.recv_offset, self.comb_offsets, self.flags_offsets = ws.recv_offset, ws.comb_offsets, ws.flags_offsets
+        self.routing_offset, self.routing_flags_offset = ws.routing_offset, ws.routing_flags_offset
+        self.routing_slot_words = ws.routing_slot_words
+        self._routing_flags = ws._view(ws.routing_flags_offset, ep, torch.int32)
+        self._routing = ws._view(ws.routing_offset, 2 * ep * ws.routing_slot_words,
+                                 torch.int32).view(2, ep, ws.routing_slot_words)
         self._flags = tuple(ws._view(ws.flags_offsets[p], ws.flag_words, torch.int32) for p in (0, 1))
         self._comb_flags = tuple(flags[ep * MAX_CHUNKS:] for flags in self._flags)
         self._recv = ws._view(ws.recv_offset, rows * H, torch.bfloat16).view(rows, H)
@@ -287,6 +341,14 @@ class WorkspaceView:
     def comb_flags(self, parity: int) -> torch.Tensor:
         """[EP] int32 combine counters of this rank for `parity` (the tail of `flags(parity)`)."""
         return self._comb_flags[parity]
+
+    def routing_flags(self) -> torch.Tensor:
+        """[EP] int32 routing flags of this rank: entry s is the sequence number of source s's last complete message."""
+        return self._routing_flags
+
+    def routing(self, parity: int) -> torch.Tensor:
+        """[EP, M] int32 routing slots of this rank for `parity` (row s: source s's message, first words used)."""
+        return self._routing[parity]
 
     def recv(self) -> torch.Tensor:
         """[EP * T_max, H] bf16 receive rows of this rank."""

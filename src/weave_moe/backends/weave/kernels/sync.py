@@ -15,6 +15,10 @@ Protocol (checked on the H200 pair, docs/platform.md, "Cross-GPU code with Trito
   H200 pair when a peer stalled (the status word flipped between two warps' loads), so the status word is read with an
   atomic and the clock through a CTA-wide max (`uniform_time_ns`).
 
+- A flag that carries a sequence number instead of a count (the routing exchange) is set with ONE release exchange
+  (`signal_store`) by the program that completes the data; programs that share the data count themselves on a local
+  counter first (`arrive`: barrier, then an acq_rel add whose old value tells the last one).
+
 Status word layout (int32 [4]): [0] first error code (0 = none), [1] flag index that timed out, [2] value seen,
 [3] value expected.
 
@@ -23,16 +27,24 @@ refused before its kernel, on every rank alike (`exchange.CountsFormat.verdict`)
 [code, rank at fault, detail, this layer's call number]. A kernel that finds the status word set when it starts does
 no work and fills its output with NaN. Unlike a timeout, a rejection leaves the layer usable: the host raises the
 named error (`REJECT_NAMES`) at the next call or `synchronize()` and clears the word.
+
+Under the Triton interpreter (TRITON_INTERPRET=1: CPU tests) there is no inline PTX, so no `%globaltimer` and no
+`nanosleep`: `INTERPRETER` switches `wait_at_least` to a deadline counted in polls (100 ns per poll, the backoff's
+nominal sleep) and `backoff` to nothing, so that timeouts can be tested on the CPU. The compiled kernel is unchanged.
 """
 
 import triton
 import triton.language as tl
+
+#: True when kernels run under the Triton interpreter (decided at import, as triton.jit decides it)
+INTERPRETER = tl.constexpr(bool(triton.knobs.runtime.interpret))
 
 ERROR_NONE = tl.constexpr(0)
 ERROR_ARRIVAL_TIMEOUT = tl.constexpr(1)      # dispatch rows from a peer never arrived
 ERROR_GEMM0_TIMEOUT = tl.constexpr(2)        # a GEMM1 tile waited for its GEMM0 tiles
 ERROR_GEMM1_TIMEOUT = tl.constexpr(3)        # a combine block waited for its chunk's GEMM1 tiles
 ERROR_COMBINE_TIMEOUT = tl.constexpr(4)      # the final reduce waited for a peer's combine rows
+ERROR_EXCHANGE_TIMEOUT = tl.constexpr(5)     # the routing exchange waited for a peer's routing message
 
 REJECT_FIRST = 16
 REJECT_BAD_IDS = 16        # detail: number of expert ids outside [-1, E) the rank sent
@@ -52,6 +64,7 @@ ERROR_NAMES = {
     2: ("a GEMM1 tile waited too long for its GEMM0 tiles", "M tile"),
     3: ("a combine block waited too long for its chunk's GEMM1 tiles", "chunk"),
     4: ("combine rows from a peer did not arrive", "destination rank"),
+    5: ("the routing message of a peer did not arrive", "source rank"),
 }
 
 
@@ -81,8 +94,11 @@ def status_set(status_ptr):
 @triton.jit
 def backoff():
     """Sleep ~100 ns between polls, so spinning CTAs do not flood L2 with acquire loads of one line while the GEMM
-    CTAs need it (measured on H200: without backoff, GEMM0 tiles ran up to 2.6x slower while 20 CTAs spun)."""
-    tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    CTAs need it (measured on H200: without backoff, GEMM0 tiles ran up to 2.6x slower while 20 CTAs spun).
+    Nothing under the interpreter."""
+    if not INTERPRETER:
+        tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                                  pack=1)
 
 
 @triton.jit
@@ -93,6 +109,30 @@ def signal_add(flag_ptr, value, SYS_SCOPE: tl.constexpr):
         tl.atomic_add(flag_ptr, value, sem="release", scope="sys")
     else:
         tl.atomic_add(flag_ptr, value, sem="release", scope="gpu")
+
+
+@triton.jit
+def arrive(counter_ptr, SYS_SCOPE: tl.constexpr):
+    """Count this CTA on `counter_ptr` after its stores (all threads) are done; returns the count before it (the same
+    in every thread), so the CTA that sees `participants - 1` knows every other one arrived and released its stores,
+    which it acquires (acq_rel: release of this CTA's stores, acquire of the earlier arrivals' stores)."""
+    tl.debug_barrier()
+    if SYS_SCOPE:
+        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="sys")
+    else:
+        old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    return old
+
+
+@triton.jit
+def signal_store(flag_ptr, value, SYS_SCOPE: tl.constexpr):
+    """Release `value` into a flag after this CTA's stores (all threads) are done: one atomic exchange (a store with
+    release order; the flag has one writer, so the old value is not needed)."""
+    tl.debug_barrier()
+    if SYS_SCOPE:
+        tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+    else:
+        tl.atomic_xchg(flag_ptr, value, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -114,7 +154,9 @@ def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_
     seen = _poll(flag_ptr, SYS_SCOPE)
     ok = (seen >= expected).to(tl.int32)
     if ok == 0:
-        start = uniform_time_ns()
+        start = tl.full([], 0, tl.int64)
+        if not INTERPRETER:
+            start = uniform_time_ns()
         failed = status_set(status_ptr)
         polls = 0
         while (ok == 0) & (failed == 0):
@@ -126,7 +168,11 @@ def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_
             # CTAs may spin here at once.
             if (ok == 0) & ((polls & 15) == 0):
                 failed = status_set(status_ptr)
-                if uniform_time_ns() - start > timeout_ns:
+                if INTERPRETER:
+                    elapsed = polls * 100  # no clock under the interpreter: 100 ns per poll
+                else:
+                    elapsed = uniform_time_ns() - start
+                if elapsed > timeout_ns:
                     # First error wins; record which flag and what was seen for the host's message.
                     if tl.atomic_cas(status_ptr, 0, error_code, sem="relaxed", scope="gpu") == 0:
                         tl.store(status_ptr + 1, flag_tag)

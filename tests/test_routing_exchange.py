@@ -1,0 +1,221 @@
+"""The routing exchange kernel (backends/weave/kernels/routing_exchange.py) without a GPU.
+
+Under TRITON_INTERPRET=1, in a subprocess like tests/test_megakernel_cpu.py. The interpreter runs one launch at a time,
+programs one after another, so EP ranks are emulated in one process: each rank has its own workspace (ordinary CPU
+memory) and `exchange_ctrl`, one peer_bases table holds every rank's buffer address, and a call launches the send
+stage of every rank, then the receive stage of every rank (STAGE_SEND leaves the sequence counter, STAGE_RECV
+advances it). EP = 1 also runs the production launch (STAGE_BOTH, one part). Every all_routing is compared BITWISE
+with the stack of the packed messages, padding included, i.e. with what the all-gather it replaces gives.
+
+The sm_90 PTX is checked for the memory ordering the protocol relies on.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import weave_moe
+from weave_moe.backends.weave.exchange import RoutingMessage
+from weave_moe.backends.weave.kernels import routing_exchange as rx
+from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import random
+    import torch
+    from weave_moe.backends.coordination import HEADER_WORDS
+    from weave_moe.backends.weave.exchange import RoutingMessage
+    from weave_moe.backends.weave.kernels import routing_exchange as rx
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+    CPU = torch.device("cpu")
+    GARBAGE = 0x5A5A5A5A
+    NUM_EXPERTS = 6
+
+
+    class Ranks:
+        # EP emulated ranks, each with its own workspace; one peer_bases table of their symmetric buffers
+        def __init__(self, ep, max_tokens, top_k, seed):
+            self.ep, self.rng = ep, random.Random(seed)
+            self.workspaces = [SymmetricWorkspace(None, r, ep, CPU) for r in range(ep)]
+            self.attach(max_tokens, top_k)
+            self.all_routing = [None] * ep
+
+        def attach(self, max_tokens, top_k):
+            self.msg = RoutingMessage(max_tokens, top_k)
+            self.views = [ws.attach(max_tokens, 8, routing_words=self.msg.words) for ws in self.workspaces]
+            self.table = torch.tensor([ws.buffer.data_ptr() for ws in self.workspaces], dtype=torch.int64)
+            self.statuses = [torch.zeros(4, dtype=torch.int32) for _ in range(self.ep)]
+            for view in self.views:  # what older calls of larger layers could have left in the slots
+                view.routing(0).fill_(GARBAGE)
+                view.routing(1).fill_(GARBAGE)
+
+        def pack(self, tokens):
+            msg = self.msg
+            ids = torch.tensor([[self.rng.randrange(-1, NUM_EXPERTS) for _ in range(msg.top_k)]
+                                for _ in range(tokens)], dtype=torch.int32).view(tokens, msg.top_k)
+            weights = torch.rand(tokens, msg.top_k, generator=torch.Generator().manual_seed(self.rng.randrange(99)))
+            header = torch.tensor([self.rng.randrange(-5, 1 << 30) for _ in range(HEADER_WORDS)], dtype=torch.int32)
+            out = torch.full((msg.words,), GARBAGE, dtype=torch.int32)
+            msg.pack(out, ids, weights, msg.pad(), torch.arange(msg.max_tokens + 1, dtype=torch.int32), header)
+            return out
+
+        def call(self, tokens, parts, production=False, skip_send=(), timeout_ns=10 ** 9):
+            # one exchange of every rank; tokens[r] = T of rank r; returns the packed messages
+            sends = [self.pack(t) for t in tokens]
+            for r in range(self.ep):
+                self.all_routing[r] = torch.full((self.ep, self.msg.words), GARBAGE, dtype=torch.int32)
+            common = dict(parts=parts, peer_bases=self.table, block=8, timeout_ns=timeout_ns)
+            if production:
+                assert self.ep == 1
+                rx.exchange_routing(self.views[0], self.msg, sends[0], self.all_routing[0], self.statuses[0],
+                                    stage=rx.STAGE_BOTH, **common)
+                return sends
+            for r in range(self.ep):
+                if r not in skip_send:
+                    rx.exchange_routing(self.views[r], self.msg, sends[r], self.all_routing[r], self.statuses[r],
+                                        stage=rx.STAGE_SEND, **common)
+            for r in range(self.ep):
+                rx.exchange_routing(self.views[r], self.msg, sends[r], self.all_routing[r], self.statuses[r],
+                                    stage=rx.STAGE_RECV, **common)
+            return sends
+
+        def check(self, sends, seq, tokens):
+            expected = torch.stack(sends)
+            msg, W = self.msg, self.msg.id_words
+            for r, view in enumerate(self.views):
+                assert self.statuses[r].tolist() == [0, 0, 0, 0], (r, self.statuses[r])
+                assert torch.equal(self.all_routing[r], expected), (r, self.all_routing[r], expected)
+                # one advance per call, the send counters back at zero, every source's flag at this call
+                assert view.exchange_ctrl.tolist() == [seq, 0] + [0] * self.ep, (r, view.exchange_ctrl)
+                assert view.routing_flags().tolist() == [seq] * self.ep, (r, view.routing_flags())
+                # the call went through the slots of parity seq % 2: the used words sit there
+                slots = view.routing(seq % 2)
+                for s, t in enumerate(tokens):
+                    n = t * msg.top_k
+                    for a, b in ((0, n), (W, W + n), (2 * W, msg.words)):
+                        assert torch.equal(slots[s, a:b], sends[s][a:b]), (r, s, seq, a, b)
+
+
+    # (a) one call at EP 1 (production and staged), 2 and 3; T differs per rank, T = 0 and T = T_max included
+    for ep, max_tokens, top_k, parts, tokens in [
+            (1, 7, 3, 1, [5]), (1, 6, 2, 3, [6]), (2, 9, 2, 1, [4, 0]), (2, 9, 2, 3, [9, 2]),
+            (3, 5, 4, 2, [0, 5, 3]), (3, 8, 1, 4, [1, 0, 8])]:
+        for production in ([True, False] if ep == 1 and parts == 1 else [False]):
+            ranks = Ranks(ep, max_tokens, top_k, seed=ep * 100 + parts)
+            ranks.check(ranks.call(tokens, parts, production), 1, tokens)
+
+    # (b) consecutive calls with shrinking T: parities alternate, seq advances by one per call, no stale word leaks
+    for ep, parts, production in [(1, 1, True), (2, 2, False), (3, 1, False)]:
+        ranks = Ranks(ep, 10, 2, seed=7 + ep)
+        schedule = [[10, 9, 7][:ep], [6, 10, 2][:ep], [3, 0, 2][:ep], [0, 4, 1][:ep], [2, 1, 0][:ep]]
+        for seq, tokens in enumerate(schedule, start=1):
+            ranks.check(ranks.call(tokens, parts, production), seq, tokens)
+        # a larger layer grows every rank's workspace (re-allocation): the flags and the sequence restart together
+        ranks.attach(12, 3)
+        assert all(view.generation == 2 for view in ranks.views)
+        for seq, tokens in enumerate([[12, 3, 1][:ep], [0, 0, 0][:ep], [4, 12, 5][:ep]], start=1):
+            ranks.check(ranks.call(tokens, parts, production), seq, tokens)
+
+    # (c) a missing peer: rank 1 never sends; rank 0's receive times out, records it and returns
+    ranks = Ranks(2, 6, 2, seed=3)
+    sends = ranks.call([4, 3], parts=2, skip_send=(1,), timeout_ns=2000)
+    for r in range(2):  # neither rank got rank 1's message (rank 1 waits for its own, too)
+        assert ranks.statuses[r].tolist() == [5, 1, 0, 1], (r, ranks.statuses[r])
+        # rank 0's message did arrive and was copied; rank 1's row is untouched
+        assert torch.equal(ranks.all_routing[r][0], sends[0])
+        assert (ranks.all_routing[r][1] == GARBAGE).all()
+        assert ranks.views[r].exchange_ctrl[0] == 1  # the launch still counted
+    print("ROUTING EXCHANGE INTERPRETER OK")
+    """
+)
+
+
+def test_routing_exchange_under_interpreter():
+    # the subprocess imports the same weave_moe as this process (a worktree's checkout, not only the installed one)
+    src = str(Path(weave_moe.__file__).resolve().parents[1])
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ROUTING EXCHANGE INTERPRETER OK" in result.stdout
+
+
+# ---- the launcher's checks (they raise before any launch, so no interpreter is needed) ------------------------------
+def _setup(ep=2, routing=True):
+    msg = RoutingMessage(4, 2)
+    view = SymmetricWorkspace(None, 0, ep, torch.device("cpu")).attach(4, 8,
+                                                                        routing_words=msg.words if routing else 0)
+    return view, msg, torch.zeros(msg.words, dtype=torch.int32), torch.zeros(ep, msg.words, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(routing=False), "routing_words"),
+    (dict(send=torch.zeros(3, dtype=torch.int32)), "send"),
+    (dict(send=torch.zeros(4 * 2 * 2 + 5, dtype=torch.int64)), "send"),
+    (dict(all_routing=torch.zeros(1, 4 * 2 * 2 + 5, dtype=torch.int32)), "all_routing"),
+    (dict(status=torch.zeros(2, dtype=torch.int32)), "status"),
+    (dict(stage=3), "stage"),
+    (dict(timeout_ns=0), "timeout_ns"),
+    (dict(parts=65), "parts"),
+    (dict(parts=0), "parts"),
+    (dict(block=12), "block"),
+    (dict(peer_bases=torch.zeros(3, dtype=torch.int64)), "peer_bases"),
+])
+def test_launcher_rejects_bad_arguments(change, match):
+    view, msg, send, all_routing = _setup(routing=change.pop("routing", True))
+    args = dict(send=send, all_routing=all_routing, status=torch.zeros(4, dtype=torch.int32), timeout_ns=10) | change
+    with pytest.raises(ValueError, match=match):
+        rx.exchange_routing(view, msg, **args)
+
+
+def test_default_parts_keep_every_program_resident():
+    assert rx.default_parts(1, RoutingMessage(8, 2).words) == 1  # a small message: one program per peer
+    assert rx.default_parts(2, RoutingMessage(8192, 8).words) == rx.DEFAULT_MAX_PARTS
+    for ep in (1, 2, 8, 64, 128):
+        assert ep * rx.default_parts(ep, RoutingMessage(8192, 8).words) <= rx.MAX_PROGRAMS
+
+
+# ---- sm_90 PTX ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ptx():
+    return rx.compile_exchange_ptx(rx.STAGE_BOTH)
+
+
+def _has_atomic(ptx: str, *modifiers: str) -> bool:
+    """An `atom`/`red` instruction carrying every one of `modifiers` (any order: Triton's order varies)."""
+    return any(set(modifiers) <= set(m.group(1).split("."))
+               for m in re.finditer(r"\b(?:atom|red)((?:\.[a-z0-9_:]+)+)", ptx))
+
+
+def test_exchange_ptx_has_the_memory_ordering_it_relies_on(ptx):
+    # the flag: one release exchange of seq at system scope; the receiver polls it with system-scope acquire loads
+    assert _has_atomic(ptx, "global", "sys", "release", "exch")
+    assert re.search(r"ld\.global\.sys\.acquire", ptx)
+    # the parts of a message count themselves with acq_rel adds at system scope before the flag is set
+    assert _has_atomic(ptx, "global", "sys", "acq_rel", "add")
+    # bounded waits: the global timer, and the first error recorded with a CAS on the status word
+    assert "%globaltimer" in ptx and "nanosleep" in ptx
+    assert _has_atomic(ptx, "global", "cas")
+
+
+def test_exchange_spin_loop_steers_on_cta_uniform_values(ptx):
+    """As in test_megakernel_cpu: no per-thread volatile loads, the clock through a CTA-wide max."""
+    assert "ld.volatile" not in ptx
+    timer = ptx.index("%globaltimer")
+    window = ptx[timer:timer + 20000]
+    assert "shfl.sync.bfly" in window and "bar.sync" in window
+
+
+@pytest.mark.parametrize("stage", [rx.STAGE_SEND, rx.STAGE_RECV])
+def test_exchange_stages_compile(stage):
+    ptx = rx.compile_exchange_ptx(stage)
+    # the send stage sets flags and never waits; the receive stage waits and never sets a flag
+    assert _has_atomic(ptx, "global", "sys", "release", "exch") == (stage == rx.STAGE_SEND)
+    assert bool(re.search(r"ld\.global\.sys\.acquire", ptx)) == (stage == rx.STAGE_RECV)
