@@ -1,6 +1,7 @@
 """Profile one layer call per variant on 2 GPUs (torch.profiler, rank 0): where does the time go?
 
 python scripts/profile_layer.py --model qwen3-30b-a3b --tokens 2048 --variants nccl,weave,weave:serial
+python scripts/profile_layer.py --nproc 1 --emulate-ep 2 ...     (one GPU: the per-rank work of EP=2)
 
 Per variant: host-return and synchronised milliseconds of 10 single calls, the per-step milliseconds the backend
 reports through `layer(..., timings=)` (mean of 10 more calls; for weave the host steps), and torch.profiler's CUDA
@@ -15,17 +16,18 @@ import torch
 from weave_moe.testing import make_experts, run_distributed
 
 
-def worker(rank, world_size, model, tokens, variants, rows):
+def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from weave_moe import routing
     from weave_moe.layer import ExpertParallelMoE
+    from weave_moe.bench.config import emulated_spec
     from weave_moe.models import MoESpec
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    spec = MoESpec.from_name(model)
+    spec = emulated_spec(MoESpec.from_name(model), emulate_ep)
     local = spec.num_experts // world_size
     w13, w2 = make_experts(spec, local, first_expert=rank * local, seed=1, device=device)
     ids, w = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=rank)
@@ -78,9 +80,11 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--variants", default="nccl,weave,weave:serial")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--emulate-ep", type=int, default=1)
     args = parser.parse_args()
-    results = run_distributed(worker, 2, args.model, args.tokens, args.variants.split(","), args.rows,
-                              backend="nccl", timeout_s=500)
+    results = run_distributed(worker, args.nproc, args.model, args.tokens, args.variants.split(","), args.rows,
+                              args.emulate_ep, backend="nccl", timeout_s=500)
     for variant, times, table, cpu_table in results[0]:
         print(f"##### {variant}: host-return ms / synced ms per call:",
               " ".join(f"{a:.2f}/{b:.2f}" for a, b in times))

@@ -30,6 +30,7 @@ from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
+from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
 from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
@@ -146,13 +147,15 @@ class WeaveBackend:
         H, I = spec.hidden_size, spec.intermediate_size
         cfg = self.config
         max_pairs = world_size * max_tokens_per_rank * min(spec.top_k, self.num_local_experts)
+        self.message = RoutingMessage(max_tokens_per_rank, spec.top_k)
         # one workspace per (group, device) shared by every layer, h and y included (workspace.py: the protocol)
-        self.workspace = SymmetricWorkspace.shared(group, rank, world_size, device).attach(
-            max_tokens_per_rank, H, I, max(max_pairs, 1))
+        shared = SymmetricWorkspace.shared(group, rank, world_size, device)
+        shared.claim_call_mode(cfg.resident)
+        self.workspace = shared.attach(max_tokens_per_rank, H, I, max(max_pairs, 1),
+                                       routing_words=self.message.words)
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
-        self.message = RoutingMessage(max_tokens_per_rank, spec.top_k)
         self.send_routing = torch.empty(self.message.words, dtype=torch.int32, device=device)
         self.all_routing = torch.empty(world_size, self.message.words, dtype=torch.int32, device=device)
         self.routing_pad = self.message.pad(device)
@@ -348,20 +351,12 @@ class WeaveBackend:
             out.fill_(float("nan"))
         self.io[0:1].fill_(x.data_ptr())
         self.io[1:2].fill_(out.data_ptr())
-        if self.world_size > 1:
-            # this call's flags are zeroed before this rank's message leaves: a peer writes them only after it has
-            # received that message (workspace.py, flag protocol; the resident call always uses parity 0)
-            self.workspace.flags(0).zero_()
         self.message.pack(self.send_routing, topk_ids, topk_weights, self.routing_pad, self.token_counts,
                           self.header_device)
         if failure is not None:
             self.header_device[3:4].zero_()
-        if self.world_size > 1:
-            work = torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group,
-                                                            async_op=True)
-            coordinator.wait(work, "the routing exchange", host=False)
-        clock.lap("exchange")
-        # everything else of the call is one graph (per grouped-GEMM config pair, picked from T on the host)
+        clock.lap("pack")
+        # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair, picked from T on the host)
         configs = self._grouped_configs(x.shape[0] * min(self.spec.top_k, self.num_local_experts))
         self.graphs.run(f"resident.{self.workspace.generation}.{configs}", lambda: self._resident_call(configs))
         # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None
@@ -388,9 +383,14 @@ class WeaveBackend:
         """The resident call's tables: counts, the verdict, the plan (adaptive policies), the next call number, and
         the task tables for the planned chunk counts."""
         self.ctrl.zero_()
+        # this call's flags are zeroed before this rank's message leaves: a peer writes them only after it has
+        # received that message (workspace.py, flag protocol; the resident call always uses parity 0)
+        self.workspace.flags(0).zero_()
         if self.world_size == 1:
-            self.workspace.flags(0).zero_()
             self.all_routing.copy_(self.send_routing[None])
+        else:  # through the symmetric workspace, bounded (kernels/routing_exchange.py)
+            exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
+                             self.timeout_ns)
         counts = self.counts_format.build(self.all_routing, self.message, self.status)
         self.counts_format.verdict(counts, self.rank, self.status)
         if self.device_planner is not None:
@@ -563,7 +563,8 @@ class WeaveBackend:
         """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""
         if not self.grouped:
             return None
-        return tuple(grouped_gemm.default_config(g, rows, self.num_local_experts) for g in (0, 1))
+        H, I = self.spec.hidden_size, self.spec.intermediate_size
+        return tuple(grouped_gemm.default_config(g, rows, self.num_local_experts, H, I) for g in (0, 1))
 
     def _grouped_gemms(self, layout, configs) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
@@ -594,10 +595,11 @@ class WeaveBackend:
         if self.grouped:  # compile every grouped-GEMM variant a call may pick, on an empty tile table
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             h, y = self.workspace.h(), self.workspace.y()
-            for config in grouped_gemm.default_configs(0):
+            shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
+            for config in grouped_gemm.default_configs(0, *shape):
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
                 grouped_gemm.grouped_gemm0(y, self.w13_grouped, h, table, config)
-            for config in grouped_gemm.default_configs(1):
+            for config in grouped_gemm.default_configs(1, *shape):
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config)
             grouped_tiles.gather_rows(self.workspace.recv(), self.ctrl, self.workspace.y(), empty[:1], 4 * self.num_sms)

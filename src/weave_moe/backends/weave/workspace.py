@@ -168,6 +168,7 @@ class SymmetricWorkspace:
         self.h_buffer = self.y_buffer = None
         self.generation = 0
         self.calls = 0
+        self.call_mode: str | None = None   # "host" or "resident" (claim_call_mode)
         self._views: "weakref.WeakSet[WorkspaceView]" = weakref.WeakSet()
         self._key = None
 
@@ -259,6 +260,17 @@ class SymmetricWorkspace:
     def parity(self) -> int:
         """Parity of the group's next call: its flags are zero; the call zeroes the other parity's."""
         return self.calls % 2
+
+    def claim_call_mode(self, resident: bool) -> None:
+        """Every layer of one workspace makes its calls the same way: host-driven calls alternate the parity (above),
+        device-resident ones (KernelConfig.resident) always use parity 0 and zero its flags before their routing
+        exchange. Mixing them would hand a call flags the other kind left dirty, so the second kind raises."""
+        mode = "resident" if resident else "host"
+        if self.call_mode is None:
+            self.call_mode = mode
+        elif self.call_mode != mode:
+            raise ValueError(f"this process group's workspace serves {self.call_mode} weave layers; a {mode} layer "
+                             "cannot share it: build every weave layer of a group with the same KernelConfig.resident")
 
     def finish_call(self) -> None:
         """Count a call whose kernel was enqueued (any layer): the next call uses the other parity."""

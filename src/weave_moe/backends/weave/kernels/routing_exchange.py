@@ -192,7 +192,7 @@ def exchange_routing(view: WorkspaceView, message: RoutingMessage, send: torch.T
     """
     ep = view.world_size
     words = message.words
-    stage = getattr(stage, "value", stage)
+    stage = stage.value if isinstance(stage, tl.constexpr) else stage
     if view.routing_words < words or view.routing_slot_words < words:
         raise ValueError(f"the view was attached with routing_words={view.routing_words}, the message has {words} "
                          f"words: attach the layer with routing_words=message.words")
