@@ -36,7 +36,7 @@ POLICIES = ("serial", "weave", "spatial", "static:20,2", "per_iteration")
 
 def _layer(spec, policy, max_tokens, device):
     layer = ExpertParallelMoE(spec, backend="weave", policy=policy, max_tokens_per_rank=max_tokens, device=device,
-                              config=KernelConfig(resident=True), debug_poison=True)
+                              config=KernelConfig(resident="on"), debug_poison=True)
     w13, w2 = make_experts(spec, seed=1, device=device)
     layer.load_experts(w13, w2)
     return layer, w13, w2

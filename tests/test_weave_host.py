@@ -164,3 +164,32 @@ def test_resident_tables_never_read_a_device_value_on_the_host():
         build_layout(all_ids, all_weights, tokens, plans[:, 1], 0, E, hidden_size=32, intermediate_size=16,
                      block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
     assert status.tolist() == [16, 0, 1, 3]
+
+
+def test_resident_setting_is_strict_and_auto_means_one_rank(monkeypatch):
+    import pytest
+
+    from weave_moe.backends.weave.config import KERNEL_CONFIG_ENV, KernelConfig
+
+    assert KernelConfig().resident_at(1) and not KernelConfig().resident_at(2)
+    assert KernelConfig(resident="on").resident_at(4) and not KernelConfig(resident="off").resident_at(1)
+    monkeypatch.setenv(KERNEL_CONFIG_ENV, "resident=Off")
+    assert KernelConfig.from_env().resident == "off"
+    monkeypatch.setenv(KERNEL_CONFIG_ENV, "resident=maybe")
+    with pytest.raises(ValueError, match=KERNEL_CONFIG_ENV):
+        KernelConfig.from_env()
+    with pytest.raises(ValueError, match="resident"):
+        KernelConfig(resident=True)
+
+
+def test_workspace_refuses_mixing_resident_and_host_driven_layers():
+    import pytest
+    import torch
+
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+    ws = SymmetricWorkspace(None, 0, 1, torch.device("cpu"))
+    ws.claim_call_mode(True)
+    ws.claim_call_mode(True)
+    with pytest.raises(ValueError, match="resident"):
+        ws.claim_call_mode(False)

@@ -184,12 +184,16 @@ class _Implementation:
         if key not in self.layers:
             backend = self.backend or ("weave" if device.type == "cuda" else "nccl")
             options = dict(self.layer_options)
-            if backend == "weave" and "config" not in options and self.layer_options.get("policy") == "serial":
-                # One layer serves every MoE layer of this shape and is handed each module's experts per call; the
-                # grouped-GEMM serial path would re-lay w13 (a copy of it) on every such hand-over.
+            if backend == "weave" and "config" not in options:
+                # One layer serves every MoE layer of this shape and is handed each module's experts per call: the
+                # device-resident call would capture its graph again on every such hand-over (it holds the weights'
+                # addresses), and the grouped-GEMM serial path would re-lay w13 (a copy of it).
                 from weave_moe.backends.weave import KernelConfig
 
-                options["config"] = dataclasses.replace(KernelConfig.from_env(), grouped_gemm=False)
+                config = dataclasses.replace(KernelConfig.from_env(), resident="off")
+                if self.layer_options.get("policy") == "serial":
+                    config = dataclasses.replace(config, grouped_gemm=False)
+                options["config"] = config
             self.layers[key] = ExpertParallelMoE(spec, group=None, backend=backend,
                                                  max_tokens_per_rank=self.max_tokens_per_rank, device=device,
                                                  **options)

@@ -181,7 +181,8 @@ def _stress(rank, world_size, group, device, calls, policy) -> dict:
 
 
 def _bad_ids(rank, world_size, group, device) -> dict:
-    """The last rank passes an id >= E: every rank must raise ValueError in the same call (no rank left waiting),
+    """The last rank passes an id >= E: every rank must raise ValueError in the same call (no rank left waiting; a
+    device-resident call raises at the `synchronize()` after it),
     and the next call of the same layer, with valid ids, must match the reference; on a layer's first call and on a
     later one."""
     spec = MoESpec(16, 2, 256, 128, name="bad-ids")
@@ -199,6 +200,7 @@ def _bad_ids(rank, world_size, group, device) -> dict:
         start = time.perf_counter()
         try:
             layer(x, bad, w)
+            layer.synchronize()  # the device-resident call (KernelConfig.resident) raises here, not in the call
             outcomes.append("no error")
         except ValueError as error:
             outcomes.append(f"ValueError: {error}")
@@ -326,7 +328,7 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
         wide = ids.long()
         if rank == last:
             wide[3, 1] = 2**32 + 3
-        outcome = outcome_of(lambda: layer(x, wide, w))
+        outcome = outcome_of(lambda: (layer(x, wide, w), layer.synchronize()))  # resident calls raise at synchronize
         record("ids-2**32+3", outcome, "ValueError: topk_ids must be in", next_error(layer, w13, w2))
         grad_x = x.clone().requires_grad_()
         out = layer(grad_x, ids, w)

@@ -150,7 +150,7 @@ class WeaveBackend:
         self.message = RoutingMessage(max_tokens_per_rank, spec.top_k)
         # one workspace per (group, device) shared by every layer, h and y included (workspace.py: the protocol)
         shared = SymmetricWorkspace.shared(group, rank, world_size, device)
-        shared.claim_call_mode(cfg.resident)
+        shared.claim_call_mode(cfg.resident_at(world_size))
         self.workspace = shared.attach(max_tokens_per_rank, H, I, max(max_pairs, 1),
                                        routing_words=self.message.words)
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
@@ -171,7 +171,7 @@ class WeaveBackend:
         self.counts_ready = torch.cuda.Event()
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
-        self.resident = cfg.resident
+        self.resident = cfg.resident_at(world_size)
         self.device_planner = (DevicePlanner(spec, world_size, self.profile, policy)
                                if (cfg.device_plan or cfg.resident) and self.fixed_plan is None else None)
         self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
@@ -217,6 +217,10 @@ class WeaveBackend:
         # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
         self.io = torch.zeros(2, dtype=torch.int64, device=device)
         self.tokens_word = self.send_routing[2 * self.message.id_words:2 * self.message.id_words + 1]
+        if self.resident and world_size > 1:
+            # compiled now, so that no rank compiles inside its first exchange while its peers wait there
+            exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
+                             self.timeout_ns, compile_only=True)
         if self.resident:
             # the header's call number lives on the device (incremented by every call's tables, so that a captured
             # CUDA graph advances it on every replay); identity and creation index are fixed
@@ -231,6 +235,8 @@ class WeaveBackend:
         # interleaved copy as a valid pointer its GEMM phase never reads
         self.w13 = self.w13_grouped if self.grouped else w13.contiguous()
         self.descriptors = self._tma_descriptors() if self.use_tma else dict(w13_desc=None, w2_desc=None)
+        # the resident call's graphs captured the old weights' addresses and descriptors: capture again on next use
+        self.graphs.drop("resident.")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 timings: dict | None = None) -> torch.Tensor:
@@ -425,8 +431,8 @@ class WeaveBackend:
         where = (f"in call {call} of this layer; that call, and any made before this error surfaced, returned NaN "
                  "rows (errors of the device-resident call surface at the next call or at synchronize())")
         if code == sync.REJECT_BAD_IDS:
-            raise ValueError(f"rank {self.rank}: rank {rank} passed {detail} expert ids outside "
-                             f"[-1, {self.spec.num_experts}) (-1 = no expert) {where}")
+            raise ValueError(f"topk_ids must be in [-1, {self.spec.num_experts}) (-1 = no expert); {detail} ids out of "
+                             f"range on rank {rank} {where}")
         if code == sync.REJECT_PEER_FAILED:
             if rank == self.rank:
                 return  # this rank raised its own error in that call

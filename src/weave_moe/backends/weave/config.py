@@ -20,6 +20,8 @@ TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
 #: of DeepSeek-V3, ~15 ms) is far below it; a first call's compile happens before the kernel's waits (see backend.py).
 DEFAULT_TIMEOUT_S = 5.0
 
+#: the values of the str fields
+_CHOICES = {"resident": ("auto", "on", "off")}
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -55,7 +57,8 @@ class KernelConfig:
             after the counts, read back with them) instead of by the Python planner on the host. Off until measured
             on the GPU (scripts/device_planner_check.py); its choices match the Python planner's up to fp32 near-ties
             (tests/test_device_planner.py).
-        resident: the device-resident call: the host never waits for the GPU. The counts, the checks of every
+        resident: "auto" (default: on at EP = 1, off at EP > 1, where it has not yet run on two GPUs), "on" or "off".
+            The device-resident call: the host never waits for the GPU. The counts, the checks of every
             rank's header and expert ids, the plan (the device planner, for the adaptive policies) and the task
             tables are device work behind the routing exchange (one CUDA-graph replay at EP = 1), the kernel reads its
             plan from the device, and errors found there surface as named exceptions at the next call or at
@@ -82,7 +85,7 @@ class KernelConfig:
     compile_layout: bool = True
     grouped_gemm: bool = True
     device_plan: bool = False
-    resident: bool = False
+    resident: str = "auto"
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -90,6 +93,10 @@ class KernelConfig:
             if field.type == "bool":
                 if not isinstance(value, bool):
                     raise TypeError(f"KernelConfig.{field.name} must be a bool, got {value!r}")
+            elif field.type == "str":
+                if value not in _CHOICES[field.name]:
+                    raise ValueError(f"KernelConfig.{field.name} must be one of {', '.join(_CHOICES[field.name])}, "
+                                     f"got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")
 
@@ -105,7 +112,11 @@ class KernelConfig:
             if not sep or key not in fields:
                 raise ValueError(f"{KERNEL_CONFIG_ENV}: {item!r} is not key=value with a key of "
                                  f"{', '.join(fields)}")
-            if fields[key] == "bool":
+            if fields[key] == "str":
+                if value.lower() not in _CHOICES[key]:
+                    raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be one of {'/'.join(_CHOICES[key])}")
+                values[key] = value.lower()
+            elif fields[key] == "bool":
                 if value.lower() not in _TRUE + _FALSE:
                     raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be one of {'/'.join(_TRUE)} or "
                                      f"{'/'.join(_FALSE)}")
@@ -116,6 +127,10 @@ class KernelConfig:
                 except ValueError:
                     raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be an integer") from None
         return cls(**values)
+
+    def resident_at(self, world_size: int) -> bool:
+        """Whether a layer of `world_size` ranks makes the device-resident call (`resident`)."""
+        return self.resident == "on" or (self.resident == "auto" and world_size == 1)
 
     def check_profile(self, profile) -> None:
         """Raise ValueError unless the planner's HardwareProfile counts tiles of this config's shape: the cost model

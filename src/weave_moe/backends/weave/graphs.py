@@ -74,6 +74,11 @@ class GraphCache:
         self.wait_for = wait_for
         self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
 
+    def drop(self, prefix: str) -> None:
+        """Forget the graphs whose name starts with `prefix` (they captured pointers that are no longer valid)."""
+        for name in [n for n in self.graphs if n.startswith(prefix)]:
+            del self.graphs[name]
+
     def run(self, name: str, build):
         # inside a caller's capture the ops are recorded into the caller's graph (a graph launch is not replayed
         # inside another capture)

@@ -111,7 +111,10 @@ def _used_ids(tokens, id_words, top_k):
     return tokens * top_k
 
 
-@triton.jit
+# Not specialised on the values that differ between ranks (Triton compiles an int argument equal to 1 separately):
+# every rank runs the same binary, so no rank compiles while its peers already spin in their first exchange (seen on
+# the H200: at EP 2 the rank-1 compile outlasted rank 0's 1 s deadline).
+@triton.jit(do_not_specialize=["rank", "world_size", "timeout_ns"])
 def routing_exchange_kernel(send_ptr, all_routing_ptr, peer_base_ptr, ctrl_ptr, status_ptr, routing_offset,
                             routing_flags_offset, slot_words, rank, world_size, id_words, words, top_k, timeout_ns,
                             STAGE: tl.constexpr, BLOCK: tl.constexpr):
@@ -170,7 +173,7 @@ def default_parts(world_size: int, words: int, block: int = DEFAULT_BLOCK) -> in
 def exchange_routing(view: WorkspaceView, message: RoutingMessage, send: torch.Tensor, all_routing: torch.Tensor,
                      status: torch.Tensor, timeout_ns: int, *, stage: int = STAGE_BOTH, parts: int | None = None,
                      peer_bases: torch.Tensor | None = None, block: int = DEFAULT_BLOCK,
-                     num_warps: int = 4) -> torch.Tensor:
+                     num_warps: int = 4, compile_only: bool = False) -> torch.Tensor:
     """Exchange this rank's routing message with every rank of the view's group (module docstring); one launch, no
     host sync, no allocation (capturable). Every rank must make the same calls in the same order.
 
@@ -187,6 +190,8 @@ def exchange_routing(view: WorkspaceView, message: RoutingMessage, send: torch.T
         peer_bases: [EP] int64 base addresses; default view.peer_bases (tests pass a table of several ranks' buffers).
         block: int32 words a program copies per step (a power of 2).
         num_warps: warps per program.
+        compile_only: compile for these arguments and launch nothing (a layer does it before its first call, so
+            that no rank compiles while its peers wait in the exchange).
 
     Returns `all_routing`.
     """
@@ -215,10 +220,12 @@ def exchange_routing(view: WorkspaceView, message: RoutingMessage, send: torch.T
     peer_bases = view.peer_bases if peer_bases is None else peer_bases
     if peer_bases.dtype != torch.int64 or peer_bases.numel() != ep:
         raise ValueError(f"peer_bases must be [{ep}] int64")
-    routing_exchange_kernel[(ep, parts)](
-        send, all_routing, peer_bases, view.exchange_ctrl, status, view.routing_offset, view.routing_flags_offset,
-        view.routing_slot_words, view.rank, ep, message.id_words, words, message.top_k, timeout_ns,
-        STAGE=stage, BLOCK=block, num_warps=num_warps)
+    args = (send, all_routing, peer_bases, view.exchange_ctrl, status, view.routing_offset, view.routing_flags_offset,
+            view.routing_slot_words, view.rank, ep, message.id_words, words, message.top_k, timeout_ns)
+    if compile_only:
+        routing_exchange_kernel.warmup(*args, STAGE=stage, BLOCK=block, num_warps=num_warps, grid=(ep, parts))
+    else:
+        routing_exchange_kernel[(ep, parts)](*args, STAGE=stage, BLOCK=block, num_warps=num_warps)
     return all_routing
 
 
@@ -232,7 +239,7 @@ def compile_exchange_ptx(stage: int = 0, block: int = DEFAULT_BLOCK, capability:
                      status_ptr="*i32", routing_offset="i64", routing_flags_offset="i64", slot_words="i64",
                      rank="i32", world_size="i32", id_words="i32", words="i32", top_k="i32", timeout_ns="i64",
                      STAGE="constexpr", BLOCK="constexpr")
-    source = ASTSource(fn=routing_exchange_kernel, signature=signature, constexprs=dict(STAGE=getattr(stage, "value", stage),
+    source = ASTSource(fn=routing_exchange_kernel, signature=signature, constexprs=dict(STAGE=stage.value if isinstance(stage, tl.constexpr) else stage,
                                                                                       BLOCK=block))
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
     return compiled.asm["ptx"]
