@@ -27,7 +27,7 @@ for stage in "$@"; do
     baselines) timeout "${BASELINES_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 scripts/baselines_check.py --iters 20 --out "$W/baselines_check.json" > "$W/baselines_check.log" 2>&1; echo "rc=$?"; tail -30 "$W/baselines_check.log";;
     # eval6 on one GPU: every paper model, the per-rank work of EP=2, every baseline that runs at EP=1 and the weave
     # policies, --check on all; partial JSON/CSV survive the timeout
-    eval6-emu) timeout "${EVAL_TIMEOUT:-560}" python3 -m weave_moe.bench --emulate-ep 2 --tokens "${EVAL_TOKENS:-128,2048,8192}" --routing uniform,skewed --variants "${EVAL_VARIANTS:-nccl,weave:serial,weave:static:20,weave}" --check --iters 10 --no-progress --timeout 300 --name "${BENCH_NAME:-h200-eval6-emu-ep2}" --out "$W" > "$W/eval6.log" 2>&1; echo "rc=$?"; tail -40 "$W/eval6.log";;
+    eval6-emu) timeout "${EVAL_TIMEOUT:-560}" python3 -m weave_moe.bench --emulate-ep 2 --tokens "${EVAL_TOKENS:-128,2048,8192}" --routing "${EVAL_ROUTING:-uniform,skewed}" --variants "${EVAL_VARIANTS:-nccl,weave:serial,weave:static:20,weave}" --check --iters 10 --no-progress --timeout 300 --name "${BENCH_NAME:-h200-eval6-emu-ep2}" --out "$W" > "$W/eval6.log" 2>&1; echo "rc=$?"; tail -40 "$W/eval6.log";;
     hf) mkdir -p "$W/hf"; timeout 400 python3 examples/hf_generate.py --preset qwen3-30b-a3b --new-tokens 8 --time-dir "$W/hf" > "$W/hf/hf_generate_gpu_ep1.log" 2>&1; echo "rc=$?"; tail -15 "$W/hf/hf_generate_gpu_ep1.log";;
     # validate-all / verify: a fresh machine compiles ~20 layer shapes' task tables (~5 s each, cold) before the suite's
     # ~60 s; the first run gets 400 s, later ones find the caches warm.

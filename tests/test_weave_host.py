@@ -193,3 +193,32 @@ def test_workspace_refuses_mixing_resident_and_host_driven_layers():
     ws.claim_call_mode(True)
     with pytest.raises(ValueError, match="resident"):
         ws.claim_call_mode(False)
+
+
+def test_compiled_counts_and_verdict_equal_eager():
+    """The resident call compiles counts + verdict (fewer kernels in its graph): same counts, same masked messages,
+    same status word as the eager ops, bit for bit, on routings with bad ids and failed headers."""
+    import torch
+
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage, checked_counts
+    from weave_moe.backends.weave.graphs import CompiledBuilder
+
+    ep, E, k, T = 2, 8, 2, 16
+    message, fmt = RoutingMessage(T, k), CountsFormat(ep, E, 4)
+    builder = CompiledBuilder(checked_counts, "the counts", True)
+    for seed in range(3):
+        generator, rows = torch.Generator().manual_seed(seed), []
+        for rank in range(ep):
+            out = torch.empty(message.words, dtype=torch.int32)
+            ids = torch.randint(-1, E + 1, (T - rank, k), dtype=torch.int32, generator=generator)
+            message.pack(out, ids, torch.rand(T - rank, k, generator=generator), message.pad(),
+                         torch.arange(T + 1, dtype=torch.int32), torch.tensor([1, 2, 3, seed % 2], dtype=torch.int32))
+            rows.append(out)
+        eager_messages = torch.stack(rows)
+        compiled_messages = eager_messages.clone()
+        eager_status, compiled_status = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+        compiled = builder(fmt, message, compiled_messages, compiled_status, 0)
+        eager = checked_counts(fmt, message, eager_messages, eager_status, 0)
+        assert builder.compiled
+        assert torch.equal(compiled, eager) and torch.equal(compiled_messages, eager_messages)
+        assert torch.equal(compiled_status, eager_status) and eager_status[0] != 0

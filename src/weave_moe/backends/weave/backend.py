@@ -25,8 +25,8 @@ from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordina
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
-from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage
-from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
+from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage, checked_counts
+from weave_moe.backends.weave.graphs import CompiledBuilder, GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
@@ -191,6 +191,7 @@ class WeaveBackend:
         self.graphs = GraphCache(device, use_cuda_graph, wait_for=lambda is_done: self.coordinator.poll(
             is_done, "the routing exchange (before a CUDA-graph capture)"))
         self.layout_builder = LayoutBuilder(cfg.compile_layout)
+        self.counts_builder = CompiledBuilder(checked_counts, "the counts", cfg.compile_layout)
         self.calls = 0
         self.compiled: set = set()
         self.last_plan: Plan | None = None
@@ -397,8 +398,7 @@ class WeaveBackend:
         else:  # through the symmetric workspace, bounded (kernels/routing_exchange.py)
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
                              self.timeout_ns)
-        counts = self.counts_format.build(self.all_routing, self.message, self.status)
-        self.counts_format.verdict(counts, self.rank, self.status)
+        counts = self.counts_builder(self.counts_format, self.message, self.all_routing, self.status, self.rank)
         if self.device_planner is not None:
             self.device_planner.launch(counts, self.plans_device)
         self.header_device[2:3].add_(1)

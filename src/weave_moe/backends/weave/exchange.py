@@ -28,7 +28,7 @@ import torch
 from weave_moe.backends.coordination import HEADER_WORDS
 from weave_moe.backends.weave.kernels import sync
 
-__all__ = ["RoutingMessage", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing"]
+__all__ = ["RoutingMessage", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing", "checked_counts"]
 
 
 @dataclass(frozen=True)
@@ -192,3 +192,12 @@ class CountsFormat:
         headers = [flat[pairs_end + ep + r * HEADER_WORDS: pairs_end + ep + (r + 1) * HEADER_WORDS] for r in range(ep)]
         status = flat[headers_end:]
         return LayoutCounts(tokens, send, pairs), bad, headers, status
+
+
+def checked_counts(counts_format: CountsFormat, message: RoutingMessage, messages: torch.Tensor, status: torch.Tensor,
+                   rank: int) -> torch.Tensor:
+    """The device-resident call's counts and verdict (`CountsFormat.build`, then `verdict`) as one function, so that
+    the backend compiles them together (graphs.CompiledBuilder)."""
+    counts = counts_format.build(messages, message, status)
+    counts_format.verdict(counts, rank, status)
+    return counts

@@ -21,37 +21,49 @@ __all__ = ["GraphCache", "LayoutBuilder", "LAYOUT_COMPILE_LIMIT"]
 #: error: a process with more than 8 layer shapes (the validation suite) failed that way on the H200 pair (bb8bd82).
 LAYOUT_COMPILE_LIMIT = 64
 
-_COMPILED_BUILD_LAYOUT = None
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """`fn` through torch.compile (one compile per layer shape; static shapes, no graph breaks), made once."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
+    return _COMPILED[fn]
 
 
 def compiled_build_layout():
-    """`build_layout` through torch.compile (one compile per layer shape; static shapes, no graph breaks)."""
-    global _COMPILED_BUILD_LAYOUT
-    if _COMPILED_BUILD_LAYOUT is None:
-        _COMPILED_BUILD_LAYOUT = torch.compile(build_layout, fullgraph=True, dynamic=False)
-    return _COMPILED_BUILD_LAYOUT
+    """`build_layout` through torch.compile."""
+    return _compiled(build_layout)
 
 
-class LayoutBuilder:
-    """`build_layout` through torch.compile, or eagerly once compiling failed (e.g. past LAYOUT_COMPILE_LIMIT
-    shapes, with a warning). Both give the same tables bit for bit (tests/test_layout.py)."""
+class CompiledBuilder:
+    """A chain of torch ops through torch.compile (Inductor fuses its elementwise ops into a few kernels: fewer nodes
+    in the call's graph), or eagerly once compiling failed (e.g. past LAYOUT_COMPILE_LIMIT shapes, with a warning).
+    Both give the same integers bit for bit (tests/test_layout.py, tests/test_weave_host.py)."""
 
-    def __init__(self, compile_layout: bool):
-        self.compiled = compile_layout
+    def __init__(self, fn, what: str, compile_it: bool):
+        self.fn, self.what, self.compiled = fn, what, compile_it
 
     def __call__(self, *args, **kwargs):
         if not self.compiled:
-            return build_layout(*args, **kwargs)
+            return self.fn(*args, **kwargs)
         import torch._dynamo.config as dynamo_config
 
         try:
             with dynamo_config.patch(recompile_limit=LAYOUT_COMPILE_LIMIT):
-                return compiled_build_layout()(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - any compile failure: the eager tables are the same
-            warnings.warn(f"weave: torch.compile of the task tables failed ({type(error).__name__}: "
+                return _compiled(self.fn)(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any compile failure: the eager result is the same
+            warnings.warn(f"weave: torch.compile of {self.what} failed ({type(error).__name__}: "
                           f"{str(error)[:200]}); building them eagerly for this layer")
             self.compiled = False
-            return build_layout(*args, **kwargs)
+            return self.fn(*args, **kwargs)
+
+
+class LayoutBuilder(CompiledBuilder):
+    """`build_layout` through torch.compile (CompiledBuilder)."""
+
+    def __init__(self, compile_layout: bool):
+        super().__init__(build_layout, "the task tables", compile_layout)
 
 
 class GraphCache:
