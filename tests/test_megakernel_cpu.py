@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
-    def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None, resident=False, refuse=False):
+    def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None, resident=False, refuse=False, triton_tables=False):
         torch.manual_seed(seed)
         max_tokens = T + 3
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.zeros(0, k, dtype=torch.int32)
@@ -46,8 +46,14 @@ SCRIPT = textwrap.dedent(
         all_w[0, :T] = w
         bn1 = 32 if tma else 16  # the TMA GEMM1 tile runs as two halves of at least 16 columns
         blocks = dict(block_m=16, block_n0=16, block_n1=bn1, dispatch_rows=4, combine_rows=4, reduce_rows=4)
-        lay = build_layout(all_ids, all_w, torch.tensor([T]), torch.tensor([K]), 0, E, hidden_size=H,
-                           intermediate_size=I, **blocks)
+        if triton_tables:  # the resident call's tables (kernels/tables.py): K from the [EP, 4] plans
+            from weave_moe.backends.weave.kernels.tables import build_layout_triton
+            plan_rows = torch.tensor([[1, K, 0, 0]], dtype=torch.int32)
+            lay = build_layout_triton(all_ids, all_w, torch.tensor([T], dtype=torch.int32), plan_rows[:, 1], 0, E,
+                                      hidden_size=H, intermediate_size=I, **blocks)
+        else:
+            lay = build_layout(all_ids, all_w, torch.tensor([T]), torch.tensor([K]), 0, E, hidden_size=H,
+                               intermediate_size=I, **blocks)
         if ws is None:
             ws = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(max_tokens, H)
         assert (ws.max_tokens, ws.hidden_size) == (max_tokens, H)
@@ -121,7 +127,9 @@ SCRIPT = textwrap.dedent(
         assert err < 2e-2, err
         # dispatch is bitwise: the receive buffer holds x's rows
         recv = ws.recv()
-        assert torch.equal(recv[lay.send_slot.long()].view(torch.int16), x[lay.send_token.long()].view(torch.int16))
+        sent = int(lay.combine_expected.sum())  # rows sent; the entries past them are padding
+        assert torch.equal(recv[lay.send_slot[:sent].long()].view(torch.int16),
+                           x[lay.send_token[:sent].long()].view(torch.int16))
 
     for case in [(9, 4, 2, 40, 24, 2, True), (9, 4, 2, 40, 24, 3, False), (21, 8, 3, 33, 20, 4, False),
                  (1, 4, 2, 16, 16, 1, False), (0, 4, 2, 16, 16, 1, True), (17, 2, 2, 48, 16, 8, True)]:
@@ -133,6 +141,9 @@ SCRIPT = textwrap.dedent(
     # could not finish under the interpreter), dummy x / out and T = 0; the plan row's c >= grid makes it the serial
     # schedule, and the rows land in the real out
     run(9, 4, 2, 40, 24, 2, False, seed=5, resident=True)
+    # the whole kernel on the Triton task tables
+    run(21, 8, 3, 33, 20, 4, False, seed=7, resident=True, triton_tables=True)
+    run(17, 2, 2, 48, 16, 8, True, seed=8, triton_tables=True)
     run(9, 4, 2, 40, 24, 2, False, seed=6, refuse=True)
     run(9, 4, 2, 40, 24, 2, True, seed=6, refuse=True, resident=True)
     # two layers of different sizes share one workspace (as every layer of a model does): the second attach grows

@@ -31,6 +31,7 @@ from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
+from weave_moe.backends.weave.kernels.tables import build_layout_triton
 from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
@@ -404,7 +405,8 @@ class WeaveBackend:
         self.header_device[2:3].add_(1)
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
-        return self.layout_builder(
+        build = build_layout_triton if cfg.triton_tables else self.layout_builder
+        return build(
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,

@@ -64,6 +64,9 @@ class KernelConfig:
             plan from the device, and errors found there surface as named exceptions at the next call or at
             `synchronize()` (the refused call returns NaN rows). The layer can then be captured in a caller's CUDA
             graph after one eager call. Adaptive policies run their kernel as one launch.
+        triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
+            instead of the torch op chain of layout.py (~40 kernels); both give the same entries
+            (tests/test_tables.py). The host-driven call always uses layout.py.
     """
 
     block_m: int = 128
@@ -86,6 +89,7 @@ class KernelConfig:
     grouped_gemm: bool = True
     device_plan: bool = False
     resident: str = "auto"
+    triton_tables: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
