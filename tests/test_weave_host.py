@@ -222,3 +222,40 @@ def test_compiled_counts_and_verdict_equal_eager():
         assert builder.compiled
         assert torch.equal(compiled, eager) and torch.equal(compiled_messages, eager_messages)
         assert torch.equal(compiled_status, eager_status) and eager_status[0] != 0
+
+
+def test_deferred_errors_name_the_problem_and_leave_the_layer_usable():
+    """The resident call's status word at the next call / synchronize (WeaveBackend._raise_status): rejections raise
+    the named error and are cleared (the layer goes on), a kernel timeout breaks the layer."""
+    import pytest
+    import torch
+
+    from weave_moe.backends.coordination import CallOrderError, PeerError
+    from weave_moe.backends.weave.backend import WeaveBackend, WeaveTimeoutError
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.models import MoESpec
+
+    backend = WeaveBackend.__new__(WeaveBackend)  # the host-side logic only: no GPU here
+    backend.rank, backend.spec, backend.broken, backend.timeout_s = 0, MoESpec(16, 2, 64, 32), None, 5.0
+    backend.status, backend.status_host = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+
+    def raised(word):
+        backend.status[:] = torch.tensor(word)
+        backend.status_host[:] = torch.tensor(word)
+        try:
+            backend._raise_status(word)
+        except Exception as error:  # noqa: BLE001 - returned for the assertions
+            return error
+        return None
+
+    error = raised([sync.REJECT_BAD_IDS, 1, 3, 7])
+    assert isinstance(error, ValueError) and "topk_ids must be in [-1, 16)" in str(error) and "rank 1" in str(error)
+    assert "call 7" in str(error) and not backend.status.any() and not backend.status_host.any()
+    assert isinstance(raised([sync.REJECT_PEER_FAILED, 1, 1, 2]), PeerError)
+    assert raised([sync.REJECT_PEER_FAILED, 0, 1, 2]) is None  # this rank raised its own error in that call
+    assert isinstance(raised([sync.REJECT_CALL_ORDER, 1, 9, 2]), CallOrderError)
+    assert backend.broken is None
+    error = raised([sync.ERROR_COMBINE_TIMEOUT.value, 1, 0, 5])
+    assert isinstance(error, WeaveTimeoutError) and backend.broken
+    with pytest.raises(WeaveTimeoutError):
+        backend._raise_status([sync.ERROR_EXCHANGE_TIMEOUT.value, 1, 0, 1])
