@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
+from weave_moe.bench.anchor import graph_replay_ms
 from weave_moe.models import PAPER_MODELS, MoESpec
 
 C = gg.GemmConfig
@@ -73,27 +74,8 @@ GEMM1_VARIANTS = {
 
 
 def graph_time_ms(fn, reps: int) -> float:
-    """Median ms of `fn` captured in a CUDA graph, over `reps` replays after 3 warm-ups."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile + warm outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of `fn` captured in a CUDA graph, over `reps` replays."""
+    return statistics.median(graph_replay_ms(fn, reps))
 
 
 def make_work(spec: MoESpec, tokens: int, routing: str, seed: int):

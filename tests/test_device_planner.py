@@ -13,10 +13,7 @@ and the comparison live in tests/planner_cases.py (the GPU check, scripts/device
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from planner_cases import PREDICTION_TOLERANCE, PROFILES, compare, make_groups
 from weave_moe.backends.weave.kernels.planner import DevicePlanner, compile_planner_ptx
 from weave_moe.models import PAPER_MODELS, MoESpec
 from weave_moe.plan import HardwareProfile
+from interpreter import run_interpreted
 
 
 def test_mirror_matches_the_python_planner_on_ten_thousand_workloads():
@@ -70,12 +68,9 @@ INTERPRETER_SCRIPT = textwrap.dedent(
 
 def test_kernel_under_interpreter_equals_mirror_bit_for_bit():
     """80 counts vectors (~300 rank plans) of 40 random groups through the kernel itself."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, str(Path(__file__).parent), "80", "7", "40"],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "INTERPRETER PLANNER OK" in result.stdout
-    print(result.stdout.strip().splitlines()[-1])
+    stdout = run_interpreted(INTERPRETER_SCRIPT, "INTERPRETER PLANNER OK", str(Path(__file__).parent), "80", "7",
+                             "40")
+    print(stdout.strip().splitlines()[-1])
 
 
 def test_group_coverage():

@@ -7,13 +7,11 @@ summation order may differ in the last fp32 bits, which can flip one bf16 roundi
 must stay untouched (poisoned), and NaN in rows past the pair limit must not leak into the sums.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -77,9 +75,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_expert_stage_kernels_match_torch_paths():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+    run_interpreted(SCRIPT, "OK", timeout=300)
 
 
 @pytest.mark.parametrize("num_local_experts, ids_dtype", [(16, torch.int64), (300, torch.int64), (300, torch.int32)])

@@ -5,15 +5,14 @@ Tolerance: fp32 dot operands (the interpreter's bf16 dot is wrong); h and y are 
 interpreter (not round-to-nearest as on the GPU), up to one ulp each: 2e-2 here, the GPU benchmark holds 1e-2.
 """
 
-import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
+from interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -84,10 +83,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_grouped_gemms_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "GROUPED GEMM INTERPRETER OK" in result.stdout
+    run_interpreted(SCRIPT, "GROUPED GEMM INTERPRETER OK", timeout=900)
 
 
 def test_interleave_w13_pairs_gate_and_up_rows():

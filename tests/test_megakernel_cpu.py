@@ -10,13 +10,11 @@ the GPU does, so each of the three bf16 roundings (h, y, combine row) costs up t
 tests hold the project's bound of 1e-2 (`reference.DEFAULT_TOLERANCE`).
 """
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -163,10 +161,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_megakernel_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "MEGAKERNEL INTERPRETER OK" in result.stdout
+    run_interpreted(SCRIPT, "MEGAKERNEL INTERPRETER OK")
 
 
 @pytest.fixture(scope="module")

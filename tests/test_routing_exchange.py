@@ -10,20 +10,16 @@ with the stack of the packed messages, padding included, i.e. with what the all-
 The sm_90 PTX is checked for the memory ordering the protocol relies on.
 """
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-import weave_moe
 from weave_moe.backends.weave.exchange import RoutingMessage
 from weave_moe.backends.weave.kernels import routing_exchange as rx
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
+from interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -138,13 +134,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_routing_exchange_under_interpreter():
-    # the subprocess imports the same weave_moe as this process (a worktree's checkout, not only the installed one)
-    src = str(Path(weave_moe.__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ROUTING EXCHANGE INTERPRETER OK" in result.stdout
+    run_interpreted(SCRIPT, "ROUTING EXCHANGE INTERPRETER OK")
 
 
 # ---- the launcher's checks (they raise before any launch, so no interpreter is needed) ------------------------------

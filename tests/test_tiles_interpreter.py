@@ -1,10 +1,8 @@
 """Triton tile functions run under TRITON_INTERPRET=1 on the CPU (fp32 dot operands: the interpreter's bf16 dot is
 wrong), each against torch. Data movement tiles are checked bitwise."""
 
-import os
-import subprocess
-import sys
 import textwrap
+from interpreter import run_interpreted
 
 
 SCRIPT = textwrap.dedent(
@@ -107,10 +105,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_tiles_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "TILES OK" in result.stdout
+    run_interpreted(SCRIPT, "TILES OK", timeout=300)
 
 
 TMA_SCRIPT = textwrap.dedent(
@@ -170,7 +165,4 @@ TMA_SCRIPT = textwrap.dedent(
 def test_tma_tiles_under_interpreter():
     """The TMA GEMM tiles (KernelConfig.tma): partial tiles, K tails, a tile running past its expert into the next
     expert's rows (never stored) and past the end of the tensor (zero fill), rows outside the tile left poisoned."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", TMA_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "TMA TILES OK" in result.stdout
+    run_interpreted(TMA_SCRIPT, "TMA TILES OK")

@@ -106,22 +106,30 @@ def time_library_compute(group_sizes_per_set: list[list[int]], w13: torch.Tensor
 
 
 def _time_graph(x_sorted, offsets, w13, w2, replays: int) -> list[float]:
-    side = torch.cuda.Stream(x_sorted.device)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: kernels compiled / cuBLAS workspaces made
-        grouped_expert_compute(x_sorted, offsets, w13, w2)
-    torch.cuda.current_stream().wait_stream(side)
+    return graph_replay_ms(lambda: grouped_expert_compute(x_sorted, offsets, w13, w2), replays, x_sorted.device)
+
+
+def graph_replay_ms(fn, replays: int, device=None) -> list[float]:
+    """ms of each of `replays` replays of `fn` captured in a CUDA graph, each between two CUDA events.
+
+    `fn` runs once eagerly on a side stream first (kernels compiled, library workspaces made, off the capture), and
+    the graph is replayed once untimed (the first replay uploads it)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = grouped_expert_compute(x_sorted, offsets, w13, w2)
+        out = fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    graph.replay()  # the first replay uploads the graph
+    graph.replay()
     for start, end in zip(starts, ends):
         start.record()
         graph.replay()
         end.record()
-    torch.cuda.synchronize(x_sorted.device)
+    torch.cuda.synchronize(device)
     times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
     del graph, out
     return times

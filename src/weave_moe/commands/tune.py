@@ -227,35 +227,6 @@ def _write_table(out, table: dict) -> None:
     os.replace(tmp, out)
 
 
-def _graph_time_ms(fn, reps: int) -> float:
-    """Median ms of `fn` captured in a CUDA graph over `reps` replays timed by CUDA events, after 3 warm-ups."""
-    import statistics
-
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    times = [start.elapsed_time(end) for start, end in zip(starts, ends)]
-    del graph
-    return statistics.median(times)
-
-
 class _Work:
     """One shape's tensors on the GPU: inputs, weights, outputs, the fp32 reference on the checked experts."""
 
@@ -335,6 +306,7 @@ class _Work:
 def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     import datetime
     import shlex
+    import statistics
     import sys
     import time
     import traceback
@@ -343,12 +315,14 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     import triton
 
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.bench.anchor import graph_replay_ms
     from weave_moe.bench.metadata import git_commit
     from weave_moe.reference import DEFAULT_TOLERANCE
 
     device = torch.cuda.get_device_name()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    smem = getattr(props, "shared_memory_per_block_optin", 0) or HOPPER_SMEM_BYTES
+    # the opt-in shared memory per block, as Triton's own compiler checks it
+    smem = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"]
     candidates = {g: candidate_configs(g, **grid, smem_bytes=smem) for g in gemms}
     table.update(format=gg.TUNED_FORMAT, device=device, device_key=gg.device_key(device), meta=dict(
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -386,7 +360,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                     if not err <= DEFAULT_TOLERANCE:
                         print(f"  GEMM{gemm} {name}: WRONG, error {err:.2e} > {DEFAULT_TOLERANCE:g}", flush=True)
                         continue
-                    ms = _graph_time_ms(launch, args.reps)
+                    ms = statistics.median(graph_replay_ms(launch, args.reps))
                 except Exception as error:  # a config that does not compile or launch must not stop the sweep
                     print(f"  GEMM{gemm} {name}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
                     torch.cuda.synchronize()

@@ -364,7 +364,8 @@ class WeaveBackend:
         if failure is not None:
             self.header_device[3:4].zero_()
         clock.lap("pack")
-        # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair, picked from T on the host)
+        # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair,
+        # picked from T on the host)
         configs = self._grouped_configs(x.shape[0] * min(self.spec.top_k, self.num_local_experts))
         self.graphs.run(f"resident.{self.workspace.generation}.{configs}", lambda: self._resident_call(configs))
         # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None

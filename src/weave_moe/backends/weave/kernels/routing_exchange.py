@@ -239,7 +239,8 @@ def compile_exchange_ptx(stage: int = 0, block: int = DEFAULT_BLOCK, capability:
                      status_ptr="*i32", routing_offset="i64", routing_flags_offset="i64", slot_words="i64",
                      rank="i32", world_size="i32", id_words="i32", words="i32", top_k="i32", timeout_ns="i64",
                      STAGE="constexpr", BLOCK="constexpr")
-    source = ASTSource(fn=routing_exchange_kernel, signature=signature, constexprs=dict(STAGE=stage.value if isinstance(stage, tl.constexpr) else stage,
+    stage = stage.value if isinstance(stage, tl.constexpr) else stage
+    source = ASTSource(fn=routing_exchange_kernel, signature=signature, constexprs=dict(STAGE=stage,
                                                                                       BLOCK=block))
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
     return compiled.asm["ptx"]

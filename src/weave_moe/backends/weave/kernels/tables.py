@@ -136,8 +136,8 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
 
 
 @triton.jit
-def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_counts_ptr, recv_slot_ptr, arrival_ptr,
-                 send_slot_ptr, key_counts_ptr, send_counts_ptr, mask_ptr, rank, P, T, L,
+def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_counts_ptr, recv_slot_ptr,
+                 arrival_ptr, send_slot_ptr, key_counts_ptr, send_counts_ptr, mask_ptr, rank, P, T, L,
                  K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
@@ -316,7 +316,28 @@ def _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_slot_ptr, se
 
 
 @triton.jit
-def _emit_tasks(tokens_ptr, send_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
+def _emit_blocks(seg_ptr, S, num, block_rows, tasks_ptr, max_tasks, j, DIV, MINOR_FIRST: tl.constexpr,
+                 BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Task slots j of a table of row blocks (layout._segment_blocks): segments described at `seg_ptr` as
+    [block end | first row | rows] (BLOCK_S words each), `num` blocks in all. Row j = (seg // DIV, seg % DIV, start,
+    count), the first two swapped when MINOR_FIRST; slots past `num` are zero."""
+    seg = _segment_of(seg_ptr, j, S, BLOCK_J, BLOCK_S)
+    within = j - tl.load(seg_ptr + seg - 1, mask=seg > 0, other=0)
+    first = tl.load(seg_ptr + BLOCK_S + seg)
+    rows = tl.load(seg_ptr + 2 * BLOCK_S + seg)
+    real = j < num
+    major = seg // DIV
+    minor = seg % DIV
+    row = tasks_ptr + j.to(tl.int64) * 4
+    live = j < max_tasks
+    tl.store(row + 0, tl.where(real, minor if MINOR_FIRST else major, 0), mask=live)
+    tl.store(row + 1, tl.where(real, major if MINOR_FIRST else minor, 0), mask=live)
+    tl.store(row + 2, tl.where(real, first + within * block_rows, 0), mask=live)
+    tl.store(row + 3, tl.where(real, tl.minimum(tl.maximum(rows - within * block_rows, 0), block_rows), 0), mask=live)
+
+
+@triton.jit
+def _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
                 dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, block_index, P, L,
                 n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch, max_combine,
                 max_pairs, MC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
@@ -324,34 +345,12 @@ def _emit_tasks(tokens_ptr, send_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, gro
     # task rows: slots j of the dispatch, combine and M-tile tables
     j = block_index * BLOCK_J + tl.arange(0, BLOCK_J)
     PMC = P * MC
-    # dispatch blocks: segments (dest, chunk)
-    num = tl.load(meta_ptr + 0)
-    seg = _segment_of(dispatch_seg_ptr, j, PMC, BLOCK_J, BLOCK_PMC)
-    prev_end = tl.load(dispatch_seg_ptr + seg - 1, mask=seg > 0, other=0)
-    within = j - prev_end
-    rows = tl.load(dispatch_seg_ptr + BLOCK_PMC + seg)
-    count = tl.load(dispatch_seg_ptr + 2 * BLOCK_PMC + seg)
-    length = tl.where(j < num, tl.minimum(tl.maximum(count - within * dispatch_rows, 0), dispatch_rows), 0)
-    row = dispatch_tasks_ptr + j.to(tl.int64) * 4
-    live = j < max_dispatch
-    tl.store(row + 0, tl.where(j < num, seg // MC, 0), mask=live)
-    tl.store(row + 1, tl.where(j < num, seg % MC, 0), mask=live)
-    tl.store(row + 2, tl.where(j < num, rows + within * dispatch_rows, 0), mask=live)
-    tl.store(row + 3, length, mask=live)
-    # combine blocks: segments (chunk, source)
-    num = tl.load(meta_ptr + 2)
-    cseg = _segment_of(combine_seg_ptr, j, BLOCK_PMC, BLOCK_J, BLOCK_PMC)
-    prev_end = tl.load(combine_seg_ptr + cseg - 1, mask=cseg > 0, other=0)
-    within = j - prev_end
-    rows = tl.load(combine_seg_ptr + BLOCK_PMC + cseg)
-    count = tl.load(combine_seg_ptr + 2 * BLOCK_PMC + cseg)
-    length = tl.where(j < num, tl.minimum(tl.maximum(count - within * combine_rows, 0), combine_rows), 0)
-    row = combine_tasks_ptr + j.to(tl.int64) * 4
-    live = j < max_combine
-    tl.store(row + 0, tl.where(j < num, cseg % BLOCK_P, 0), mask=live)
-    tl.store(row + 1, tl.where(j < num, cseg // BLOCK_P, 0), mask=live)
-    tl.store(row + 2, tl.where(j < num, rows + within * combine_rows, 0), mask=live)
-    tl.store(row + 3, length, mask=live)
+    # dispatch blocks: segments (dest, chunk) -> rows (dest, chunk, start, count)
+    _emit_blocks(dispatch_seg_ptr, PMC, tl.load(meta_ptr + 0), dispatch_rows, dispatch_tasks_ptr, max_dispatch, j, MC,
+                 False, BLOCK_J, BLOCK_PMC)
+    # combine blocks: segments (chunk, source) -> rows (source, chunk, start, count)
+    _emit_blocks(combine_seg_ptr, BLOCK_PMC, tl.load(meta_ptr + 2), combine_rows, combine_tasks_ptr, max_combine, j,
+                 BLOCK_P, True, BLOCK_J, BLOCK_PMC)
     # M tiles -> GEMM0 and GEMM1 task rows in DAG order
     num_mtiles = tl.load(meta_ptr + 4)
     S = MC * L
@@ -388,13 +387,13 @@ def _emit_tasks(tokens_ptr, send_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, gro
 
 
 @triton.jit
-def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_slot_ptr, send_slot_ptr,
-                 pair_base_ptr, recv_base_ptr, send_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, chunk_mtiles_ptr,
+def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_slot_ptr,
+                 send_slot_ptr, pair_base_ptr, recv_base_ptr, send_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr,
                  group_base_ptr, combine_seg_ptr, dispatch_seg_ptr, meta_ptr,
                  gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, send_token_ptr, send_out_ptr,
                  dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
                  rank, P, T, L, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
-                 max_dispatch, max_combine, max_mtiles, max_pairs, recv_programs, send_programs,
+                 max_dispatch, max_combine, max_pairs, recv_programs, send_programs,
                  K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
                  BLOCK_N: tl.constexpr):
@@ -407,7 +406,7 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
         _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_slot_ptr, send_base_ptr, send_token_ptr,
                    send_out_ptr, pid - recv_programs, rank, T, L, K, KP, BLOCK_T)
     else:
-        _emit_tasks(tokens_ptr, send_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
+        _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
                     dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
                     pid - recv_programs - send_programs, P, L, n0, n1, block_m, block_n0, block_n1, dispatch_rows,
                     combine_rows, max_dispatch, max_combine, max_pairs, MC, BLOCK_P, BLOCK_PMC, BLOCK_SEG, BLOCK_J,
@@ -481,11 +480,12 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     gemm_tasks = torch.empty(max_mtiles * (n0 + n1), 8, **i32)
 
     _scan_kernel[(P * L + 2 * P,)](
-        all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_counts, recv_slot, arrival, send_slot_of, key_counts, send_counts,
-        token_dest_mask, rank, P, T, L, K=K, KP=KP, MC=MC, BLOCK=_BLOCK, BLOCK_T=_BLOCK_T, BLOCK_P=BLOCK_P)
+        all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_counts, recv_slot, arrival, send_slot_of,
+        key_counts, send_counts, token_dest_mask, rank, P, T, L, K=K, KP=KP, MC=MC, BLOCK=_BLOCK, BLOCK_T=_BLOCK_T,
+        BLOCK_P=BLOCK_P)
     _bases_kernel[(1,)](
-        pair_counts, arrival, key_counts, send_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end, expert_offsets,
-        chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta, gemm1_expected,
+        pair_counts, arrival, key_counts, send_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
+        expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta, gemm1_expected,
         arrival_expected, combine_expected, rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
         MC=MC, BLOCK_L=_pow2(L), BLOCK_P=BLOCK_P, BLOCK_LP=_pow2(L) * BLOCK_P, BLOCK_PMC=BLOCK_PMC)
     per_block = triton.cdiv(T, _BLOCK_T)
@@ -493,11 +493,12 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     block_j = 64
     grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
     _emit_kernel[(grid,)](
-        all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_slot, send_slot_of, pair_base, recv_base, send_base, seg_rows,
-        seg_mtiles_end, chunk_mtiles, group_base, combine_seg, dispatch_seg, meta, gather_rows, combine_token,
-        combine_pos, combine_weight, send_token, send_slot, dispatch_tasks, combine_tasks, gemm_tasks,
+        all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_slot, send_slot_of,
+        pair_base, recv_base, send_base, seg_rows, seg_mtiles_end, group_base, combine_seg, dispatch_seg, meta,
+        gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks, combine_tasks,
+        gemm_tasks,
         rank, P, T, L, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch, max_combine,
-        max_mtiles, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BLOCK_P=BLOCK_P,
+        max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BLOCK_P=BLOCK_P,
         BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j, BLOCK_N=_pow2(max(n0, n1)))
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
