@@ -69,7 +69,7 @@ for stage in "$@"; do
         done;;
     exchange-check) timeout "${XCHK_TIMEOUT:-150}" python3 scripts/routing_exchange_check.py --out "$W/routing_exchange_check.json" > "$W/routing_exchange_check.log" 2>&1; echo "rc=$?"; tail -15 "$W/routing_exchange_check.log" | cut -c1-300;;
     resident-profile) for t in ${RP_TOKENS:-1 2048}; do
-          WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 150 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${RP_MODEL:-qwen3-30b-a3b}" --tokens $t --variants weave:serial,weave --rows 45 > "$W/profile-resident-$t.txt" 2>&1; echo "rc=$?"
+          WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 150 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${RP_MODEL:-qwen3-30b-a3b}" --tokens $t --variants "${RP_VARIANTS:-weave:serial,weave}" --rows 45 > "$W/profile-resident-$t.txt" 2>&1; echo "rc=$?"
           grep -E "^#####|Self CUDA time total|Self CPU time total" "$W/profile-resident-$t.txt" | cut -c1-200
         done;;
     *) echo "unknown stage $stage";;

@@ -13,7 +13,7 @@ from weave_moe.backends.weave.exchange import RoutingMessage
 from weave_moe.backends.weave.layout import build_layout, META_FIELDS
 from weave_moe.backends.weave.kernels.tables import build_layout_triton
 
-def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None):
+def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None):
     P = len(tokens); T = T_max or max(max(tokens), 1) + 2
     g = torch.Generator().manual_seed(seed)
     msg = RoutingMessage(T, k)
@@ -35,7 +35,7 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     b = blocks or dict(block_m=4, block_n0=8, block_n1=8, dispatch_rows=2, combine_rows=3, reduce_rows=2)
     kw = dict(hidden_size=20, intermediate_size=12, **b)
     ref = build_layout(ids, wts, toks, plans[:, 1], rank, E, **kw)
-    got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, **kw)
+    got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, **kw)
     meta = ref.meta.tolist()
     assert got.meta.tolist() == meta, ("meta", got.meta.tolist(), meta)
     nd, ng, nc, nr, nm = meta
@@ -76,6 +76,10 @@ case((300, 280), 16, 4, (3, 5), 0, seed=11, blocks=dict(block_m=16, block_n0=8, 
 case((300, 280), 16, 4, (3, 5), 1, seed=12, mode="dups", blocks=prod)
 case((600,), 64, 8, (2,), 0, seed=13, blocks=prod)
 case((600,), 64, 8, (1,), 0, seed=14, T_max=700, blocks=prod)
+# many scan blocks (8 tokens each, steps of 8 or 4 tokens), chunk boundaries inside steps, 1-3 ranks
+case((600,), 64, 8, (8,), 0, seed=15, blocks=prod, block_tokens=8)
+case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8)
+case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8)
 print("TABLES BIG OK")
 '''
 
@@ -96,10 +100,10 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
                 if name.endswith("_ptr") else "i32" for name in fn.arg_names}
 
     for fn, constants, fp32 in [
-        (tables._scan_kernel, dict(K=8, KP=8, MC=8, BLOCK=1024, BLOCK_T=256, BLOCK_P=2), ()),
-        (tables._bases_kernel, dict(MC=8, BLOCK_L=64, BLOCK_P=2, BLOCK_LP=128, BLOCK_PMC=16), ()),
-        (tables._emit_kernel, dict(K=8, KP=8, MC=8, BLOCK_T=256, BLOCK_P=2, BLOCK_PMC=16, BLOCK_SEG=512, BLOCK_J=64,
-                                   BLOCK_N=16), ("weights_ptr", "combine_weight_ptr")),
+        (tables._scan_kernel, dict(K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2), ()),
+        (tables._bases_kernel, dict(MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64), ()),
+        (tables._emit_kernel, dict(K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16, BLOCK_SEG=1024,
+                                   BLOCK_J=64, BLOCK_N=16), ("weights_ptr", "combine_weight_ptr")),
     ]:
         source = ASTSource(fn=fn, signature=signature(fn, constants, fp32), constexprs=constants)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]

@@ -1,4 +1,4 @@
-"""The task tables of `layout.build_layout` as three Triton kernels instead of a chain of ~40 torch kernels.
+"""The task tables of `layout.build_layout` as three Triton kernels (and a memset) instead of ~40 torch kernels.
 
 Same inputs, same `layout.Layout`, the same values in every entry the megakernel reads (the first `meta` entries of each
 task table, the first rows of each list; tests/test_tables.py checks them bitwise against `build_layout` under the
@@ -14,16 +14,25 @@ with groups (destination, chunk) for the rows this rank sends, (chunk, source) f
 (chunk, local expert, source) for its (token, expert) pairs (ties within a token by top-k slot, as the stable sort of
 `build_layout` orders them). Shape legend as in layout.py: P ranks, T = T_max, k top-k, L local experts, MC chunks.
 
-    1. `_scan_kernel`, P * L + 2 * P programs, each one scan along the tokens of one source:
-         (source s, expert e):  running count of s's pairs on local expert e (q), pairs per chunk of this rank
-         (source s):            slot of each token of s that has an expert here (its row in recv), rows per chunk
-         (destination d):       slot of each of this rank's tokens that goes to d, rows per chunk of d; program 0
-                                also writes every token's destination bit mask
-    2. `_bases_kernel`, one program: exclusive prefix sums of those counts (the group bases), the expert offsets, the
-       M tiles per chunk, the offsets of the GEMM task groups in DAG order, `meta`.
-    3. `_emit_kernel`, many programs: every entry at its position: the pairs' gather rows, the received tokens'
-       combine rows (their pair positions and weights), the rows this rank sends, and the task rows (dispatch blocks,
-       combine blocks, M tiles -> GEMM0 / GEMM1 tasks).
+The running counts are built in two levels so that no program walks all tokens: the tokens are cut into NB blocks of
+BT tokens (`_block_tokens`: ~128 blocks per source); a count along the tokens = the count in earlier blocks (a block
+base) + the count within the block.
+
+    1. `_scan_kernel`, P * NB + NB programs:
+         (source s, block b):  which tokens of the block have an expert here (rank within the block, the block's
+                               count), each (token, expert) pair's rank among the block's pairs of its expert (q, in
+                               steps of SUB tokens: a pairwise compare within the step + a running count per expert),
+                               the block's pairs per local expert; pairs per (expert, chunk) and rows per chunk
+                               added atomically into zeroed counters
+         (block b of this rank's tokens): for every destination d, which tokens go to d (rank within the block, the
+                               block's count); rows per (d, chunk) added atomically; the destination bit masks
+    2. `_bases_kernel`, 1 + P * ceil(L / 64) + 1 programs: program 0 the exclusive prefix sums of the counts (the
+       group bases), the expert offsets, the M tiles per chunk, the offsets of the GEMM task groups in DAG order,
+       `meta`; the others the block bases (exclusive prefix sums down the blocks) of pairs per (source, expert) and
+       of received / sent tokens.
+    3. `_emit_kernel`, many programs: every entry at its position (group base + block base + rank within the block):
+       the pairs' gather rows, the received tokens' combine rows (their pair positions and weights), the rows this
+       rank sends, and the task rows (dispatch blocks, combine blocks, M tiles -> GEMM0 / GEMM1 tasks).
 """
 
 from __future__ import annotations
@@ -37,8 +46,7 @@ from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["build_layout_triton"]
 
-_BLOCK = 1024          # flat (token, slot) elements per scan step
-_BLOCK_T = 256         # tokens per scan / emit step
+_BLOCK_T = 256         # tokens per emit program
 
 
 @triton.jit
@@ -50,151 +58,136 @@ def _chunk_of(t, chunks_ptr, d, tokens_ptr, tokens_stride, s):
 
 
 @triton.jit
-def _scan_pairs(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_counts_ptr, s, local,
-                rank, T, L, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK: tl.constexpr):
-    """(source s, local expert): q = running count of s's pairs on that expert in (token, slot) order; pairs per
-    chunk of this rank."""
-    mc = tl.arange(0, MC)
-    expert = rank * L + local
+def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
+                   pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, s, b, rank, T, L, NB,
+                   K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
+                   BLOCK_L: tl.constexpr):
+    """Token block b of source s: which tokens have an expert on this rank (their rank in the block, the block's
+    count, rows per chunk), and each (token, expert) pair's rank among the block's pairs of its expert in (token,
+    slot) order (q), the block's pairs per local expert, pairs per (expert, chunk)."""
     n_tok = tl.load(tokens_ptr + s * tokens_stride)
-    counts = tl.zeros([MC], dtype=tl.int32)
-    running = 0
-    offs = tl.arange(0, BLOCK)
-    for start in range(0, n_tok * KP, BLOCK):
-        flat = start + offs
-        t = flat // KP
-        j = flat % KP
-        valid = (t < n_tok) & (j < K)
-        ids = tl.load(ids_ptr + s.to(tl.int64) * ids_stride + t * K + j, mask=valid, other=-1)
-        hit = (ids == expert).to(tl.int32)
-        before = tl.cumsum(hit, axis=0) - hit
-        tl.store(q_ptr + (s * T + t).to(tl.int64) * K + j, running + before, mask=hit != 0)
-        running += tl.sum(hit, axis=0)
-        c = _chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s)
-        counts += tl.sum(((c[:, None] == mc[None, :]) & (hit[:, None] != 0)).to(tl.int32), axis=0)
-    tl.store(pair_counts_ptr + (s * L + local) * MC + mc, counts)
-
-
-@triton.jit
-def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, recv_slot_ptr, arrival_ptr, s, rank,
-                   T, L, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr):
-    """(source s): which of s's tokens have an expert on this rank, their slot in s's rows for this rank, rows per
-    chunk."""
-    mc = tl.arange(0, MC)
-    n_tok = tl.load(tokens_ptr + s * tokens_stride)
-    counts = tl.zeros([MC], dtype=tl.int32)
-    running = 0
-    offs = tl.arange(0, BLOCK_T)
+    first = b * BT
+    t = first + tl.arange(0, BT)
     jj = tl.arange(0, KP)
-    for start in range(0, n_tok, BLOCK_T):
-        t = start + offs
-        valid = t < n_tok
-        ids = tl.load(ids_ptr + s.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
-                      mask=valid[:, None] & (jj[None, :] < K), other=-1)
-        mine = (ids >= rank * L) & (ids < (rank + 1) * L)
-        hit = (tl.sum(mine.to(tl.int32), axis=1) > 0).to(tl.int32)
-        before = tl.cumsum(hit, axis=0) - hit
-        tl.store(recv_slot_ptr + s * T + t, running + before, mask=hit != 0)
-        running += tl.sum(hit, axis=0)
-        c = tl.minimum(_chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s), MC - 1)
-        counts += tl.sum(((c[:, None] == mc[None, :]) & (hit[:, None] != 0)).to(tl.int32), axis=0)
-    tl.store(arrival_ptr + s * MC + mc, counts)
+    row = ids_ptr + s.to(tl.int64) * ids_stride
+    ids = tl.load(row + t[:, None] * K + jj[None, :], mask=(t < n_tok)[:, None] & (jj[None, :] < K), other=-1)
+    mine = (ids >= rank * L) & (ids < (rank + 1) * L)
+    hit = (tl.sum(mine.to(tl.int32), axis=1) > 0).to(tl.int32)
+    tl.store(recv_local_ptr + s * T + t, tl.cumsum(hit, axis=0) - hit, mask=hit != 0)
+    tl.store(recv_hist_ptr + s * NB + b, tl.sum(hit, axis=0))
+    mc = tl.arange(0, MC)
+    arrived = tl.histogram(tl.minimum(_chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s), MC - 1), MC,
+                           mask=hit != 0)
+    tl.atomic_add(arrival_ptr + s * MC + mc, arrived, mask=arrived > 0, sem="relaxed")
+    # pairs, SUB tokens at a time: rank among the step's earlier pairs of the same expert + the block's running count
+    le = tl.arange(0, BLOCK_L)
+    ii = tl.arange(0, SUB * KP)
+    running = tl.zeros([BLOCK_L], dtype=tl.int32)
+    K_rank = tl.load(chunks_ptr + rank * 4)
+    Ts = tl.maximum(n_tok, 1)
+    for start in range(first, tl.minimum(first + BT, n_tok), SUB):
+        tt = start + ii // KP
+        j = ii % KP
+        pair_ids = tl.load(row + tt * K + j, mask=(tt < n_tok) & (j < K), other=-1)
+        pair_mine = (pair_ids >= rank * L) & (pair_ids < (rank + 1) * L)
+        expert = tl.where(pair_mine, pair_ids - rank * L, 0)
+        same = (expert[None, :] == expert[:, None]) & pair_mine[None, :] & (ii[None, :] < ii[:, None])
+        q = tl.sum(same.to(tl.int32), axis=1) + tl.gather(running, expert, 0)
+        tl.store(q_ptr + (s * T + tt).to(tl.int64) * K + j, q, mask=pair_mine)
+        running += tl.histogram(expert, BLOCK_L, mask=pair_mine)
+        # pairs per (expert, chunk): chunks are monotone in the token, so a step spans chunks c_lo..c_hi
+        chunk = (tt * K_rank) // Ts
+        c_hi = ((tl.minimum(start + SUB, n_tok) - 1) * K_rank) // Ts
+        for c in range((start * K_rank) // Ts, c_hi + 1):
+            per_expert = tl.histogram(expert, BLOCK_L, mask=pair_mine & (chunk == c))
+            tl.atomic_add(pair_counts_ptr + (s * L + le) * MC + c, per_expert, mask=(per_expert > 0) & (le < L),
+                          sem="relaxed")
+    tl.store(pair_hist_ptr + (s * NB + b) * L + le, running, mask=le < L)
 
 
 @triton.jit
-def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_slot_ptr, key_counts_ptr,
-               send_counts_ptr, mask_ptr, d, rank, T, L, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
-               BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
-    """(destination d): which of this rank's tokens go to d, their slot in d's rows from this rank, rows per chunk of
-    d; d = 0 also writes every token slot's destination bit mask (zeros past this rank's tokens)."""
-    mc = tl.arange(0, MC)
+def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
+               key_counts_ptr, mask_ptr, b, rank, P, T, L, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
+               BT: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Token block b of this rank: for every destination d, which tokens go to d (their rank in the block, the
+    block's count, rows per chunk of d), and every token slot's destination bit mask (zeros past this rank's
+    tokens)."""
     n_tok = tl.load(tokens_ptr + rank * tokens_stride)
-    counts = tl.zeros([MC], dtype=tl.int32)
-    running = 0
-    offs = tl.arange(0, BLOCK_T)
+    t = b * BT + tl.arange(0, BT)
     jj = tl.arange(0, KP)
     pp = tl.arange(0, BLOCK_P)
-    end = tl.where(d == 0, T, n_tok)
-    for start in range(0, end, BLOCK_T):
-        t = start + offs
-        valid = t < n_tok
-        ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
-                      mask=valid[:, None] & (jj[None, :] < K), other=-1)
-        owner = tl.where(ids >= 0, ids // L, -1)
-        hit = (tl.sum((owner == d).to(tl.int32), axis=1) > 0).to(tl.int32)
-        before = tl.cumsum(hit, axis=0) - hit
-        tl.store(send_slot_ptr + d * T + t, running + before, mask=hit != 0)
-        running += tl.sum(hit, axis=0)
-        c = _chunk_of(t, chunks_ptr, d, tokens_ptr, tokens_stride, rank)
-        counts += tl.sum(((c[:, None] == mc[None, :]) & (hit[:, None] != 0)).to(tl.int32), axis=0)
-        if d == 0:
-            goes = tl.sum(((owner[:, :, None] == pp[None, None, :]).to(tl.int32)), axis=1) > 0   # [BLOCK_T, P]
-            bits = tl.sum(tl.where(goes, 1 << pp[None, :], 0), axis=1)
-            tl.store(mask_ptr + t, bits, mask=t < T)
-    tl.store(key_counts_ptr + d * MC + mc, counts)
-    tl.store(send_counts_ptr + d, running)
+    ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
+                  mask=(t < n_tok)[:, None] & (jj[None, :] < K), other=-1)
+    owner = tl.where(ids >= 0, ids // L, -1)
+    goes = tl.sum((owner[:, :, None] == pp[None, None, :]).to(tl.int32), axis=1) > 0      # [BT, P]
+    hit = goes.to(tl.int32)
+    tl.store(send_local_ptr + pp[None, :] * T + t[:, None], tl.cumsum(hit, axis=0) - hit, mask=goes)
+    tl.store(send_hist_ptr + pp * NB + b, tl.sum(hit, axis=0), mask=pp < P)
+    tl.store(mask_ptr + t, tl.sum(tl.where(goes, 1 << pp[None, :], 0), axis=1), mask=t < T)
+    K_dest = tl.load(chunks_ptr + pp * 4, mask=pp < P, other=1)
+    chunk = (t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1)
+    f = tl.arange(0, BLOCK_P * MC)
+    keys = tl.histogram(tl.reshape(pp[None, :] * MC + tl.minimum(chunk, MC - 1), [BT * BLOCK_P]), BLOCK_P * MC,
+                        mask=tl.reshape(goes, [BT * BLOCK_P]))
+    tl.atomic_add(key_counts_ptr + f, keys, mask=(keys > 0) & (f < P * MC), sem="relaxed")
 
 
 @triton.jit
-def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_counts_ptr, recv_slot_ptr,
-                 arrival_ptr, send_slot_ptr, key_counts_ptr, send_counts_ptr, mask_ptr, rank, P, T, L,
-                 K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr, pair_counts_ptr,
+                 recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr, send_hist_ptr, key_counts_ptr, mask_ptr,
+                 rank, P, T, L, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr,
+                 SUB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
-    if pid < P * L:
-        _scan_pairs(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_counts_ptr, pid // L,
-                    pid % L, rank, T, L, K, KP, MC, BLOCK)
-    elif pid < P * L + P:
-        _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, recv_slot_ptr, arrival_ptr,
-                       pid - P * L, rank, T, L, K, KP, MC, BLOCK_T)
+    if pid < P * NB:
+        _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
+                       pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, pid // NB, pid % NB, rank, T, L,
+                       NB, K, KP, MC, BT, SUB, BLOCK_L)
     else:
-        _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_slot_ptr, key_counts_ptr,
-                   send_counts_ptr, mask_ptr, pid - P * L - P, rank, T, L, K, KP, MC, BLOCK_T, BLOCK_P)
+        _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
+                   key_counts_ptr, mask_ptr, pid - P * NB, rank, P, T, L, NB, K, KP, MC, BT, BLOCK_P)
 
 
 @triton.jit
-def _exclusive(x):
-    return tl.cumsum(x, axis=0) - x
+def _exclusive(x, axis: tl.constexpr = 0):
+    return tl.cumsum(x, axis=axis) - x
 
 
 @triton.jit
-def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, send_counts_ptr, tokens_ptr, tokens_stride,
-                  pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
-                  group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
-                  gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
-                  rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
-                  MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_LP: tl.constexpr,
-                  BLOCK_PMC: tl.constexpr):
+def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stride,
+           pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
+           group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
+           gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
+           rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
+           MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr):
     # -- pairs: groups (chunk, expert, source) in that order; pair_base[s, e, c] = base of the group minus the pairs
-    #    of (s, e) in earlier chunks, so a pair's position is pair_base + its running count q
-    flat = tl.arange(0, BLOCK_LP)
-    e = flat // BLOCK_P
-    s = flat % BLOCK_P
-    ok = (e < L) & (s < P)
-    running = 0
-    earlier = tl.zeros([BLOCK_LP], dtype=tl.int32)       # pairs of (s, e) in chunks before c
+    #    of (s, e) in earlier chunks, so a pair's position is pair_base + its running count q. All [MC, L, P].
+    c3 = tl.arange(0, MC)[:, None, None]
+    e3 = tl.arange(0, BLOCK_L)[None, :, None]
+    s3 = tl.arange(0, BLOCK_P)[None, None, :]
+    ok3 = (e3 < L) & (s3 < P) & (c3 < MC)
+    at = (s3 * L + e3) * MC + c3
+    n = tl.load(pair_counts_ptr + at, mask=ok3, other=0)
+    rows = tl.sum(n, axis=2)                                                   # [MC, L] rows of segment (c, e)
+    chunk_rows = tl.sum(rows, axis=1)                                          # [MC]
+    base = (_exclusive(chunk_rows)[:, None, None] + _exclusive(rows, 1)[:, :, None] + _exclusive(n, 2))
+    tl.store(pair_base_ptr + at, base - _exclusive(n, 0), mask=ok3)
+    # segments (c, e) and their M tiles, in that order
+    c2 = tl.arange(0, MC)[:, None]
+    e2 = tl.arange(0, BLOCK_L)[None, :]
+    ok2 = (e2 < L) & (c2 < MC)
+    tiles = (rows + block_m - 1) // block_m
+    chunk_tiles = tl.sum(tiles, axis=1)                                        # [MC]
+    tl.store(seg_rows_ptr + c2 * L + e2, rows, mask=ok2)
+    tl.store(seg_mtiles_end_ptr + c2 * L + e2, (tl.cumsum(chunk_tiles, 0) - chunk_tiles)[:, None]
+             + tl.cumsum(tiles, axis=1), mask=ok2)
+    mc = tl.arange(0, MC)
+    tl.store(chunk_mtiles_ptr + mc, chunk_tiles)
+    tl.store(gemm1_expected_ptr + mc, chunk_tiles * n1)
+    num_mtiles = tl.sum(chunk_tiles, axis=0)
     le = tl.arange(0, BLOCK_L)
-    mtiles_running = 0
-    expert_running = 0
-    for c in range(0, MC):
-        n = tl.load(pair_counts_ptr + (s * L + e) * MC + c, mask=ok, other=0)
-        base = running + _exclusive(n)
-        tl.store(pair_base_ptr + (s * L + e) * MC + c, base - earlier, mask=ok)
-        earlier += n
-        running += tl.sum(n, axis=0)
-        # rows of segment (c, e) and its M tiles
-        rows = tl.sum(tl.where(e[:, None] == le[None, :], n[:, None], 0), axis=0)          # [BLOCK_L]
-        tiles = (rows + block_m - 1) // block_m
-        tl.store(seg_rows_ptr + c * L + le, rows, mask=le < L)
-        tl.store(seg_mtiles_end_ptr + c * L + le, mtiles_running + tl.cumsum(tiles, axis=0), mask=le < L)
-        chunk_tiles = tl.sum(tl.where(le < L, tiles, 0), axis=0)
-        tl.store(chunk_mtiles_ptr + c, chunk_tiles)
-        tl.store(gemm1_expected_ptr + c, chunk_tiles * n1)
-        mtiles_running += chunk_tiles
-        if c == 0:
-            tl.store(expert_offsets_ptr + le + 1, tl.cumsum(rows, axis=0), mask=le < L)
-            tl.store(expert_offsets_ptr, 0)
-    num_mtiles = mtiles_running
+    tl.store(expert_offsets_ptr + le + 1, tl.cumsum(tl.sum(tl.where(c2 == 0, rows, 0), axis=0), axis=0),
+             mask=le < L)   # chunk 0's rows (the serial schedule's only chunk)
+    tl.store(expert_offsets_ptr, 0)
     # -- GEMM task groups in DAG order: GEMM0 of chunk c has rank 2c, GEMM1 of chunk c rank 2c + 3
     g = tl.arange(0, 2 * MC)
     g_chunk = g % MC
@@ -233,7 +226,7 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, send_counts_ptr,
     tl.store(dispatch_seg_ptr + 2 * BLOCK_PMC + f, keys)
     num_dispatch = tl.sum(dblocks, axis=0)
     pp = tl.arange(0, BLOCK_P)
-    sent = tl.load(send_counts_ptr + pp, mask=pp < P, other=0)
+    sent = tl.sum(tl.load(key_counts_ptr + pp[:, None] * MC + mc[None, :], mask=(pp < P)[:, None], other=0), axis=1)
     tl.store(send_base_ptr + pp, _exclusive(sent), mask=pp < P)
     tl.store(combine_expected_ptr + pp, sent, mask=pp < P)
     num_reduce = (tl.load(tokens_ptr + rank * tokens_stride) + reduce_rows - 1) // reduce_rows
@@ -242,6 +235,53 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, send_counts_ptr,
     tl.store(meta_ptr + 2, num_combine)
     tl.store(meta_ptr + 3, num_reduce)
     tl.store(meta_ptr + 4, num_mtiles)
+
+
+@triton.jit
+def _block_bases(hist_ptr, base_ptr, column0, columns, row_stride, column_stride, NB, BLOCK_B: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """base[b, c] = sum over b' < b of hist[b', c] (exclusive prefix down the NB token blocks) for the columns
+    [column0, column0 + BLOCK_C) < `columns` of a table with the given strides at hist_ptr / base_ptr."""
+    cc = column0 + tl.arange(0, BLOCK_C)
+    bb = tl.arange(0, BLOCK_B)
+    running = tl.zeros([BLOCK_C], dtype=tl.int32)
+    for b0 in range(0, NB, BLOCK_B):
+        at = (b0 + bb)[:, None] * row_stride + cc[None, :] * column_stride
+        ok = ((b0 + bb) < NB)[:, None] & (cc < columns)[None, :]
+        hist = tl.load(hist_ptr + at, mask=ok, other=0)
+        tl.store(base_ptr + at, running[None, :] + _exclusive(hist), mask=ok)
+        running += tl.sum(hist, axis=0)
+
+
+@triton.jit
+def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stride,
+                  pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
+                  group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
+                  gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
+                  pair_hist_ptr, pair_block_base_ptr, recv_hist_ptr, recv_block_base_ptr, send_hist_ptr,
+                  send_block_base_ptr,
+                  rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
+                  MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program 0: the group bases and `meta` from the scan's counts. The others: the token blocks' bases, one
+    program per (source, BLOCK_C local experts) of the pairs' [P, NB, L] table, and the last one for the received
+    and sent tokens' [P, NB] tables."""
+    pid = tl.program_id(0)
+    slices = tl.cdiv(L, BLOCK_C)
+    if pid == 0:
+        _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stride,
+               pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
+               group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
+               gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
+               rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows, MC, BLOCK_L, BLOCK_P,
+               BLOCK_PMC)
+    elif pid <= P * slices:   # pairs: [P, NB, L]
+        s = (pid - 1) // slices
+        _block_bases(pair_hist_ptr + s * NB * L, pair_block_base_ptr + s * NB * L, ((pid - 1) % slices) * BLOCK_C, L,
+                     L, 1, NB, BLOCK_B, BLOCK_C)
+    else:   # received and sent tokens: [P, NB]
+        _block_bases(recv_hist_ptr, recv_block_base_ptr, 0, P, 1, NB, NB, BLOCK_B, BLOCK_P)
+        _block_bases(send_hist_ptr, send_block_base_ptr, 0, P, 1, NB, NB, BLOCK_B, BLOCK_P)
 
 
 @triton.jit
@@ -255,10 +295,10 @@ def _segment_of(end_ptr, j, S, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
-def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_slot_ptr,
-                   pair_base_ptr, recv_base_ptr, gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr,
-                   pid, rank, T, L, max_pairs, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
+def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
+                   pair_base_ptr, recv_base_ptr, pair_block_base_ptr, recv_block_base_ptr, gather_ptr,
+                   combine_token_ptr, combine_pos_ptr, combine_weight_ptr, pid, rank, T, L, NB, max_pairs,
+                   K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr):
     offs = tl.arange(0, BLOCK_T)
     jj = tl.arange(0, KP)
     # received tokens of source s, block b: their combine rows, and their pairs' gather rows
@@ -274,7 +314,10 @@ def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, 
     hit = tl.sum(mine.to(tl.int32), axis=1) > 0
     c = _chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s)
     expert = tl.where(mine, ids - rank * L, 0)
-    q = tl.load(q_ptr + (s * T + t).to(tl.int64)[:, None] * K + jj[None, :], mask=mine, other=0)
+    block = t // BT
+    # q: the pair's rank among its block's pairs of its expert + the pairs of that expert in earlier blocks
+    q = (tl.load(q_ptr + (s * T + t).to(tl.int64)[:, None] * K + jj[None, :], mask=mine, other=0)
+         + tl.load(pair_block_base_ptr + (s * NB + block)[:, None] * L + expert, mask=mine, other=0))
     base = tl.load(pair_base_ptr + (s * L + expert) * MC + c[:, None], mask=mine, other=0)
     pos = tl.where(mine, base + q, -1)
     # a token that repeats one expert more than E_local times (only possible when k > E_local) can exceed the
@@ -282,7 +325,8 @@ def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, 
     # past the buffers
     pos = tl.where(pos < max_pairs, pos, -1)
     mine = mine & (pos >= 0)
-    slot = tl.load(recv_slot_ptr + s * T + t, mask=hit, other=0)
+    slot = (tl.load(recv_local_ptr + s * T + t, mask=hit, other=0)
+            + tl.load(recv_block_base_ptr + s * NB + block, mask=hit, other=0))
     tl.store(gather_ptr + pos, (s * T + slot)[:, None] + 0 * pos, mask=mine)
     cc = tl.minimum(c, MC - 1)
     row = tl.load(recv_base_ptr + s * MC + cc, mask=hit, other=0) + slot
@@ -295,8 +339,9 @@ def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, 
 
 
 @triton.jit
-def _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_slot_ptr, send_base_ptr, send_token_ptr,
-               send_out_ptr, q_pid, rank, T, L, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+def _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, send_block_base_ptr, send_base_ptr,
+               send_token_ptr, send_out_ptr, q_pid, rank, T, L, NB, K: tl.constexpr, KP: tl.constexpr,
+               BLOCK_T: tl.constexpr, BT: tl.constexpr):
     offs = tl.arange(0, BLOCK_T)
     jj = tl.arange(0, KP)
     # this rank's tokens to destination d, block b: the rows it sends
@@ -309,7 +354,8 @@ def _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_slot_ptr, se
                   mask=valid[:, None] & (jj[None, :] < K), other=-1)
     owner = tl.where(ids >= 0, ids // L, -1)
     hit = tl.sum((owner == d).to(tl.int32), axis=1) > 0
-    slot = tl.load(send_slot_ptr + d * T + t, mask=hit, other=0)
+    slot = (tl.load(send_local_ptr + d * T + t, mask=hit, other=0)
+            + tl.load(send_block_base_ptr + d * NB + t // BT, mask=hit, other=0))
     index = tl.load(send_base_ptr + d) + slot
     tl.store(send_token_ptr + index, t, mask=hit)
     tl.store(send_out_ptr + index, slot, mask=hit)
@@ -387,24 +433,26 @@ def _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_pt
 
 
 @triton.jit
-def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_slot_ptr,
-                 send_slot_ptr, pair_base_ptr, recv_base_ptr, send_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr,
+def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
+                 send_local_ptr, pair_base_ptr, recv_base_ptr, send_base_ptr, pair_block_base_ptr,
+                 recv_block_base_ptr, send_block_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr,
                  group_base_ptr, combine_seg_ptr, dispatch_seg_ptr, meta_ptr,
                  gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, send_token_ptr, send_out_ptr,
                  dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
-                 rank, P, T, L, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
+                 rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
                  max_dispatch, max_combine, max_pairs, recv_programs, send_programs,
-                 K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
+                 K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     if pid < recv_programs:
-        _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_slot_ptr,
-                       pair_base_ptr, recv_base_ptr, gather_ptr, combine_token_ptr, combine_pos_ptr,
-                       combine_weight_ptr, pid, rank, T, L, max_pairs, K, KP, MC, BLOCK_T)
+        _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
+                       pair_base_ptr, recv_base_ptr, pair_block_base_ptr, recv_block_base_ptr, gather_ptr,
+                       combine_token_ptr, combine_pos_ptr, combine_weight_ptr, pid, rank, T, L, NB, max_pairs, K, KP,
+                       MC, BLOCK_T, BT)
     elif pid < recv_programs + send_programs:
-        _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_slot_ptr, send_base_ptr, send_token_ptr,
-                   send_out_ptr, pid - recv_programs, rank, T, L, K, KP, BLOCK_T)
+        _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, send_block_base_ptr, send_base_ptr,
+                   send_token_ptr, send_out_ptr, pid - recv_programs, rank, T, L, NB, K, KP, BLOCK_T, BT)
     else:
         _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
                     dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
@@ -417,12 +465,21 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def _block_tokens(T: int, KP: int) -> tuple[int, int]:
+    """(tokens per scan block, tokens per step inside it): about 128 blocks per source, 32 to 256 tokens each, so
+    a block's scan is a few short steps and the bases' walk down the blocks is a few wide ones; a step holds
+    <= 128 (token, slot) pairs (its rank computation compares them pairwise)."""
+    step = max(1, 128 // KP)
+    return max(step, min(256, max(32, _pow2(-(-T // 128))))), step
+
+
 def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
-                        combine_rows: int, reduce_rows: int) -> Layout:
-    """`layout.build_layout` (same arguments) as three Triton launches; `chunks` must be a column of the [EP, 4]
-    int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable)."""
+                        combine_rows: int, reduce_rows: int, block_tokens: int | None = None) -> Layout:
+    """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
+    of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
+    `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -445,14 +502,25 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     KP = _pow2(K)
     BLOCK_P = _pow2(P)
     BLOCK_PMC = _pow2(BLOCK_P * MC)
-    # scratch
+    BLOCK_L = _pow2(L)
+    BT, step = _block_tokens(T, KP)
+    if block_tokens is not None:
+        BT, step = block_tokens, min(step, block_tokens)
+    NB = triton.cdiv(T, BT)
+    # scratch: what the scan counts with atomics (zeroed), then per token block
+    counted = torch.zeros(P * L * MC + 2 * P * MC, **i32)
+    pair_counts = counted[:P * L * MC].view(P, L, MC)
+    arrival = counted[P * L * MC:P * L * MC + P * MC].view(P, MC)
+    key_counts = counted[P * L * MC + P * MC:].view(P, MC)
     q = torch.empty(P, T, K, **i32)
-    pair_counts = torch.empty(P, L, MC, **i32)
-    recv_slot = torch.empty(P, T, **i32)
-    arrival = torch.empty(P, MC, **i32)
-    send_slot_of = torch.empty(P, T, **i32)
-    key_counts = torch.empty(P, MC, **i32)
-    send_counts = torch.empty(P, **i32)
+    recv_local = torch.empty(P, T, **i32)
+    send_local = torch.empty(P, T, **i32)
+    pair_hist = torch.empty(P, NB, L, **i32)
+    pair_block_base = torch.empty(P, NB, L, **i32)
+    recv_hist = torch.empty(P, NB, **i32)
+    recv_block_base = torch.empty(P, NB, **i32)
+    send_hist = torch.empty(P, NB, **i32)
+    send_block_base = torch.empty(P, NB, **i32)
     pair_base = torch.empty(P, L, MC, **i32)
     seg_rows = torch.empty(MC * L, **i32)
     seg_mtiles_end = torch.empty(MC * L, **i32)
@@ -479,27 +547,30 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     combine_tasks = torch.empty(max_combine, 4, **i32)
     gemm_tasks = torch.empty(max_mtiles * (n0 + n1), 8, **i32)
 
-    _scan_kernel[(P * L + 2 * P,)](
-        all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_counts, recv_slot, arrival, send_slot_of,
-        key_counts, send_counts, token_dest_mask, rank, P, T, L, K=K, KP=KP, MC=MC, BLOCK=_BLOCK, BLOCK_T=_BLOCK_T,
-        BLOCK_P=BLOCK_P)
-    _bases_kernel[(1,)](
-        pair_counts, arrival, key_counts, send_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
+    _scan_kernel[(P * NB + NB,)](
+        all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
+        recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP, MC=MC,
+        BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P)
+    block_c = min(BLOCK_L, 64)
+    _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
+        pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
         expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta, gemm1_expected,
-        arrival_expected, combine_expected, rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
-        MC=MC, BLOCK_L=_pow2(L), BLOCK_P=BLOCK_P, BLOCK_LP=_pow2(L) * BLOCK_P, BLOCK_PMC=BLOCK_PMC)
+        arrival_expected, combine_expected, pair_hist, pair_block_base, recv_hist, recv_block_base, send_hist,
+        send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
+        MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c)
     per_block = triton.cdiv(T, _BLOCK_T)
     task_slots = max(max_dispatch, max_combine, max_mtiles)
     block_j = 64
     grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
     _emit_kernel[(grid,)](
-        all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_slot, send_slot_of,
-        pair_base, recv_base, send_base, seg_rows, seg_mtiles_end, group_base, combine_seg, dispatch_seg, meta,
+        all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
+        pair_base, recv_base, send_base, pair_block_base, recv_block_base, send_block_base, seg_rows, seg_mtiles_end,
+        group_base, combine_seg, dispatch_seg, meta,
         gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks, combine_tasks,
         gemm_tasks,
-        rank, P, T, L, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch, max_combine,
-        max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BLOCK_P=BLOCK_P,
-        BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j, BLOCK_N=_pow2(max(n0, n1)))
+        rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
+        max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BT=BT,
+        BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j, BLOCK_N=_pow2(max(n0, n1)))
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
                   gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
