@@ -1,0 +1,99 @@
+"""Where the host time of one resident weave call goes (one GPU): medians of many calls, each timed alone.
+
+python scripts/host_cost.py --model qwen3-30b-a3b --tokens 1 --emulate-ep 2 [--policy serial] [--out host.json]
+
+Times (microseconds, CPU clock, the GPU drained before each sample so no queue backs up): the whole layer call
+(host return), the backend's forward alone, and its pieces one by one: torch.empty for out, the two io fills, the
+message pack, the graph replay, the status copy + event record. Also the GPU time of one call (events).
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def median_us(fn, calls=200):
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return round(statistics.median(samples), 1)
+
+
+def main():
+    from weave_moe import routing
+    from weave_moe.bench.config import emulated_spec
+    from weave_moe.layer import ExpertParallelMoE
+    from weave_moe.models import MoESpec
+    from weave_moe.testing import make_experts
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3-30b-a3b")
+    parser.add_argument("--tokens", default="1,2048")
+    parser.add_argument("--emulate-ep", type=int, default=2)
+    parser.add_argument("--policies", default="serial,weave")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    spec = emulated_spec(MoESpec.from_name(args.model), args.emulate_ep)
+    w13, w2 = make_experts(spec, spec.num_experts, first_expert=0, seed=1, device=device)
+    report = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        ids, w = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=0)
+        ids, w = ids.to(device).to(torch.int32), w.to(device)
+        x = torch.randn(tokens, spec.hidden_size, device=device).to(torch.bfloat16)
+        for policy in args.policies.split(","):
+            layer = ExpertParallelMoE(spec, backend="weave", policy=policy, device=device, max_tokens_per_rank=tokens,
+                                      check_expert_ids=False)
+            layer.load_experts(w13, w2)
+            for _ in range(5):
+                layer(x, ids, w)
+            torch.cuda.synchronize()
+            b = layer.backend
+            row = dict(model=args.model, tokens=tokens, policy=policy, resident=bool(b.resident))
+            row["layer_call_us"] = median_us(lambda: layer(x, ids, w))
+            row["backend_forward_us"] = median_us(lambda: b.forward(x, ids, w))
+            with torch.no_grad():
+                row["layer_call_no_grad_us"] = median_us(lambda: layer(x, ids, w))
+            row["empty_out_us"] = median_us(lambda: torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16,
+                                                                device=device))
+            row["io_fills_us"] = median_us(lambda: (b.io[0:1].fill_(x.data_ptr()), b.io[1:2].fill_(x.data_ptr())))
+            row["pack_us"] = median_us(lambda: b.message.pack(b.send_routing, ids, w, b.routing_pad, b.token_counts,
+                                                              b.header_device))
+            graphs = [g for name, (g, _) in b.graphs.graphs.items() if name.startswith("resident")]
+            if graphs:
+                row["graph_replay_us"] = median_us(graphs[0].replay)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                gpu = []
+                for _ in range(50):
+                    torch.cuda.synchronize()
+                    start.record()
+                    graphs[0].replay()
+                    end.record()
+                    end.synchronize()
+                    gpu.append(start.elapsed_time(end) * 1e3)
+                row["graph_gpu_us"] = round(statistics.median(gpu), 1)
+            event = torch.cuda.Event()
+            row["status_copy_us"] = median_us(lambda: (b.status_host.copy_(b.status, non_blocking=True),
+                                                       event.record()))
+            timings = {}
+            for _ in range(50):
+                torch.cuda.synchronize()
+                layer(x, ids, w, timings=timings)
+            row.update({k: round(v * 1e3 / 50, 1) for k, v in timings.items()})
+            print(json.dumps(row), flush=True)
+            report.append(row)
+            del layer
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
