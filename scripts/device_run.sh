@@ -20,9 +20,10 @@ for stage in "$@"; do
     # grouped_gemm=off: the serial policy's GEMMs inside the megakernel, so its timeline covers the whole call
     utilisation) WEAVE_MOE_KERNEL_CONFIG=grouped_gemm=off timeout "${UTIL_TIMEOUT:-400}" python3 scripts/timeline_stats.py --emulate-ep 2 --models deepseek-v3:4096,qwen3-30b-a3b:8192 --variants weave:serial,weave:static:20,weave:static:20,4,weave --out "$W/util" > "$W/utilisation.log" 2>&1; echo "rc=$?"; grep -v '^   ' "$W/utilisation.log" | tail -16;;
     # per-shape grouped-GEMM configs (weave-moe tune, one GPU): the six paper models' per-rank work of EP=2 at 2048 and
-    # 8192 tokens; the table comes back as $W/tuned/<device key>.json (to commit as
+    # 8192 tokens (TUNE_TOKENS, TUNE_MODELS; TUNE_ARGS: more options, e.g. the candidate grid; TUNE_OUT: a table to
+    # update in place, e.g. the shipped one, instead of a new one); the table comes back as $W/tuned/<device key>.json (to commit as
     # src/weave_moe/backends/weave/kernels/tuned/<device key>.json), written after every shape, so a timeout keeps what ran
-    tune) timeout "${TUNE_TIMEOUT:-300}" python3 -m weave_moe.cli tune --models "${TUNE_MODELS:-deepseek-v3,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v2}" --emulate-ep 2 --tokens "${TUNE_TOKENS:-2048,8192}" --out "$W/tuned" > "$W/tune.log" 2>&1; echo "rc=$?"; grep -vE "^  GEMM" "$W/tune.log" | tail -45;;
+    tune) timeout "${TUNE_TIMEOUT:-300}" python3 -m weave_moe.cli tune --models "${TUNE_MODELS:-deepseek-v3,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v2}" --emulate-ep 2 --tokens "${TUNE_TOKENS:-2048,8192}" --out "${TUNE_OUT:-$W/tuned}" ${TUNE_ARGS:-} > "$W/tune.log" 2>&1; echo "rc=$?"; grep -vE "^  GEMM" "$W/tune.log" | tail -45; if [ -n "${TUNE_OUT:-}" ]; then mkdir -p "$W/tuned"; cp "$TUNE_OUT" "$W/tuned/"; fi;;
     planner) timeout "${PLANNER_TIMEOUT:-300}" python3 scripts/device_planner_check.py --vectors 1000 --out "$W/device_planner_check.json" > "$W/device_planner_check.log" 2>&1; echo "rc=$?"; tail -20 "$W/device_planner_check.log";;
     baselines) timeout "${BASELINES_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 scripts/baselines_check.py --iters 20 --out "$W/baselines_check.json" > "$W/baselines_check.log" 2>&1; echo "rc=$?"; tail -30 "$W/baselines_check.log";;
     # eval6 on one GPU: every paper model, the per-rank work of EP=2, every baseline that runs at EP=1 and the weave

@@ -209,3 +209,33 @@ def test_exchange_stages_compile(stage):
     # the send stage sets flags and never waits; the receive stage waits and never sets a flag
     assert _has_atomic(ptx, "global", "sys", "release", "exch") == (stage == rx.STAGE_SEND)
     assert bool(re.search(r"ld\.global\.sys\.acquire", ptx)) == (stage == rx.STAGE_RECV)
+
+
+PACK_SCRIPT = r'''
+import torch
+from weave_moe.backends.coordination import HEADER_WORDS
+from weave_moe.backends.weave.exchange import RoutingMessage
+for T_max, k, T, code in [(5, 2, 5, 0), (5, 2, 3, 7), (4097, 3, 4000, 0), (3, 4, 0, 2)]:
+    msg = RoutingMessage(T_max, k)
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(-1, 9, (T, k), generator=g, dtype=torch.int32)
+    w = torch.rand(T, k, generator=g)
+    header = torch.tensor([11, 12, 13, 0], dtype=torch.int32)[:HEADER_WORDS]
+    ref = torch.empty(msg.words, dtype=torch.int32)
+    want_header = header.clone(); want_header[-1] = code
+    msg.pack(ref, ids, w, msg.pad(), torch.arange(T_max + 1, dtype=torch.int32), want_header)
+    got = torch.full((msg.words,), 12345, dtype=torch.int32)
+    io = torch.zeros(2, dtype=torch.int64)
+    x, out = torch.empty(T, 8, dtype=torch.bfloat16), torch.empty(T, 8, dtype=torch.bfloat16)
+    msg.pack_call(got, ids, w, header, io, x, out, code)
+    assert torch.equal(got, ref), (T_max, k, T, (got != ref).nonzero()[:5])
+    assert io.tolist() == [x.data_ptr(), out.data_ptr()]
+    assert header[-1] == 0   # the device header keeps its own error word
+print("PACK OK")
+'''
+
+
+def test_pack_call_equals_pack_under_interpreter():
+    """The resident call's one-launch pack writes the message `pack` writes (bitwise, padding included), the error
+    code in place of the header's, and the addresses of x and out."""
+    run_interpreted(PACK_SCRIPT, "PACK OK", timeout=300)

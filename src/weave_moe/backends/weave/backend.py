@@ -211,6 +211,7 @@ class WeaveBackend:
         self.grouped = bool(cfg.grouped_gemm and self.only_serial and H % 8 == 0 and I % 8 == 0
                             and torch.cuda.get_device_capability(device) >= (9, 0))
         self.w13_grouped = None
+        self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
         self.max_pairs = max_pairs
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
         self.constants = mk_launch.MegakernelConstants.from_config(
@@ -352,17 +353,13 @@ class WeaveBackend:
                 raise failure
             x = x[:0]
             topk_ids, topk_weights = self.no_tokens
-            self.header_device[3:4].fill_(code)
-        # this call's x and out, by address: the kernel reads them from `io`, so one captured launch serves any call
+        # this call's x and out, by address: the kernel reads them from `io`, so one captured launch serves any call;
+        # one launch writes them and the routing message
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
-        self.io[0:1].fill_(x.data_ptr())
-        self.io[1:2].fill_(out.data_ptr())
-        self.message.pack(self.send_routing, topk_ids, topk_weights, self.routing_pad, self.token_counts,
-                          self.header_device)
-        if failure is not None:
-            self.header_device[3:4].zero_()
+        self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
+                               code if failure is not None else CODE_OK)
         clock.lap("pack")
         # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair,
         # picked from T on the host)
@@ -370,8 +367,7 @@ class WeaveBackend:
         self.graphs.run(f"resident.{self.workspace.generation}.{configs}", lambda: self._resident_call(configs))
         # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None
         self.last_plan = self.fixed_plan
-        if not capturing:
-            self.status_host.copy_(self.status, non_blocking=True)
+        if not capturing:  # the graph ends with the status word's copy to the host (_resident_call)
             if self.status_copied is None:
                 self.status_copied = torch.cuda.Event()
             self.status_copied.record(torch.cuda.current_stream(self.device))
@@ -387,6 +383,9 @@ class WeaveBackend:
         layout = self._resident_tables()
         dummy = self.workspace.y()[:1]
         self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs)
+        # the status word to the host, read at the next call once the event recorded after the call has passed
+        # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
+        self.status_host.copy_(self.status, non_blocking=True)
 
     def _resident_tables(self):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies), the next call number, and
@@ -572,8 +571,12 @@ class WeaveBackend:
         """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""
         if not self.grouped:
             return None
-        H, I = self.spec.hidden_size, self.spec.intermediate_size
-        return tuple(grouped_gemm.default_config(g, rows, self.num_local_experts, H, I) for g in (0, 1))
+        configs = self.grouped_configs.get(rows)
+        if configs is None:  # looked up once per row count (the lookup costs tens of microseconds of host time)
+            H, I = self.spec.hidden_size, self.spec.intermediate_size
+            configs = tuple(grouped_gemm.default_config(g, rows, self.num_local_experts, H, I) for g in (0, 1))
+            self.grouped_configs[rows] = configs
+        return configs
 
     def _grouped_gemms(self, layout, configs) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from weave_moe.backends.coordination import HEADER_WORDS
 from weave_moe.backends.weave.kernels import sync
@@ -87,6 +89,22 @@ class RoutingMessage:
                           topk_weights.reshape(-1).view(torch.int32), pad[words:2 * words - n],
                           token_counts[num_tokens:num_tokens + 1], header], out=out)
 
+    def pack_call(self, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, header: torch.Tensor,
+                  io: torch.Tensor, x: torch.Tensor, result: torch.Tensor, error_code: int = 0) -> None:
+        """`pack` for the device-resident call, in ONE Triton launch that also writes the call's addresses: `out`
+        gets the message (`header` with its error-code word replaced by `error_code`), `io` [2] int64 the addresses
+        of x and `result` (what the resident kernel reads instead of pointer arguments).
+
+        Args as `pack`; `header`: [HEADER_WORDS] int32 on the device (the call number advances there, in the
+        resident graph); `io`: [2] int64 on the device."""
+        words, n = self.id_words, topk_ids.numel()
+        if n > words:
+            raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {words} ids")
+        block = 4096
+        _pack_kernel[(triton.cdiv(words, block),)](
+            topk_ids, topk_weights, out, header, io, n, topk_ids.shape[0], x.data_ptr(), result.data_ptr(),
+            error_code, words, HEADER=HEADER_WORDS, BLOCK=block, num_warps=4)
+
     def unpack(self, messages: torch.Tensor):
         """Views of gathered messages [EP, words] int32: (ids [EP, T_max, k] int32, weights [EP, T_max, k] fp32,
         tokens [EP] int32)."""
@@ -98,6 +116,26 @@ class RoutingMessage:
     def headers(self, messages: torch.Tensor) -> torch.Tensor:
         """[EP, HEADER_WORDS] int32 view: every rank's call header in gathered messages [EP, words]."""
         return messages[:, 2 * self.id_words + 1:]
+
+
+@triton.jit(do_not_specialize=["num_ids", "num_tokens", "x_address", "out_address", "error_code", "words"])
+def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, num_ids, num_tokens, x_address, out_address,
+                 error_code, words, HEADER: tl.constexpr, BLOCK: tl.constexpr):
+    """RoutingMessage.pack_call: words [pid * BLOCK, +BLOCK) of the ids and of the weights' bits (padding -1 / 0);
+    program 0 also T, the header and the addresses."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    given = offs < num_ids
+    ids = tl.load(ids_ptr + offs, mask=given, other=-1)
+    weights = tl.load(weights_ptr + offs, mask=given, other=0.0).to(tl.int32, bitcast=True)
+    tl.store(message_ptr + offs, ids, mask=offs < words)
+    tl.store(message_ptr + words + offs, weights, mask=offs < words)
+    if tl.program_id(0) == 0:
+        tl.store(message_ptr + 2 * words, num_tokens)
+        hh = tl.arange(0, HEADER)
+        header = tl.load(header_ptr + hh)
+        tl.store(message_ptr + 2 * words + 1 + hh, tl.where(hh == HEADER - 1, error_code, header))
+        tl.store(io_ptr, x_address.to(tl.int64))
+        tl.store(io_ptr + 1, out_address.to(tl.int64))
 
 
 def hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:
