@@ -3,8 +3,9 @@
 python scripts/host_cost.py --model qwen3-30b-a3b --tokens 1 --emulate-ep 2 [--policy serial] [--out host.json]
 
 Times (microseconds, CPU clock, the GPU drained before each sample so no queue backs up): the whole layer call
-(host return), the backend's forward alone, and its pieces one by one: torch.empty for out, the two io fills, the
-message pack, the graph replay, the status copy + event record. Also the GPU time of one call (events).
+(host return), the backend's forward alone, and its pieces one by one: torch.empty for out, the two io fills and the
+message pack (the path before pack_call), pack_call (what a call runs now), the graph replay, the status copy +
+event record. Also the GPU time of one call (events).
 """
 
 import argparse
@@ -66,6 +67,9 @@ def main():
             row["io_fills_us"] = median_us(lambda: (b.io[0:1].fill_(x.data_ptr()), b.io[1:2].fill_(x.data_ptr())))
             row["pack_us"] = median_us(lambda: b.message.pack(b.send_routing, ids, w, b.routing_pad, b.token_counts,
                                                               b.header_device))
+            out = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
+            row["pack_call_us"] = median_us(lambda: b.message.pack_call(b.send_routing, ids, w, b.header_device, b.io,
+                                                                        x, out))
             graphs = [g for name, (g, _) in b.graphs.graphs.items() if name.startswith("resident")]
             if graphs:
                 row["graph_replay_us"] = median_us(graphs[0].replay)
