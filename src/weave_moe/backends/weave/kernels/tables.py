@@ -178,6 +178,8 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
     tiles = (rows + block_m - 1) // block_m
     chunk_tiles = tl.sum(tiles, axis=1)                                        # [MC]
     tl.store(seg_rows_ptr + c2 * L + e2, rows, mask=ok2)
+    # ... and each segment's first row (seg_rows holds [rows | first row] per segment)
+    tl.store(seg_rows_ptr + MC * L + c2 * L + e2, _exclusive(chunk_rows)[:, None] + _exclusive(rows, 1), mask=ok2)
     tl.store(seg_mtiles_end_ptr + c2 * L + e2, (tl.cumsum(chunk_tiles, 0) - chunk_tiles)[:, None]
              + tl.cumsum(tiles, axis=1), mask=ok2)
     mc = tl.arange(0, MC)
@@ -404,9 +406,7 @@ def _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_pt
     prev_end = tl.load(seg_mtiles_end_ptr + mseg - 1, mask=mseg > 0, other=0)
     within = j - prev_end
     seg_rows_j = tl.load(seg_rows_ptr + mseg)
-    ss = tl.arange(0, BLOCK_SEG)
-    all_rows = tl.load(seg_rows_ptr + ss, mask=ss < S, other=0)
-    seg_begin = tl.sum(tl.where(ss[None, :] < mseg[:, None], all_rows[None, :], 0), axis=1)
+    seg_begin = tl.load(seg_rows_ptr + S + mseg)
     m_start = seg_begin + within * block_m
     m_rows = tl.minimum(tl.maximum(seg_rows_j - within * block_m, 0), block_m)
     m_rows = tl.minimum(m_rows, tl.maximum(max_pairs - m_start, 0))   # see max_pairs above
@@ -522,7 +522,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     send_hist = torch.empty(P, NB, **i32)
     send_block_base = torch.empty(P, NB, **i32)
     pair_base = torch.empty(P, L, MC, **i32)
-    seg_rows = torch.empty(MC * L, **i32)
+    seg_rows = torch.empty(2 * MC * L, **i32)        # [rows | first row] per segment (chunk, local expert)
     seg_mtiles_end = torch.empty(MC * L, **i32)
     chunk_mtiles = torch.empty(MC, **i32)
     group_base = torch.empty(2 * MC, **i32)
