@@ -130,9 +130,11 @@ def test_verdict_refuses_bad_ids_failed_ranks_and_call_order_on_the_device():
 
 
 def test_resident_tables_never_read_a_device_value_on_the_host():
-    """The resident call's device work (pack, counts, verdict, task tables) must not read a tensor's value on the
-    host: that is a sync, and it breaks CUDA-graph capture (a 0-d index tensor did, on the H200). On the CPU the same
-    ops dispatch `_local_scalar_dense` (`.item()`, `int(t)`, `t[0-d tensor]`) or `nonzero`, which this mode refuses."""
+    """The resident call's torch work (pack, and the torch task tables when KernelConfig.triton_tables is off) must
+    not read a tensor's value on the host: that is a sync, and it breaks CUDA-graph capture (a 0-d index tensor did,
+    on the H200). On the CPU the same ops dispatch `_local_scalar_dense` (`.item()`, `int(t)`, `t[0-d tensor]`) or
+    `nonzero`, which this mode refuses. The counts and the verdict are one Triton launch (kernels/counts.py, which
+    reads no tensor on the host); `CountsFormat.build` and `verdict`, their torch definition, are checked here too."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -193,35 +195,6 @@ def test_workspace_refuses_mixing_resident_and_host_driven_layers():
     ws.claim_call_mode(True)
     with pytest.raises(ValueError, match="resident"):
         ws.claim_call_mode(False)
-
-
-def test_compiled_counts_and_verdict_equal_eager():
-    """The resident call compiles counts + verdict (fewer kernels in its graph): same counts, same masked messages,
-    same status word as the eager ops, bit for bit, on routings with bad ids and failed headers."""
-    import torch
-
-    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage, checked_counts
-    from weave_moe.backends.weave.graphs import CompiledBuilder
-
-    ep, E, k, T = 2, 8, 2, 16
-    message, fmt = RoutingMessage(T, k), CountsFormat(ep, E, 4)
-    builder = CompiledBuilder(checked_counts, "the counts", True)
-    for seed in range(3):
-        generator, rows = torch.Generator().manual_seed(seed), []
-        for rank in range(ep):
-            out = torch.empty(message.words, dtype=torch.int32)
-            ids = torch.randint(-1, E + 1, (T - rank, k), dtype=torch.int32, generator=generator)
-            message.pack(out, ids, torch.rand(T - rank, k, generator=generator), message.pad(),
-                         torch.arange(T + 1, dtype=torch.int32), torch.tensor([1, 2, 3, seed % 2], dtype=torch.int32))
-            rows.append(out)
-        eager_messages = torch.stack(rows)
-        compiled_messages = eager_messages.clone()
-        eager_status, compiled_status = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
-        compiled = builder(fmt, message, compiled_messages, compiled_status, 0)
-        eager = checked_counts(fmt, message, eager_messages, eager_status, 0)
-        assert builder.compiled
-        assert torch.equal(compiled, eager) and torch.equal(compiled_messages, eager_messages)
-        assert torch.equal(compiled_status, eager_status) and eager_status[0] != 0
 
 
 def test_deferred_errors_name_the_problem_and_leave_the_layer_usable():

@@ -51,7 +51,8 @@ import torch.distributed as dist
 
 __all__ = [
     "CallCoordinator", "agree_on_layer", "agree_no_errors", "describe_layer", "layer_fingerprint", "exchange_text", "DEFAULT_TIMEOUT_S",
-    "HEADER_WORDS", "code_name", "CODE_OK", "CODE_REJECTED", "CODE_FAILED", "CoordinationError", "PeerError", "CallOrderError",
+    "HEADER_WORDS", "HEADER_CALL_WORD", "HEADER_CODE_WORD", "code_name", "CODE_OK", "CODE_REJECTED", "CODE_FAILED",
+    "CoordinationError", "PeerError", "CallOrderError",
     "LayerMismatchError", "CollectiveError", "CollectiveTimeoutError", "LayerBrokenError",
 ]
 
@@ -62,6 +63,9 @@ DEFAULT_TIMEOUT_S = 60.0
 
 #: Words of the per-call header: [identity, creation index, call sequence number, error code], each in [0, 2**31).
 HEADER_WORDS = 4
+#: Positions in the header: the words before HEADER_CODE_WORD name the call (layer identity, index, call number).
+HEADER_CALL_WORD = 2
+HEADER_CODE_WORD = 3
 CODE_OK = 0
 CODE_REJECTED = 1  # a local check rejected this rank's input (TypeError / ValueError)
 CODE_FAILED = 2  # this rank raised anything else before its exchange

@@ -10,7 +10,8 @@
     kernels/      Triton: megakernel.py (persistent kernel), tiles.py (one task per function), sync.py (waits, flags),
                   planner.py (the cost model and plan() on the GPU; planner_mirror.py, its numpy twin),
                   grouped_gemm.py / grouped_tiles.py (the serial policy's grouped GEMMs, their tile tables, row gather),
-                  routing_exchange.py (the routing messages of every rank through the workspace, one launch)
+                  routing_exchange.py (the routing messages of every rank through the workspace, one launch),
+                  counts.py (the counts vector and the resident call's verdict, one launch)
 
 Imports stay inside this package, plus weave_moe.models / plan / sim.measured / backends (raise_on_bad_ids,
 coordination).

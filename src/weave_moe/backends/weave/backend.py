@@ -2,11 +2,11 @@
 
   1. pack this rank's top-k ids and weights (+ its token count and the call's coordination header) into its routing
      message and all-gather the messages (`exchange.RoutingMessage`; a few hundred KB over NVLink);
-  2. count rows per (source, destination) and pairs per expert on the device (`exchange.CountsFormat`, one CUDA-graph
-     replay) and copy the counts to the host: the one host sync of the call (it also returns the previous call's
-     status word, so a kernel error surfaces at the latest on the next call, or at `synchronize()`). Then every rank
-     raises together if any rank's header carries an error code or names another layer or call
-     (`CallCoordinator.finish`), or if any rank sent ids outside [-1, E);
+  2. count rows per (source, destination) and pairs per expert on the device (`kernels/counts.py`, one launch in a
+     CUDA graph; the vector's layout: `exchange.CountsFormat`) and copy the counts to the host: the one host sync of
+     the call (it also returns the previous call's status word, so a kernel error surfaces at the latest on the next
+     call, or at `synchronize()`). Then every rank raises together if any rank's header carries an error code or
+     names another layer or call (`CallCoordinator.finish`), or if any rank sent ids outside [-1, E);
   3. plan every rank from the same counts (deterministic, so every rank knows every destination's chunk count K);
   4. build this rank's task tables on the device (`layout.build_layout`, one CUDA-graph replay) and launch the
      megakernel (`launch.launch`; for the `serial` policy, the same kernel once per stage).
@@ -25,9 +25,10 @@ from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordina
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
-from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage, checked_counts
-from weave_moe.backends.weave.graphs import CompiledBuilder, GraphCache, LayoutBuilder
+from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage
+from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
+from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
@@ -168,6 +169,7 @@ class WeaveBackend:
                           torch.empty(0, spec.top_k, dtype=torch.float32, device=device))
         self.token_counts = torch.arange(max_tokens_per_rank + 1, dtype=torch.int32, device=device)
         self.counts_format = CountsFormat(world_size, spec.num_experts, STATUS_WORDS)
+        self.device_counts = DeviceCounts(self.counts_format, self.message, device)
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
@@ -192,7 +194,6 @@ class WeaveBackend:
         self.graphs = GraphCache(device, use_cuda_graph, wait_for=lambda is_done: self.coordinator.poll(
             is_done, "the routing exchange (before a CUDA-graph capture)"))
         self.layout_builder = LayoutBuilder(cfg.compile_layout)
-        self.counts_builder = CompiledBuilder(checked_counts, "the counts", cfg.compile_layout)
         self.calls = 0
         self.compiled: set = set()
         self.last_plan: Plan | None = None
@@ -274,8 +275,8 @@ class WeaveBackend:
         # 2. counts to the host (the one sync), with the previous call's status word. While the host waits, the GPU
         #    already builds this call's task tables with the previous call's chunk counts (a pure function of the
         #    routing and the counts, so it is simply built again below in the rare call whose plan changes K).
-        counts_device = self.graphs.run("counts", lambda: self.counts_format.build(self.all_routing, self.message,
-                                                                                   self.status))
+        counts_device = self.graphs.run("counts", lambda: self.device_counts.build(self.all_routing, self.status,
+                                                                                   self.rank, verdict=False))
         self.counts_host.copy_(counts_device, non_blocking=True)
         if self.device_planner is not None:
             self.plans_host.copy_(self.device_planner.launch(counts_device, self.plans_device), non_blocking=True)
@@ -327,11 +328,12 @@ class WeaveBackend:
         """One call that never waits for the GPU: the routing exchange, counts, checks, plan and task tables are
         device work enqueued behind each other (at EP = 1 one CUDA-graph replay), then the kernel.
 
-        Checks the host used to make after reading the counts are made on the device (`CountsFormat.verdict`): a
-        refused call writes a rejection into the status word, its kernel does nothing and returns NaN rows, and the
-        host raises the named error at the next call or `synchronize()` (`_raise_status`). Works under a caller's
-        `torch.cuda.graph` capture once the layer has made one call outside it (the first call compiles and
-        captures the layer's own graphs); errors of captured replays surface at `synchronize()`.
+        Checks the host used to make after reading the counts are made on the device, by the counts kernel
+        (kernels/counts.py, with `CountsFormat.verdict`'s rules): a refused call writes a rejection into the status
+        word, its kernel does nothing and returns NaN rows, and the host raises the named error at the next call or
+        `synchronize()` (`_raise_status`). Works under a caller's `torch.cuda.graph` capture once the layer has made
+        one call outside it (the first call compiles and captures the layer's own graphs); errors of captured
+        replays surface at `synchronize()`.
         """
         if self.broken:
             raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
@@ -399,7 +401,7 @@ class WeaveBackend:
         else:  # through the symmetric workspace, bounded (kernels/routing_exchange.py)
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
                              self.timeout_ns)
-        counts = self.counts_builder(self.counts_format, self.message, self.all_routing, self.status, self.rank)
+        counts = self.device_counts.build(self.all_routing, self.status, self.rank, verdict=True)
         if self.device_planner is not None:
             self.device_planner.launch(counts, self.plans_device)
         self.header_device[2:3].add_(1)

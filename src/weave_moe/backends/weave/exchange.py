@@ -1,7 +1,9 @@
 """The routing exchange of the weave backend: the message every rank sends, and the counts read back from it.
 
-This module is the one owner of both formats: what `pack` writes, `unpack` reads, and what `CountsFormat.build`
-writes, `CountsFormat.parse` reads. Nothing else slices these vectors.
+This module is the one owner of both formats: what `pack` writes, `unpack` reads, and the counts vector's layout
+(`CountsFormat`: its size, the offset of every field, `parse`). The backend builds the counts vector with one Triton
+launch (kernels/counts.py), which takes every offset from these two classes; `CountsFormat.build` and `verdict` are
+the same computation in torch, the definition that kernel is tested against bit for bit (tests/test_counts.py).
 
 Routing message (one rank, int32 words, W = T_max * k):
 
@@ -12,7 +14,8 @@ header (HEADER_WORDS words: layer identity, creation index, call number, error c
 header (weave_moe.backends.coordination): a rank that cannot make a call sends T = 0 and its error code, and every
 rank raises after the exchange.
 
-Counts vector (int32, built on the device from the gathered messages, copied to the host once per call):
+Counts vector (int32, built on the device from the gathered messages; the host-driven call copies it to the host
+once per call, the device-resident call only feeds it to the device planner and the verdict):
 
     [ EP tokens | EP * EP rows sent (s -> d, dedup) | E (token, expert) pairs | EP bad ids | EP headers | status ]
 
@@ -27,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from weave_moe.backends.coordination import HEADER_WORDS
+from weave_moe.backends.coordination import HEADER_CALL_WORD, HEADER_CODE_WORD, HEADER_WORDS
 from weave_moe.backends.weave.kernels import sync
 
-__all__ = ["RoutingMessage", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing", "checked_counts"]
+__all__ = ["RoutingMessage", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing"]
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,18 @@ class RoutingMessage:
         return self.max_tokens * self.top_k
 
     @property
+    def tokens_word(self) -> int:
+        """Position of T in a message: after the ids and the weights."""
+        return 2 * self.id_words
+
+    @property
+    def header_word(self) -> int:
+        """Position of the header's first word in a message: after T."""
+        return self.tokens_word + 1
+
+    @property
     def words(self) -> int:
-        return 2 * self.id_words + 1 + HEADER_WORDS
+        return self.header_word + HEADER_WORDS
 
     def pad(self, device=None) -> torch.Tensor:
         """[2 W] int32: -1 (no expert) for the ids' padding, then 0 (the bits of 0.0) for the weights' padding."""
@@ -111,11 +124,11 @@ class RoutingMessage:
         world_size, words = messages.shape[0], self.id_words
         ids = messages[:, :words].view(world_size, self.max_tokens, self.top_k)
         weights = messages[:, words:2 * words].view(torch.float32).view(world_size, self.max_tokens, self.top_k)
-        return ids, weights, messages[:, 2 * words]
+        return ids, weights, messages[:, self.tokens_word]
 
     def headers(self, messages: torch.Tensor) -> torch.Tensor:
         """[EP, HEADER_WORDS] int32 view: every rank's call header in gathered messages [EP, words]."""
-        return messages[:, 2 * self.id_words + 1:]
+        return messages[:, self.header_word:]
 
 
 @triton.jit(do_not_specialize=["num_ids", "num_tokens", "x_address", "out_address", "error_code", "words"])
@@ -165,22 +178,49 @@ def count_routing(all_ids: torch.Tensor, num_tokens: torch.Tensor, num_experts: 
 
 @dataclass(frozen=True)
 class CountsFormat:
-    """The counts vector (module docstring): its size, its construction on the device, its parsing on the host."""
+    """The counts vector (module docstring): its size, where each field starts, its parsing on the host; and `build`
+    and `verdict`, its construction in torch (the definition kernels/counts.py is tested against)."""
 
     world_size: int
     num_experts: int
     status_words: int
 
     @property
+    def tokens_offset(self) -> int:
+        """[EP] tokens of each rank: the first field."""
+        return 0
+
+    @property
+    def send_rows_offset(self) -> int:
+        """[EP, EP] rows sent, row s = source, column d = destination."""
+        return self.tokens_offset + self.world_size
+
+    @property
+    def expert_pairs_offset(self) -> int:
+        return self.send_rows_offset + self.world_size * self.world_size
+
+    @property
+    def bad_ids_offset(self) -> int:
+        return self.expert_pairs_offset + self.num_experts
+
+    @property
+    def headers_offset(self) -> int:
+        """[EP, HEADER_WORDS] every rank's call header."""
+        return self.bad_ids_offset + self.world_size
+
+    @property
+    def status_offset(self) -> int:
+        return self.headers_offset + self.world_size * HEADER_WORDS
+
+    @property
     def size(self) -> int:
-        ep = self.world_size
-        return ep + ep * ep + self.num_experts + ep + ep * HEADER_WORDS + self.status_words
+        return self.status_offset + self.status_words
 
     def build(self, messages: torch.Tensor, message: RoutingMessage, status: torch.Tensor) -> torch.Tensor:
         """Counts of gathered `messages` [EP, words], then bad ids per rank, every rank's header, then `status`.
-        Ids outside [-1, E) are
-        counted per source rank and replaced by -1 IN PLACE, so nothing downstream indexes out of range; the host
-        raises on every rank together. Not idempotent: a second run on the same messages counts no bad ids."""
+        Ids outside [-1, E) are counted per source rank and replaced by -1 IN PLACE, so nothing downstream indexes
+        out of range; the host raises on every rank together. Not idempotent: a second run on the same messages
+        counts no bad ids."""
         ids = messages[:, :message.id_words]
         bad = (ids < -1) | (ids >= self.num_experts)
         bad_ids = bad.sum(dim=1, dtype=torch.int32)
@@ -196,12 +236,11 @@ class CountsFormat:
         holds an error (the first one stays). Every rank reads the same gathered counts, so every rank writes the same
         code, and the kernels that follow do no work (the megakernel checks the word when it starts)."""
         ep = self.world_size
-        pairs_end = ep + ep * ep + self.num_experts
-        bad = counts[pairs_end:pairs_end + ep]
-        headers = counts[pairs_end + ep:pairs_end + ep + ep * HEADER_WORDS].view(ep, HEADER_WORDS)
+        bad = counts[self.bad_ids_offset:self.bad_ids_offset + ep]
+        headers = counts[self.headers_offset:self.status_offset].view(ep, HEADER_WORDS)
         mine = headers[rank]
-        failed = headers[:, 3] != 0
-        other_call = (headers[:, :3] != mine[:3]).any(dim=1)
+        failed = headers[:, HEADER_CODE_WORD] != 0
+        other_call = (headers[:, :HEADER_CODE_WORD] != mine[:HEADER_CODE_WORD]).any(dim=1)
         codes = torch.where(failed, sync.REJECT_PEER_FAILED,
                             torch.where(other_call, sync.REJECT_CALL_ORDER,
                                         torch.where(bad > 0, sync.REJECT_BAD_IDS, 0))).to(torch.int32)
@@ -210,9 +249,12 @@ class CountsFormat:
         first = (codes != 0).to(torch.int32).argmax(dim=0, keepdim=True)   # [1] the lowest rank at fault (0: none)
         code = codes.gather(0, first)
         at_fault = headers.index_select(0, first)[0]
-        detail = torch.where(code == sync.REJECT_PEER_FAILED, at_fault[3:4],
-                             torch.where(code == sync.REJECT_CALL_ORDER, at_fault[2:3], bad.gather(0, first)))
-        rejection = torch.cat([code, first.to(torch.int32), detail.to(torch.int32), mine[2:3]])
+        code_word = at_fault[HEADER_CODE_WORD:HEADER_CODE_WORD + 1]
+        call_word = at_fault[HEADER_CALL_WORD:HEADER_CALL_WORD + 1]
+        detail = torch.where(code == sync.REJECT_PEER_FAILED, code_word,
+                             torch.where(code == sync.REJECT_CALL_ORDER, call_word, bad.gather(0, first)))
+        rejection = torch.cat([code, first.to(torch.int32), detail.to(torch.int32),
+                               mine[HEADER_CALL_WORD:HEADER_CALL_WORD + 1]])
         status.copy_(torch.where((status[0:1] == 0) & (code != 0), rejection, status))
 
     def parse(self, flat: list[int]) -> tuple[LayoutCounts, list[int], list[list[int]], list[int]]:
@@ -220,22 +262,12 @@ class CountsFormat:
         vector."""
         if len(flat) != self.size:
             raise ValueError(f"counts vector has {len(flat)} words, expected {self.size}")
-        ep, E = self.world_size, self.num_experts
-        tokens = flat[:ep]
-        send = [flat[ep + i * ep: ep + (i + 1) * ep] for i in range(ep)]
-        pairs_end = ep + ep * ep + E
-        pairs = flat[ep + ep * ep: pairs_end]
-        bad = flat[pairs_end: pairs_end + ep]
-        headers_end = pairs_end + ep + ep * HEADER_WORDS
-        headers = [flat[pairs_end + ep + r * HEADER_WORDS: pairs_end + ep + (r + 1) * HEADER_WORDS] for r in range(ep)]
-        status = flat[headers_end:]
+        ep = self.world_size
+        tokens = flat[self.tokens_offset:self.tokens_offset + ep]
+        send = [flat[self.send_rows_offset + s * ep:self.send_rows_offset + (s + 1) * ep] for s in range(ep)]
+        pairs = flat[self.expert_pairs_offset:self.bad_ids_offset]
+        bad = flat[self.bad_ids_offset:self.headers_offset]
+        headers = [flat[self.headers_offset + r * HEADER_WORDS:self.headers_offset + (r + 1) * HEADER_WORDS]
+                   for r in range(ep)]
+        status = flat[self.status_offset:]
         return LayoutCounts(tokens, send, pairs), bad, headers, status
-
-
-def checked_counts(counts_format: CountsFormat, message: RoutingMessage, messages: torch.Tensor, status: torch.Tensor,
-                   rank: int) -> torch.Tensor:
-    """The device-resident call's counts and verdict (`CountsFormat.build`, then `verdict`) as one function, so that
-    the backend compiles them together (graphs.CompiledBuilder)."""
-    counts = counts_format.build(messages, message, status)
-    counts_format.verdict(counts, rank, status)
-    return counts

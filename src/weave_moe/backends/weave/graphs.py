@@ -1,13 +1,15 @@
 """CUDA-graph and torch.compile plumbing of the weave backend's host path.
 
-The counts and the task tables are chains of small torch ops on static buffers with static shapes. Launched one by
-one they cost ~30 us of host time each on the H200 machine; replayed from a captured CUDA graph they cost one launch.
-`GraphCache` captures each chain once per name and replays it; `LayoutBuilder` builds the task tables through
-torch.compile (fewer, fused kernels inside the graph) with an eager fallback.
+The host-driven call's counts (one Triton launch, kernels/counts.py) and task tables (a chain of small torch ops) run
+on static buffers with static shapes. Launched one by one, torch ops cost ~30 us of host time each on the H200
+machine; replayed from a captured CUDA graph, a chain costs one launch. `GraphCache` captures each chain once per name
+and replays it; `LayoutBuilder` builds the task tables through torch.compile (fewer, fused kernels inside the graph)
+with an eager fallback.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -21,49 +23,34 @@ __all__ = ["GraphCache", "LayoutBuilder", "LAYOUT_COMPILE_LIMIT"]
 #: error: a process with more than 8 layer shapes (the validation suite) failed that way on the H200 pair (bb8bd82).
 LAYOUT_COMPILE_LIMIT = 64
 
-_COMPILED: dict = {}
-
-
-def _compiled(fn):
-    """`fn` through torch.compile (one compile per layer shape; static shapes, no graph breaks), made once."""
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=False)
-    return _COMPILED[fn]
-
-
+@functools.cache
 def compiled_build_layout():
-    """`build_layout` through torch.compile."""
-    return _compiled(build_layout)
+    """`build_layout` through torch.compile (one compile per layer shape; static shapes, no graph breaks), made
+    once."""
+    return torch.compile(build_layout, fullgraph=True, dynamic=False)
 
 
-class CompiledBuilder:
-    """A chain of torch ops through torch.compile (Inductor fuses its elementwise ops into a few kernels: fewer nodes
-    in the call's graph), or eagerly once compiling failed (e.g. past LAYOUT_COMPILE_LIMIT shapes, with a warning).
-    Both give the same integers bit for bit (tests/test_layout.py, tests/test_weave_host.py)."""
+class LayoutBuilder:
+    """`build_layout` through torch.compile (Inductor fuses its elementwise ops into a few kernels: fewer nodes in the
+    call's graph), or eagerly once compiling failed (e.g. past LAYOUT_COMPILE_LIMIT shapes, with a warning). Both give
+    the same integers bit for bit (tests/test_layout.py)."""
 
-    def __init__(self, fn, what: str, compile_it: bool):
-        self.fn, self.what, self.compiled = fn, what, compile_it
+    def __init__(self, compile_layout: bool):
+        self.compiled = compile_layout
 
     def __call__(self, *args, **kwargs):
         if not self.compiled:
-            return self.fn(*args, **kwargs)
+            return build_layout(*args, **kwargs)
         import torch._dynamo.config as dynamo_config
 
         try:
             with dynamo_config.patch(recompile_limit=LAYOUT_COMPILE_LIMIT):
-                return _compiled(self.fn)(*args, **kwargs)
+                return compiled_build_layout()(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - any compile failure: the eager result is the same
-            warnings.warn(f"weave: torch.compile of {self.what} failed ({type(error).__name__}: "
+            warnings.warn(f"weave: torch.compile of the task tables failed ({type(error).__name__}: "
                           f"{str(error)[:200]}); building them eagerly for this layer")
             self.compiled = False
-            return self.fn(*args, **kwargs)
-
-
-class LayoutBuilder(CompiledBuilder):
-    """`build_layout` through torch.compile (CompiledBuilder)."""
-
-    def __init__(self, compile_layout: bool):
-        super().__init__(build_layout, "the task tables", compile_layout)
+            return build_layout(*args, **kwargs)
 
 
 class GraphCache:

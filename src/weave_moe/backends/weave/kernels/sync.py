@@ -23,7 +23,7 @@ Status word layout (int32 [4]): [0] first error code (0 = none), [1] flag index 
 [3] value expected.
 
 Rejections (codes >= REJECT_FIRST, only in the device-resident call, `KernelConfig.resident`): the call's routing was
-refused before its kernel, on every rank alike (`exchange.CountsFormat.verdict`); the word is then
+refused before its kernel, on every rank alike (kernels/counts.py, `exchange.CountsFormat.verdict`); the word is then
 [code, rank at fault, detail, this layer's call number]. A kernel that finds the status word set when it starts does
 no work and fills its output with NaN. Unlike a timeout, a rejection leaves the layer usable: the host raises the
 named error (`REJECT_NAMES`) at the next call or `synchronize()` and clears the word.
