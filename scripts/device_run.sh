@@ -73,6 +73,8 @@ for stage in "$@"; do
           WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 150 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${RP_MODEL:-qwen3-30b-a3b}" --tokens $t --variants "${RP_VARIANTS:-weave:serial,weave}" --rows 45 > "$W/profile-resident-$t.txt" 2>&1; echo "rc=$?"
           grep -E "^#####|Self CUDA time total|Self CPU time total" "$W/profile-resident-$t.txt" | cut -c1-200
         done;;
+    # the counts kernel (kernels/counts.py) bitwise against CountsFormat.build + verdict, and timed
+    counts-check) timeout "${CC_TIMEOUT:-200}" python3 scripts/counts_check.py --out "$W/counts_check.json" > "$W/counts_check.log" 2>&1; echo "rc=$?"; tail -12 "$W/counts_check.log" | cut -c1-300;;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; tail -8 "$W/host_cost.log" | cut -c1-600;;
     *) echo "unknown stage $stage";;
