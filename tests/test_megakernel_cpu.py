@@ -18,10 +18,10 @@ from interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
     r"""
+    import dataclasses
     import sys
     import torch
-    from weave_moe.backends.weave.kernels import megakernel as mk
-    from weave_moe.backends.weave.launch import MegakernelArgs
+    from weave_moe.backends.weave.launch import NO_DESCRIPTORS, MegakernelArgs, MegakernelConstants, launch
     from weave_moe.backends.weave.layout import build_layout
     from weave_moe.plan import MAX_CHUNKS
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
@@ -78,13 +78,20 @@ SCRIPT = textwrap.dedent(
         io = torch.tensor([x.data_ptr() if T else 0, out.data_ptr()], dtype=torch.int64)
         tokens = torch.tensor([T], dtype=torch.int32)
         dummy = torch.zeros(1, H).bfloat16()
-        stages = [(0, 0), (1, 1), (2, 2), (3, 3)] if staged else [(0, 3)]
-        descs = {}
+        # (STAGE, PHASE_FIRST, PHASE_LAST) per launch: staged=True is the serial policy's launches (each compiled for
+        # its stage), "phases" the same stages through the runtime bounds of the one-launch compile
+        stages = ([(s, 0, 3) for s in range(4)] if staged is True else [(-1, s, s) for s in range(4)]
+                  if staged == "phases" else [(-1, 0, 3)])
+        descs = NO_DESCRIPTORS
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor as TD
-            descs = dict(USE_TMA=True, w13_desc=TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
+            descs = dict(w13_desc=TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
                          w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]))
-        for first, last in stages:
+        constants = MegakernelConstants(
+            TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16, DISPATCH_ROWS=4,
+            COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3,
+            STAGES1=4, BLOCK_K1=16, USE_TMA=tma, RESIDENT=resident)
+        for stage, first, last in stages:
             args = MegakernelArgs(
                 x_ptr=dummy if resident else x if T else out, out_ptr=dummy if resident else out, w13_ptr=w13, w2_ptr=w2, recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
                 comb_ptr=ws.comb(parity), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
@@ -100,10 +107,8 @@ SCRIPT = textwrap.dedent(
                 num_tokens=0 if resident else T, H=H, I=I, num_comm_ctas=1 if resident else grid,
                 num_steal=0 if resident else 1 << 30, timeout_ns=10 ** 9,
                 PHASE_FIRST=first, PHASE_LAST=last)
-            mk.moe_megakernel[(grid,)](
-                **args.by_name(), TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16,
-                DISPATCH_ROWS=4, COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False,
-                MAX_EVENTS=1, BLOCK_K1=16, RESIDENT=resident, **descs)
+            # as the backend launches it (the interpreter ignores the launch options)
+            launch(grid, args, dataclasses.replace(constants, STAGE=stage), descs, num_warps=8, num_stages=3)
         if refuse:
             assert status.tolist() == [16, 0, 5, 0], status
             assert not flags.any() and not ctrl.any(), "a refused call must not run a task"
@@ -130,8 +135,10 @@ SCRIPT = textwrap.dedent(
                            x[lay.send_token[:sent].long()].view(torch.int16))
 
     for case in [(9, 4, 2, 40, 24, 2, True), (9, 4, 2, 40, 24, 3, False), (21, 8, 3, 33, 20, 4, False),
-                 (1, 4, 2, 16, 16, 1, False), (0, 4, 2, 16, 16, 1, True), (17, 2, 2, 48, 16, 8, True)]:
+                 (1, 4, 2, 16, 16, 1, False), (0, 4, 2, 16, 16, 1, True), (17, 2, 2, 48, 16, 8, True),
+                 (1, 4, 2, 16, 16, 1, True)]:
         run(*case, seed=sum(case))
+    run(9, 4, 2, 40, 24, 2, "phases", seed=82)
     # the TMA tiles (KernelConfig.tma) through the whole kernel; H and I multiples of 8 (16-byte strides)
     for case in [(9, 4, 2, 40, 24, 2, True), (17, 2, 2, 48, 16, 8, False), (21, 8, 3, 40, 24, 4, False)]:
         run(*case, seed=sum(case), tma=True)
@@ -164,13 +171,17 @@ def test_megakernel_under_interpreter():
     run_interpreted(SCRIPT, "MEGAKERNEL INTERPRETER OK")
 
 
+#: the default KernelConfig's constants at top-k 8
+SM90_CONSTANTS = dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
+                      DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False, TIMELINE=False,
+                      MAX_EVENTS=1)
+
+
 @pytest.fixture(scope="module")
 def ptx():
     from weave_moe.backends.weave.launch import compile_ptx
 
-    return compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
-                            DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
-                            TIMELINE=False, MAX_EVENTS=1))
+    return compile_ptx(SM90_CONSTANTS)
 
 
 def _has_release_add(ptx: str, scope: str) -> bool:
@@ -220,11 +231,73 @@ def test_megakernel_ptx_with_tma_tiles_uses_the_bulk_tensor_copy_engine():
     from weave_moe.backends.weave.launch import compile_ptx
 
     # with the timeline on, so that its wait/work stamps compile for sm_90 too (the interpreter has no %globaltimer)
-    ptx = compile_ptx(dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
-                           DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False,
-                           TIMELINE=True, MAX_EVENTS=2048, USE_TMA=True))
+    ptx = compile_ptx(dict(SM90_CONSTANTS, TIMELINE=True, MAX_EVENTS=2048, USE_TMA=True))
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 
 def test_megakernel_ptx_uses_hopper_tensor_cores(ptx):
     assert "wgmma.mma_async" in ptx
+
+
+def _cubin_resources(compiled) -> dict:
+    """REG (registers per thread) and STACK (bytes of stack frame per thread) of the cubin Triton built, as
+    `cuobjdump -res-usage` reports them (Triton's own cuobjdump)."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    try:
+        tool = knobs.nvidia.cuobjdump.path
+    except Exception as error:  # noqa: BLE001 - a Triton build without the NVIDIA tools
+        pytest.skip(f"no cuobjdump in this Triton: {error}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        report = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"\b(REG|STACK):(\d+)", report)}
+
+
+@pytest.fixture(scope="module")
+def stage_kernels():
+    """The sm_90 compiles of the one-launch kernel (STAGE -1) and of each serial stage, with the TMA tiles on (the
+    default KernelConfig)."""
+    from weave_moe.backends.weave.launch import compile_sm
+
+    return {stage: compile_sm(dict(SM90_CONSTANTS, USE_TMA=True, STAGE=stage)) for stage in (-1, 0, 1, 2, 3)}
+
+
+def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
+    """The serial policy's dispatch, combine and reduce launches (STAGE 0, 2, 3) compile none of the GEMM phase: no
+    wgmma, no TMA, none of its shared memory, and far fewer registers. Registers and spills are read from the cubin
+    (`_cubin_resources`); the PTX declares no `.local` array, so a stack frame there holds register spills.
+
+    Measured with Triton 3.6 (REG / STACK bytes / dynamic shared bytes): the one-launch kernel 255 / 248 / 147520,
+    STAGE 0 107 / 0 / 4, STAGE 2 255 / 40 / 64, STAGE 3 147 / 0 / 64. The combine stage's registers are its own tile's
+    (combine_rows: TOP_K gathers of COMBINE_ROWS x BLOCK_H in flight at once), not the GEMM's.
+    """
+    full = stage_kernels[-1]
+    full_ptx, full_resources = full.asm["ptx"], _cubin_resources(full)
+    tensor_map_param = r"\.param \.align 64 \.b8 \w+\[128\]"  # a host-built TMA descriptor (CUtensorMap)
+    assert "wgmma.mma_async" in full_ptx and "cp.async.bulk.tensor" in full_ptx
+    assert re.search(tensor_map_param, full_ptx)
+    assert full.metadata.shared > 64 * 1024 and full_resources["STACK"] > 0
+    gemm = stage_kernels[1]  # the GEMM stage keeps its tiles and descriptors
+    assert "wgmma.mma_async" in gemm.asm["ptx"] and "cp.async.bulk.tensor" in gemm.asm["ptx"]
+    for stage in (0, 2, 3):
+        compiled = stage_kernels[stage]
+        ptx, resources = compiled.asm["ptx"], _cubin_resources(compiled)
+        assert "wgmma" not in ptx and "cp.async" not in ptx and not re.search(tensor_map_param, ptx), stage
+        assert ".local" not in ptx, stage
+        assert compiled.metadata.shared <= 1024, (stage, compiled.metadata.shared)
+        assert len(ptx) < len(full_ptx) / 2, stage
+        if stage == 2:  # the combine tile's own pressure: a few spilled registers, far fewer than the full kernel's
+            assert resources["STACK"] <= full_resources["STACK"] / 4, resources
+        else:
+            assert resources["STACK"] == 0 and resources["REG"] <= full_resources["REG"] * 0.6, (stage, resources)
+    # each stage kept the ordering of its flags: dispatch and combine release onto peers' flags, combine waits on
+    # this GPU's GEMM1 counters, reduce waits on the peers' combine flags
+    assert _has_release_add(stage_kernels[0].asm["ptx"], "sys")
+    assert _has_release_add(stage_kernels[2].asm["ptx"], "sys")
+    assert re.search(r"ld\.global\.gpu\.acquire", stage_kernels[2].asm["ptx"])
+    assert re.search(r"ld\.global\.sys\.acquire", stage_kernels[3].asm["ptx"])

@@ -1,5 +1,7 @@
 """Host-side pieces of the weave backend that run without a GPU: configuration, errors, measured timelines."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -232,3 +234,86 @@ def test_deferred_errors_name_the_problem_and_leave_the_layer_usable():
     assert isinstance(error, WeaveTimeoutError) and backend.broken
     with pytest.raises(WeaveTimeoutError):
         backend._raise_status([sync.ERROR_EXCHANGE_TIMEOUT.value, 1, 0, 1])
+
+
+class _AnyTable:
+    """A stand-in for the task tables (layout.Layout): every table is one int32 zero."""
+
+    def __getattr__(self, name):
+        return torch.zeros(1, dtype=torch.int32)
+
+
+def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False, resident=False):
+    """A WeaveBackend for `_launch`'s host logic on the CPU: the megakernel's launches and compiles are recorded as
+    STAGE values (the grouped GEMMs as "grouped"), nothing runs."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.backends.weave.launch import MegakernelConstants
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+    launched, compiled = [], []
+    monkeypatch.setattr(backend_module.mk_launch, "launch", lambda args, constants, **options:
+                        launched.append(constants.STAGE))
+    monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
+                        compiled.append(constants.STAGE))
+    monkeypatch.setattr(backend_module.grouped_gemm, "default_configs", lambda *args: [])
+    monkeypatch.setattr(backend_module.grouped_tiles, "gather_rows", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+    spec, H, I = MoESpec(8, 2, 32, 16), 32, 16
+    backend = WeaveBackend.__new__(WeaveBackend)  # the host-side logic only: no GPU here
+    backend.spec, backend.rank, backend.world_size, backend.max_tokens = spec, 0, 1, 8
+    backend.num_sms, backend.num_local_experts, backend.max_pairs, backend.local_rows = 4, 8, 16, 0
+    backend.device, backend.timeout_ns, backend.timeline_events = torch.device("cpu"), 10 ** 9, 0
+    backend.config = KernelConfig(fused_serial=fused_serial, grouped_gemm=grouped)
+    backend.fixed_plan, backend.grouped, backend.resident = fixed_plan, grouped, resident
+    backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
+    backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, H, I, 16)
+    backend.ctrl, backend.status = torch.zeros(32, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    backend.plans_device, backend.io = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
+    backend.tokens_word = torch.zeros(1, dtype=torch.int32)
+    backend.w13, backend.w2 = torch.zeros(8, 2 * I, H).bfloat16(), torch.zeros(8, H, I).bfloat16()
+    backend.w13_grouped = backend.w13 if grouped else None
+    backend.timeline_buf = torch.zeros(1, dtype=torch.int64)
+    backend.constants = MegakernelConstants(
+        TOP_K=2, MAX_CHUNKS=8, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, DISPATCH_ROWS=4, COMBINE_ROWS=4,
+        REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3, STAGES1=4, BLOCK_K1=16,
+        USE_TMA=False, RESIDENT=resident)
+    backend.stage_constants = {stage: dataclasses.replace(backend.constants, STAGE=stage) for stage in (-1, 0, 1, 2, 3)}
+    backend.kernel_variants = backend._kernel_variants()
+    backend._grouped_configs = lambda rows: None
+    backend._grouped_gemms = lambda layout, configs: launched.append("grouped")
+    return backend, launched, compiled
+
+
+@pytest.mark.parametrize("policy, grouped, fused_serial, resident, plans, launches, compiles", [
+    # the fixed serial policy: one launch per stage, each compiled for its stage; the GEMM stage as grouped GEMMs
+    ("serial", True, False, False, ["fixed"], [[0, "grouped", 2, 3]], [0, 2, 3]),
+    ("serial", False, False, False, ["fixed"], [[0, 1, 2, 3]], [0, 1, 2, 3]),
+    ("serial", False, True, False, ["fixed"], [[-1]], [-1]),       # KernelConfig.fused_serial: one launch
+    ("serial", True, False, True, ["fixed"], [[0, "grouped", 2, 3]], [0, 2, 3]),
+    ("static:2,2", False, False, False, ["fixed"], [[-1]], [-1]),
+    # an adaptive policy's host-driven call plans per call, serial or not: every variant is compiled before the first
+    ("weave", False, False, False, ["split", "serial"], [[-1], [0, 1, 2, 3]], [-1, 0, 1, 2, 3]),
+    ("weave", False, False, False, ["serial", "split"], [[0, 1, 2, 3], [-1]], [-1, 0, 1, 2, 3]),
+    # its resident call has the plan on the device: one launch
+    ("weave", False, False, True, [None], [[-1]], [-1]),
+])
+def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, grouped, fused_serial, resident, plans,
+                                                         launches, compiles):
+    from weave_moe.plan import Plan
+
+    num_sms = 4
+    plan_of = {"fixed": Plan(num_sms, 1, 0, 0.0, policy) if policy == "serial" else Plan(2, 2, 0, 0.0, policy),
+               "serial": Plan(num_sms, 1, 0, 0.0, policy), "split": Plan(2, 2, 1, 0.0, policy), None: None}
+    fixed = plan_of["fixed"] if policy != "weave" else None
+    backend, launched, compiled = _host_backend(monkeypatch, fixed, grouped=grouped, fused_serial=fused_serial,
+                                                resident=resident)
+    x, out = torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16()
+    for plan_name, expected in zip(plans, launches):
+        launched.clear()
+        backend._launch(x, out, _AnyTable(), plan_of[plan_name], 0)
+        assert launched == expected, (plan_name, launched)
+        # every variant a call can launch was compiled at the first call, and only then
+        assert sorted(compiled) == compiles
+    assert {constants.STAGE for constants in backend.compiled} == set(compiles)

@@ -9,7 +9,7 @@
      names another layer or call (`CallCoordinator.finish`), or if any rank sent ids outside [-1, E);
   3. plan every rank from the same counts (deterministic, so every rank knows every destination's chunk count K);
   4. build this rank's task tables on the device (`layout.build_layout`, one CUDA-graph replay) and launch the
-     megakernel (`launch.launch`; for the `serial` policy, the same kernel once per stage).
+     megakernel (`launch.launch`; for the `serial` policy, once per stage, each launch compiled for its stage).
 """
 
 from __future__ import annotations
@@ -218,6 +218,9 @@ class WeaveBackend:
         self.constants = mk_launch.MegakernelConstants.from_config(
             cfg, spec.top_k, MAX_CHUNKS, self.timeline_events, self.use_tma,
             resident=self.resident)
+        # the megakernel's compiles by STAGE (-1: every phase in one launch; 0..3: one serial stage)
+        self.stage_constants = {stage: dataclasses.replace(self.constants, STAGE=stage) for stage in (-1, 0, 1, 2, 3)}
+        self.kernel_variants = self._kernel_variants()
         # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
         self.io = torch.zeros(2, dtype=torch.int64, device=device)
         self.tokens_word = self.send_routing[2 * self.message.id_words:2 * self.message.id_words + 1]
@@ -340,7 +343,7 @@ class WeaveBackend:
         coordinator = self.coordinator
         coordinator.check_usable()
         capturing = torch.cuda.is_current_stream_capturing()
-        if capturing and self.constants not in self.compiled:
+        if capturing and not self.kernel_variants <= self.compiled:
             raise RuntimeError("weave: call the layer once outside CUDA-graph capture before capturing it (the first "
                                "call compiles the kernels and captures the layer's own graphs)")
         if not capturing:
@@ -551,23 +554,35 @@ class WeaveBackend:
             H=spec.hidden_size, I=spec.intermediate_size,
             num_comm_ctas=num_comm_ctas, num_steal=num_steal,
             timeout_ns=self.timeout_ns, PHASE_FIRST=0, PHASE_LAST=3)
-        launch_options = dict(grid=grid, constants=self.constants, descriptors=self.descriptors,
-                              num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+        launch_options = dict(grid=grid, descriptors=self.descriptors, num_warps=self.config.num_warps,
+                              num_stages=self.config.num_stages)
         self._ensure_compiled(args, launch_options)
         if self.debug_skip_launch:
             return
-        if serial and self.grouped:
-            stages = [(0, 0), "grouped", (2, 2), (3, 3)]
-        elif serial and not self.config.fused_serial:
-            stages = [(0, 0), (1, 1), (2, 2), (3, 3)]
-        else:
-            stages = [(0, 3)]
-        for stage in stages:
+        for stage in self._stages(serial):
             if stage == "grouped":
                 self._grouped_gemms(layout, grouped_configs or self._grouped_configs(self.local_rows))
                 continue
-            args.PHASE_FIRST, args.PHASE_LAST = stage
-            mk_launch.launch(args=args, **launch_options)
+            mk_launch.launch(args=args, constants=self.stage_constants[stage], **launch_options)
+
+    def _kernel_variants(self) -> frozenset:
+        """The megakernel compiles (`stage_constants` values) a call of this layer can launch; `_ensure_compiled`
+        compiles them all before the first launch. Whether a call runs the serial schedule (`_launch`): a fixed plan's
+        answer; an adaptive policy's resident call has its plan on the device and is one launch; its host-driven call
+        can be either."""
+        serial_choices = ((self.fixed_plan.is_serial(self.num_sms),) if self.fixed_plan is not None
+                          else (False,) if self.resident else (False, True))
+        return frozenset(self.stage_constants[stage] for serial in serial_choices for stage in self._stages(serial)
+                         if stage != "grouped")
+
+    def _stages(self, serial: bool) -> tuple:
+        """The launches of one call, in order: the megakernel's STAGE (-1: phases PHASE_FIRST..PHASE_LAST = 0..3 in one
+        launch; 0..3: that stage alone, compiled for it) or "grouped" (the grouped GEMMs, `_grouped_gemms`)."""
+        if serial and self.grouped:
+            return (0, "grouped", 2, 3)
+        if serial and not self.config.fused_serial:
+            return (0, 1, 2, 3)
+        return (-1,)
 
     def _grouped_configs(self, rows: int) -> tuple | None:
         """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""
@@ -599,13 +614,15 @@ class WeaveBackend:
         self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS].copy_(layout.gemm1_expected)
 
     def _ensure_compiled(self, args, launch_options) -> None:
-        """Compile before the first launch and line the ranks up, so no rank's waits time out while a peer is still
-        compiling (a cold compile takes far longer than the kernel's deadlines). The first call's task-table compile
-        (KernelConfig.compile_layout: ~22 s for a fresh process's first layer shape on a fresh machine, ~5 s for each
-        further shape; bench/results/first-call-h200x2-6d28893.json) happens before this barrier too."""
-        if self.constants in self.compiled:
+        """Compile every megakernel variant a call can launch (`kernel_variants`) before the first launch and line the
+        ranks up, so no rank's waits time out while a peer is still compiling (a cold compile takes far longer than
+        the kernel's deadlines). The first call's task-table compile (KernelConfig.compile_layout: ~22 s for a fresh
+        process's first layer shape on a fresh machine, ~5 s for each further shape;
+        bench/results/first-call-h200x2-6d28893.json) happens before this barrier too."""
+        if self.kernel_variants <= self.compiled:
             return
-        mk_launch.warmup(args=args, **launch_options)
+        for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
+            mk_launch.warmup(args=args, constants=constants, **launch_options)
         if self.grouped:  # compile every grouped-GEMM variant a call may pick, on an empty tile table
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             h, y = self.workspace.h(), self.workspace.y()
@@ -623,4 +640,4 @@ class WeaveBackend:
             self.coordinator.poll(work.is_completed, "the barrier after compiling the kernel",
                                   timeout_s=max(self.coordinator.timeout_s, COMPILE_SKEW_S))
             work.wait()
-        self.compiled.add(self.constants)
+        self.compiled |= self.kernel_variants

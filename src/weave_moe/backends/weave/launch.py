@@ -14,7 +14,7 @@ import triton
 
 from weave_moe.backends.weave.kernels.megakernel import moe_megakernel
 
-__all__ = ["MegakernelArgs", "MegakernelConstants", "launch", "warmup", "compile_ptx"]
+__all__ = ["MegakernelArgs", "MegakernelConstants", "NO_DESCRIPTORS", "launch", "warmup", "compile_sm", "compile_ptx"]
 
 
 def _arg(triton_type: str):
@@ -104,6 +104,12 @@ class MegakernelConstants:
     BLOCK_K1: int
     USE_TMA: bool
     RESIDENT: bool = False
+    STAGE: int = -1  # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone (kernels/megakernel.py)
+
+    @property
+    def runs_gemm(self) -> bool:
+        """Whether this compile holds the GEMM phase (and reads the TMA descriptors)."""
+        return self.STAGE in (-1, 1)
 
     @classmethod
     def from_config(cls, config, top_k: int, max_chunks: int, timeline_events: int, use_tma: bool,
@@ -123,6 +129,13 @@ class MegakernelConstants:
 
 #: The TMA descriptors (host-built, KernelConfig.tma): w13 as [E_local * 2I, H], w2 as [E_local * H, I].
 DESCRIPTOR_NAMES = ("w13_desc", "w2_desc")
+NO_DESCRIPTORS = dict.fromkeys(DESCRIPTOR_NAMES)
+
+
+def _descriptors(constants: MegakernelConstants, descriptors: dict) -> dict:
+    """The descriptors for a launch of `constants`: None where it compiles no GEMM phase, so that the launch encodes
+    no tensor map on the host (Triton does that at every launch of a host-built descriptor) and passes none."""
+    return descriptors if constants.runs_gemm else NO_DESCRIPTORS
 
 
 def _check_signature() -> None:
@@ -140,31 +153,33 @@ _check_signature()
 def launch(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
            num_stages: int) -> None:
     """One cooperative launch of `grid` CTAs (all resident, or the launch fails instead of hanging)."""
-    moe_megakernel[(grid,)](**args.by_name(), **constants.by_name(), **descriptors, num_warps=num_warps,
-                            num_stages=num_stages, launch_cooperative_grid=True)
+    moe_megakernel[(grid,)](**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
+                            num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True)
 
 
 def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
            num_stages: int) -> None:
     """Compile for these arguments' specialisation without launching."""
-    moe_megakernel.warmup(**args.by_name(), **constants.by_name(), **descriptors, grid=(grid,), num_warps=num_warps,
-                          num_stages=num_stages, launch_cooperative_grid=True)
+    moe_megakernel.warmup(**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
+                          grid=(grid,), num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True)
 
 
-def compile_ptx(constants: dict, capability: int = 90, num_warps: int = 8, num_stages: int = 3) -> str:
-    """Compile the megakernel for `sm_<capability>` without a GPU and return its PTX.
+def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_stages: int = 3):
+    """Compile the megakernel for `sm_<capability>` without a GPU; returns Triton's compiled kernel (`.asm["ptx"]`,
+    `.asm["cubin"]`, `.metadata.shared`: bytes of dynamic shared memory).
 
     `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
-    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False.
+    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False, STAGE=-1. The descriptors are passed as `launch`
+    passes them (none to a compile without the GEMM phase).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
-                          DOT_FP32=False, RESIDENT=False), **constants)
+                          DOT_FP32=False, RESIDENT=False, STAGE=-1), **constants)
     signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
     signature.update({name: "constexpr" for name in constants})
-    if constants["USE_TMA"]:
+    if constants["USE_TMA"] and MegakernelConstants(**constants).runs_gemm:
         bk, bk1 = constants["BLOCK_K"], constants["BLOCK_K1"]
         signature["w13_desc"] = f"tensordesc<bf16[{constants['BLOCK_N0']},{bk}]>"
         signature["w2_desc"] = f"tensordesc<bf16[{constants['BLOCK_N1'] // 2},{bk1}]>"
@@ -173,6 +188,10 @@ def compile_ptx(constants: dict, capability: int = 90, num_warps: int = 8, num_s
         signature.update(w13_desc="constexpr", w2_desc="constexpr")
     signature = {name: signature[name] for name in moe_megakernel.arg_names}
     source = ASTSource(fn=moe_megakernel, signature=signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return compiled.asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_ptx(constants: dict, capability: int = 90, num_warps: int = 8, num_stages: int = 3) -> str:
+    """The PTX of `compile_sm` (same arguments)."""
+    return compile_sm(constants, capability, num_warps, num_stages).asm["ptx"]

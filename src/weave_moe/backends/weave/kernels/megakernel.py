@@ -14,8 +14,11 @@ resident fails at launch instead of hanging). Each CTA walks a small state machi
                         sum over local experts to the source rank's combine buffer; release-add onto its flag.
     phase 3  reduce     every CTA: wait for all destinations' combine rows, sum them per token into `out`.
 
-The same kernel with PHASE_FIRST == PHASE_LAST runs one stage per launch: that is the `serial` policy and the
-"stages as separate launches" path.
+Which phases a launch runs: with STAGE = -1 (compile-time) the phases PHASE_FIRST..PHASE_LAST (runtime; 0..3 for
+the one-launch policies). With STAGE = s in 0..3 the launch runs phase s alone, exactly as PHASE_FIRST = PHASE_LAST = s
+would, and only that phase's code is compiled in (PHASE_FIRST / PHASE_LAST are then ignored). The `serial` policy runs
+each stage as such a launch, so its dispatch, combine and reduce launches hold none of the GEMM tiles' code, shared
+memory or register pressure (sm_90 figures: tests/test_megakernel_cpu.py).
 
 Buffers come from `weave_moe.backends.weave.workspace.SymmetricWorkspace`; peers are reached through `peer_base_ptr` (int64 base
 address of every rank's symmetric buffer) plus byte offsets.
@@ -118,6 +121,8 @@ def moe_megakernel(
     # serial schedule in this launch), the addresses of x and out (`io_ptr` [2] int64) and T (`tokens_ptr`, the token
     # count word of this rank's routing message)
     RESIDENT: tl.constexpr = False,
+    # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone, the other phases not compiled in (module docstring)
+    STAGE: tl.constexpr = -1,
 ):
     pid = tl.program_id(0)
     if RESIDENT:
@@ -137,24 +142,36 @@ def moe_megakernel(
     num_reduce = tl.load(meta_ptr + 3)
     n0_tiles = tl.cdiv(I, BLOCK_N0)
     row_bytes = H.to(tl.int64) * 2
+    # the phases of this launch; compile-time when STAGE >= 0 (so the reduce stage's refusal branch is static too)
+    if STAGE >= 0:
+        first_phase: tl.constexpr = STAGE
+        last_phase: tl.constexpr = STAGE
+    else:
+        first_phase = PHASE_FIRST
+        last_phase = PHASE_LAST
+    # the phases whose code this launch compiles (each branch of the state machine below tests its own)
+    RUN_DISPATCH: tl.constexpr = STAGE < 0 or STAGE == 0
+    RUN_GEMM: tl.constexpr = STAGE < 0 or STAGE == 1
+    RUN_COMBINE: tl.constexpr = STAGE < 0 or STAGE == 2
+    RUN_REDUCE: tl.constexpr = STAGE < 0 or STAGE == 3
     is_comm = pid < num_comm_ctas
     phase = tl.where(is_comm, 0, 1)
-    phase = tl.maximum(phase, PHASE_FIRST)
+    phase = tl.maximum(phase, first_phase)
     budget = tl.where(is_comm, num_steal, 1 << 30)
     arrived_chunks = 0        # bit c set: chunk c has arrived from every source (seen by this CTA)
     combinable_chunks = 0     # bit c set: chunk c's GEMM1 tiles are all done
     all_combined = 0
     # staged launches (serial) write each stage into its own quarter of the CTA's event rows
-    num_events = PHASE_FIRST * (MAX_EVENTS // 4)
+    num_events = first_phase * (MAX_EVENTS // 4)
     is_stealer = is_comm & (num_comm_ctas < tl.num_programs(0))
     if refused != 0:
-        phase = PHASE_LAST + 1
-        if PHASE_LAST == 3:
+        phase = last_phase + 1
+        if last_phase == 3:
             for first_row in range(pid * REDUCE_ROWS, num_tokens, tl.num_programs(0) * REDUCE_ROWS):
                 tiles.poison_rows(out_ptr, first_row, tl.minimum(num_tokens - first_row, REDUCE_ROWS), H, REDUCE_ROWS,
                                   BLOCK_H)
-    while phase <= PHASE_LAST:
-        if phase == 0:
+    while phase <= last_phase:
+        if RUN_DISPATCH and phase == 0:
             task, t_start = _claim(ctrl_ptr + CTRL_DISPATCH, TIMELINE)
             if task < num_dispatch:
                 dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
@@ -168,7 +185,7 @@ def moe_megakernel(
                     num_events = _record(timeline_ptr, pid, num_events, EVENT_DISPATCH, t_start, t_start, MAX_EVENTS)
             else:
                 phase = 1
-        elif phase == 1:
+        elif RUN_GEMM and phase == 1:
             task = num_gemm
             if budget > 0:
                 task = tl.atomic_add(ctrl_ptr + CTRL_GEMM, 1, sem="relaxed", scope="gpu")
@@ -217,7 +234,7 @@ def moe_megakernel(
                                              MAX_EVENTS)
             else:
                 phase = 2
-        elif phase == 2:
+        elif RUN_COMBINE and phase == 2:
             task, t_start = _claim(ctrl_ptr + CTRL_COMBINE, TIMELINE)
             if task < num_combine:
                 source, chunk, start, count = _task_row(combine_tasks_ptr, task)
@@ -238,7 +255,7 @@ def moe_megakernel(
                     num_events = _record(timeline_ptr, pid, num_events, EVENT_COMBINE, t_start, t_ready, MAX_EVENTS)
             else:
                 phase = 3
-        else:
+        elif RUN_REDUCE:  # phase 3
             task = tl.atomic_add(ctrl_ptr + CTRL_REDUCE, 1, sem="relaxed", scope="gpu")
             if task < num_reduce:
                 if TIMELINE:
