@@ -121,7 +121,7 @@ class RoutingMessage:
             # the compiled kernel directly: Triton's JIT launch spends ~25 us of host time per call binding and
             # specialising arguments (measured on the H200 machine), this ~5. Valid for any arguments: no pointer
             # or integer is specialised (do_not_specialize), the dtypes are the layer's checked ones.
-            compiled[grid](*args)
+            compiled[grid](*args, HEADER_WORDS, _PACK_BLOCK)   # Triton's launcher takes the constexprs too
         else:
             compiled = _pack_kernel[grid](*args, HEADER=HEADER_WORDS, BLOCK=_PACK_BLOCK, num_warps=4)
             if out.is_cuda:
