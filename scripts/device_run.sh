@@ -67,7 +67,7 @@ for stage in "$@"; do
     resident-bench) for mode in ${RB_MODES:-on off}; do
           models=$([ $mode = on ] && echo "${RB_MODELS:-qwen3-30b-a3b,deepseek-v3}" || echo "${RB_MODELS_OFF:-qwen3-30b-a3b}")
           tokens=$([ $mode = on ] && echo "${RB_TOKENS:-1,32,512,2048}" || echo "${RB_TOKENS_OFF:-32,2048}")
-          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${RB_TIMEOUT:-280}" python3 -m weave_moe.bench --emulate-ep 2 --models "$models" --tokens "$tokens" --routing uniform --variants nccl,weave:serial,weave --check --iters 20 --no-progress --timeout 270 --name "resident-$mode" --out "$W" > "$W/bench-resident-$mode.log" 2>&1; echo "rc=$?"; tail -22 "$W/bench-resident-$mode.log"
+          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${RB_TIMEOUT:-280}" python3 -m weave_moe.bench --emulate-ep 2 --models "$models" --tokens "$tokens" --routing uniform --variants nccl,weave:serial,weave --check --iters 20 --no-progress --timeout $(( ${RB_TIMEOUT:-280} - 10 )) --name "resident-$mode" --out "$W" > "$W/bench-resident-$mode.log" 2>&1; echo "rc=$?"; tail -22 "$W/bench-resident-$mode.log"
         done;;
     exchange-check) timeout "${XCHK_TIMEOUT:-150}" python3 scripts/routing_exchange_check.py --out "$W/routing_exchange_check.json" > "$W/routing_exchange_check.log" 2>&1; echo "rc=$?"; tail -15 "$W/routing_exchange_check.log" | cut -c1-300;;
     resident-profile) for t in ${RP_TOKENS:-1 2048}; do
