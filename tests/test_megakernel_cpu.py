@@ -27,7 +27,8 @@ SCRIPT = textwrap.dedent(
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.reference import reference_moe
 
-    def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None, resident=False, refuse=False, triton_tables=False):
+    def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None, resident=False, refuse=False, triton_tables=False,
+            interleaved=False, hybrid=None):
         torch.manual_seed(seed)
         max_tokens = T + 3
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.zeros(0, k, dtype=torch.int32)
@@ -73,6 +74,8 @@ SCRIPT = textwrap.dedent(
         grid = 3
         # the device planner's output row of rank 0: c >= grid is the serial schedule inside the one launch
         plans = torch.tensor([[grid + 4, K, 0, 0]], dtype=torch.int32)
+        if hybrid == "split":  # a plan with 1 comm CTA that steals every GEMM tile: CTA 0 does the whole call
+            plans = torch.tensor([[1, K, 1 << 30, 0]], dtype=torch.int32)
         # the resident call's x / out addresses and T, read by the kernel (the host's x_ptr, out_ptr and num_tokens
         # arguments are then dummies)
         io = torch.tensor([x.data_ptr() if T else 0, out.data_ptr()], dtype=torch.int64)
@@ -82,18 +85,27 @@ SCRIPT = textwrap.dedent(
         # its stage), "phases" the same stages through the runtime bounds of the one-launch compile
         stages = ([(s, 0, 3) for s in range(4)] if staged is True else [(-1, s, s) for s in range(4)]
                   if staged == "phases" else [(-1, 0, 3)])
+        if hybrid:  # GROUPED_SERIAL: the first launch, the GEMMs (here the kernel's own GEMM stage standing in for the
+            #         grouped GEMMs), then combine and reduce, which run only under a serial plan
+            stages = [((-1, True), 0, 3), ((1, False), 0, 3), ((2, True), 0, 3), ((3, True), 0, 3)]
         descs = NO_DESCRIPTORS
+        w13_kernel = w13
+        if interleaved:  # the grouped GEMMs' layout, read by the kernel's GEMM0 tiles (W13_INTERLEAVED)
+            from weave_moe.backends.weave.kernels.grouped_gemm import interleave_w13
+            w13_kernel = interleave_w13(w13)
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor as TD
-            descs = dict(w13_desc=TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
+            descs = dict(w13_desc=TD.from_tensor(w13_kernel.view(E * I, 2, H), [16, 1, 16]) if interleaved
+                         else TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
                          w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]))
         constants = MegakernelConstants(
             TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16, DISPATCH_ROWS=4,
             COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3,
-            STAGES1=4, BLOCK_K1=16, USE_TMA=tma, RESIDENT=resident)
-        for stage, first, last in stages:
+            STAGES1=4, BLOCK_K1=16, USE_TMA=tma, RESIDENT=resident, W13_INTERLEAVED=interleaved)
+        for launch_index, (stage, first, last) in enumerate(stages):
+            stage, grouped_serial = stage if isinstance(stage, tuple) else (stage, False)
             args = MegakernelArgs(
-                x_ptr=dummy if resident else x if T else out, out_ptr=dummy if resident else out, w13_ptr=w13, w2_ptr=w2, recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
+                x_ptr=dummy if resident else x if T else out, out_ptr=dummy if resident else out, w13_ptr=w13_kernel, w2_ptr=w2, recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
                 comb_ptr=ws.comb(parity), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
                 comb_offset=ws.comb_offsets[parity], flags_offset=ws.flags_offsets[parity], arrival_ptr=flags,
                 comb_flag_ptr=ws.comb_flags(parity), ctrl_ptr=ctrl, status_ptr=status, meta_ptr=lay.meta,
@@ -108,7 +120,10 @@ SCRIPT = textwrap.dedent(
                 num_steal=0 if resident else 1 << 30, timeout_ns=10 ** 9,
                 PHASE_FIRST=first, PHASE_LAST=last)
             # as the backend launches it (the interpreter ignores the launch options)
-            launch(grid, args, dataclasses.replace(constants, STAGE=stage), descs, num_warps=8, num_stages=3)
+            launch(grid, args, dataclasses.replace(constants, STAGE=stage, GROUPED_SERIAL=grouped_serial), descs,
+                   num_warps=8, num_stages=3)
+            if hybrid == "serial" and launch_index == 0 and not refuse:  # the dispatch only
+                assert int(ctrl[1]) == 0 and (out == 7.0).all(), "a serial plan's first launch must only dispatch"
         if refuse:
             assert status.tolist() == [16, 0, 5, 0], status
             assert not flags.any() and not ctrl.any(), "a refused call must not run a task"
@@ -146,6 +161,14 @@ SCRIPT = textwrap.dedent(
     # could not finish under the interpreter), dummy x / out and T = 0; the plan row's c >= grid makes it the serial
     # schedule, and the rows land in the real out
     run(9, 4, 2, 40, 24, 2, False, seed=5, resident=True)
+    # the interleaved w13 (pointer and TMA tiles), and the resident adaptive call that runs a serial device plan's
+    # GEMMs between stage launches (GROUPED_SERIAL): serial plan, another plan, a refused call
+    run(9, 4, 2, 40, 24, 2, True, seed=9, interleaved=True)
+    run(17, 2, 2, 48, 16, 8, False, seed=10, interleaved=True, tma=True)
+    run(9, 4, 2, 40, 24, 1, False, seed=11, resident=True, interleaved=True, hybrid="serial")
+    run(21, 8, 3, 40, 24, 1, False, seed=12, resident=True, interleaved=True, tma=True, hybrid="serial")
+    run(9, 4, 2, 40, 24, 2, False, seed=13, resident=True, interleaved=True, hybrid="split")
+    run(9, 4, 2, 40, 24, 1, False, seed=14, resident=True, hybrid="serial", refuse=True)
     # the whole kernel on the Triton task tables
     run(21, 8, 3, 33, 20, 4, False, seed=7, resident=True, triton_tables=True)
     run(17, 2, 2, 48, 16, 8, True, seed=8, triton_tables=True)
@@ -233,6 +256,20 @@ def test_megakernel_ptx_with_tma_tiles_uses_the_bulk_tensor_copy_engine():
     # with the timeline on, so that its wait/work stamps compile for sm_90 too (the interpreter has no %globaltimer)
     ptx = compile_ptx(dict(SM90_CONSTANTS, TIMELINE=True, MAX_EVENTS=2048, USE_TMA=True))
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+
+
+def test_megakernel_ptx_of_the_resident_grouped_serial_launches():
+    """The resident adaptive call's compiles (GROUPED_SERIAL, the interleaved w13 through a 3-D descriptor): the first
+    launch keeps the TMA GEMM tiles, with 3-D bulk tensor loads; the combine and reduce launches have no GEMM code;
+    none uses local memory."""
+    from weave_moe.backends.weave.launch import compile_ptx
+
+    base = dict(SM90_CONSTANTS, USE_TMA=True, RESIDENT=True, W13_INTERLEAVED=True, GROUPED_SERIAL=True)
+    first = compile_ptx(dict(base, STAGE=-1))
+    assert "cp.async.bulk.tensor.3d" in first and "wgmma.mma_async" in first and ".local" not in first
+    for stage in (2, 3):
+        ptx = compile_ptx(dict(base, STAGE=stage))
+        assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx and ".local" not in ptx, stage
 
 
 def test_megakernel_ptx_uses_hopper_tensor_cores(ptx):

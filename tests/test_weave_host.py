@@ -252,10 +252,13 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
 
     launched, compiled = [], []
+    def name(constants):  # "2gs": STAGE 2 compiled with GROUPED_SERIAL
+        return f"{constants.STAGE}gs" if constants.GROUPED_SERIAL else constants.STAGE
+
     monkeypatch.setattr(backend_module.mk_launch, "launch", lambda args, constants, **options:
-                        launched.append(constants.STAGE))
+                        launched.append(name(constants)))
     monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
-                        compiled.append(constants.STAGE))
+                        compiled.append(name(constants)))
     monkeypatch.setattr(backend_module.grouped_gemm, "default_configs", lambda *args: [])
     monkeypatch.setattr(backend_module.grouped_tiles, "gather_rows", lambda *args: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -266,23 +269,25 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.num_sms, backend.num_local_experts, backend.max_pairs, backend.local_rows = 4, 8, 16, 0
     backend.device, backend.timeout_ns, backend.timeline_events = torch.device("cpu"), 10 ** 9, 0
     backend.config = KernelConfig(fused_serial=fused_serial, grouped_gemm=grouped)
-    backend.fixed_plan, backend.grouped, backend.resident = fixed_plan, grouped, resident
+    backend.fixed_plan, backend.grouped, backend.resident = fixed_plan, grouped and fixed_plan is not None, resident
+    backend.grouped_serial = grouped and resident and fixed_plan is None
+    backend.interleaved = backend.grouped or backend.grouped_serial
     backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
     backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, H, I, 16)
     backend.ctrl, backend.status = torch.zeros(32, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
     backend.plans_device, backend.io = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
     backend.tokens_word = torch.zeros(1, dtype=torch.int32)
     backend.w13, backend.w2 = torch.zeros(8, 2 * I, H).bfloat16(), torch.zeros(8, H, I).bfloat16()
-    backend.w13_grouped = backend.w13 if grouped else None
     backend.timeline_buf = torch.zeros(1, dtype=torch.int64)
     backend.constants = MegakernelConstants(
         TOP_K=2, MAX_CHUNKS=8, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, DISPATCH_ROWS=4, COMBINE_ROWS=4,
         REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3, STAGES1=4, BLOCK_K1=16,
         USE_TMA=False, RESIDENT=resident)
-    backend.stage_constants = {stage: dataclasses.replace(backend.constants, STAGE=stage) for stage in (-1, 0, 1, 2, 3)}
+    backend.stage_constants = backend_module.stage_constants(backend.constants)
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
-    backend._grouped_gemms = lambda layout, configs: launched.append("grouped")
+    backend._grouped_gemms = lambda layout, configs, device_serial=False: launched.append(
+        "grouped" + (" if serial" if device_serial else ""))
     return backend, launched, compiled
 
 
@@ -298,6 +303,12 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     ("weave", False, False, False, ["serial", "split"], [[0, 1, 2, 3], [-1]], [-1, 0, 1, 2, 3]),
     # its resident call has the plan on the device: one launch
     ("weave", False, False, True, [None], [[-1]], [-1]),
+    # ... with grouped GEMMs: a small call is one launch; a large one (grouped configs given) runs dispatch-only under a
+    # serial device plan, the grouped GEMMs, then combine and reduce (the GROUPED_SERIAL compiles), every variant
+    # compiled at the first call
+    ("weave", True, False, True, [None], [[-1]], [-1, "-1gs", "2gs", "3gs"]),
+    ("weave", True, False, True, ["device serial", None], [["-1gs", "grouped if serial", "2gs", "3gs"], [-1]],
+     [-1, "-1gs", "2gs", "3gs"]),
 ])
 def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, grouped, fused_serial, resident, plans,
                                                          launches, compiles):
@@ -305,15 +316,17 @@ def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, gr
 
     num_sms = 4
     plan_of = {"fixed": Plan(num_sms, 1, 0, 0.0, policy) if policy == "serial" else Plan(2, 2, 0, 0.0, policy),
-               "serial": Plan(num_sms, 1, 0, 0.0, policy), "split": Plan(2, 2, 1, 0.0, policy), None: None}
+               "serial": Plan(num_sms, 1, 0, 0.0, policy), "split": Plan(2, 2, 1, 0.0, policy), None: None,
+               "device serial": None}
     fixed = plan_of["fixed"] if policy != "weave" else None
     backend, launched, compiled = _host_backend(monkeypatch, fixed, grouped=grouped, fused_serial=fused_serial,
                                                 resident=resident)
     x, out = torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16()
     for plan_name, expected in zip(plans, launches):
         launched.clear()
-        backend._launch(x, out, _AnyTable(), plan_of[plan_name], 0)
+        configs = ("gemm0 config", "gemm1 config") if plan_name == "device serial" else None
+        backend._launch(x, out, _AnyTable(), plan_of[plan_name], 0, configs)
         assert launched == expected, (plan_name, launched)
         # every variant a call can launch was compiled at the first call, and only then
-        assert sorted(compiled) == compiles
-    assert {constants.STAGE for constants in backend.compiled} == set(compiles)
+        assert sorted(compiled, key=str) == sorted(compiles, key=str)
+    assert {f"{c.STAGE}gs" if c.GROUPED_SERIAL else c.STAGE for c in backend.compiled} == set(compiles)

@@ -47,6 +47,12 @@ STATUS_WORDS = 4
 #: Seconds the ranks may drift apart while compiling for a first call: the barrier after the compile waits at least
 #: this long (a cold compile of the task tables alone took ~22 s on a fresh H200 machine).
 COMPILE_SKEW_S = 300.0
+#: A resident call of an adaptive policy puts the grouped GEMMs in its graph (run under a serial device plan) from
+#: this many rows (T * min(k, E_local)) up. With the shipped H200 profile and uniform routing the planner picks serial
+#: for 62 of the 72 paper-model cases from here up (EP 1 and 2, 256-8192 tokens; `weave-moe plan`; 2048 tokens per
+#: rank and more at k = 8) and rarely below, where the extra launches, idle under another plan (a few microseconds
+#: each), would cost more than they save.
+GROUPED_SERIAL_MIN_ROWS = 8192
 
 
 class WeaveError(RuntimeError):
@@ -55,6 +61,16 @@ class WeaveError(RuntimeError):
 
 class WeaveTimeoutError(WeaveError):
     """A bounded wait in the megakernel ran past its deadline (a peer stalled or died)."""
+
+
+def stage_constants(constants: mk_launch.MegakernelConstants) -> dict:
+    """The megakernel's compiles of a layer by launch (`WeaveBackend._stages`): STAGE -1 (every phase in one launch)
+    and 0..3 (one serial stage), and (STAGE, "grouped serial") for the resident adaptive calls that may run the
+    grouped GEMMs."""
+    table = {stage: dataclasses.replace(constants, STAGE=stage) for stage in (-1, 0, 1, 2, 3)}
+    table.update({(stage, "grouped serial"): dataclasses.replace(constants, STAGE=stage, GROUPED_SERIAL=True)
+                  for stage in (-1, 2, 3)})
+    return table
 
 
 class _HostClock:
@@ -204,22 +220,26 @@ class WeaveBackend:
         self.descriptors: dict = {}
         self.use_tma = bool(cfg.tma and H % 8 == 0 and I % 8 == 0 and cfg.block_n1 >= 256)
         # The fixed serial policy runs its GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm) over an
-        # interleaved w13 (gate j, up j neighbours); it never runs the megakernel's GEMM phase, so it holds only that
-        # copy. Serial plans of the other policies keep the megakernel's GEMMs: routing them through the grouped
-        # GEMMs (with both copies of w13) measured 14-32% faster at 8192 tokens but 45-75% slower at 2048 on small
-        # models, where the extra launches' host time dominates (bench/results/eval6-emu-h200-2b24350).
+        # interleaved w13 (gate j, up j neighbours). So does a resident call of an adaptive policy whose device plan
+        # is serial, when the call is large enough that the planner tends to plan serial (GROUPED_SERIAL_MIN_ROWS:
+        # the grouped launches are in its graph and do nothing under another plan, a few microseconds each); its
+        # megakernel reads the same interleaved w13, so the layer holds one copy. Host-driven calls of adaptive
+        # policies keep the megakernel's GEMMs for serial plans: there every extra launch costs host time, and
+        # routing them through the grouped GEMMs measured 45-75% slower at 2048 tokens on small models
+        # (bench/results/eval6-emu-h200-2b24350).
+        grouped_capable = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0
+                               and torch.cuda.get_device_capability(device) >= (9, 0))
         self.only_serial = self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
-        self.grouped = bool(cfg.grouped_gemm and self.only_serial and H % 8 == 0 and I % 8 == 0
-                            and torch.cuda.get_device_capability(device) >= (9, 0))
-        self.w13_grouped = None
+        self.grouped = grouped_capable and self.only_serial
+        self.grouped_serial = grouped_capable and self.resident and self.fixed_plan is None
+        self.interleaved = self.grouped or self.grouped_serial
         self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
         self.max_pairs = max_pairs
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
         self.constants = mk_launch.MegakernelConstants.from_config(
             cfg, spec.top_k, MAX_CHUNKS, self.timeline_events, self.use_tma,
-            resident=self.resident)
-        # the megakernel's compiles by STAGE (-1: every phase in one launch; 0..3: one serial stage)
-        self.stage_constants = {stage: dataclasses.replace(self.constants, STAGE=stage) for stage in (-1, 0, 1, 2, 3)}
+            resident=self.resident, interleaved=self.interleaved)
+        self.stage_constants = stage_constants(self.constants)
         self.kernel_variants = self._kernel_variants()
         # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
         self.io = torch.zeros(2, dtype=torch.int64, device=device)
@@ -237,10 +257,9 @@ class WeaveBackend:
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """w13 [E_local, 2I, H], w2 [E_local, H, I] bf16 on this device (checked by the layer)."""
         self.w2 = w2.contiguous()
-        self.w13_grouped = grouped_gemm.interleave_w13(w13) if self.grouped else None
-        # the megakernel's GEMM tiles read w13 as given; a grouped (fixed serial) layer never runs them and passes the
-        # interleaved copy as a valid pointer its GEMM phase never reads
-        self.w13 = self.w13_grouped if self.grouped else w13.contiguous()
+        # one copy of w13: interleaved (gate j, up j neighbours) when the layer may run the grouped GEMMs, which the
+        # megakernel's GEMM tiles then read too (W13_INTERLEAVED); else as given
+        self.w13 = grouped_gemm.interleave_w13(w13) if self.interleaved else w13.contiguous()
         self.descriptors = self._tma_descriptors() if self.use_tma else dict(w13_desc=None, w2_desc=None)
         # the resident call's graphs captured the old weights' addresses and descriptors: capture again on next use
         self.graphs.drop("resident.")
@@ -468,11 +487,15 @@ class WeaveBackend:
 
     # ---- internals --------------------------------------------------------------------------------------------------
     def _tma_descriptors(self) -> dict:
-        """Host tensor descriptors of w13 [E_local*2I, H] and w2 [E_local*H, I] for the TMA tiles."""
+        """Host tensor descriptors of w13 [E_local*2I, H] (interleaved: [E_local*I, 2, H], block [BN0, 1, BK]) and w2
+        [E_local*H, I] for the TMA tiles."""
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         cfg, H, I = self.config, self.spec.hidden_size, self.spec.intermediate_size
-        return dict(w13_desc=TensorDescriptor.from_tensor(self.w13.view(-1, H), [cfg.block_n0, cfg.block_k]),
+        E = self.num_local_experts
+        w13_desc = (TensorDescriptor.from_tensor(self.w13.view(E * I, 2, H), [cfg.block_n0, 1, cfg.block_k])
+                    if self.interleaved else TensorDescriptor.from_tensor(self.w13.view(-1, H), [cfg.block_n0, cfg.block_k]))
+        return dict(w13_desc=w13_desc,
                     w2_desc=TensorDescriptor.from_tensor(self.w2.view(-1, I), [cfg.block_n1 // 2, cfg.block_k1]))
 
     def _workload(self, dest: int, counts: LayoutCounts) -> Workload:
@@ -528,7 +551,8 @@ class WeaveBackend:
 
     def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None) -> None:
         """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
-        kernel: KernelConfig.resident with an adaptive policy), in one launch."""
+        kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
+        layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial."""
         ws, spec, grid = self.workspace, self.spec, self.num_sms
         if self.timeline_events:
             self.timeline_buf.zero_()
@@ -559,9 +583,10 @@ class WeaveBackend:
         self._ensure_compiled(args, launch_options)
         if self.debug_skip_launch:
             return
-        for stage in self._stages(serial):
+        device_serial = my_plan is None and grouped_configs is not None
+        for stage in self._stages(serial, device_serial):
             if stage == "grouped":
-                self._grouped_gemms(layout, grouped_configs or self._grouped_configs(self.local_rows))
+                self._grouped_gemms(layout, grouped_configs or self._grouped_configs(self.local_rows), device_serial)
                 continue
             mk_launch.launch(args=args, constants=self.stage_constants[stage], **launch_options)
 
@@ -572,12 +597,19 @@ class WeaveBackend:
         can be either."""
         serial_choices = ((self.fixed_plan.is_serial(self.num_sms),) if self.fixed_plan is not None
                           else (False,) if self.resident else (False, True))
-        return frozenset(self.stage_constants[stage] for serial in serial_choices for stage in self._stages(serial)
+        stages = [self._stages(serial) for serial in serial_choices]
+        if self.grouped_serial:
+            stages.append(self._stages(False, device_serial=True))
+        return frozenset(self.stage_constants[stage] for launches in stages for stage in launches
                          if stage != "grouped")
 
-    def _stages(self, serial: bool) -> tuple:
-        """The launches of one call, in order: the megakernel's STAGE (-1: phases PHASE_FIRST..PHASE_LAST = 0..3 in one
-        launch; 0..3: that stage alone, compiled for it) or "grouped" (the grouped GEMMs, `_grouped_gemms`)."""
+    def _stages(self, serial: bool, device_serial: bool = False) -> tuple:
+        """The launches of one call, in order: keys of `stage_constants` (STAGE -1: phases PHASE_FIRST..PHASE_LAST =
+        0..3 in one launch; 0..3: that stage alone, compiled for it; (STAGE, "grouped serial"): the GROUPED_SERIAL
+        compiles) or "grouped" (the grouped GEMMs, `_grouped_gemms`). `device_serial`: a resident adaptive call whose
+        serial plan, decided on the device, runs the grouped GEMMs (the other plans run whole in the first launch)."""
+        if device_serial:
+            return ((-1, "grouped serial"), "grouped", (2, "grouped serial"), (3, "grouped serial"))
         if serial and self.grouped:
             return (0, "grouped", 2, 3)
         if serial and not self.config.fused_serial:
@@ -585,8 +617,9 @@ class WeaveBackend:
         return (-1,)
 
     def _grouped_configs(self, rows: int) -> tuple | None:
-        """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""
-        if not self.grouped:
+        """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM for
+        such a call: see GROUPED_SERIAL_MIN_ROWS)."""
+        if not (self.grouped or (self.grouped_serial and rows >= GROUPED_SERIAL_MIN_ROWS)):
             return None
         configs = self.grouped_configs.get(rows)
         if configs is None:  # looked up once per row count (the lookup costs tens of microseconds of host time)
@@ -595,19 +628,23 @@ class WeaveBackend:
             self.grouped_configs[rows] = configs
         return configs
 
-    def _grouped_gemms(self, layout, configs) -> None:
+    def _grouped_gemms(self, layout, configs, device_serial: bool = False) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
         overwrites afterwards), GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
-        combine phase, which waits on those counters."""
+        combine phase, which waits on those counters. `device_serial`: only if this rank's device plan is serial;
+        under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
+        the GEMMs), all without a host sync."""
         E_local = self.num_local_experts
-        count = layout.expert_offsets[E_local:]
+        offsets = layout.expert_offsets
+        if device_serial:
+            offsets = offsets * (self.plans_device[self.rank, 0:1] >= self.num_sms).to(torch.int32)
+        count = offsets[E_local:]
         grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.workspace.y(), count, 4 * self.num_sms)
         tables = {}
         for config in configs:
             if config.block_m not in tables:
-                tables[config.block_m] = grouped_tiles.build_tile_table(layout.expert_offsets, config.block_m,
-                                                                        self.max_pairs)
-        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13_grouped, self.workspace.h(),
+                tables[config.block_m] = grouped_tiles.build_tile_table(offsets, config.block_m, self.max_pairs)
+        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(),
                                    tables[configs[0].block_m], configs[0])
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(),
                                    tables[configs[1].block_m], configs[1])
@@ -623,13 +660,13 @@ class WeaveBackend:
             return
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
-        if self.grouped:  # compile every grouped-GEMM variant a call may pick, on an empty tile table
+        if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             h, y = self.workspace.h(), self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             for config in grouped_gemm.default_configs(0, *shape):
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
-                grouped_gemm.grouped_gemm0(y, self.w13_grouped, h, table, config)
+                grouped_gemm.grouped_gemm0(y, self.w13, h, table, config)
             for config in grouped_gemm.default_configs(1, *shape):
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config)

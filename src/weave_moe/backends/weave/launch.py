@@ -105,6 +105,8 @@ class MegakernelConstants:
     USE_TMA: bool
     RESIDENT: bool = False
     STAGE: int = -1  # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone (kernels/megakernel.py)
+    W13_INTERLEAVED: bool = False  # w13 in the grouped GEMMs' interleaved layout (its descriptor 3-D)
+    GROUPED_SERIAL: bool = False   # resident serial plans' GEMMs run as grouped GEMMs between stage launches
 
     @property
     def runs_gemm(self) -> bool:
@@ -113,15 +115,16 @@ class MegakernelConstants:
 
     @classmethod
     def from_config(cls, config, top_k: int, max_chunks: int, timeline_events: int, use_tma: bool,
-                    resident: bool = False):
+                    resident: bool = False, interleaved: bool = False):
         """From a KernelConfig; `timeline_events` = events per CTA of the timeline buffer (0: no timeline);
-        `resident`: the kernel reads its plan, x / out addresses and T from the device (KernelConfig.resident)."""
+        `resident`: the kernel reads its plan, x / out addresses and T from the device (KernelConfig.resident);
+        `interleaved`: w13 in the grouped GEMMs' layout."""
         return cls(TOP_K=top_k, MAX_CHUNKS=max_chunks, BLOCK_M=config.block_m, BLOCK_N0=config.block_n0,
                    BLOCK_N1=config.block_n1, BLOCK_K=config.block_k, DISPATCH_ROWS=config.dispatch_rows,
                    COMBINE_ROWS=config.combine_rows, REDUCE_ROWS=config.reduce_rows, BLOCK_H=config.block_h,
                    DOT_FP32=config.dot_fp32, TIMELINE=timeline_events > 0, MAX_EVENTS=max(timeline_events, 1),
                    STAGES0=config.stages0, STAGES1=config.stages1, BLOCK_K1=config.block_k1, USE_TMA=use_tma,
-                   RESIDENT=resident)
+                   RESIDENT=resident, W13_INTERLEAVED=interleaved)
 
     def by_name(self) -> dict:
         return dataclasses.asdict(self)
@@ -169,19 +172,22 @@ def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_st
     `.asm["cubin"]`, `.metadata.shared`: bytes of dynamic shared memory).
 
     `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
-    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False, STAGE=-1. The descriptors are passed as `launch`
+    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False,
+    GROUPED_SERIAL=False. The descriptors are passed as `launch`
     passes them (none to a compile without the GEMM phase).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
-                          DOT_FP32=False, RESIDENT=False, STAGE=-1), **constants)
+                          DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False, GROUPED_SERIAL=False),
+                     **constants)
     signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
     signature.update({name: "constexpr" for name in constants})
     if constants["USE_TMA"] and MegakernelConstants(**constants).runs_gemm:
         bk, bk1 = constants["BLOCK_K"], constants["BLOCK_K1"]
-        signature["w13_desc"] = f"tensordesc<bf16[{constants['BLOCK_N0']},{bk}]>"
+        signature["w13_desc"] = (f"tensordesc<bf16[{constants['BLOCK_N0']},1,{bk}]>" if constants["W13_INTERLEAVED"]
+                                 else f"tensordesc<bf16[{constants['BLOCK_N0']},{bk}]>")
         signature["w2_desc"] = f"tensordesc<bf16[{constants['BLOCK_N1'] // 2},{bk1}]>"
     else:
         constants.update(w13_desc=None, w2_desc=None)

@@ -123,6 +123,12 @@ def moe_megakernel(
     RESIDENT: tl.constexpr = False,
     # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone, the other phases not compiled in (module docstring)
     STAGE: tl.constexpr = -1,
+    # w13 with gate row j at row 2j and up row j at 2j + 1 (the grouped GEMMs' layout; tiles.gemm0_tile INTERLEAVED)
+    W13_INTERLEAVED: tl.constexpr = False,
+    # a resident launch of an adaptive layer whose serial plans run their GEMMs as the grouped GEMMs between stage
+    # launches (backend.py, _stages): with a serial plan the STAGE -1 launch runs the dispatch only and the STAGE 2 / 3
+    # launches run; with any other plan the STAGE -1 launch runs every phase and the STAGE 2 / 3 launches do nothing
+    GROUPED_SERIAL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     if RESIDENT:
@@ -149,6 +155,8 @@ def moe_megakernel(
     else:
         first_phase = PHASE_FIRST
         last_phase = PHASE_LAST
+        if GROUPED_SERIAL:
+            last_phase = tl.where(serial, 0, last_phase)
     # the phases whose code this launch compiles (each branch of the state machine below tests its own)
     RUN_DISPATCH: tl.constexpr = STAGE < 0 or STAGE == 0
     RUN_GEMM: tl.constexpr = STAGE < 0 or STAGE == 1
@@ -170,6 +178,8 @@ def moe_megakernel(
             for first_row in range(pid * REDUCE_ROWS, num_tokens, tl.num_programs(0) * REDUCE_ROWS):
                 tiles.poison_rows(out_ptr, first_row, tl.minimum(num_tokens - first_row, REDUCE_ROWS), H, REDUCE_ROWS,
                                   BLOCK_H)
+    if GROUPED_SERIAL and STAGE >= 0:
+        phase = tl.where(serial, phase, last_phase + 1)   # another plan: the STAGE -1 launch did every phase
     while phase <= last_phase:
         if RUN_DISPATCH and phase == 0:
             task, t_start = _claim(ctrl_ptr + CTRL_DISPATCH, TIMELINE)
@@ -214,7 +224,8 @@ def moe_megakernel(
                     if TIMELINE:
                         t_ready = sync.global_time_ns()
                     tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
-                                     H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0, w13_desc, USE_TMA)
+                                     H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0, w13_desc, USE_TMA,
+                                     W13_INTERLEAVED)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,

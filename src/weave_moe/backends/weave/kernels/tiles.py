@@ -33,12 +33,14 @@ def dispatch_rows(x_ptr, dst_ptr, token_ptr, slot_ptr, start, count, H,
 @triton.jit
 def _paired_k_loop(a_ptrs, b0_ptrs, b1_ptrs, K, b_desc, b0_row, b1_row,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                   STAGES: tl.constexpr, USE_TMA: tl.constexpr):
+                   STAGES: tl.constexpr, USE_TMA: tl.constexpr, PAIRED_DESC: tl.constexpr = False):
     """(A @ B0, A @ B1) over K in BLOCK_K steps: two [BLOCK_M, BLOCK_N] fp32 accumulators sharing each A block.
 
     a_ptrs: [BLOCK_M, BLOCK_K] pointers of the first A block; b0_ptrs / b1_ptrs: [BLOCK_K, BLOCK_N] pointers of the
     first B blocks (K-contiguous rows of the weights). With USE_TMA the B blocks come from `b_desc` at rows b0_row /
-    b1_row instead (block [BLOCK_N, BLOCK_K], transposed on load). The K tail is masked (pointers) or zero-filled (TMA).
+    b1_row instead (block [BLOCK_N, BLOCK_K], transposed on load); with PAIRED_DESC too, `b_desc` is 3-D
+    [rows, 2, K] (block [BLOCK_N, 1, BLOCK_K]) and B0 / B1 are its pairs' first / second rows from row b0_row (the
+    interleaved w13). The K tail is masked (pointers) or zero-filled (TMA).
     """
     offs_k = tl.arange(0, BLOCK_K)
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -46,7 +48,10 @@ def _paired_k_loop(a_ptrs, b0_ptrs, b1_ptrs, K, b_desc, b0_row, b1_row,
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k_ok = (k0 + offs_k) < K
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        if USE_TMA:
+        if USE_TMA and PAIRED_DESC:
+            b0 = b_desc.load([b0_row, 0, k0]).reshape(BLOCK_N, BLOCK_K).T
+            b1 = b_desc.load([b0_row, 1, k0]).reshape(BLOCK_N, BLOCK_K).T
+        elif USE_TMA:
             b0 = b_desc.load([b0_row, k0]).T
             b1 = b_desc.load([b1_row, k0]).T
         else:
@@ -67,7 +72,8 @@ def _paired_k_loop(a_ptrs, b0_ptrs, b1_ptrs, K, b_desc, b0_row, b1_row,
 @triton.jit
 def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start, H, I,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-               STAGES: tl.constexpr = 3, w13_desc=None, USE_TMA: tl.constexpr = False):
+               STAGES: tl.constexpr = 3, w13_desc=None, USE_TMA: tl.constexpr = False,
+               INTERLEAVED: tl.constexpr = False):
     """h[row_start + m, n_start + n] = silu(a_m . gate_n) * (a_m . up_n), a_m = a[gather[row_start + m]].
 
     a: [*, H] bf16 receive buffer; gather: [pairs] int32 rows of a; w13: [E_local, 2I, H] bf16 (gate rows, then up
@@ -78,6 +84,10 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
     host-built descriptor of w13 as [E_local * 2I, H] with block [BLOCK_N, BLOCK_K]. A tile past its expert's I rows
     reads the next rows (or zeros past the tensor): those columns are never stored; the K tail past H is zero-filled.
     The A rows are gathered (dedup), so they stay pointer loads.
+
+    INTERLEAVED: w13 holds gate row j at row 2j and up row j at row 2j + 1 of its expert (the layout the grouped GEMMs
+    read, `grouped_gemm.interleave_w13`); with USE_TMA `w13_desc` is then a descriptor of w13 as [E_local * I, 2, H]
+    with block [BLOCK_N, 1, BLOCK_K].
     """
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < num_rows
@@ -87,10 +97,19 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
     cols = tl.minimum(offs_n, I - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
-    gate_ptrs = w13_ptr + expert.to(tl.int64) * (2 * I) * H + cols[None, :] * H + offs_k[:, None]
-    gate_row = expert * (2 * I) + n_start  # TMA coordinates of the gate block; the up block is I rows further
-    acc_gate, acc_up = _paired_k_loop(a_ptrs, gate_ptrs, gate_ptrs + I * H, H, w13_desc, gate_row, gate_row + I,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA)
+    expert_w13 = w13_ptr + expert.to(tl.int64) * (2 * I) * H
+    if INTERLEAVED:
+        gate_ptrs = expert_w13 + (2 * cols)[None, :] * H + offs_k[:, None]
+        up_ptrs = gate_ptrs + H
+        gate_row = expert * I + n_start    # TMA coordinates of the gate-up pairs (3-D descriptor)
+        up_row = gate_row
+    else:
+        gate_ptrs = expert_w13 + cols[None, :] * H + offs_k[:, None]
+        up_ptrs = gate_ptrs + I * H
+        gate_row = expert * (2 * I) + n_start  # TMA coordinates of the gate block; the up block is I rows further
+        up_row = gate_row + I
+    acc_gate, acc_up = _paired_k_loop(a_ptrs, gate_ptrs, up_ptrs, H, w13_desc, gate_row, up_row,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA, INTERLEAVED)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out_ptrs = h_ptr + (row_start + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
     tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
