@@ -76,6 +76,11 @@ for stage in "$@"; do
         done;;
     # the counts kernel (kernels/counts.py) bitwise against CountsFormat.build + verdict, and timed
     counts-check) timeout "${CC_TIMEOUT:-200}" python3 scripts/counts_check.py --out "$W/counts_check.json" > "$W/counts_check.log" 2>&1; echo "rc=$?"; tail -12 "$W/counts_check.log" | cut -c1-300;;
+    # A/B of KernelConfig.wide_gemm0 (the megakernel's GEMM0 as one wide MMA): the default policy where its plans run
+    # the megakernel's own tiles (WA_TOKENS), off then on, --check on every row; results wide-off.* / wide-on.*
+    wide-ab) for wide in off on; do
+          WEAVE_MOE_KERNEL_CONFIG=wide_gemm0=$wide timeout "${WA_TIMEOUT:-200}" python3 -m weave_moe.bench --emulate-ep 2 --models "${WA_MODELS:-qwen3-30b-a3b,deepseek-v3,phi-3.5-moe}" --tokens "${WA_TOKENS:-1,32,512}" --routing uniform --variants weave,weave:serial --check --iters 20 --no-progress --timeout $(( ${WA_TIMEOUT:-200} - 10 )) --name "wide-$wide" --out "$W" > "$W/bench-wide-$wide.log" 2>&1; echo "rc=$?"; tail -12 "$W/bench-wide-$wide.log"
+        done;;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; tail -8 "$W/host_cost.log" | cut -c1-600;;
     *) echo "unknown stage $stage";;

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     from weave_moe.reference import reference_moe
 
     def run(T, E, k, H, I, K, staged, seed, tma=False, ws=None, resident=False, refuse=False, triton_tables=False,
-            interleaved=False, hybrid=None):
+            interleaved=False, hybrid=None, wide=False):
         torch.manual_seed(seed)
         max_tokens = T + 3
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int() if T else torch.zeros(0, k, dtype=torch.int32)
@@ -95,13 +95,14 @@ SCRIPT = textwrap.dedent(
             w13_kernel = interleave_w13(w13)
         if tma:
             from triton.tools.tensor_descriptor import TensorDescriptor as TD
-            descs = dict(w13_desc=TD.from_tensor(w13_kernel.view(E * I, 2, H), [16, 1, 16]) if interleaved
+            descs = dict(w13_desc=TD.from_tensor(w13_kernel.view(E * 2 * I, H), [32, 16]) if wide
+                         else TD.from_tensor(w13_kernel.view(E * I, 2, H), [16, 1, 16]) if interleaved
                          else TD.from_tensor(w13.view(E * 2 * I, H), [16, 16]),
                          w2_desc=TD.from_tensor(w2.view(E * H, I), [bn1 // 2, 16]))
         constants = MegakernelConstants(
             TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=bn1, BLOCK_K=16, DISPATCH_ROWS=4,
             COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3,
-            STAGES1=4, BLOCK_K1=16, USE_TMA=tma, RESIDENT=resident, W13_INTERLEAVED=interleaved)
+            STAGES1=4, BLOCK_K1=16, USE_TMA=tma, RESIDENT=resident, W13_INTERLEAVED=interleaved, WIDE_GEMM0=wide)
         for launch_index, (stage, first, last) in enumerate(stages):
             stage, grouped_serial = stage if isinstance(stage, tuple) else (stage, False)
             args = MegakernelArgs(
@@ -169,6 +170,9 @@ SCRIPT = textwrap.dedent(
     run(21, 8, 3, 40, 24, 1, False, seed=12, resident=True, interleaved=True, tma=True, hybrid="serial")
     run(9, 4, 2, 40, 24, 2, False, seed=13, resident=True, interleaved=True, hybrid="split")
     run(9, 4, 2, 40, 24, 1, False, seed=14, resident=True, hybrid="serial", refuse=True)
+    # GEMM0 as one MMA over the interleaved rows (KernelConfig.wide_gemm0), pointer and TMA tiles
+    run(9, 4, 2, 40, 24, 2, True, seed=15, interleaved=True, wide=True)
+    run(21, 8, 3, 40, 24, 4, False, seed=16, interleaved=True, wide=True, tma=True)
     # the whole kernel on the Triton task tables
     run(21, 8, 3, 33, 20, 4, False, seed=7, resident=True, triton_tables=True)
     run(17, 2, 2, 48, 16, 8, True, seed=8, triton_tables=True)
@@ -256,6 +260,17 @@ def test_megakernel_ptx_with_tma_tiles_uses_the_bulk_tensor_copy_engine():
     # with the timeline on, so that its wait/work stamps compile for sm_90 too (the interpreter has no %globaltimer)
     ptx = compile_ptx(dict(SM90_CONSTANTS, TIMELINE=True, MAX_EVENTS=2048, USE_TMA=True))
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+
+
+def test_megakernel_ptx_with_wide_gemm0_has_one_n256_mma_per_k_step():
+    """KernelConfig.wide_gemm0: GEMM0 as m64n256 wgmma (BLOCK_N0 = 128 gate-up pairs per MMA) beside GEMM1's n128
+    halves, weights through 2-D bulk tensor loads, no local memory in the PTX."""
+    from weave_moe.backends.weave.launch import compile_ptx
+
+    ptx = compile_ptx(dict(SM90_CONSTANTS, USE_TMA=True, W13_INTERLEAVED=True, WIDE_GEMM0=True))
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
+    assert shapes == {"128", "256"}, shapes
+    assert "cp.async.bulk.tensor.2d" in ptx and ".local" not in ptx
 
 
 def test_megakernel_ptx_of_the_resident_grouped_serial_launches():

@@ -125,6 +125,11 @@ TMA_SCRIPT = textwrap.dedent(
         tiles.gemm0_tile(a, g, w, h, e, rs, nr, ns, H, I, BM, BN, BK, True, 2, d, TMA, True)
 
     @triton.jit
+    def _gemm0w(a, g, w, d, h, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                TMA: tl.constexpr):
+        tiles.gemm0_tile(a, g, w, h, e, rs, nr, ns, H, I, BM, BN, BK, True, 2, d, TMA, True, True)
+
+    @triton.jit
     def _gemm1t(h, w, wd, y, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         tiles.gemm1_tile(h, w, y, e, rs, nr, ns, H, I, BM, BN, BK, True, 2, wd, True)
 
@@ -158,6 +163,17 @@ TMA_SCRIPT = textwrap.dedent(
             h.fill_(float("nan"))
             for n_start in (0, 16):
                 _gemm0i[(1,)](a, gather, w13i, di, h, e, rs, nr, n_start, H, I, 16, 16, 16, tma)
+            gu = a[gather[rs:rs + nr].long()].float() @ w13[e].float().T
+            want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
+            torch.testing.assert_close(h[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)
+            assert h[:rs].isnan().all() and h[rs + nr:].isnan().all()
+    # ... and as ONE MMA over the tile's 2 * BN interleaved rows (WIDE), pointer loads and a 2-D descriptor
+    dw = TensorDescriptor.from_tensor(w13i.view(E * 2 * I, H), [32, 16])
+    for tma in (False, True):
+        for e, rs, nr in ((2, 5, 11), (0, 0, 7), (E - 1, 3, 16)):
+            h.fill_(float("nan"))
+            for n_start in (0, 16):
+                _gemm0w[(1,)](a, gather, w13i, dw, h, e, rs, nr, n_start, H, I, 16, 16, 16, tma)
             gu = a[gather[rs:rs + nr].long()].float() @ w13[e].float().T
             want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
             torch.testing.assert_close(h[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -64,6 +64,11 @@ class KernelConfig:
             plan from the device, and errors found there surface as named exceptions at the next call or at
             `synchronize()` (the refused call returns NaN rows). The layer can then be captured in a caller's CUDA
             graph after one eager call. Adaptive policies run their kernel as one launch.
+        wide_gemm0: the megakernel's GEMM0 tiles as ONE MMA over the tile's 2 * block_n0 interleaved w13 rows (gate j
+            next to up j; the accumulator's gate and up columns separated by `tl.split`), as the grouped GEMMs do,
+            instead of two MMAs (gate, up). Applies where the layer holds the interleaved w13 (`grouped_gemm` with the
+            serial policy or a resident adaptive call). Off until measured on a GPU; in the grouped GEMMs one wide MMA
+            beat two by 20-45% (bench/results/gemm/).
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
@@ -90,6 +95,7 @@ class KernelConfig:
     device_plan: bool = False
     resident: str = "auto"
     triton_tables: bool = True
+    wide_gemm0: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

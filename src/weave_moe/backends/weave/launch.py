@@ -106,6 +106,7 @@ class MegakernelConstants:
     RESIDENT: bool = False
     STAGE: int = -1  # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone (kernels/megakernel.py)
     W13_INTERLEAVED: bool = False  # w13 in the grouped GEMMs' interleaved layout (its descriptor 3-D)
+    WIDE_GEMM0: bool = False       # GEMM0 as one MMA over interleaved rows (its descriptor 2-D, 2 * BLOCK_N0 rows)
     GROUPED_SERIAL: bool = False   # resident serial plans' GEMMs run as grouped GEMMs between stage launches
 
     @property
@@ -118,13 +119,14 @@ class MegakernelConstants:
                     resident: bool = False, interleaved: bool = False):
         """From a KernelConfig; `timeline_events` = events per CTA of the timeline buffer (0: no timeline);
         `resident`: the kernel reads its plan, x / out addresses and T from the device (KernelConfig.resident);
-        `interleaved`: w13 in the grouped GEMMs' layout."""
+        `interleaved`: w13 in the grouped GEMMs' layout (KernelConfig.wide_gemm0 applies only then)."""
         return cls(TOP_K=top_k, MAX_CHUNKS=max_chunks, BLOCK_M=config.block_m, BLOCK_N0=config.block_n0,
                    BLOCK_N1=config.block_n1, BLOCK_K=config.block_k, DISPATCH_ROWS=config.dispatch_rows,
                    COMBINE_ROWS=config.combine_rows, REDUCE_ROWS=config.reduce_rows, BLOCK_H=config.block_h,
                    DOT_FP32=config.dot_fp32, TIMELINE=timeline_events > 0, MAX_EVENTS=max(timeline_events, 1),
                    STAGES0=config.stages0, STAGES1=config.stages1, BLOCK_K1=config.block_k1, USE_TMA=use_tma,
-                   RESIDENT=resident, W13_INTERLEAVED=interleaved)
+                   RESIDENT=resident, W13_INTERLEAVED=interleaved,
+                   WIDE_GEMM0=bool(interleaved and config.wide_gemm0))
 
     def by_name(self) -> dict:
         return dataclasses.asdict(self)
@@ -173,21 +175,24 @@ def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_st
 
     `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
     TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False,
-    GROUPED_SERIAL=False. The descriptors are passed as `launch`
+    GROUPED_SERIAL=False, WIDE_GEMM0=False. The descriptors are passed as `launch`
     passes them (none to a compile without the GEMM phase).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
-                          DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False, GROUPED_SERIAL=False),
+                          DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False, GROUPED_SERIAL=False,
+                          WIDE_GEMM0=False),
                      **constants)
     signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
     signature.update({name: "constexpr" for name in constants})
     if constants["USE_TMA"] and MegakernelConstants(**constants).runs_gemm:
         bk, bk1 = constants["BLOCK_K"], constants["BLOCK_K1"]
-        signature["w13_desc"] = (f"tensordesc<bf16[{constants['BLOCK_N0']},1,{bk}]>" if constants["W13_INTERLEAVED"]
-                                 else f"tensordesc<bf16[{constants['BLOCK_N0']},{bk}]>")
+        bn0 = constants["BLOCK_N0"]
+        signature["w13_desc"] = (f"tensordesc<bf16[{2 * bn0},{bk}]>" if constants["WIDE_GEMM0"]
+                                 else f"tensordesc<bf16[{bn0},1,{bk}]>" if constants["W13_INTERLEAVED"]
+                                 else f"tensordesc<bf16[{bn0},{bk}]>")
         signature["w2_desc"] = f"tensordesc<bf16[{constants['BLOCK_N1'] // 2},{bk1}]>"
     else:
         constants.update(w13_desc=None, w2_desc=None)

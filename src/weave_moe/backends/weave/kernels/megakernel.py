@@ -125,6 +125,8 @@ def moe_megakernel(
     STAGE: tl.constexpr = -1,
     # w13 with gate row j at row 2j and up row j at 2j + 1 (the grouped GEMMs' layout; tiles.gemm0_tile INTERLEAVED)
     W13_INTERLEAVED: tl.constexpr = False,
+    # GEMM0 tiles as one MMA over the interleaved w13's 2 * BLOCK_N0 rows (KernelConfig.wide_gemm0; tiles.gemm0_tile)
+    WIDE_GEMM0: tl.constexpr = False,
     # a resident launch of an adaptive layer whose serial plans run their GEMMs as the grouped GEMMs between stage
     # launches (backend.py, _stages): with a serial plan the STAGE -1 launch runs the dispatch only and the STAGE 2 / 3
     # launches run; with any other plan the STAGE -1 launch runs every phase and the STAGE 2 / 3 launches do nothing
@@ -225,7 +227,7 @@ def moe_megakernel(
                         t_ready = sync.global_time_ns()
                     tiles.gemm0_tile(recv_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start,
                                      H, I, BLOCK_M, BLOCK_N0, BLOCK_K, DOT_FP32, STAGES0, w13_desc, USE_TMA,
-                                     W13_INTERLEAVED)
+                                     W13_INTERLEAVED, WIDE_GEMM0)
                     sync.signal_add(ctrl_ptr + CTRL_GEMM0_DONE + mtile, 1, False)
                     if TIMELINE:
                         num_events = _record(timeline_ptr, pid, num_events,

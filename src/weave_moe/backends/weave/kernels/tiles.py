@@ -70,10 +70,34 @@ def _paired_k_loop(a_ptrs, b0_ptrs, b1_ptrs, K, b_desc, b0_row, b1_row,
 
 
 @triton.jit
+def _wide_k_loop(a_ptrs, b_ptrs, K, b_desc, b_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr):
+    """A @ B over K in BLOCK_K steps into ONE [BLOCK_M, BLOCK_N] fp32 accumulator (one MMA per step). b_ptrs:
+    [BLOCK_K, BLOCK_N] pointers of the first B block; with USE_TMA the B blocks come from `b_desc` at row b_row
+    (block [BLOCK_N, BLOCK_K], transposed on load). The K tail is masked (pointers) or zero-filled (TMA)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if USE_TMA:
+            b = b_desc.load([b_row, k0]).T
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start, H, I,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
                STAGES: tl.constexpr = 3, w13_desc=None, USE_TMA: tl.constexpr = False,
-               INTERLEAVED: tl.constexpr = False):
+               INTERLEAVED: tl.constexpr = False, WIDE: tl.constexpr = False):
     """h[row_start + m, n_start + n] = silu(a_m . gate_n) * (a_m . up_n), a_m = a[gather[row_start + m]].
 
     a: [*, H] bf16 receive buffer; gather: [pairs] int32 rows of a; w13: [E_local, 2I, H] bf16 (gate rows, then up
@@ -87,7 +111,9 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
 
     INTERLEAVED: w13 holds gate row j at row 2j and up row j at row 2j + 1 of its expert (the layout the grouped GEMMs
     read, `grouped_gemm.interleave_w13`); with USE_TMA `w13_desc` is then a descriptor of w13 as [E_local * I, 2, H]
-    with block [BLOCK_N, 1, BLOCK_K].
+    with block [BLOCK_N, 1, BLOCK_K]. WIDE (INTERLEAVED only): the tile's 2 * BLOCK_N interleaved rows in ONE MMA
+    per K step, the gate and up columns of the accumulator separated by `tl.split` (as the grouped GEMMs do); with
+    USE_TMA `w13_desc` is then a descriptor of w13 as [E_local * 2I, H] with block [2 * BLOCK_N, BLOCK_K].
     """
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < num_rows
@@ -98,7 +124,13 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * H + offs_k[None, :]
     expert_w13 = w13_ptr + expert.to(tl.int64) * (2 * I) * H
-    if INTERLEAVED:
+    if WIDE:
+        tl.static_assert(INTERLEAVED, "WIDE reads the interleaved w13")
+        pair_rows = tl.minimum(2 * n_start + tl.arange(0, 2 * BLOCK_N), 2 * I - 1).to(tl.int64)
+        acc = _wide_k_loop(a_ptrs, expert_w13 + pair_rows[None, :] * H + offs_k[:, None], H, w13_desc,
+                           expert * (2 * I) + 2 * n_start, BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA)
+        acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    elif INTERLEAVED:
         gate_ptrs = expert_w13 + (2 * cols)[None, :] * H + offs_k[:, None]
         up_ptrs = gate_ptrs + H
         gate_row = expert * I + n_start    # TMA coordinates of the gate-up pairs (3-D descriptor)
@@ -108,8 +140,9 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
         up_ptrs = gate_ptrs + I * H
         gate_row = expert * (2 * I) + n_start  # TMA coordinates of the gate block; the up block is I rows further
         up_row = gate_row + I
-    acc_gate, acc_up = _paired_k_loop(a_ptrs, gate_ptrs, up_ptrs, H, w13_desc, gate_row, up_row,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA, INTERLEAVED)
+    if not WIDE:
+        acc_gate, acc_up = _paired_k_loop(a_ptrs, gate_ptrs, up_ptrs, H, w13_desc, gate_row, up_row,
+                                          BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA, INTERLEAVED)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out_ptrs = h_ptr + (row_start + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
     tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
