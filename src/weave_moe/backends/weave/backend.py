@@ -192,7 +192,7 @@ class WeaveBackend:
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
         self.resident = cfg.resident_at(world_size)
         self.device_planner = (DevicePlanner(spec, world_size, self.profile, policy)
-                               if (cfg.device_plan or cfg.resident) and self.fixed_plan is None else None)
+                               if (cfg.device_plan or self.resident) and self.fixed_plan is None else None)
         self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
         if self.fixed_plan is not None:  # every rank's (c, K, n_steal): the resident call's tables read K here
             p = self.fixed_plan
