@@ -11,7 +11,10 @@ What it checks (each a row with passed = True/False and the numbers behind it):
      ValueError on this rank, and the layer is correct again afterwards;
   5. capture in a caller's CUDA graph after one eager call, then 100 replays with fresh routing written into the
      captured inputs, each checked against the reference;
-  6. 10^4 back-to-back calls (alternating routing sets), then synchronize and check the last outputs.
+  6. 10^4 back-to-back calls (alternating routing sets), then synchronize and check the last outputs;
+  7. the default policy's calls with the grouped GEMMs in their graph (>= GROUPED_SERIAL_MIN_ROWS rows) under both
+     kinds of device plan: serial (the grouped GEMMs run) and split (the first launch does the whole call, the
+     grouped launches see no rows), alternating, each against the reference, with the plans the device made.
 """
 
 from __future__ import annotations
@@ -79,6 +82,31 @@ def check_policies(rows, device):
             cases += 1
         rows.append(dict(check="policy_vs_reference", policy=policy, cases=cases, worst_rel_error=worst,
                          passed=worst <= DEFAULT_TOLERANCE))
+
+
+def check_grouped_serial(rows, device):
+    """Check 7. With the shipped profile the planner picks a split for uniform and serial for skewed routing of this
+    shape at EP = 1 (`weave-moe plan`-style check on the CPU: c = 48 / c = N)."""
+    from weave_moe.backends.weave.backend import GROUPED_SERIAL_MIN_ROWS
+
+    spec = MoESpec(32, 8, 1024, 512, name="resident-grouped")
+    T = -(-GROUPED_SERIAL_MIN_ROWS // spec.top_k) + 64
+    layer, w13, w2 = _layer(spec, "weave", T, device)
+    backend = layer.backend
+    seen = {}
+    worst = 0.0
+    for seed, kind in enumerate(["uniform", "skewed", "uniform", "holes", "skewed", "uniform"]):
+        x = torch.randn(T, spec.hidden_size, device=device).bfloat16()
+        ids, w = _routing(kind, T, spec, seed, device)
+        out = layer(x, ids, w)
+        layer.synchronize()
+        c = int(backend.plans_device[0, 0])
+        plan_kind = "serial" if c >= backend.num_sms else "split"
+        seen[plan_kind] = seen.get(plan_kind, 0) + 1
+        worst = max(worst, _error(out, x, ids, w, w13, w2))
+    rows.append(dict(check="grouped_serial", tokens=T, rows=T * spec.top_k, grouped_serial=backend.grouped_serial,
+                     plans_seen=seen, worst_rel_error=worst,
+                     passed=backend.grouped_serial and worst <= DEFAULT_TOLERANCE and len(seen) == 2))
 
 
 def check_no_sync_and_host_time(rows, device):
@@ -207,7 +235,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     rows: list[dict] = []
-    for check in (check_policies, check_no_sync_and_host_time, check_deferred_errors, check_graph_capture):
+    for check in (check_policies, check_grouped_serial, check_no_sync_and_host_time, check_deferred_errors,
+                  check_graph_capture):
         try:
             check(rows, device)
         except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
