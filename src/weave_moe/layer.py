@@ -201,6 +201,11 @@ class ExpertParallelMoE(torch.nn.Module):
     def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Load this rank's experts (moved to the layer's device if needed).
 
+        Backends may keep the given tensors or their own copies: the weave backend keeps an interleaved copy of w13
+        (gate row j next to up row j) when it may run its grouped GEMMs (KernelConfig.grouped_gemm: the serial policy,
+        and the device-resident calls of the adaptive ones), and the given tensors otherwise. Either way, load again
+        after changing the weights in place.
+
         Args:
             w13: [E_local, 2*I, H] bf16, gate rows then up rows (vLLM / SGLang FusedMoE layout).
             w2: [E_local, H, I] bf16.
