@@ -154,30 +154,22 @@ TMA_SCRIPT = textwrap.dedent(
         want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
         torch.testing.assert_close(h[0:7].float(), want.float(), atol=2e-2, rtol=2e-2)
 
-    # gemm0 on the interleaved w13 (gate j at row 2j, up j at 2j + 1), pointer loads and the 3-D TMA descriptor
+    # gemm0 on the interleaved w13 (gate j at row 2j, up j at 2j + 1): two MMAs (3-D TMA descriptor) and ONE MMA over
+    # the tile's 2 * BN interleaved rows (WIDE, 2-D descriptor), each with pointer loads and with TMA
     from weave_moe.backends.weave.kernels.grouped_gemm import interleave_w13
     w13i = interleave_w13(w13)
-    di = TensorDescriptor.from_tensor(w13i.view(E * I, 2, H), [16, 1, 16])
-    for tma in (False, True):
-        for e, rs, nr in ((2, 5, 11), (0, 0, 7), (E - 1, 3, 16)):
-            h.fill_(float("nan"))
-            for n_start in (0, 16):
-                _gemm0i[(1,)](a, gather, w13i, di, h, e, rs, nr, n_start, H, I, 16, 16, 16, tma)
-            gu = a[gather[rs:rs + nr].long()].float() @ w13[e].float().T
-            want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
-            torch.testing.assert_close(h[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)
-            assert h[:rs].isnan().all() and h[rs + nr:].isnan().all()
-    # ... and as ONE MMA over the tile's 2 * BN interleaved rows (WIDE), pointer loads and a 2-D descriptor
-    dw = TensorDescriptor.from_tensor(w13i.view(E * 2 * I, H), [32, 16])
-    for tma in (False, True):
-        for e, rs, nr in ((2, 5, 11), (0, 0, 7), (E - 1, 3, 16)):
-            h.fill_(float("nan"))
-            for n_start in (0, 16):
-                _gemm0w[(1,)](a, gather, w13i, dw, h, e, rs, nr, n_start, H, I, 16, 16, 16, tma)
-            gu = a[gather[rs:rs + nr].long()].float() @ w13[e].float().T
-            want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
-            torch.testing.assert_close(h[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)
-            assert h[:rs].isnan().all() and h[rs + nr:].isnan().all()
+    variants = ((_gemm0i, TensorDescriptor.from_tensor(w13i.view(E * I, 2, H), [16, 1, 16])),
+                (_gemm0w, TensorDescriptor.from_tensor(w13i.view(E * 2 * I, H), [32, 16])))
+    for kernel, desc in variants:
+        for tma in (False, True):
+            for e, rs, nr in ((2, 5, 11), (0, 0, 7), (E - 1, 3, 16)):
+                h.fill_(float("nan"))
+                for n_start in (0, 16):
+                    kernel[(1,)](a, gather, w13i, desc, h, e, rs, nr, n_start, H, I, 16, 16, 16, tma)
+                gu = a[gather[rs:rs + nr].long()].float() @ w13[e].float().T
+                want = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16)
+                torch.testing.assert_close(h[rs:rs + nr].float(), want.float(), atol=2e-2, rtol=2e-2)
+                assert h[:rs].isnan().all() and h[rs + nr:].isnan().all()
 
     # gemm1: H=40 not a multiple of the half width, I=24 not a multiple of BK
     H, I, E = 40, 24, 3

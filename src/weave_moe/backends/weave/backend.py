@@ -382,8 +382,7 @@ class WeaveBackend:
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
-        self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
-                               code if failure is not None else CODE_OK)
+        self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out, code)
         clock.lap("pack")
         # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair,
         # picked from T on the host)

@@ -70,8 +70,8 @@ def _paired_k_loop(a_ptrs, b0_ptrs, b1_ptrs, K, b_desc, b0_row, b1_row,
 
 
 @triton.jit
-def _wide_k_loop(a_ptrs, b_ptrs, K, b_desc, b_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr):
+def _k_loop(a_ptrs, b_ptrs, K, b_desc, b_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr = False):
     """A @ B over K in BLOCK_K steps into ONE [BLOCK_M, BLOCK_N] fp32 accumulator (one MMA per step). b_ptrs:
     [BLOCK_K, BLOCK_N] pointers of the first B block; with USE_TMA the B blocks come from `b_desc` at row b_row
     (block [BLOCK_N, BLOCK_K], transposed on load). The K tail is masked (pointers) or zero-filled (TMA)."""
@@ -127,8 +127,8 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
     if WIDE:
         tl.static_assert(INTERLEAVED, "WIDE reads the interleaved w13")
         pair_rows = tl.minimum(2 * n_start + tl.arange(0, 2 * BLOCK_N), 2 * I - 1).to(tl.int64)
-        acc = _wide_k_loop(a_ptrs, expert_w13 + pair_rows[None, :] * H + offs_k[:, None], H, w13_desc,
-                           expert * (2 * I) + 2 * n_start, BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA)
+        acc = _k_loop(a_ptrs, expert_w13 + pair_rows[None, :] * H + offs_k[:, None], H, w13_desc,
+                      expert * (2 * I) + 2 * n_start, BLOCK_M, 2 * BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA)
         acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     elif INTERLEAVED:
         gate_ptrs = expert_w13 + (2 * cols)[None, :] * H + offs_k[:, None]
@@ -184,17 +184,7 @@ def _gemm1_single(h_ptr, w2_ptr, y_ptr, expert, row_start, num_rows, n_start, H,
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * I + offs_k[None, :]
     b_ptrs = w2_ptr + expert.to(tl.int64) * H * I + cols[None, :] * I + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=STAGES):
-        k_ok = (k0 + offs_k) < I
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    acc = _k_loop(a_ptrs, b_ptrs, I, None, 0, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES)
     out_ptrs = y_ptr + (row_start + offs_m)[:, None].to(tl.int64) * H + offs_n[None, :]
     tl.store(out_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
