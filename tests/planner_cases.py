@@ -34,7 +34,9 @@ def small_profile() -> HardwareProfile:
 
 
 PROFILES = {"h200_measured": HardwareProfile.default, "h200_default": lambda: HardwareProfile.load_named("h200_default"),
-            "odd20": small_profile}
+            "odd20": small_profile,
+            # a layer whose serial plans run the grouped GEMMs (formula (13) scaled, cost_model A8)
+            "h200_grouped_serial": lambda: HardwareProfile.default().with_grouped_serial()}
 ODD_SPECS = [MoESpec(6, 2, 72, 40), MoESpec(12, 3, 1000, 300), MoESpec(60, 4, 2048, 1408), MoESpec(7, 7, 136, 520),
              MoESpec(40, 1, 4096, 96)]
 KINDS = ("uniform", "skewed", "empty_ranks", "tiny", "hot_expert", "huge", "all_zero", "decode")

@@ -303,9 +303,9 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     ("weave", False, False, False, ["serial", "split"], [[0, 1, 2, 3], [-1]], [-1, 0, 1, 2, 3]),
     # its resident call has the plan on the device: one launch
     ("weave", False, False, True, [None], [[-1]], [-1]),
-    # ... with grouped GEMMs: a small call is one launch; a large one (grouped configs given) runs dispatch-only under a
-    # serial device plan, the grouped GEMMs, then combine and reduce (the GROUPED_SERIAL compiles), every variant
-    # compiled at the first call
+    # ... with grouped GEMMs (grouped configs given, as every resident call of such a layer passes them): the first
+    # launch (dispatch only under a serial device plan), the grouped GEMMs, then combine and reduce (the GROUPED_SERIAL
+    # compiles); without configs one launch; every variant compiled at the first call
     ("weave", True, False, True, [None], [[-1]], [-1, "-1gs", "2gs", "3gs"]),
     ("weave", True, False, True, ["device serial", None], [["-1gs", "grouped if serial", "2gs", "3gs"], [-1]],
      [-1, "-1gs", "2gs", "3gs"]),

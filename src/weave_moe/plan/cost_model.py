@@ -26,7 +26,7 @@ Formulas (times in us from kernel start, after `launch`):
     Fc   = max(D + [s>0]*(sigma + s*tbar) + C(c),  E_0 + f + C(c),  E_last + f + C(c)/K)                   (10)
     F    = E_last + f + (Fc - E_last - f) * C(N)/C(c)   after E_last every CTA joins combine               (11)
     latency = launch + F + f + Z                                                                           (12)
-    serial (c = N, K = 1): launch + D(N) + f + sigma + W(N)/N + tau + f + C(N) + f + Z                     (13)
+    serial (c = N, K = 1): launch + D(N) + f + sigma + rho*(W(N)/N + tau) + f + C(N) + f + Z             (13)
 with tau = t1 (the last tile of a chunk finishes about one tile after the chunk's mean finish).
 
 Assumptions (each a simplification the simulator does not share, so `sim` can check them):
@@ -42,6 +42,9 @@ Assumptions (each a simplification the simulator does not share, so `sim` can ch
     A6 Combine of chunk j starts after its GEMMs plus one flag round trip; once the GEMM queue is empty all N CTAs
        share the remaining combine (at C(N), not the c-CTA rate).
     A7 Metadata (ids, weights, flags) is ignored next to rows of H >= 2048 bf16.
+    A8 The serial schedule's GEMM time is the megakernel tiles' (rho = 1) or, where the layer runs a serial plan's
+       GEMMs as the grouped GEMMs, that times the profile's measured `grouped_gemm_time_ratio` (rho,
+       `HardwareProfile.with_grouped_serial`); the split schedules always run the megakernel's tiles.
 """
 
 from __future__ import annotations
@@ -244,8 +247,9 @@ def _predict_serial(workload: Workload, profile: HardwareProfile) -> float:
     tau = t1 if x["tiles"][0, 0] > 0 else 0.0
     dispatch = x["remote_bytes"] / bw + x["local_bytes"] / lbw
     combine = x["remote_bytes"] / bw + x["combine_local_bytes"] / lbw
-    return float(profile.call_overhead_us + profile.launch_us + dispatch + f + sigma + work / N + tau + f + combine + f
-                 + x["reduce_us"])
+    rho = profile.serial_gemm_time_ratio  # A8
+    return float(profile.call_overhead_us + profile.launch_us + dispatch + f + sigma + work / N * rho + tau * rho + f
+                 + combine + f + x["reduce_us"])
 
 
 def predict(workload: Workload, profile: HardwareProfile, c: int, K: int = 1, n_steal: int | None = None) -> tuple[float, int]:

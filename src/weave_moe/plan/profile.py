@@ -12,7 +12,7 @@ which are guesses is written in each JSON's `notes` and in `source`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -52,6 +52,11 @@ class HardwareProfile:
         max_comm_sms: largest comm CTA count c a split candidate may use (0: N - 1). A split with most SMs on
             communication is the serial schedule with extra flag traffic; a calibrated profile caps c at the range
             its sweep measured.
+        grouped_gemm_time_ratio: the time of the serial schedule's GEMMs when they run as the persistent grouped GEMMs
+            (kernels/grouped_gemm.py) over their time on the megakernel's own tiles; 1.0 = not measured. A layer
+            whose serial plans run the grouped GEMMs plans with `with_grouped_serial()`.
+        serial_gemm_time_ratio: the factor formula (13) applies to the serial schedule's GEMM time (plan/cost_model.py,
+            A8): 1.0 for the megakernel's tiles; `with_grouped_serial()` sets it to `grouped_gemm_time_ratio`.
         hbm_read_gbps: HBM read bandwidth of the whole GPU, GB/s (`torch.sum` over a large bf16 tensor, median;
             `weave-moe calibrate --hbm`). The benchmark floor's weights term reads it; the cost model does not.
             0 = not measured (profiles written before the field existed load with 0).
@@ -78,6 +83,8 @@ class HardwareProfile:
     call_overhead_us: float = 0.0
     max_comm_sms: int = 0
     hbm_read_gbps: float = 0.0
+    grouped_gemm_time_ratio: float = 1.0
+    serial_gemm_time_ratio: float = 1.0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -105,6 +112,15 @@ class HardwareProfile:
                      "hbm_read_gbps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"HardwareProfile.{name} must be >= 0")
+
+        for name in ("grouped_gemm_time_ratio", "serial_gemm_time_ratio"):
+            if not 0 < getattr(self, name) <= 2:
+                raise ValueError(f"HardwareProfile.{name} must be in (0, 2], got {getattr(self, name)}")
+
+    def with_grouped_serial(self) -> "HardwareProfile":
+        """The profile of a layer whose serial plans run the grouped GEMMs: formula (13)'s GEMM time scaled by
+        `grouped_gemm_time_ratio`."""
+        return replace(self, serial_gemm_time_ratio=self.grouped_gemm_time_ratio)
 
     # ---- construction and files -------------------------------------------------------------------------------
     @classmethod

@@ -47,12 +47,6 @@ STATUS_WORDS = 4
 #: Seconds the ranks may drift apart while compiling for a first call: the barrier after the compile waits at least
 #: this long (a cold compile of the task tables alone took ~22 s on a fresh H200 machine).
 COMPILE_SKEW_S = 300.0
-#: A resident call of an adaptive policy puts the grouped GEMMs in its graph (run under a serial device plan) from
-#: this many rows (T * min(k, E_local)) up. With the shipped H200 profile and uniform routing the planner picks serial
-#: for 62 of the 72 paper-model cases from here up (EP 1 and 2, 256-8192 tokens; `weave-moe plan`; 2048 tokens per
-#: rank and more at k = 8) and rarely below, where the extra launches, idle under another plan (a few microseconds
-#: each), would cost more than they save.
-GROUPED_SERIAL_MIN_ROWS = 8192
 
 
 class WeaveError(RuntimeError):
@@ -191,8 +185,6 @@ class WeaveBackend:
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
         self.resident = cfg.resident_at(world_size)
-        self.device_planner = (DevicePlanner(spec, world_size, self.profile, policy)
-                               if (cfg.device_plan or self.resident) and self.fixed_plan is None else None)
         self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
         if self.fixed_plan is not None:  # every rank's (c, K, n_steal): the resident call's tables read K here
             p = self.fixed_plan
@@ -221,11 +213,11 @@ class WeaveBackend:
         self.use_tma = bool(cfg.tma and H % 8 == 0 and I % 8 == 0 and cfg.block_n1 >= 256)
         # The fixed serial policy runs its GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm) over an
         # interleaved w13 (gate j, up j neighbours). So does a resident call of an adaptive policy whose device plan
-        # is serial, when the call is large enough that the planner tends to plan serial (GROUPED_SERIAL_MIN_ROWS:
-        # the grouped launches are in its graph and do nothing under another plan, a few microseconds each); its
-        # megakernel reads the same interleaved w13, so the layer holds one copy. Host-driven calls of adaptive
-        # policies keep the megakernel's GEMMs for serial plans: there every extra launch costs host time, and
-        # routing them through the grouped GEMMs measured 45-75% slower at 2048 tokens on small models
+        # is serial (`grouped_serial`: the grouped launches are in its graph and do nothing under another plan, a
+        # few microseconds each; its planner knows the grouped GEMMs' speed, cost_model A8); its megakernel reads
+        # the same interleaved w13, so the layer holds one copy. Host-driven calls of adaptive policies keep the
+        # megakernel's GEMMs for serial plans: there every extra launch costs host time, and routing them through
+        # the grouped GEMMs measured 45-75% slower at 2048 tokens on small models
         # (bench/results/eval6-emu-h200-2b24350).
         grouped_capable = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0
                                and torch.cuda.get_device_capability(device) >= (9, 0))
@@ -233,6 +225,10 @@ class WeaveBackend:
         self.grouped = grouped_capable and self.only_serial
         self.grouped_serial = grouped_capable and self.resident and self.fixed_plan is None
         self.interleaved = self.grouped or self.grouped_serial
+        # a layer whose serial plans run the grouped GEMMs plans with their measured speed (cost_model A8)
+        self.device_planner = (DevicePlanner(spec, world_size, self.profile.with_grouped_serial()
+                                             if self.grouped_serial else self.profile, policy)
+                               if (cfg.device_plan or self.resident) and self.fixed_plan is None else None)
         self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
         self.max_pairs = max_pairs
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
@@ -620,9 +616,8 @@ class WeaveBackend:
         return (-1,)
 
     def _grouped_configs(self, rows: int) -> tuple | None:
-        """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM for
-        such a call: see GROUPED_SERIAL_MIN_ROWS)."""
-        if not (self.grouped or (self.grouped_serial and rows >= GROUPED_SERIAL_MIN_ROWS)):
+        """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""
+        if not (self.grouped or self.grouped_serial):
             return None
         configs = self.grouped_configs.get(rows)
         if configs is None:  # looked up once per row count (the lookup costs tens of microseconds of host time)

@@ -52,7 +52,8 @@ _SWITCH_US = tl.constexpr(4)
 _TILE_US = tl.constexpr(5)
 _LAUNCH_US = tl.constexpr(6)
 _CALL_US = tl.constexpr(7)
-_NUM_SCALARS = tl.constexpr(8)
+_SERIAL_GEMM_RATIO = tl.constexpr(8)
+_NUM_SCALARS = tl.constexpr(9)
 _BIG = tl.constexpr(1 << 30)
 
 
@@ -102,6 +103,7 @@ def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, world_size,
     tile_us = tl.load(model_ptr + _TILE_US)
     launch_us = tl.load(model_ptr + _LAUNCH_US)
     call_us = tl.load(model_ptr + _CALL_US)
+    rho = tl.load(model_ptr + _SERIAL_GEMM_RATIO)
     curves = model_ptr + _NUM_SCALARS
     inv_bw_all = tl.load(curves + num_sms)
     inv_lbw_all = tl.load(curves + (num_sms + 1) + num_sms)
@@ -171,8 +173,8 @@ def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, world_size,
     serial = serial + dispatch_all
     serial = serial + f
     serial = serial + sigma
-    serial = serial + tl.math.div_rn(serial_work, num_sms.to(tl.float32))
-    serial = serial + tau
+    serial = serial + tl.math.div_rn(serial_work, num_sms.to(tl.float32)) * rho   # A8
+    serial = serial + tau * rho
     serial = serial + f
     serial = serial + combine_serial
     serial = serial + f
@@ -298,6 +300,7 @@ class DevicePlanner:
         scalars[_TILE_US.value] = profile.per_tile_overhead_us
         scalars[_LAUNCH_US.value] = profile.launch_us
         scalars[_CALL_US.value] = profile.call_overhead_us
+        scalars[_SERIAL_GEMM_RATIO.value] = profile.serial_gemm_time_ratio
         curves = [1.0 / profile.comm_bytes_per_us, 1.0 / profile.local_bytes_per_us,
                   1.0 / profile.gemm_flops_per_us_per_sm]
         model = np.concatenate([scalars] + curves).astype(np.float32)

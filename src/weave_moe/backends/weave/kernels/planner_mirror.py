@@ -18,6 +18,7 @@ from weave_moe.backends.weave.kernels.planner import (
     _LAUNCH_US,
     _NUM_SCALARS,
     _ROW_BYTES,
+    _SERIAL_GEMM_RATIO,
     _SWITCH_US,
     _TILE_US,
     POLICY_CODES,
@@ -62,6 +63,7 @@ def mirror_block(planner: DevicePlanner, x: dict) -> np.ndarray:
     row_bytes, flops0, flops1 = model[_ROW_BYTES.value], model[_FLOPS0.value], model[_FLOPS1.value]
     f, sigma, tile_us = model[_FLAG_US.value], model[_SWITCH_US.value], model[_TILE_US.value]
     launch_us, call_us = model[_LAUNCH_US.value], model[_CALL_US.value]
+    rho = model[_SERIAL_GEMM_RATIO.value]
     curves = model[_NUM_SCALARS.value:]
     inv_bw_curve, inv_lbw_curve, inv_rate_curve = curves[:N + 1], curves[N + 1:2 * (N + 1)], curves[2 * (N + 1):]
     inv_bw_all, inv_lbw_all, inv_rate_all = inv_bw_curve[N], inv_lbw_curve[N], inv_rate_curve[N]
@@ -115,7 +117,8 @@ def mirror_block(planner: DevicePlanner, x: dict) -> np.ndarray:
     dispatch_all = remote_b[:, 0, 0] * inv_bw_all + local_b[:, 0, 0] * inv_lbw_all
     combine_serial = remote_b[:, 0, 0] * inv_bw_all + combine_local_b[:, 0, 0] * inv_lbw_all
     serial = call_us + launch_us
-    for term in (dispatch_all, f, sigma, serial_work / f32(N), tau, f, combine_serial, f, reduce_us[:, 0, 0]):
+    for term in (dispatch_all, f, sigma, (serial_work / f32(N)) * rho, tau * rho, f, combine_serial, f,
+                 reduce_us[:, 0, 0]):
         serial = serial + term
     serial = serial.astype(f32)
 
