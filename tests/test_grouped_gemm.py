@@ -238,3 +238,59 @@ def test_default_config_only_picks_from_default_configs():
         for experts in (1, 8, 80, 128):
             for rows in (0, 1, 63, 64, 154 * experts, 174 * experts, 4096 * experts):
                 assert gg.default_config(gemm, rows, experts) in allowed
+
+
+PROLOGUE_SCRIPT = textwrap.dedent(
+    r"""
+    import torch
+    from weave_moe.backends.weave.kernels import grouped_tiles as gt
+
+    H, NUM_SMS = 40, 4
+    # rows per local expert: empty experts, one row, tails of one row and of half a tile, no rows at all
+    CASES = [[5, 0, 21], [1], [17, 33, 16], [0, 0], [64, 65, 80]]
+    KEYS = [((16, False),), ((16, False), (32, True)), ((32, False), (64, False))]
+    for i, counts in enumerate(CASES):
+        torch.manual_seed(i)
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        offsets[1:] = torch.tensor(counts).cumsum(0)
+        rows = int(offsets[-1])
+        P = rows + 9
+        src = torch.randn(P + 3, H).bfloat16()
+        index = torch.randperm(P + 3)[:P].int()
+        expected = torch.randint(0, 1000, (8,), dtype=torch.int32)
+        for keys in KEYS:
+            for plan_c in (None, NUM_SMS, NUM_SMS - 1):  # no plan, a serial plan, a split plan
+                plan = None if plan_c is None else torch.tensor([plan_c], dtype=torch.int32)
+                on = plan_c is None or plan_c >= NUM_SMS
+                dst = torch.full((P, H), float("nan")).bfloat16()
+                done = torch.full((8,), -1, dtype=torch.int32)
+                tables = gt.grouped_prologue(offsets, keys, P, src, index, dst, 3, done, expected, plan=plan,
+                                             num_sms=NUM_SMS)
+                assert sorted(tables) == sorted(keys), (tables.keys(), keys)
+                for (block_m, split_tail), got in tables.items():
+                    ref = gt.build_tile_table_torch(offsets if on else torch.zeros_like(offsets), block_m, P,
+                                                    split_tail)
+                    assert torch.equal(got.num_tiles, ref.num_tiles), (counts, keys, plan_c, got.num_tiles)
+                    for section, n in enumerate(ref.num_tiles.tolist()):
+                        cols = slice(section * got.max_tiles, section * got.max_tiles + n)
+                        assert torch.equal(got.table[:, cols], ref.table[:, cols]), (counts, keys, plan_c, section)
+                n = rows if on else 0
+                assert torch.equal(dst[:n], src[index[:n].long()]), (counts, keys, plan_c, "gathered rows")
+                assert dst[n:].isnan().all(), (counts, keys, plan_c, "rows past the count were written")
+                assert torch.equal(done, expected), (counts, keys, plan_c, "done counters")
+    for bad in [(), ((16, False), (16, False)), ((16, False), (32, False), (64, False))]:
+        try:
+            gt.grouped_prologue(offsets, bad, P, src, index, dst, 3, done, expected)
+        except ValueError as error:
+            assert "distinct" in str(error)
+        else:
+            raise AssertionError(f"no error for tiles={bad}")
+    print("GROUPED PROLOGUE INTERPRETER OK")
+    """
+)
+
+
+def test_grouped_prologue_under_interpreter():
+    """The grouped GEMMs' one-launch prologue: tile tables equal build_tile_table_torch's, rows gathered bitwise,
+    rows past the count untouched, done counters copied; under a split plan nothing but the counters."""
+    run_interpreted(PROLOGUE_SCRIPT, "GROUPED PROLOGUE INTERPRETER OK", timeout=600)

@@ -260,7 +260,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
                         compiled.append(name(constants)))
     monkeypatch.setattr(backend_module.grouped_gemm, "default_configs", lambda *args: [])
-    monkeypatch.setattr(backend_module.grouped_tiles, "gather_rows", lambda *args: None)
+    monkeypatch.setattr(backend_module.grouped_tiles, "grouped_prologue", lambda *args, **kwargs: {})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
     spec, H, I = MoESpec(8, 2, 32, 16), 32, 16

@@ -632,21 +632,19 @@ class WeaveBackend:
         combine phase, which waits on those counters. `device_serial`: only if this rank's device plan is serial;
         under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
         the GEMMs), all without a host sync."""
-        E_local = self.num_local_experts
-        offsets = layout.expert_offsets
-        if device_serial:
-            offsets = offsets * (self.plans_device[self.rank, 0:1] >= self.num_sms).to(torch.int32)
-        count = offsets[E_local:]
-        grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.workspace.y(), count, 4 * self.num_sms)
-        tables = {}
-        for config in configs:
-            if config.block_m not in tables:
-                tables[config.block_m] = grouped_tiles.build_tile_table(offsets, config.block_m, self.max_pairs)
-        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(),
-                                   tables[configs[0].block_m], configs[0])
-        grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(),
-                                   tables[configs[1].block_m], configs[1])
-        self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS].copy_(layout.gemm1_expected)
+        keys = [(config.block_m, config.split_tail) for config in configs]
+        tables = self._grouped_prologue(layout.expert_offsets, keys, layout.gather_rows, layout.gemm1_expected,
+                                        device_serial)
+        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0])
+        grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1])
+
+    def _grouped_prologue(self, offsets, keys, gather_rows, gemm1_expected, device_serial: bool) -> dict:
+        """The grouped GEMMs' tile tables, row gather and done counters in one launch (grouped_tiles.grouped_prologue;
+        its compiles depend on the sorted set of `keys`, (block_m, split_tail) per GEMM)."""
+        return grouped_tiles.grouped_prologue(
+            offsets, tuple(sorted(set(keys))), self.max_pairs, self.workspace.recv(), gather_rows, self.workspace.y(),
+            4 * self.num_sms, self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS], gemm1_expected,
+            plan=self.plans_device[self.rank, 0:1] if device_serial else None, num_sms=self.num_sms)
 
     def _ensure_compiled(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`) before the first launch and line the
@@ -662,13 +660,17 @@ class WeaveBackend:
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             h, y = self.workspace.h(), self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
-            for config in grouped_gemm.default_configs(0, *shape):
+            configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
+            for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
                 grouped_gemm.grouped_gemm0(y, self.w13, h, table, config)
-            for config in grouped_gemm.default_configs(1, *shape):
+            for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config)
-            grouped_tiles.gather_rows(self.workspace.recv(), self.ctrl, self.workspace.y(), empty[:1], 4 * self.num_sms)
+            done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
+            for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
+                         for c0 in configs[0] for c1 in configs[1]}:
+                self._grouped_prologue(empty, pair, self.ctrl, done.clone(), self.grouped_serial)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             work = torch.distributed.barrier(group=self.group, async_op=True)

@@ -67,8 +67,9 @@ class KernelConfig:
         wide_gemm0: the megakernel's GEMM0 tiles as ONE MMA over the tile's 2 * block_n0 interleaved w13 rows (gate j
             next to up j; the accumulator's gate and up columns separated by `tl.split`), as the grouped GEMMs do,
             instead of two MMAs (gate, up). Applies where the layer holds the interleaved w13 (`grouped_gemm` with the
-            serial policy or a resident adaptive call). Off until measured on a GPU; in the grouped GEMMs one wide MMA
-            beat two by 20-45% (bench/results/gemm/).
+            serial policy or a resident adaptive call). On: where such a call's plan runs the megakernel's tiles it
+            measured 1.4-4.7% faster than two MMAs in 9 of 9 configurations on an H200 (three models x 1 / 32 / 512
+            tokens, one rank's work of EP=2; bench/results/wide-gemm0-h200-f9bb464/).
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
@@ -95,7 +96,7 @@ class KernelConfig:
     device_plan: bool = False
     resident: str = "auto"
     triton_tables: bool = True
-    wide_gemm0: bool = False
+    wide_gemm0: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "gather_rows"]
+__all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "gather_rows", "grouped_prologue"]
 
 
 @dataclass(frozen=True)
@@ -96,13 +96,20 @@ def build_tile_table_torch(expert_offsets: torch.Tensor, block_m: int, max_rows:
 def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_tiles,
                        BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_T: tl.constexpr):
+    _tile_table_block(tl.program_id(0), offsets_ptr, 1, table_ptr, num_tiles_ptr, num_experts, max_tiles,
+                      BLOCK_M, SPLIT_TAIL, BLOCK_E, BLOCK_T)
+
+
+@triton.jit
+def _tile_table_block(pid, offsets_ptr, scale, table_ptr, num_tiles_ptr, num_experts, max_tiles,
+                      BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     """Entries [pid * BLOCK_T, +BLOCK_T) of both sections; every program recomputes the tile prefix sums over the
     experts (E_local <= BLOCK_E numbers), so there is no cross-program dependency. Entries past a section's count
-    repeat its last expert and are never read."""
+    repeat its last expert and are never read. `scale` 0 reads every offset as 0 (no tiles), 1 as given."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    start = tl.load(offsets_ptr + experts, mask=valid, other=0)
-    end = tl.load(offsets_ptr + experts + 1, mask=valid, other=0)
+    start = tl.load(offsets_ptr + experts, mask=valid, other=0) * scale
+    end = tl.load(offsets_ptr + experts + 1, mask=valid, other=0) * scale
     rows = end - start
     remainder = rows % BLOCK_M
     if SPLIT_TAIL:
@@ -110,10 +117,10 @@ def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_t
     else:
         small = tl.zeros((BLOCK_E,), dtype=tl.int32)
     big = tl.where(valid, (rows + BLOCK_M - 1) // BLOCK_M, 0) - small
-    if tl.program_id(0) == 0:
+    if pid == 0:
         tl.store(num_tiles_ptr, tl.sum(big, 0))
         tl.store(num_tiles_ptr + 1, tl.sum(small, 0))
-    tile = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tile = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     width = 2 * max_tiles
     # section 0: the expert holding a tile is the number of experts whose tiles all come before it (searchsorted,
     # right); tile i of an expert starts i * BLOCK_M rows in
@@ -141,11 +148,17 @@ def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_t
 
 @triton.jit
 def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, count_ptr, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dst[r] = src[index[r]] for r < count (a device scalar); a persistent grid strides over the rows."""
-    count = tl.load(count_ptr)
+    _gather_block(tl.program_id(0), tl.num_programs(0), src_ptr, index_ptr, dst_ptr, tl.load(count_ptr), H, ROWS,
+                  BLOCK_H)
+
+
+@triton.jit
+def _gather_block(pid, num_programs, src_ptr, index_ptr, dst_ptr, count, H, ROWS: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """dst[r] = src[index[r]] for r < count; program `pid` of `num_programs` strides over the rows."""
     offs_r = tl.arange(0, ROWS)
     offs_h = tl.arange(0, BLOCK_H)
-    for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
+    for first in range(pid * ROWS, count, num_programs * ROWS):
         rows = first + offs_r
         row_ok = rows < count
         src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -169,3 +182,73 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count
                          "must be [*, H] of one dtype")
     _gather_rows_kernel[(num_programs,)](src, index, dst, count, src.shape[1], ROWS=16, BLOCK_H=512, num_warps=8)
     return dst
+
+
+@triton.jit(do_not_specialize=["num_sms", "H", "num_experts", "max_tiles0", "max_tiles1"])
+def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, src_ptr, index_ptr, dst_ptr, H,
+                     table0_ptr, num_tiles0_ptr, table1_ptr, num_tiles1_ptr, num_experts, max_tiles0, max_tiles1,
+                     done_ptr, expected_ptr, NUM_DONE: tl.constexpr, TABLE0_PROGRAMS: tl.constexpr,
+                     TABLE1_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
+                     BLOCK_M1: tl.constexpr, SPLIT_TAIL1: tl.constexpr, DEVICE_SERIAL: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """`grouped_prologue` in one launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the next
+    TABLE1_PROGRAMS the second, the rest gather the rows; the first gather program also copies the done counters."""
+    pid = tl.program_id(0)
+    scale = 1
+    if DEVICE_SERIAL:  # rows only under a serial plan (plan_ptr: this rank's c)
+        scale = (tl.load(plan_ptr) >= num_sms).to(tl.int32)
+    if pid < TABLE0_PROGRAMS:
+        _tile_table_block(pid, offsets_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0,
+                          BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T)
+    elif pid < TABLE0_PROGRAMS + TABLE1_PROGRAMS:
+        _tile_table_block(pid - TABLE0_PROGRAMS, offsets_ptr, scale, table1_ptr, num_tiles1_ptr, num_experts,
+                          max_tiles1, BLOCK_M1, SPLIT_TAIL1, BLOCK_E, BLOCK_T)
+    else:
+        gather_pid = pid - TABLE0_PROGRAMS - TABLE1_PROGRAMS
+        if gather_pid == 0:
+            offs = tl.arange(0, NUM_DONE)
+            tl.store(done_ptr + offs, tl.load(expected_ptr + offs))
+        count = tl.load(offsets_ptr + num_experts) * scale
+        _gather_block(gather_pid, tl.num_programs(0) - TABLE0_PROGRAMS - TABLE1_PROGRAMS, src_ptr, index_ptr,
+                      dst_ptr, count, H, ROWS, BLOCK_H)
+
+
+def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...], max_rows: int,
+                     src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, num_programs: int,
+                     done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
+                     num_sms: int = 0) -> dict[tuple[int, bool], TileTable]:
+    """Everything the grouped GEMMs need before they run, in one launch and without a host sync: the tile table of
+    each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`), the rows in expert order
+    (`gather_rows(src, index, dst, expert_offsets[-1:])`), and `done[:] = expected` (the counters the next stage
+    waits on, int32, a power-of-two length). With `plan` (int32 device scalar: this rank's c), the offsets count only
+    under a serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty.
+
+    Returns {(block_m, split_tail): TileTable}.
+    """
+    if not 1 <= len(tiles) <= 2 or len(set(tiles)) != len(tiles):
+        raise ValueError(f"grouped_prologue: one or two distinct (block_m, split_tail) pairs, given {tiles}")
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+        raise ValueError(f"grouped_prologue: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
+                         f"{dst.dtype} must be [*, H] of one dtype")
+    num_done = done.numel()
+    if num_done != expected.numel() or num_done & (num_done - 1) or done.dtype != torch.int32:
+        raise ValueError(f"grouped_prologue: done / expected must be int32 of one power-of-two length, given "
+                         f"{done.numel()} / {expected.numel()} ({done.dtype})")
+    block_t = 64
+    built, sizes = {}, []
+    for block_m, split_tail in tiles:
+        num_experts, max_tiles = _table_size(expert_offsets, block_m, max_rows)
+        table = torch.empty(3, 2 * max_tiles, dtype=torch.int32, device=expert_offsets.device)
+        num_tiles = torch.empty(2, dtype=torch.int32, device=expert_offsets.device)
+        built[(block_m, split_tail)] = TileTable(table, num_tiles, block_m, split_tail)
+        sizes.append((max_tiles, triton.cdiv(max_tiles, block_t)))
+    first, second = list(built.values()) + list(built.values())[:2 - len(built)]
+    programs1 = sizes[1][1] if len(built) == 2 else 0
+    _prologue_kernel[(sizes[0][1] + programs1 + num_programs,)](
+        expert_offsets, expert_offsets if plan is None else plan, num_sms, src, index, dst, src.shape[1],
+        first.table, first.num_tiles, second.table, second.num_tiles, num_experts, sizes[0][0], sizes[-1][0],
+        done, expected, NUM_DONE=num_done, TABLE0_PROGRAMS=sizes[0][1], TABLE1_PROGRAMS=programs1,
+        BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail, BLOCK_M1=second.block_m,
+        SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None, BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_T=block_t, ROWS=16, BLOCK_H=512, num_warps=8)
+    return built
