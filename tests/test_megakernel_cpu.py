@@ -82,12 +82,13 @@ SCRIPT = textwrap.dedent(
         tokens = torch.tensor([T], dtype=torch.int32)
         dummy = torch.zeros(1, H).bfloat16()
         # (STAGE, PHASE_FIRST, PHASE_LAST) per launch: staged=True is the serial policy's launches (each compiled for
-        # its stage), "phases" the same stages through the runtime bounds of the one-launch compile
-        stages = ([(s, 0, 3) for s in range(4)] if staged is True else [(-1, s, s) for s in range(4)]
+        # its stage: dispatch, GEMMs, combine + reduce), "phases" each phase through the runtime bounds of the
+        # one-launch compile
+        stages = ([(0, 0, 3), (1, 0, 3), (4, 0, 3)] if staged is True else [(-1, s, s) for s in range(4)]
                   if staged == "phases" else [(-1, 0, 3)])
         if hybrid:  # GROUPED_SERIAL: the first launch, the GEMMs (here the kernel's own GEMM stage standing in for the
-            #         grouped GEMMs), then combine and reduce, which run only under a serial plan
-            stages = [((-1, True), 0, 3), ((1, False), 0, 3), ((2, True), 0, 3), ((3, True), 0, 3)]
+            #         grouped GEMMs), then combine + reduce, which run only under a serial plan
+            stages = [((-1, True), 0, 3), ((1, False), 0, 3), ((4, True), 0, 3)]
         descs = NO_DESCRIPTORS
         w13_kernel = w13
         if interleaved:  # the grouped GEMMs' layout, read by the kernel's GEMM0 tiles (W13_INTERLEAVED)
@@ -275,16 +276,15 @@ def test_megakernel_ptx_with_wide_gemm0_has_one_n256_mma_per_k_step():
 
 def test_megakernel_ptx_of_the_resident_grouped_serial_launches():
     """The resident adaptive call's compiles (GROUPED_SERIAL, the interleaved w13 through a 3-D descriptor): the first
-    launch keeps the TMA GEMM tiles, with 3-D bulk tensor loads; the combine and reduce launches have no GEMM code;
-    none uses local memory."""
+    launch keeps the TMA GEMM tiles, with 3-D bulk tensor loads; the combine + reduce launch has no GEMM code; the
+    first uses no local memory (the combine + reduce launch spills a few registers: test below)."""
     from weave_moe.backends.weave.launch import compile_ptx
 
     base = dict(SM90_CONSTANTS, USE_TMA=True, RESIDENT=True, W13_INTERLEAVED=True, GROUPED_SERIAL=True)
     first = compile_ptx(dict(base, STAGE=-1))
     assert "cp.async.bulk.tensor.3d" in first and "wgmma.mma_async" in first and ".local" not in first
-    for stage in (2, 3):
-        ptx = compile_ptx(dict(base, STAGE=stage))
-        assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx and ".local" not in ptx, stage
+    ptx = compile_ptx(dict(base, STAGE=4))
+    assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx and ".local" not in ptx
 
 
 def test_megakernel_ptx_uses_hopper_tensor_cores(ptx):
@@ -316,17 +316,19 @@ def stage_kernels():
     default KernelConfig)."""
     from weave_moe.backends.weave.launch import compile_sm
 
-    return {stage: compile_sm(dict(SM90_CONSTANTS, USE_TMA=True, STAGE=stage)) for stage in (-1, 0, 1, 2, 3)}
+    return {stage: compile_sm(dict(SM90_CONSTANTS, USE_TMA=True, STAGE=stage)) for stage in (-1, 0, 1, 2, 3, 4)}
 
 
 def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
-    """The serial policy's dispatch, combine and reduce launches (STAGE 0, 2, 3) compile none of the GEMM phase: no
-    wgmma, no TMA, none of its shared memory, and far fewer registers. Registers and spills are read from the cubin
-    (`_cubin_resources`); the PTX declares no `.local` array, so a stack frame there holds register spills.
+    """The serial policy's dispatch and combine + reduce launches (STAGE 0, 4; and 2, 3 alone) compile none of the
+    GEMM phase: no wgmma, no TMA, none of its shared memory, and far fewer registers. Registers and spills are read
+    from the cubin (`_cubin_resources`); the PTX declares no `.local` array, so a stack frame there holds register
+    spills.
 
     Measured with Triton 3.6 (REG / STACK bytes / dynamic shared bytes): the one-launch kernel 255 / 248 / 147520,
-    STAGE 0 107 / 0 / 4, STAGE 2 255 / 40 / 64, STAGE 3 147 / 0 / 64. The combine stage's registers are its own tile's
-    (combine_rows: TOP_K gathers of COMBINE_ROWS x BLOCK_H in flight at once), not the GEMM's.
+    STAGE 0 107 / 0 / 4, STAGE 2 255 / 40 / 64, STAGE 3 147 / 0 / 64, STAGE 4 255 / 40 / 64. The combine stage's
+    registers are its own tile's (combine_rows: TOP_K gathers of COMBINE_ROWS x BLOCK_H in flight at once), not the
+    GEMM's.
     """
     full = stage_kernels[-1]
     full_ptx, full_resources = full.asm["ptx"], _cubin_resources(full)
@@ -336,14 +338,14 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
     assert full.metadata.shared > 64 * 1024 and full_resources["STACK"] > 0
     gemm = stage_kernels[1]  # the GEMM stage keeps its tiles and descriptors
     assert "wgmma.mma_async" in gemm.asm["ptx"] and "cp.async.bulk.tensor" in gemm.asm["ptx"]
-    for stage in (0, 2, 3):
+    for stage in (0, 2, 3, 4):
         compiled = stage_kernels[stage]
         ptx, resources = compiled.asm["ptx"], _cubin_resources(compiled)
         assert "wgmma" not in ptx and "cp.async" not in ptx and not re.search(tensor_map_param, ptx), stage
         assert ".local" not in ptx, stage
         assert compiled.metadata.shared <= 1024, (stage, compiled.metadata.shared)
         assert len(ptx) < len(full_ptx) / 2, stage
-        if stage == 2:  # the combine tile's own pressure: a few spilled registers, far fewer than the full kernel's
+        if stage in (2, 4):  # the combine tile's own pressure: a few spilled registers, far fewer than the full kernel's
             assert resources["STACK"] <= full_resources["STACK"] / 4, resources
         else:
             assert resources["STACK"] == 0 and resources["REG"] <= full_resources["REG"] * 0.6, (stage, resources)
@@ -353,3 +355,7 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
     assert _has_release_add(stage_kernels[2].asm["ptx"], "sys")
     assert re.search(r"ld\.global\.gpu\.acquire", stage_kernels[2].asm["ptx"])
     assert re.search(r"ld\.global\.sys\.acquire", stage_kernels[3].asm["ptx"])
+    # the combine + reduce launch does both
+    combine_reduce = stage_kernels[4].asm["ptx"]
+    assert _has_release_add(combine_reduce, "sys") and re.search(r"ld\.global\.gpu\.acquire", combine_reduce)
+    assert re.search(r"ld\.global\.sys\.acquire", combine_reduce)

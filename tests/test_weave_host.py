@@ -252,7 +252,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
 
     launched, compiled = [], []
-    def name(constants):  # "2gs": STAGE 2 compiled with GROUPED_SERIAL
+    def name(constants):  # "4gs": STAGE 4 (combine + reduce) compiled with GROUPED_SERIAL
         return f"{constants.STAGE}gs" if constants.GROUPED_SERIAL else constants.STAGE
 
     monkeypatch.setattr(backend_module.mk_launch, "launch", lambda args, constants, **options:
@@ -292,23 +292,24 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
 
 
 @pytest.mark.parametrize("policy, grouped, fused_serial, resident, plans, launches, compiles", [
-    # the fixed serial policy: one launch per stage, each compiled for its stage; the GEMM stage as grouped GEMMs
-    ("serial", True, False, False, ["fixed"], [[0, "grouped", 2, 3]], [0, 2, 3]),
-    ("serial", False, False, False, ["fixed"], [[0, 1, 2, 3]], [0, 1, 2, 3]),
+    # the fixed serial policy: one launch per stage (dispatch, GEMMs, combine + reduce = STAGE 4), each compiled for
+    # its stage; the GEMM stage as grouped GEMMs
+    ("serial", True, False, False, ["fixed"], [[0, "grouped", 4]], [0, 4]),
+    ("serial", False, False, False, ["fixed"], [[0, 1, 4]], [0, 1, 4]),
     ("serial", False, True, False, ["fixed"], [[-1]], [-1]),       # KernelConfig.fused_serial: one launch
-    ("serial", True, False, True, ["fixed"], [[0, "grouped", 2, 3]], [0, 2, 3]),
+    ("serial", True, False, True, ["fixed"], [[0, "grouped", 4]], [0, 4]),
     ("static:2,2", False, False, False, ["fixed"], [[-1]], [-1]),
     # an adaptive policy's host-driven call plans per call, serial or not: every variant is compiled before the first
-    ("weave", False, False, False, ["split", "serial"], [[-1], [0, 1, 2, 3]], [-1, 0, 1, 2, 3]),
-    ("weave", False, False, False, ["serial", "split"], [[0, 1, 2, 3], [-1]], [-1, 0, 1, 2, 3]),
+    ("weave", False, False, False, ["split", "serial"], [[-1], [0, 1, 4]], [-1, 0, 1, 4]),
+    ("weave", False, False, False, ["serial", "split"], [[0, 1, 4], [-1]], [-1, 0, 1, 4]),
     # its resident call has the plan on the device: one launch
     ("weave", False, False, True, [None], [[-1]], [-1]),
     # ... with grouped GEMMs (grouped configs given, as every resident call of such a layer passes them): the first
-    # launch (dispatch only under a serial device plan), the grouped GEMMs, then combine and reduce (the GROUPED_SERIAL
+    # launch (dispatch only under a serial device plan), the grouped GEMMs, then combine + reduce (the GROUPED_SERIAL
     # compiles); without configs one launch; every variant compiled at the first call
-    ("weave", True, False, True, [None], [[-1]], [-1, "-1gs", "2gs", "3gs"]),
-    ("weave", True, False, True, ["device serial", None], [["-1gs", "grouped if serial", "2gs", "3gs"], [-1]],
-     [-1, "-1gs", "2gs", "3gs"]),
+    ("weave", True, False, True, [None], [[-1]], [-1, "-1gs", "4gs"]),
+    ("weave", True, False, True, ["device serial", None], [["-1gs", "grouped if serial", "4gs"], [-1]],
+     [-1, "-1gs", "4gs"]),
 ])
 def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, grouped, fused_serial, resident, plans,
                                                          launches, compiles):

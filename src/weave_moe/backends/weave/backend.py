@@ -29,7 +29,8 @@ from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, Routin
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
-from weave_moe.backends.weave.kernels.megakernel import CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES
+from weave_moe.backends.weave.kernels.megakernel import (CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES,
+                                                        STAGE_COMBINE_REDUCE)
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
 from weave_moe.backends.weave.kernels.tables import build_layout_triton
@@ -58,12 +59,12 @@ class WeaveTimeoutError(WeaveError):
 
 
 def stage_constants(constants: mk_launch.MegakernelConstants) -> dict:
-    """The megakernel's compiles of a layer by launch (`WeaveBackend._stages`): STAGE -1 (every phase in one launch)
-    and 0..3 (one serial stage), and (STAGE, "grouped serial") for the resident adaptive calls that may run the
-    grouped GEMMs."""
-    table = {stage: dataclasses.replace(constants, STAGE=stage) for stage in (-1, 0, 1, 2, 3)}
+    """The megakernel's compiles of a layer by launch (`WeaveBackend._stages`): STAGE -1 (every phase in one launch),
+    0 and 1 (dispatch, the GEMMs: one serial stage each) and 4 (combine + reduce), and (STAGE, "grouped serial") for
+    the resident adaptive calls that may run the grouped GEMMs."""
+    table = {stage: dataclasses.replace(constants, STAGE=stage) for stage in (-1, 0, 1, STAGE_COMBINE_REDUCE.value)}
     table.update({(stage, "grouped serial"): dataclasses.replace(constants, STAGE=stage, GROUPED_SERIAL=True)
-                  for stage in (-1, 2, 3)})
+                  for stage in (-1, STAGE_COMBINE_REDUCE.value)})
     return table
 
 
@@ -168,8 +169,10 @@ class WeaveBackend:
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
         self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
-        self.send_routing = torch.empty(self.message.words, dtype=torch.int32, device=device)
         self.all_routing = torch.empty(world_size, self.message.words, dtype=torch.int32, device=device)
+        # at EP = 1 this rank's message is the whole exchange: it is packed there directly (no copy)
+        self.send_routing = (self.all_routing[0] if world_size == 1 else
+                             torch.empty(self.message.words, dtype=torch.int32, device=device))
         self.routing_pad = self.message.pad(device)
         # this call's coordination header: written on the host (through numpy, no torch op), one copy to the device
         self.header_host = torch.zeros(HEADER_WORDS, dtype=torch.int32).pin_memory()
@@ -287,9 +290,7 @@ class WeaveBackend:
             work = torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group,
                                                             async_op=True)
             coordinator.wait(work, "the routing exchange", host=False)  # bounded below, at the counts' event
-        else:
-            self.all_routing.copy_(self.send_routing[None])
-        clock.lap("exchange")
+        clock.lap("exchange")  # at EP = 1 send_routing is all_routing[0]
         # 2. counts to the host (the one sync), with the previous call's status word. While the host waits, the GPU
         #    already builds this call's task tables with the previous call's chunk counts (a pure function of the
         #    routing and the counts, so it is simply built again below in the rare call whose plan changes K).
@@ -413,9 +414,8 @@ class WeaveBackend:
         # this call's flags are zeroed before this rank's message leaves: a peer writes them only after it has
         # received that message (workspace.py, flag protocol; the resident call always uses parity 0)
         self.workspace.flags(0).zero_()
-        if self.world_size == 1:
-            self.all_routing.copy_(self.send_routing[None])
-        else:  # through the symmetric workspace, bounded (kernels/routing_exchange.py)
+        if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
+            #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
                              self.timeout_ns)
         counts = self.device_counts.build(self.all_routing, self.status, self.rank, verdict=True)
@@ -604,15 +604,17 @@ class WeaveBackend:
 
     def _stages(self, serial: bool, device_serial: bool = False) -> tuple:
         """The launches of one call, in order: keys of `stage_constants` (STAGE -1: phases PHASE_FIRST..PHASE_LAST =
-        0..3 in one launch; 0..3: that stage alone, compiled for it; (STAGE, "grouped serial"): the GROUPED_SERIAL
-        compiles) or "grouped" (the grouped GEMMs, `_grouped_gemms`). `device_serial`: a resident adaptive call whose
-        serial plan, decided on the device, runs the grouped GEMMs (the other plans run whole in the first launch)."""
+        0..3 in one launch; 0, 1: that stage alone, compiled for it; 4: combine + reduce; (STAGE, "grouped serial"):
+        the GROUPED_SERIAL compiles) or "grouped" (the grouped GEMMs, `_grouped_gemms`). `device_serial`: a resident
+        adaptive call whose serial plan, decided on the device, runs the grouped GEMMs (the other plans run whole in
+        the first launch)."""
+        combine_reduce = STAGE_COMBINE_REDUCE.value
         if device_serial:
-            return ((-1, "grouped serial"), "grouped", (2, "grouped serial"), (3, "grouped serial"))
+            return ((-1, "grouped serial"), "grouped", (combine_reduce, "grouped serial"))
         if serial and self.grouped:
-            return (0, "grouped", 2, 3)
+            return (0, "grouped", combine_reduce)
         if serial and not self.config.fused_serial:
-            return (0, 1, 2, 3)
+            return (0, 1, combine_reduce)
         return (-1,)
 
     def _grouped_configs(self, rows: int) -> tuple | None:

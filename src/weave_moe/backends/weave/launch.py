@@ -104,7 +104,7 @@ class MegakernelConstants:
     BLOCK_K1: int
     USE_TMA: bool
     RESIDENT: bool = False
-    STAGE: int = -1  # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone (kernels/megakernel.py)
+    STAGE: int = -1  # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone; 4: phases 2-3 (kernels/megakernel.py)
     W13_INTERLEAVED: bool = False  # w13 in the grouped GEMMs' interleaved layout (its descriptor 3-D)
     WIDE_GEMM0: bool = False       # GEMM0 as one MMA over interleaved rows (its descriptor 2-D, 2 * BLOCK_N0 rows)
     GROUPED_SERIAL: bool = False   # resident serial plans' GEMMs run as grouped GEMMs between stage launches

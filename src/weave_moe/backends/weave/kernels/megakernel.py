@@ -16,9 +16,11 @@ resident fails at launch instead of hanging). Each CTA walks a small state machi
 
 Which phases a launch runs: with STAGE = -1 (compile-time) the phases PHASE_FIRST..PHASE_LAST (runtime; 0..3 for
 the one-launch policies). With STAGE = s in 0..3 the launch runs phase s alone, exactly as PHASE_FIRST = PHASE_LAST = s
-would, and only that phase's code is compiled in (PHASE_FIRST / PHASE_LAST are then ignored). The `serial` policy runs
-each stage as such a launch, so its dispatch, combine and reduce launches hold none of the GEMM tiles' code, shared
-memory or register pressure (sm_90 figures: tests/test_megakernel_cpu.py).
+would, and only that phase's code is compiled in (PHASE_FIRST / PHASE_LAST are then ignored); STAGE = 4
+(STAGE_COMBINE_REDUCE) runs phases 2 and 3 in one launch, as PHASE_FIRST = 2, PHASE_LAST = 3 would. The `serial`
+policy runs its stages as such launches (dispatch, GEMMs, combine + reduce), so its dispatch and combine + reduce
+launches hold none of the GEMM tiles' code, shared memory or register pressure (sm_90 figures:
+tests/test_megakernel_cpu.py).
 
 Buffers come from `weave_moe.backends.weave.workspace.SymmetricWorkspace`; peers are reached through `peer_base_ptr` (int64 base
 address of every rank's symmetric buffer) plus byte offsets.
@@ -38,6 +40,8 @@ CTRL_COMBINE = tl.constexpr(2)
 CTRL_REDUCE = tl.constexpr(3)
 CTRL_GEMM1_DONE = tl.constexpr(8)    # [MAX_CHUNKS]
 CTRL_GEMM0_DONE = tl.constexpr(16)   # [num M tiles]
+# STAGE of the launch that runs the combine and reduce phases (2, 3) together (module docstring)
+STAGE_COMBINE_REDUCE = tl.constexpr(4)
 CTRL_SIZE_FIXED = 16
 
 # Timeline (TIMELINE=True): int64 [grid, MAX_EVENTS, 4], one row per task a CTA ran, in order:
@@ -121,15 +125,17 @@ def moe_megakernel(
     # serial schedule in this launch), the addresses of x and out (`io_ptr` [2] int64) and T (`tokens_ptr`, the token
     # count word of this rank's routing message)
     RESIDENT: tl.constexpr = False,
-    # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone, the other phases not compiled in (module docstring)
+    # -1: phases PHASE_FIRST..PHASE_LAST; 0..3: that phase alone, the other phases not compiled in; 4: phases 2 and 3
+    # (module docstring)
     STAGE: tl.constexpr = -1,
     # w13 with gate row j at row 2j and up row j at 2j + 1 (the grouped GEMMs' layout; tiles.gemm0_tile INTERLEAVED)
     W13_INTERLEAVED: tl.constexpr = False,
     # GEMM0 tiles as one MMA over the interleaved w13's 2 * BLOCK_N0 rows (KernelConfig.wide_gemm0; tiles.gemm0_tile)
     WIDE_GEMM0: tl.constexpr = False,
     # a resident launch of an adaptive layer whose serial plans run their GEMMs as the grouped GEMMs between stage
-    # launches (backend.py, _stages): with a serial plan the STAGE -1 launch runs the dispatch only and the STAGE 2 / 3
-    # launches run; with any other plan the STAGE -1 launch runs every phase and the STAGE 2 / 3 launches do nothing
+    # launches (backend.py, _stages): with a serial plan the STAGE -1 launch runs the dispatch only and the STAGE 4
+    # launch (combine + reduce) runs; with any other plan the STAGE -1 launch runs every phase and the STAGE 4 launch
+    # does nothing
     GROUPED_SERIAL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -151,7 +157,10 @@ def moe_megakernel(
     n0_tiles = tl.cdiv(I, BLOCK_N0)
     row_bytes = H.to(tl.int64) * 2
     # the phases of this launch; compile-time when STAGE >= 0 (so the reduce stage's refusal branch is static too)
-    if STAGE >= 0:
+    if STAGE == STAGE_COMBINE_REDUCE:
+        first_phase: tl.constexpr = 2
+        last_phase: tl.constexpr = 3
+    elif STAGE >= 0:
         first_phase: tl.constexpr = STAGE
         last_phase: tl.constexpr = STAGE
     else:
@@ -162,8 +171,8 @@ def moe_megakernel(
     # the phases whose code this launch compiles (each branch of the state machine below tests its own)
     RUN_DISPATCH: tl.constexpr = STAGE < 0 or STAGE == 0
     RUN_GEMM: tl.constexpr = STAGE < 0 or STAGE == 1
-    RUN_COMBINE: tl.constexpr = STAGE < 0 or STAGE == 2
-    RUN_REDUCE: tl.constexpr = STAGE < 0 or STAGE == 3
+    RUN_COMBINE: tl.constexpr = STAGE < 0 or STAGE == 2 or STAGE == STAGE_COMBINE_REDUCE
+    RUN_REDUCE: tl.constexpr = STAGE < 0 or STAGE == 3 or STAGE == STAGE_COMBINE_REDUCE
     is_comm = pid < num_comm_ctas
     phase = tl.where(is_comm, 0, 1)
     phase = tl.maximum(phase, first_phase)
