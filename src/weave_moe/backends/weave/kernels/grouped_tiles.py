@@ -184,44 +184,43 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count
     return dst
 
 
-@triton.jit(do_not_specialize=["num_sms", "H", "num_experts", "max_tiles0", "max_tiles1"])
-def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, src_ptr, index_ptr, dst_ptr, H,
-                     table0_ptr, num_tiles0_ptr, table1_ptr, num_tiles1_ptr, num_experts, max_tiles0, max_tiles1,
-                     done_ptr, expected_ptr, NUM_DONE: tl.constexpr, TABLE0_PROGRAMS: tl.constexpr,
-                     TABLE1_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
+@triton.jit(do_not_specialize=["num_sms", "num_experts", "max_tiles0", "max_tiles1"])
+def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_tiles0_ptr, table1_ptr, num_tiles1_ptr,
+                     num_experts, max_tiles0, max_tiles1, done_ptr, expected_ptr, NUM_DONE: tl.constexpr,
+                     TABLE0_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
                      BLOCK_M1: tl.constexpr, SPLIT_TAIL1: tl.constexpr, DEVICE_SERIAL: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """`grouped_prologue` in one launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the next
-    TABLE1_PROGRAMS the second, the rest gather the rows; the first gather program also copies the done counters."""
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`grouped_prologue`'s first launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the rest the
+    second; program 0 also writes the rows to gather and copies the done counters."""
     pid = tl.program_id(0)
     scale = 1
     if DEVICE_SERIAL:  # rows only under a serial plan (plan_ptr: this rank's c)
         scale = (tl.load(plan_ptr) >= num_sms).to(tl.int32)
+    if pid == 0:
+        tl.store(rows_ptr, tl.load(offsets_ptr + num_experts) * scale)
+        offs = tl.arange(0, NUM_DONE)
+        tl.store(done_ptr + offs, tl.load(expected_ptr + offs))
     if pid < TABLE0_PROGRAMS:
         _tile_table_block(pid, offsets_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0,
                           BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T)
-    elif pid < TABLE0_PROGRAMS + TABLE1_PROGRAMS:
+    else:
         _tile_table_block(pid - TABLE0_PROGRAMS, offsets_ptr, scale, table1_ptr, num_tiles1_ptr, num_experts,
                           max_tiles1, BLOCK_M1, SPLIT_TAIL1, BLOCK_E, BLOCK_T)
-    else:
-        gather_pid = pid - TABLE0_PROGRAMS - TABLE1_PROGRAMS
-        if gather_pid == 0:
-            offs = tl.arange(0, NUM_DONE)
-            tl.store(done_ptr + offs, tl.load(expected_ptr + offs))
-        count = tl.load(offsets_ptr + num_experts) * scale
-        _gather_block(gather_pid, tl.num_programs(0) - TABLE0_PROGRAMS - TABLE1_PROGRAMS, src_ptr, index_ptr,
-                      dst_ptr, count, H, ROWS, BLOCK_H)
 
 
 def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...], max_rows: int,
                      src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, num_programs: int,
                      done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
                      num_sms: int = 0) -> dict[tuple[int, bool], TileTable]:
-    """Everything the grouped GEMMs need before they run, in one launch and without a host sync: the tile table of
-    each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`), the rows in expert order
-    (`gather_rows(src, index, dst, expert_offsets[-1:])`), and `done[:] = expected` (the counters the next stage
-    waits on, int32, a power-of-two length). With `plan` (int32 device scalar: this rank's c), the offsets count only
-    under a serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty.
+    """Everything the grouped GEMMs need before they run, in two launches and without a host sync: the tile table of
+    each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`) and `done[:] = expected` (the counters the
+    next stage waits on, int32, a power-of-two length) in the first; the rows in expert order
+    (`gather_rows(src, index, dst, expert_offsets[-1:], num_programs)`) in the second. The gather is its own launch:
+    fused into the first it compiled to 178 registers per thread instead of 64 (sm_90): a quarter of the CTAs per SM
+    for a copy bound by loads in flight (with it fused, serial calls at 8192 tokens measured 3-5% slower on an H200,
+    bench/results/h200-ab19908). With `plan` (int32 device scalar: this rank's
+    c), the offsets count only under a serial plan (c >= num_sms): otherwise no tile and no row, as if every expert
+    were empty.
 
     Returns {(block_m, split_tail): TileTable}.
     """
@@ -243,12 +242,13 @@ def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool]
         built[(block_m, split_tail)] = TileTable(table, num_tiles, block_m, split_tail)
         sizes.append((max_tiles, triton.cdiv(max_tiles, block_t)))
     first, second = list(built.values()) + list(built.values())[:2 - len(built)]
-    programs1 = sizes[1][1] if len(built) == 2 else 0
-    _prologue_kernel[(sizes[0][1] + programs1 + num_programs,)](
-        expert_offsets, expert_offsets if plan is None else plan, num_sms, src, index, dst, src.shape[1],
-        first.table, first.num_tiles, second.table, second.num_tiles, num_experts, sizes[0][0], sizes[-1][0],
-        done, expected, NUM_DONE=num_done, TABLE0_PROGRAMS=sizes[0][1], TABLE1_PROGRAMS=programs1,
-        BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail, BLOCK_M1=second.block_m,
+    rows = torch.empty(1, dtype=torch.int32, device=expert_offsets.device)
+    programs = sizes[0][1] + (sizes[1][1] if len(built) == 2 else 0)
+    _prologue_kernel[(programs,)](
+        expert_offsets, expert_offsets if plan is None else plan, num_sms, rows, first.table, first.num_tiles,
+        second.table, second.num_tiles, num_experts, sizes[0][0], sizes[-1][0], done, expected, NUM_DONE=num_done,
+        TABLE0_PROGRAMS=sizes[0][1], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail, BLOCK_M1=second.block_m,
         SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_T=block_t, ROWS=16, BLOCK_H=512, num_warps=8)
+        BLOCK_T=block_t)
+    gather_rows(src, index, dst, rows, num_programs)
     return built
