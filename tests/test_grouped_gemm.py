@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
+from weave_moe.backends.weave.kernels import sm90
 from interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
@@ -211,7 +212,7 @@ def _check_hopper_ptx(cfg, compiled, tmp_path):
 def test_runtime_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidden, inter, sms, tmp_path):
     kernel, grid, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms)
     assert grid == (sms,) and kwargs["NUM_SMS"] == sms
-    source, _, _ = gg.specialize_for_sm90(kernel, args, kwargs)
+    source, _, _ = sm90.specialize_for_sm90(kernel, args, kwargs)
     names = list(source.signature)
     divisible = {names[i] for (i,), attrs in source.attrs.items() if ["tt.divisibility", 16] in attrs}
     pointers = {n for n, ty in source.signature.items() if ty.startswith("*")}
@@ -219,7 +220,7 @@ def test_runtime_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidd
     assert {"H", "I"} <= divisible, ("H / I not specialised divisible by 16", divisible)
     assert "max_tiles" not in divisible  # do_not_specialize: one compile for every buffer size
     assert all(source.signature[n].startswith("tensordesc<bf16[") for n in names if n.endswith("_desc"))
-    _check_hopper_ptx(cfg, gg.compile_for_sm90(kernel, args, kwargs), tmp_path)
+    _check_hopper_ptx(cfg, sm90.compile_for_sm90(kernel, args, kwargs), tmp_path)
 
 
 # GEMM1 with routing weights in its epilogue (scripts/gemm_bench.py's pipeline; not the backend's call).
@@ -228,7 +229,7 @@ def test_gemm1_with_routing_weights_compiles_without_local_memory(block_m, tmp_p
     cfg = next(c for c in gg.analytical_configs(1) if c.block_m == block_m)
     kernel, _, args, kwargs = _runtime_launch(1, cfg, 7168, 2048, H200_SMS, scale=True)
     assert kwargs["HAS_SCALE"]
-    _check_hopper_ptx(cfg, gg.compile_for_sm90(kernel, args, kwargs), tmp_path)
+    _check_hopper_ptx(cfg, sm90.compile_for_sm90(kernel, args, kwargs), tmp_path)
 
 
 def test_default_config_only_picks_from_default_configs():

@@ -482,20 +482,7 @@ class WeaveBackend:
 
     # ---- internals --------------------------------------------------------------------------------------------------
     def _tma_descriptors(self) -> dict:
-        """Host tensor descriptors of w13 [E_local*2I, H] (interleaved: [E_local*I, 2, H], block [BN0, 1, BK]; with
-        WIDE_GEMM0 [E_local*2I, H], block [2*BN0, BK]) and w2 [E_local*H, I] for the TMA tiles."""
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        cfg, H, I = self.config, self.spec.hidden_size, self.spec.intermediate_size
-        E = self.num_local_experts
-        if self.constants.WIDE_GEMM0:
-            w13_desc = TensorDescriptor.from_tensor(self.w13.view(-1, H), [2 * cfg.block_n0, cfg.block_k])
-        elif self.interleaved:
-            w13_desc = TensorDescriptor.from_tensor(self.w13.view(E * I, 2, H), [cfg.block_n0, 1, cfg.block_k])
-        else:
-            w13_desc = TensorDescriptor.from_tensor(self.w13.view(-1, H), [cfg.block_n0, cfg.block_k])
-        return dict(w13_desc=w13_desc,
-                    w2_desc=TensorDescriptor.from_tensor(self.w2.view(-1, I), [cfg.block_n1 // 2, cfg.block_k1]))
+        return mk_launch.tma_descriptors(self.config, self.constants, self.w13, self.w2)
 
     def _workload(self, dest: int, counts: LayoutCounts) -> Workload:
         n, local = self.world_size, self.num_local_experts

@@ -137,6 +137,24 @@ DESCRIPTOR_NAMES = ("w13_desc", "w2_desc")
 NO_DESCRIPTORS = dict.fromkeys(DESCRIPTOR_NAMES)
 
 
+def tma_descriptors(config, constants: MegakernelConstants, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """Host tensor descriptors of the weights for the TMA tiles (KernelConfig.tma), as every launch passes them:
+    w13 [E_local, 2I, H] as [E_local*2I, H] block [BN0, BK]; interleaved (W13_INTERLEAVED) as [E_local*I, 2, H] block
+    [BN0, 1, BK]; with WIDE_GEMM0 as [E_local*2I, H] block [2*BN0, BK]; w2 [E_local, H, I] as [E_local*H, I] block
+    [BN1/2, BK1]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    H, I = w2.shape[1], w2.shape[2]
+    if constants.WIDE_GEMM0:
+        w13_desc = TensorDescriptor.from_tensor(w13.view(-1, H), [2 * config.block_n0, config.block_k])
+    elif constants.W13_INTERLEAVED:
+        w13_desc = TensorDescriptor.from_tensor(w13.view(-1, 2, H), [config.block_n0, 1, config.block_k])
+    else:
+        w13_desc = TensorDescriptor.from_tensor(w13.view(-1, H), [config.block_n0, config.block_k])
+    return dict(w13_desc=w13_desc,
+                w2_desc=TensorDescriptor.from_tensor(w2.view(-1, I), [config.block_n1 // 2, config.block_k1]))
+
+
 def _descriptors(constants: MegakernelConstants, descriptors: dict) -> dict:
     """The descriptors for a launch of `constants`: None where it compiles no GEMM phase, so that the launch encodes
     no tensor map on the host (Triton does that at every launch of a host-built descriptor) and passes none."""
@@ -160,6 +178,20 @@ def launch(grid: int, args: MegakernelArgs, constants: MegakernelConstants, desc
     """One cooperative launch of `grid` CTAs (all resident, or the launch fails instead of hanging)."""
     moe_megakernel[(grid,)](**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
                             num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True)
+
+
+def compile_as_launched(args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
+                        num_stages: int, capability: int = 90):
+    """Compile for sm_<capability> without a GPU, specialised exactly as `launch` with these arguments would be
+    (pointer alignment, divisibility of the specialised integers H, I, max_tokens, the descriptors' block shapes);
+    returns Triton's compiled kernel. Unlike `compile_sm` (which declares no argument attributes), this is the code
+    that runs: on sm_90 the resident one-launch kernel of the default config specialises to 48 bytes of stack and
+    192 KB of shared memory where `compile_sm` reports 240 and 144 KB (tests/test_megakernel_cpu.py)."""
+    from weave_moe.backends.weave.kernels.sm90 import compile_for_sm90
+
+    return compile_for_sm90(moe_megakernel, (), dict(**args.by_name(), **constants.by_name(),
+                                                     **_descriptors(constants, descriptors), num_warps=num_warps,
+                                                     num_stages=num_stages), capability)
 
 
 def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,

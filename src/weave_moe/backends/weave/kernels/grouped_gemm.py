@@ -57,8 +57,7 @@ from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile
 __all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
            "grouped_gemm1", "default_config", "default_configs", "analytical_config", "analytical_configs",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
-           "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
-           "specialize_for_sm90", "compile_for_sm90"]
+           "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT"]
 
 # Epilogue kinds (GemmConfig.epilogue).
 EPILOGUE_MASKED = 0  # every tile through masked pointer stores
@@ -669,28 +668,3 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
     kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32)
     _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and h.is_cuda)
     return y
-
-
-def specialize_for_sm90(kernel, args, kwargs, capability: int = 90):
-    """(ASTSource, target, options) of `kernel` launched with these arguments, without a GPU: the same steps as
-    Triton's JITFunction.run (its binder computes each argument's specialisation: pointer alignment and integer
-    divisibility by 16 as "tt.divisibility" attrs, tensor descriptor types from the host TensorDescriptors,
-    constexprs; then `_pack_args`), for target sm_<capability>."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    target = GPUTarget("cuda", capability, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    return ASTSource(kernel, signature, constexprs, attrs), target, options
-
-
-def compile_for_sm90(kernel, args, kwargs, capability: int = 90):
-    """Compile `kernel` for sm_<capability> without a GPU, specialised exactly as a launch with these arguments
-    would be (`specialize_for_sm90`); returns triton's CompiledKernel (its .asm["ptx"], .n_regs, .n_spills need no GPU
-    except n_regs, which is filled in at load time)."""
-    source, target, options = specialize_for_sm90(kernel, args, kwargs, capability)
-    return triton.compile(source, target=target, options=options.__dict__)
