@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weave_moe.backends.weave.exchange import CountsFormat
 from weave_moe.backends.weave.kernels import sync
 from weave_moe.models import BYTES_PER_ELEMENT, MoESpec
 from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, parse_policy
@@ -59,21 +60,21 @@ _BIG = tl.constexpr(1 << 30)
 
 # ---- the kernel ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, world_size, num_local_experts, num_sms,
-               comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
+def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offset, send_rows_offset, pairs_offset,
+               world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
                POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
                MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
     # -- rank d's workload (Workload.from_counts) --
     offs_ep = tl.arange(0, BLOCK_EP)
     ep_mask = offs_ep < world_size
-    send_base = counts_ptr + world_size
+    send_base = counts_ptr + send_rows_offset
     sent = tl.sum(tl.load(send_base + d * world_size + offs_ep, mask=ep_mask, other=0), axis=0)
     received = tl.sum(tl.load(send_base + offs_ep * world_size + d, mask=ep_mask, other=0), axis=0)
     local = tl.load(send_base + d * world_size + d)
-    num_tokens = tl.load(counts_ptr + d)
+    num_tokens = tl.load(counts_ptr + tokens_offset + d)
     remote_rows = tl.maximum(sent - local, received - local)
     offs_e = tl.arange(0, BLOCK_E)
-    pairs_base = counts_ptr + world_size + world_size * world_size + d * num_local_experts
+    pairs_base = counts_ptr + pairs_offset + d * num_local_experts
     expert_rows = tl.load(pairs_base + offs_e, mask=offs_e < num_local_experts, other=0)
     num_pairs = tl.sum(expert_rows, axis=0)
     # M tiles for K = 1..MAX_CHUNKS: chunk j of K holds (j+1)*n//K - j*n//K rows of an expert with n pairs. int32:
@@ -225,14 +226,16 @@ def _clock_cycles():
 
 @triton.jit
 def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, num_batches, counts_stride,
-                world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
+                tokens_offset, send_rows_offset, pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit,
+                n0_per_mtile, n1_per_mtile, static_c, static_k,
                 POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
                 MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, TIMING: tl.constexpr = False):
     """Every rank's plan from the global counts (module docstring), for `num_batches` counts vectors.
 
     Args:
         counts_ptr: int32 counts vectors (`exchange.CountsFormat`), vector b at counts_ptr + b * counts_stride (a
-            layer call plans one: num_batches = 1; tests and the GPU check plan many in one launch).
+            layer call plans one: num_batches = 1; tests and the GPU check plan many in one launch); its fields
+            start at tokens_offset, send_rows_offset and pairs_offset (CountsFormat's).
         model_ptr: fp32 model table (`DevicePlanner.model`).
         per_iteration_ptr: int32 [PER_ITERATION_BUCKETS] comm CTAs per token bucket (read by POLICY 3 only).
         out_ptr: int32 [num_batches, EP, 4] (c, K, n_steal, predicted_us fp32 bits).
@@ -246,8 +249,8 @@ def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, n
     for item in range(pid, num_batches * world_size, tl.num_programs(0)):
         batch = item // world_size
         _plan_rank(counts_ptr + batch.to(tl.int64) * counts_stride, model_ptr, per_iteration_ptr,
-                   out_ptr + batch.to(tl.int64) * world_size * 4, item % world_size, world_size, num_local_experts,
-                   num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k, POLICY,
+                   out_ptr + batch.to(tl.int64) * world_size * 4, item % world_size, tokens_offset, send_rows_offset,
+                   pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k, POLICY,
                    BLOCK_EP, BLOCK_E, BLOCK_C, MAX_CHUNKS, BLOCK_M)
     if TIMING:
         tl.debug_barrier()
@@ -320,15 +323,23 @@ class DevicePlanner:
         return self.spec.num_experts // self.world_size
 
     @property
+    def counts_format(self) -> CountsFormat:
+        """Where the counts vector's fields start (the planner reads tokens, rows sent and expert pairs)."""
+        return CountsFormat(self.world_size, self.spec.num_experts, status_words=0)
+
+    @property
     def counts_words(self) -> int:
-        """Words of the counts vector the kernel reads: EP + EP * EP + E."""
-        return self.world_size + self.world_size ** 2 + self.spec.num_experts
+        """Words of the counts vector the kernel reads: up to the end of the expert pairs."""
+        return self.counts_format.expert_pairs_offset + self.spec.num_experts
 
     def scalar_args(self) -> dict:
         profile, spec = self.profile, self.spec
         name, args = parse_policy(self.policy)
         static_c, static_k = args if name == "static" else (1, 1)
-        return dict(world_size=self.world_size, num_local_experts=self.num_local_experts, num_sms=profile.num_sms,
+        fmt = self.counts_format
+        return dict(tokens_offset=fmt.tokens_offset, send_rows_offset=fmt.send_rows_offset,
+                    pairs_offset=fmt.expert_pairs_offset,
+                    world_size=self.world_size, num_local_experts=self.num_local_experts, num_sms=profile.num_sms,
                     comm_sms_limit=profile.comm_sms_limit,
                     n0_per_mtile=-(-spec.intermediate_size // profile.block_n0),
                     n1_per_mtile=-(-spec.hidden_size // profile.block_n1),
@@ -396,13 +407,14 @@ class DevicePlanner:
         counts = np.asarray(counts, dtype=np.int64)
         if counts.ndim != 2 or counts.shape[1] < self.counts_words:
             raise ValueError(f"counts must be [B, >= {self.counts_words}], got {counts.shape}")
-        batch, ep, num_local = counts.shape[0], self.world_size, self.num_local_experts
-        send = counts[:, ep:ep + ep * ep].reshape(batch, ep, ep)
-        pairs = counts[:, ep + ep * ep:ep + ep * ep + self.spec.num_experts].reshape(batch, ep, num_local)
+        batch, ep, num_local, fmt = counts.shape[0], self.world_size, self.num_local_experts, self.counts_format
+        send = counts[:, fmt.send_rows_offset:fmt.send_rows_offset + ep * ep].reshape(batch, ep, ep)
+        pairs = counts[:, fmt.expert_pairs_offset:fmt.expert_pairs_offset + self.spec.num_experts].reshape(
+            batch, ep, num_local)
         ranks = np.arange(ep)
         inputs = dict(
-            sent=send.sum(axis=2), received=send.sum(axis=1), local=send[:, ranks, ranks], num_tokens=counts[:, :ep],
-            expert_rows=pairs)
+            sent=send.sum(axis=2), received=send.sum(axis=1), local=send[:, ranks, ranks],
+            num_tokens=counts[:, fmt.tokens_offset:fmt.tokens_offset + ep], expert_rows=pairs)
         from weave_moe.backends.weave.kernels.planner_mirror import mirror_rows
 
         out = mirror_rows(self, {k: v.reshape((batch * ep,) + v.shape[2:]) for k, v in inputs.items()})
