@@ -81,6 +81,16 @@ for stage in "$@"; do
     wide-ab) for wide in off on; do
           WEAVE_MOE_KERNEL_CONFIG=wide_gemm0=$wide timeout "${WA_TIMEOUT:-200}" python3 -m weave_moe.bench --emulate-ep 2 --models "${WA_MODELS:-qwen3-30b-a3b,deepseek-v3,phi-3.5-moe}" --tokens "${WA_TOKENS:-1,32,512}" --routing uniform --variants weave,weave:serial --check --iters 20 --no-progress --timeout $(( ${WA_TIMEOUT:-200} - 10 )) --name "wide-$wide" --out "$W" > "$W/bench-wide-$wide.log" 2>&1; echo "rc=$?"; tail -12 "$W/bench-wide-$wide.log"
         done;;
+    # two GPUs. DeepEP from its public source (scripts/build_deepep.sh; DEEPEP_SRC: a checkout carried to the machine,
+    # default .deepep/DeepEP, a folder .git/info/exclude ignores: `carry: [".deepep"]`)
+    deepep-build) timeout "${DEEPEP_TIMEOUT:-300}" bash scripts/build_deepep.sh "${DEEPEP_SRC:-.deepep/DeepEP}" > "$W/deepep-build.log" 2>&1; echo "rc=$?"; tail -3 "$W/deepep-build.log";;
+    # the EP=2 record: validate quick at EP=2 with the host-driven and the resident call, then every baseline (nccl,
+    # symm, deepep: run deepep-build first) and the weave policies side by side, --check on all (EP2_TOKENS,
+    # EP2_ROUTING, EP2_VARIANTS, EP2_MODELS; partial JSON/CSV survive the timeout)
+    ep2-record) for mode in off on; do
+          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout 200 python3 -m weave_moe.validate --suite quick --nproc 2 --out "$W/validate-quick-ep2-resident-$mode.json" --timeout 190 > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
+        done
+        timeout "${EP2_TIMEOUT:-420}" python3 -m weave_moe.cli bench --models "${EP2_MODELS:-deepseek-v3,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v2}" --tokens "${EP2_TOKENS:-128,2048,8192}" --routing "${EP2_ROUTING:-uniform,skewed}" --variants "${EP2_VARIANTS:-nccl,symm,deepep,weave:serial,weave}" --check --iters 10 --no-progress --name "${BENCH_NAME:-h200x2-eval6}" --out "$W" --timeout $(( ${EP2_TIMEOUT:-420} - 10 )) > "$W/ep2-record.log" 2>&1; echo "rc=$?"; tail -30 "$W/ep2-record.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; tail -8 "$W/host_cost.log" | cut -c1-600;;
     *) echo "unknown stage $stage";;

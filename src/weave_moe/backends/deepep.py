@@ -15,7 +15,8 @@ Per call (EP > 1):
 DeepEP allocates its outputs per call (its API); this backend's own buffers are sized once.
 
 DeepEP is not a dependency and none of its code is in this repository: the backend is used when `import deep_ep`
-works (v1.2.1 is the version measured; build and install it from its public source as its README describes);
+works (v1.2.1 is the version measured; `scripts/build_deepep.sh SRC_DIR` builds and installs it from a checkout of
+its public source);
 otherwise constructing it raises RuntimeError. DeepEP supports 2, 4 or 8 ranks per node here (its configs); with
 no process group (EP=1) nothing is exchanged and the expert stage runs alone. `info` records DeepEP's version and
 SM count for benchmark reports.
@@ -44,7 +45,8 @@ def _import_deep_ep():
         return importlib.import_module("deep_ep")
     except ImportError as error:
         raise RuntimeError(f"deepep backend needs DeepEP (`import deep_ep` failed: {error}). Build and install it "
-                           f"from DeepEP's public source (v1.2.1) for this torch and CUDA") from error
+                           f"from DeepEP's public source (v1.2.1) for this torch and CUDA: scripts/build_deepep.sh "
+                           f"SRC_DIR in the weave-moe repository") from error
 
 
 class DeepEPBackend:
