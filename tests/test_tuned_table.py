@@ -145,8 +145,8 @@ def test_default_configs_cover_every_table_entry_of_the_shape(table):
     (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0),
                                                            config=dict(dataclasses.asdict(TUNED0), tile=3))])),
      "unknown fields"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0.with_(split_tail=True))])),
-     "split_tail"),
+    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(
+        split_tail=True, epilogue=gg.EPILOGUE_TMA, flatten=False))])), "split_tail with epilogue=1"),
     (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0.with_(interleaved=False))])),
      "interleaved"),
     (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(block_n=96))])), "block_n=96"),
@@ -218,6 +218,21 @@ def test_tune_candidates_include_the_defaults_and_skip_what_cannot_work():
         reasons = {tune.config_name(c): r for c, r in skipped}
         assert "registers" in reasons[f"128x256x64 w4 s3 e{candidates[0].epilogue}"]
         assert "shared memory" in reasons[f"128x256x64 w8 s5 e{candidates[0].epilogue}"]
+
+
+def test_tune_split_tail_candidates_only_where_the_epilogue_allows():
+    """--split-tail 0,1 adds the split-tail variant of each combination (both analytical defaults store through a
+    masked or clipped epilogue, which can run half-height tail tiles; a TMA-store epilogue cannot: check_config, and
+    the malformed-table test above)."""
+    for gemm in (0, 1):
+        candidates, _ = tune.candidate_configs(gemm, [64, 128], [128], [64], [8], [4], split_tail=[0, 1])
+        tails = [c for c in candidates if c.split_tail]
+        assert {c.block_m for c in tails} == {64, 128}, tails
+        for config in tails:
+            gg.check_config(gemm, config)
+            assert tune.config_name(config).endswith(" tail") and config.with_(split_tail=False) in candidates
+    with pytest.raises(ValueError, match="split_tail with epilogue=1"):
+        gg.check_config(1, TUNED1.with_(split_tail=True, epilogue=gg.EPILOGUE_TMA, flatten=False))
 
 
 def test_tune_records_round_trip_through_the_lookup(tmp_path):

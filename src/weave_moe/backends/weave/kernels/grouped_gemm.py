@@ -264,8 +264,8 @@ def check_config(gemm: int, config: GemmConfig) -> None:
         problems.append("epilogue=1 (TMA) with flatten does not compile in Triton 3.6")
     if config.warp_specialize not in (0, 1, 2):
         problems.append(f"warp_specialize={config.warp_specialize!r} is not 0, 1 or 2")
-    if config.split_tail:
-        problems.append("split_tail: the weave backend builds tile tables without split tails")
+    if config.split_tail and config.epilogue == EPILOGUE_TMA:
+        problems.append("split_tail with epilogue=1 (TMA): its one store descriptor is of full tiles")
     if gemm == 0 and not config.interleaved:
         problems.append("interleaved=False: the weave backend holds only the interleaved w13")
     if problems:
