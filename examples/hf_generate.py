@@ -212,9 +212,10 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", default=None, help="where to save the model (default: a temp dir)")
     parser.add_argument("--time-dir", default=None, help="also time prefill/decode and write JSON here")
     parser.add_argument("--implementations", default=None,
-                        help="comma-separated, timed in order: weave-<backend> for weave_moe backends, or "
-                             "transformers' own names (default on GPU: weave-weave,weave-nccl,weave-reference,"
-                             "grouped_mm,eager; on CPU: weave-nccl,weave-reference,grouped_mm,eager)")
+                        help="comma-separated, timed in order: weave-<backend> for weave_moe backends (with "
+                             "-per-module: one layer per experts module, weave_moe.hf.register(per_module=True)), or "
+                             "transformers' own names (default on GPU: weave-weave,weave-weave-per-module,weave-nccl,"
+                             "weave-reference,grouped_mm,eager; on CPU: weave-nccl,weave-reference,grouped_mm,eager)")
     parser.add_argument("--time-batch", type=int, default=8)
     parser.add_argument("--time-prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
@@ -270,12 +271,14 @@ def main() -> None:
     del eager
 
     if args.time_dir:
-        default = ["weave-weave", "weave-nccl", "weave-reference"] if on_gpu else ["weave-nccl", "weave-reference"]
+        default = (["weave-weave", "weave-weave-per-module", "weave-nccl", "weave-reference"] if on_gpu
+                   else ["weave-nccl", "weave-reference"])
         default += ["grouped_mm", "eager"] if world_size == 1 else []
         names = args.implementations.split(",") if args.implementations else default
         for name in names:
-            if name.startswith("weave-"):
-                weave_moe.hf.register(name, backend=name.removeprefix("weave-"),
+            if name.startswith("weave-"):  # weave-<backend>[-per-module]: one layer per experts module
+                backend = name.removeprefix("weave-").removesuffix("-per-module")
+                weave_moe.hf.register(name, backend=backend, per_module=name.endswith("-per-module"),
                                       max_tokens_per_rank=max(8192, args.time_batch * args.time_prompt))
         rows = time_implementations(model, names, args, device, world_size)
         gathered = [None] * world_size

@@ -355,3 +355,37 @@ def test_too_many_tokens_on_one_rank_raises_on_every_rank_at_ep2():
     results = run_distributed(_too_many_tokens_on_one_rank, 2, timeout_s=120)
     assert results[1] == ["ValueError", "ok"], results
     assert results[0] == ["PeerError", "ok"], results
+
+
+def test_per_module_layers_are_one_per_module_loaded_once(monkeypatch):
+    """register(per_module=True): each experts module gets its own layer, which loads the module's experts on its
+    first call only (the weave backend's resident call keeps its graphs); outputs equal the shared layer's."""
+    weave_hf.register("weave-test-shared", backend="reference", max_tokens_per_rank=16)
+    weave_hf.register("weave-test-per-module", backend="reference", max_tokens_per_rank=16, per_module=True)
+    model = _model(_BY_NAME["Qwen3MoeConfig"])
+    modules = [module for _, module in _experts_modules(model)]
+    spec = weave_hf.experts_spec(modules[0])
+    x = torch.randn(6, spec.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    ids, weights = _routing(6, spec, torch.bfloat16)
+    per_module = weave_hf._IMPLEMENTATIONS["weave-test-per-module"]
+    loads = []
+    load_experts = weave_hf.ExpertParallelMoE.load_experts
+    monkeypatch.setattr(weave_hf.ExpertParallelMoE, "load_experts",
+                        lambda layer, w13, w2: (loads.append(id(layer)), load_experts(layer, w13, w2)))
+    with torch.no_grad():
+        model.set_experts_implementation("weave-test-shared")
+        shared = [module(x, ids, weights) for module in modules]
+        assert len(loads) == len(modules), "the shared layer loads each module's experts on its call"
+        loads.clear()
+        model.set_experts_implementation("weave-test-per-module")
+        for _ in range(3):
+            ours = [module(x, ids, weights) for module in modules]
+            assert all(torch.equal(a, b) for a, b in zip(ours, shared))
+    layers = [id(per_module.module_layers[module][1]) for module in modules]
+    assert len(set(layers)) == len(modules) >= 2, "one layer per experts module"
+    assert sorted(loads) == sorted(layers), "each per-module layer loads its experts once, on its first call"
+    assert weave_hf.register("weave-test-per-module", backend="reference", max_tokens_per_rank=16,
+                             per_module=True) == "weave-test-per-module"
+    assert weave_hf._IMPLEMENTATIONS["weave-test-per-module"] is per_module, "same settings: the same implementation"
+    with pytest.raises(TypeError, match="per_module"):
+        weave_hf.register("weave-test-bad", per_module="yes")

@@ -32,9 +32,15 @@ Dtypes (the layer computes in bf16):
     returns         [T, H] in hidden_states' dtype
 Inference only: no gradient flows through the experts (calling with gradients enabled raises).
 
-Layers: one `ExpertParallelMoE` per registered name, layer shape and device, shared by all MoE layers of that shape
-(its buffers, and the weave backend's workspace, are made once, not once per model layer); each call loads the
-calling module's experts into it first (a reference swap, no copy).
+Layers: by default one `ExpertParallelMoE` per registered name, layer shape and device, shared by all MoE layers of
+that shape (its buffers are made once, not once per model layer); each call loads the calling module's experts into
+it first (a reference swap, no copy). That keeps the weave backend on its host-driven call, which waits for the
+routing counts on the host in every call. `register(..., per_module=True)` gives every experts module its own layer
+instead, loaded once: the weave backend then makes its device-resident call (at EP = 1; no host sync, one graph
+replay per call; the weave backend's workspace is shared by all layers of a process group either way) on the
+module's weights as they are, without the interleaved copy of w13 that its grouped GEMMs would need
+(`KernelConfig.grouped_gemm` off unless `config=` says otherwise). Not yet measured on a GPU against the shared
+layer (`examples/hf_generate.py --time-dir`, implementation "weave-weave-per-module").
 
 This module imports transformers (the optional extra `weave-moe[hf]`) on first use only.
 """
@@ -170,34 +176,54 @@ def _local_experts(module: torch.nn.Module, device: torch.device) -> _LocalExper
 class _Implementation:
     """One registered experts implementation: a backend choice and its layers (one per layer shape and device)."""
 
-    def __init__(self, name: str, backend: str | None, max_tokens_per_rank: int, layer_options: dict) -> None:
+    def __init__(self, name: str, backend: str | None, max_tokens_per_rank: int, per_module: bool,
+                 layer_options: dict) -> None:
         self.name, self.backend, self.max_tokens_per_rank = name, backend, max_tokens_per_rank
+        self.per_module = per_module
         self.layer_options = layer_options
         self.layers: dict[tuple, ExpertParallelMoE] = {}
-        self.loaded: dict[tuple, _LocalExperts] = {}  # layer key -> the experts it holds now
+        # layer -> the experts it holds now (weak keys: a per-module layer goes with its module)
+        self.loaded: "weakref.WeakKeyDictionary[ExpertParallelMoE, _LocalExperts]" = weakref.WeakKeyDictionary()
+        # per_module: experts module -> ((spec, device, EP rank and size), its own layer)
+        self.module_layers: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
     def settings(self) -> tuple:
-        return self.backend, self.max_tokens_per_rank, sorted(self.layer_options.items())
+        return self.backend, self.max_tokens_per_rank, self.per_module, sorted(self.layer_options.items())
 
-    def layer(self, spec: MoESpec, device: torch.device) -> tuple[tuple, ExpertParallelMoE]:
+    def layer(self, spec: MoESpec, device: torch.device, module: torch.nn.Module) -> ExpertParallelMoE:
+        """The layer that runs `module`'s call: its own (per_module) or the one of its shape and device (and EP
+        group: a new group, device or shape gets a new layer)."""
         key = (spec, device, _ep_rank())
+        if self.per_module:
+            entry = self.module_layers.get(module)
+            if entry is None or entry[0] != key:
+                entry = (key, self._new_layer(spec, device))
+                self.module_layers[module] = entry
+            return entry[1]
         if key not in self.layers:
-            backend = self.backend or ("weave" if device.type == "cuda" else "nccl")
-            options = dict(self.layer_options)
-            if backend == "weave" and "config" not in options:
+            self.layers[key] = self._new_layer(spec, device)
+        return self.layers[key]
+
+    def _new_layer(self, spec: MoESpec, device: torch.device) -> ExpertParallelMoE:
+        backend = self.backend or ("weave" if device.type == "cuda" else "nccl")
+        options = dict(self.layer_options)
+        if backend == "weave" and "config" not in options:
+            from weave_moe.backends.weave import KernelConfig
+
+            if self.per_module:
+                # the module's weights as they are (no interleaved w13 copy for the grouped GEMMs); the resident call
+                # as KernelConfig.resident decides (on at EP = 1)
+                options["config"] = dataclasses.replace(KernelConfig.from_env(), grouped_gemm=False)
+            else:
                 # One layer serves every MoE layer of this shape and is handed each module's experts per call: the
                 # device-resident call would capture its graph again on every such hand-over (it holds the weights'
                 # addresses), and the grouped-GEMM serial path would re-lay w13 (a copy of it).
-                from weave_moe.backends.weave import KernelConfig
-
                 config = dataclasses.replace(KernelConfig.from_env(), resident="off")
                 if self.layer_options.get("policy") == "serial":
                     config = dataclasses.replace(config, grouped_gemm=False)
                 options["config"] = config
-            self.layers[key] = ExpertParallelMoE(spec, group=None, backend=backend,
-                                                 max_tokens_per_rank=self.max_tokens_per_rank, device=device,
-                                                 **options)
-        return key, self.layers[key]
+        return ExpertParallelMoE(spec, group=None, backend=backend, max_tokens_per_rank=self.max_tokens_per_rank,
+                                 device=device, **options)
 
     def __call__(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -210,10 +236,10 @@ class _Implementation:
             raise TypeError(f"top_k_weights must be a float tensor, got {top_k_weights.dtype}")
         device = hidden_states.device
         local = _local_experts(module, device)
-        key, layer = self.layer(local.spec, device)
-        if self.loaded.get(key) is not local:
+        layer = self.layer(local.spec, device, module)
+        if self.loaded.get(layer) is not local:
             layer.load_experts(local.w13, local.w2)
-            self.loaded[key] = local
+            self.loaded[layer] = local
         x = hidden_states.to(torch.bfloat16).contiguous()
         weights = top_k_weights.to(torch.float32)
         num_tokens, limit = x.shape[0], self.max_tokens_per_rank
@@ -239,7 +265,8 @@ _IMPLEMENTATIONS: dict[str, _Implementation] = {}
 
 
 def register(name: str = "weave", *, backend: str | None = None,
-             max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK, **layer_options) -> str:
+             max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK, per_module: bool = False,
+             **layer_options) -> str:
     """Register an experts implementation `name` with transformers (idempotent); returns `name`.
 
     Args:
@@ -247,6 +274,8 @@ def register(name: str = "weave", *, backend: str | None = None,
             "grouped_mm", ...) are refused.
         backend: ExpertParallelMoE backend; None = "weave" on CUDA devices, "nccl" elsewhere.
         max_tokens_per_rank: largest T per MoE call on a rank (see DEFAULT_MAX_TOKENS_PER_RANK).
+        per_module: one layer per experts module, loaded once (the weave backend's device-resident call), instead of
+            one per layer shape handed each module's experts per call (module docstring, "Layers").
         **layer_options: passed to ExpertParallelMoE (policy=, check_expert_ids=, backend options).
 
     Registering the same name again with the same settings does nothing; with other settings it replaces the
@@ -259,7 +288,9 @@ def register(name: str = "weave", *, backend: str | None = None,
         raise ValueError(f"experts implementation {name!r} is transformers' own; choose another name")
     if not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank <= 0:
         raise ValueError(f"max_tokens_per_rank must be a positive int, got {max_tokens_per_rank!r}")
-    implementation = _Implementation(name, backend, max_tokens_per_rank, layer_options)
+    if not isinstance(per_module, bool):
+        raise TypeError(f"per_module must be a bool, got {per_module!r}")
+    implementation = _Implementation(name, backend, max_tokens_per_rank, per_module, layer_options)
     current = _IMPLEMENTATIONS.get(name)
     if current is not None and current.settings() == implementation.settings():
         return name
