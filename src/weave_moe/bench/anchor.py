@@ -23,6 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from weave_moe.backends.weave.graphs import capturing
+
 __all__ = ["local_group_sizes", "grouped_expert_compute", "time_library_compute", "grouped_mm_usable"]
 
 
@@ -120,7 +122,7 @@ def graph_replay_ms(fn, replays: int, device=None) -> list[float]:
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):  # the cyclic GC paused: a dead layer's graphs must not die inside this capture
         out = fn()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]

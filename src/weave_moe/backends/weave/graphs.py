@@ -9,19 +9,44 @@ with an eager fallback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import warnings
 
 import torch
 
 from weave_moe.backends.weave.layout import build_layout
 
-__all__ = ["GraphCache", "LayoutBuilder", "LAYOUT_COMPILE_LIMIT"]
+__all__ = ["GraphCache", "LayoutBuilder", "LAYOUT_COMPILE_LIMIT", "capturing"]
 
 #: Layer shapes (and ranks) one process may compile the task tables for before falling back to eager tables. Dynamo
 #: keeps one cache per code object with a limit of 8 entries by default, and fullgraph=True turns hitting it into an
 #: error: a process with more than 8 layer shapes (the validation suite) failed that way on the H200 pair (bb8bd82).
 LAYOUT_COMPILE_LIMIT = 64
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, **options):
+    """`torch.cuda.graph(graph, **options)` with Python's cyclic garbage collector paused for the capture.
+
+    torch's capture no longer collects garbage first (unless `torch.compiler.config.force_cudagraph_gc`), so a dead
+    reference cycle that holds CUDA graphs (a dropped layer's backend and its GraphCache) can be collected in the
+    middle of a capture. Destroying a graph is not permitted while this thread's stream is capturing: the CUDA call
+    fails ("operation not permitted when stream is capturing (function reset)", once per destroyed graph) and the
+    capture is invalidated, so the next launch in it fails ("operation failed due to a previous error during
+    capture"). That sequence is in the logs of two of three host-driven validation runs on the H200 at ab19908 (six
+    such warnings, then the task tables' launch failing inside the capture; that layer then ran eagerly for good);
+    not yet re-run with this pause. Paused, such cycles are collected after the capture.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, **options):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 @functools.cache
 def compiled_build_layout():
@@ -47,6 +72,8 @@ class LayoutBuilder:
             with dynamo_config.patch(recompile_limit=LAYOUT_COMPILE_LIMIT):
                 return compiled_build_layout()(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - any compile failure: the eager result is the same
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise  # the capture failed, not the compiler: GraphCache falls back (the compiled tables stay)
             warnings.warn(f"weave: torch.compile of the task tables failed ({type(error).__name__}: "
                           f"{str(error)[:200]}); building them eagerly for this layer")
             self.compiled = False
@@ -106,7 +133,7 @@ class GraphCache:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with capturing(graph, capture_error_mode="thread_local"):
                 output = build()
         except RuntimeError as error:  # an op that synchronises cannot be captured
             warnings.warn(f"weave: CUDA graph capture of {name} failed ({error}); running it eagerly")
