@@ -331,3 +331,34 @@ def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, gr
         # every variant a call can launch was compiled at the first call, and only then
         assert sorted(compiled, key=str) == sorted(compiles, key=str)
     assert {f"{c.STAGE}gs" if c.GROUPED_SERIAL else c.STAGE for c in backend.compiled} == set(compiles)
+
+
+def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch):
+    """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
+    included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
+    from weave_moe.plan import Plan
+
+    backend, launched, compiled = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
+    plain = gg.analytical_configs(0)[1]
+    configs = {0: [plain, plain.with_(block_m=64, split_tail=True)], 1: [gg.analytical_configs(1)[0]]}
+    monkeypatch.setattr(backend_module.grouped_gemm, "default_configs", lambda gemm, *shape: configs[gemm])
+    monkeypatch.setattr(backend_module.grouped_tiles, "build_tile_table",
+                        lambda offsets, block_m, rows, split_tail=False: TileTable(None, None, block_m, split_tail))
+    warmed, prologues = [], []
+
+    def gemm(index):
+        def run(a, w, out, tiles, config):
+            assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
+            warmed.append((index, config))
+        return run
+
+    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
+    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
+    backend._grouped_prologue = lambda offsets, keys, *rest: prologues.append(tuple(sorted(set(keys))))
+    backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(), backend.fixed_plan, 0)
+    assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
+    g1 = (configs[1][0].block_m, False)
+    assert sorted(prologues) == sorted({tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))})

@@ -628,8 +628,9 @@ class WeaveBackend:
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1])
 
     def _grouped_prologue(self, offsets, keys, gather_rows, gemm1_expected, device_serial: bool) -> dict:
-        """The grouped GEMMs' tile tables, row gather and done counters in one launch (grouped_tiles.grouped_prologue;
-        its compiles depend on the sorted set of `keys`, (block_m, split_tail) per GEMM)."""
+        """The grouped GEMMs' tile tables and done counters (one launch) and the row gather (another):
+        grouped_tiles.grouped_prologue; its compiles depend on the sorted set of `keys`, (block_m, split_tail) per
+        GEMM."""
         return grouped_tiles.grouped_prologue(
             offsets, tuple(sorted(set(keys))), self.max_pairs, self.workspace.recv(), gather_rows, self.workspace.y(),
             4 * self.num_sms, self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS], gemm1_expected,
@@ -651,10 +652,10 @@ class WeaveBackend:
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
             for config in configs[0]:
-                table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
+                table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm0(y, self.w13, h, table, config)
             for config in configs[1]:
-                table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs)
+                table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config)
             done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
