@@ -216,11 +216,10 @@ def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool]
     each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`) and `done[:] = expected` (the counters the
     next stage waits on, int32, a power-of-two length) in the first; the rows in expert order
     (`gather_rows(src, index, dst, expert_offsets[-1:], num_programs)`) in the second. The gather is its own launch:
-    fused into the first it compiled to 178 registers per thread instead of 64 (sm_90): a quarter of the CTAs per SM
-    for a copy bound by loads in flight (with it fused, serial calls at 8192 tokens measured 3-5% slower on an H200,
-    bench/results/h200-ab19908). With `plan` (int32 device scalar: this rank's
-    c), the offsets count only under a serial plan (c >= num_sms): otherwise no tile and no row, as if every expert
-    were empty.
+    fused into the first it compiled to 178 registers per thread instead of 64 (sm_90), a quarter of the CTAs per SM
+    for a copy bound by loads in flight, and serial calls at 8192 tokens measured 4-8% slower on an H200
+    (bench/results/h200-3114d5b). With `plan` (int32 device scalar: this rank's c), the offsets count only under a
+    serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty.
 
     Returns {(block_m, split_tail): TileTable}.
     """
