@@ -174,7 +174,8 @@ def _local_experts(module: torch.nn.Module, device: torch.device) -> _LocalExper
 
 
 class _Implementation:
-    """One registered experts implementation: a backend choice and its layers (one per layer shape and device)."""
+    """One registered experts implementation: a backend choice and its layers (one per layer shape and device, or
+    one per experts module with per_module)."""
 
     def __init__(self, name: str, backend: str | None, max_tokens_per_rank: int, per_module: bool,
                  layer_options: dict) -> None:
