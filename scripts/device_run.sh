@@ -64,10 +64,11 @@ for stage in "$@"; do
     resident) timeout "${RESIDENT_TIMEOUT:-400}" python3 scripts/resident_check.py --out "$W/resident_check.json" --calls "${RESIDENT_CALLS:-10000}" > "$W/resident_check.log" 2>&1; echo "rc=$?"; grep -E "^FAIL|resident check|Error" "$W/resident_check.log" | cut -c1-400 | tail -20;;
     resident-validate) WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 300 python3 -m weave_moe.validate --suite quick --nproc 1 --out "$W/validate-quick-resident.json" --timeout 280 > "$W/validate-quick-resident.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick-resident.log" | tail -12
         WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 250 python3 -m weave_moe.validate --suite edge --stress-calls 300 --nproc 1 --out "$W/validate-edge-resident.json" --timeout 240 > "$W/validate-edge-resident.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-edge-resident.log" | tail -12;;
+    # RB_CONFIG: more KernelConfig settings for both modes (e.g. stage_ctas_rows=16); BENCH names stay resident-<mode>
     resident-bench) for mode in ${RB_MODES:-on off}; do
           models=$([ $mode = on ] && echo "${RB_MODELS:-qwen3-30b-a3b,deepseek-v3}" || echo "${RB_MODELS_OFF:-qwen3-30b-a3b}")
           tokens=$([ $mode = on ] && echo "${RB_TOKENS:-1,32,512,2048}" || echo "${RB_TOKENS_OFF:-32,2048}")
-          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${RB_TIMEOUT:-280}" python3 -m weave_moe.bench --emulate-ep 2 --models "$models" --tokens "$tokens" --routing uniform --variants nccl,weave:serial,weave --check --iters 20 --no-progress --timeout $(( ${RB_TIMEOUT:-280} - 10 )) --name "resident-$mode" --out "$W" > "$W/bench-resident-$mode.log" 2>&1; echo "rc=$?"; tail -22 "$W/bench-resident-$mode.log"
+          WEAVE_MOE_KERNEL_CONFIG=resident=$mode${RB_CONFIG:+,$RB_CONFIG} timeout "${RB_TIMEOUT:-280}" python3 -m weave_moe.bench --emulate-ep 2 --models "$models" --tokens "$tokens" --routing uniform --variants nccl,weave:serial,weave --check --iters 20 --no-progress --timeout $(( ${RB_TIMEOUT:-280} - 10 )) --name "resident-$mode" --out "$W" > "$W/bench-resident-$mode.log" 2>&1; echo "rc=$?"; tail -22 "$W/bench-resident-$mode.log"
         done;;
     exchange-check) timeout "${XCHK_TIMEOUT:-150}" python3 scripts/routing_exchange_check.py --out "$W/routing_exchange_check.json" > "$W/routing_exchange_check.log" 2>&1; echo "rc=$?"; tail -15 "$W/routing_exchange_check.log" | cut -c1-300;;
     resident-profile) for t in ${RP_TOKENS:-1 2048}; do
