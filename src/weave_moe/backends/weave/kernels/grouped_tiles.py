@@ -58,14 +58,23 @@ def build_tile_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int, 
         max_rows: an upper bound of expert_offsets[-1] known on the host (sizes the table).
         split_tail: give tails of at most block_m / 2 rows their own half-height tiles (section 1).
     """
-    num_experts, max_tiles = _table_size(expert_offsets, block_m, max_rows)
-    table = torch.empty(3, 2 * max_tiles, dtype=torch.int32, device=expert_offsets.device)
-    num_tiles = torch.empty(2, dtype=torch.int32, device=expert_offsets.device)
-    block_t = 64
-    _tile_table_kernel[(triton.cdiv(max_tiles, block_t),)](
-        expert_offsets, table, num_tiles, num_experts, max_tiles, BLOCK_M=block_m, SPLIT_TAIL=split_tail,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=block_t)
-    return TileTable(table, num_tiles, block_m, split_tail)
+    tiles = _empty_table(expert_offsets, block_m, max_rows, split_tail)
+    num_experts = expert_offsets.numel() - 1
+    _tile_table_kernel[(triton.cdiv(tiles.max_tiles, _BLOCK_T),)](
+        expert_offsets, tiles.table, tiles.num_tiles, num_experts, tiles.max_tiles, BLOCK_M=block_m,
+        SPLIT_TAIL=split_tail, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T)
+    return tiles
+
+
+#: tile-table entries per program
+_BLOCK_T = 64
+
+
+def _empty_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int, split_tail: bool) -> TileTable:
+    """A TileTable's buffers for these offsets, not yet filled (its size checked by `_table_size`)."""
+    _, max_tiles = _table_size(expert_offsets, block_m, max_rows)
+    return TileTable(torch.empty(3, 2 * max_tiles, dtype=torch.int32, device=expert_offsets.device),
+                     torch.empty(2, dtype=torch.int32, device=expert_offsets.device), block_m, split_tail)
 
 
 def build_tile_table_torch(expert_offsets: torch.Tensor, block_m: int, max_rows: int,
@@ -148,17 +157,11 @@ def _tile_table_block(pid, offsets_ptr, scale, table_ptr, num_tiles_ptr, num_exp
 
 @triton.jit
 def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, count_ptr, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    _gather_block(tl.program_id(0), tl.num_programs(0), src_ptr, index_ptr, dst_ptr, tl.load(count_ptr), H, ROWS,
-                  BLOCK_H)
-
-
-@triton.jit
-def _gather_block(pid, num_programs, src_ptr, index_ptr, dst_ptr, count, H, ROWS: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
-    """dst[r] = src[index[r]] for r < count; program `pid` of `num_programs` strides over the rows."""
+    """dst[r] = src[index[r]] for r < count (a device scalar); a persistent grid strides over the rows."""
+    count = tl.load(count_ptr)
     offs_r = tl.arange(0, ROWS)
     offs_h = tl.arange(0, BLOCK_H)
-    for first in range(pid * ROWS, count, num_programs * ROWS):
+    for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
         rows = first + offs_r
         row_ok = rows < count
         src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -232,22 +235,16 @@ def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool]
     if num_done != expected.numel() or num_done & (num_done - 1) or done.dtype != torch.int32:
         raise ValueError(f"grouped_prologue: done / expected must be int32 of one power-of-two length, given "
                          f"{done.numel()} / {expected.numel()} ({done.dtype})")
-    block_t = 64
-    built, sizes = {}, []
-    for block_m, split_tail in tiles:
-        num_experts, max_tiles = _table_size(expert_offsets, block_m, max_rows)
-        table = torch.empty(3, 2 * max_tiles, dtype=torch.int32, device=expert_offsets.device)
-        num_tiles = torch.empty(2, dtype=torch.int32, device=expert_offsets.device)
-        built[(block_m, split_tail)] = TileTable(table, num_tiles, block_m, split_tail)
-        sizes.append((max_tiles, triton.cdiv(max_tiles, block_t)))
+    built = {(block_m, tail): _empty_table(expert_offsets, block_m, max_rows, tail) for block_m, tail in tiles}
     first, second = list(built.values()) + list(built.values())[:2 - len(built)]
+    programs = [triton.cdiv(table.max_tiles, _BLOCK_T) for table in built.values()]
+    num_experts = expert_offsets.numel() - 1
     rows = torch.empty(1, dtype=torch.int32, device=expert_offsets.device)
-    programs = sizes[0][1] + (sizes[1][1] if len(built) == 2 else 0)
-    _prologue_kernel[(programs,)](
+    _prologue_kernel[(sum(programs),)](
         expert_offsets, expert_offsets if plan is None else plan, num_sms, rows, first.table, first.num_tiles,
-        second.table, second.num_tiles, num_experts, sizes[0][0], sizes[-1][0], done, expected, NUM_DONE=num_done,
-        TABLE0_PROGRAMS=sizes[0][1], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail, BLOCK_M1=second.block_m,
-        SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_T=block_t)
+        second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles, done, expected,
+        NUM_DONE=num_done, TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
+        BLOCK_M1=second.block_m, SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T)
     gather_rows(src, index, dst, rows, num_programs)
     return built

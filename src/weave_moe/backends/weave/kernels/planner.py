@@ -23,6 +23,7 @@ integer; tests/test_device_planner.py bounds what that costs against the Python 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -322,7 +323,7 @@ class DevicePlanner:
     def num_local_experts(self) -> int:
         return self.spec.num_experts // self.world_size
 
-    @property
+    @cached_property
     def counts_format(self) -> CountsFormat:
         """Where the counts vector's fields start (the planner reads tokens, rows sent and expert pairs)."""
         return CountsFormat(self.world_size, self.spec.num_experts, status_words=0)

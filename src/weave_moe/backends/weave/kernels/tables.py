@@ -297,18 +297,21 @@ def _segment_of(end_ptr, j, S, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _token_block(pid, T, BLOCK_T: tl.constexpr):
+    """(rank, token indices) of program `pid` of a grid with cdiv(T, BLOCK_T) token blocks per rank."""
+    per_rank = tl.cdiv(T, BLOCK_T)
+    return pid // per_rank, (pid % per_rank) * BLOCK_T + tl.arange(0, BLOCK_T)
+
+
+@triton.jit
 def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
                    pair_base_ptr, recv_base_ptr, pair_block_base_ptr, recv_block_base_ptr, gather_ptr,
                    combine_token_ptr, combine_pos_ptr, combine_weight_ptr, pid, rank, T, L, NB, max_pairs,
                    K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr):
-    offs = tl.arange(0, BLOCK_T)
     jj = tl.arange(0, KP)
     # received tokens of source s, block b: their combine rows, and their pairs' gather rows
-    per_source = tl.cdiv(T, BLOCK_T)
-    s = pid // per_source
-    t = (pid % per_source) * BLOCK_T + offs
-    n_tok = tl.load(tokens_ptr + s * tokens_stride)
-    valid = t < n_tok
+    s, t = _token_block(pid, T, BLOCK_T)
+    valid = t < tl.load(tokens_ptr + s * tokens_stride)
     element = s.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :]
     emask = valid[:, None] & (jj[None, :] < K)
     ids = tl.load(ids_ptr + element, mask=emask, other=-1)
@@ -344,14 +347,10 @@ def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, 
 def _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, send_block_base_ptr, send_base_ptr,
                send_token_ptr, send_out_ptr, q_pid, rank, T, L, NB, K: tl.constexpr, KP: tl.constexpr,
                BLOCK_T: tl.constexpr, BT: tl.constexpr):
-    offs = tl.arange(0, BLOCK_T)
     jj = tl.arange(0, KP)
     # this rank's tokens to destination d, block b: the rows it sends
-    per_dest = tl.cdiv(T, BLOCK_T)
-    d = q_pid // per_dest
-    t = (q_pid % per_dest) * BLOCK_T + offs
-    n_tok = tl.load(tokens_ptr + rank * tokens_stride)
-    valid = t < n_tok
+    d, t = _token_block(q_pid, T, BLOCK_T)
+    valid = t < tl.load(tokens_ptr + rank * tokens_stride)
     ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
                   mask=valid[:, None] & (jj[None, :] < K), other=-1)
     owner = tl.where(ids >= 0, ids // L, -1)
