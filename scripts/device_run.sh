@@ -84,14 +84,22 @@ for stage in "$@"; do
         done;;
     # two GPUs. DeepEP from its public source (scripts/build_deepep.sh; DEEPEP_SRC: a checkout carried to the machine,
     # default .deepep/DeepEP, a folder .git/info/exclude ignores: `carry: [".deepep"]`)
-    deepep-build) timeout "${DEEPEP_TIMEOUT:-300}" bash scripts/build_deepep.sh "${DEEPEP_SRC:-.deepep/DeepEP}" > "$W/deepep-build.log" 2>&1; echo "rc=$?"; tail -3 "$W/deepep-build.log";;
-    # the EP=2 record: validate quick at EP=2 with the host-driven and the resident call, then every baseline (nccl,
-    # symm, deepep: run deepep-build first) and the weave policies side by side, --check on all (EP2_TOKENS,
-    # EP2_ROUTING, EP2_VARIANTS, EP2_MODELS; partial JSON/CSV survive the timeout)
-    ep2-record) for mode in off on; do
-          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout 200 python3 -m weave_moe.validate --suite quick --nproc 2 --out "$W/validate-quick-ep2-resident-$mode.json" --timeout 190 > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
+    # The wheel comes back as $OUT/deep_ep-*.whl: keep it in .deepep/wheels (DEEPEP_WHEELS) and a later machine installs it.
+    deepep-build) timeout "${DEEPEP_TIMEOUT:-300}" bash scripts/build_deepep.sh "${DEEPEP_SRC:-.deepep/DeepEP}" "${DEEPEP_WHEELS:-.deepep/wheels}" > "$W/deepep-build.log" 2>&1; echo "rc=$?"; tail -3 "$W/deepep-build.log"; cp .deepep/wheels/deep_ep-*.whl "$OUT/" 2>/dev/null;;
+    # the EP=2 record, over several calls. ep2-validate: validate quick at EP=2 for the baselines deepep and symm (each in
+    # its own processes; deepep needs deepep-build first), then for the weave policies with the host-driven and the
+    # resident call (EP2_VAL_TIMEOUT each). ep2-failures: the failure suite (stall, bad ids, sequence), resident call.
+    ep2-validate) for v in deepep symm; do
+          timeout 100 python3 -m weave_moe.validate --suite quick --nproc 2 --variants $v --out "$W/validate-quick-ep2-$v.json" --timeout 90 > "$W/validate-quick-ep2-$v.log" 2>&1; echo "$v rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-$v.log" | tail -4
         done
-        timeout "${EP2_TIMEOUT:-420}" python3 -m weave_moe.cli bench --models "${EP2_MODELS:-deepseek-v3,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v2}" --tokens "${EP2_TOKENS:-128,2048,8192}" --routing "${EP2_ROUTING:-uniform,skewed}" --variants "${EP2_VARIANTS:-nccl,symm,deepep,weave:serial,weave}" --check --iters 10 --no-progress --name "${BENCH_NAME:-h200x2-eval6}" --out "$W" --timeout $(( ${EP2_TIMEOUT:-420} - 10 )) > "$W/ep2-record.log" 2>&1; echo "rc=$?"; tail -30 "$W/ep2-record.log";;
+        for mode in off on; do
+          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${EP2_VAL_TIMEOUT:-170}" python3 -m weave_moe.validate --suite quick --nproc 2 --out "$W/validate-quick-ep2-resident-$mode.json" --timeout $(( ${EP2_VAL_TIMEOUT:-170} - 10 )) > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
+        done;;
+    ep2-failures) WEAVE_MOE_KERNEL_CONFIG=resident=${EP2_FAIL_RESIDENT:-on} timeout "${EP2_FAIL_TIMEOUT:-200}" python3 -m weave_moe.validate --suite quick --failures --nproc 2 --out "$W/validate-failures-ep2.json" --timeout $(( ${EP2_FAIL_TIMEOUT:-200} - 10 )) > "$W/validate-failures-ep2.log" 2>&1; echo "failures rc=$?"; grep -vE "^PASS" "$W/validate-failures-ep2.log" | tail -8;;
+    # ep2-bench: every baseline (nccl, symm, deepep: run deepep-build first in the same warm machine) and the weave
+    # policies side by side at EP=2, --check on all (EP2_TOKENS, EP2_ROUTING, EP2_VARIANTS, EP2_MODELS, EP2_KC: the
+    # KernelConfig, e.g. resident=on; partial JSON/CSV survive the timeout)
+    ep2-bench) WEAVE_MOE_KERNEL_CONFIG=${EP2_KC:-} timeout "${EP2_TIMEOUT:-420}" python3 -m weave_moe.cli bench --models "${EP2_MODELS:-qwen3-30b-a3b,deepseek-v3,phi-3.5-moe,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v2}" --tokens "${EP2_TOKENS:-128,2048,8192}" --routing "${EP2_ROUTING:-uniform,skewed}" --variants "${EP2_VARIANTS:-nccl,symm,deepep,weave:serial,weave}" --check --iters 10 --no-progress --name "${BENCH_NAME:-h200x2-eval6}" --out "$W" --timeout $(( ${EP2_TIMEOUT:-420} - 10 )) > "$W/ep2-bench-${BENCH_NAME:-h200x2-eval6}.log" 2>&1; echo "rc=$?"; tail -30 "$W/ep2-bench-${BENCH_NAME:-h200x2-eval6}.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; tail -8 "$W/host_cost.log" | cut -c1-600;;
     *) echo "unknown stage $stage";;
