@@ -92,6 +92,18 @@ def _record(timeline_ptr, pid, num_events, kind, t_start, t_ready, MAX_EVENTS: t
     return num_events + 1
 
 
+@triton.jit
+def _wait_all_arrivals(arrival_ptr, arrival_expected_ptr, status_ptr, world_size, timeout_ns,
+                       MAX_CHUNKS: tl.constexpr):
+    """Wait (bounded) until every source's dispatch rows of every chunk have arrived: the end of a launch whose next
+    stage reads the receive buffer without waiting itself (the grouped GEMMs' row gather)."""
+    for source in range(0, world_size):
+        for chunk in range(0, MAX_CHUNKS):
+            expected = tl.load(arrival_expected_ptr + source * MAX_CHUNKS + chunk)
+            sync.wait_at_least(arrival_ptr + source * MAX_CHUNKS + chunk, expected, status_ptr,
+                               sync.ERROR_ARRIVAL_TIMEOUT, source * 16 + chunk, timeout_ns, True)
+
+
 @triton.jit(do_not_specialize=["rank", "world_size", "num_tokens", "num_comm_ctas", "num_steal", "PHASE_FIRST",
                               "PHASE_LAST", "recv_offset", "comb_offset", "flags_offset", "timeout_ns"])
 def moe_megakernel(
@@ -299,3 +311,10 @@ def moe_megakernel(
                     num_events = _record(timeline_ptr, pid, num_events, EVENT_REDUCE, t_start, t_ready, MAX_EVENTS)
             else:
                 phase = 4
+    # A launch that ends after the dispatch (STAGE 0; a GROUPED_SERIAL first launch under a serial plan) is followed by
+    # launches that read the receive buffer without waiting for the peers' rows (the grouped GEMMs' row gather; STAGE
+    # 1's tiles wait themselves, harmlessly twice): such a launch ends only once every row has arrived. One program
+    # waits; the kernel boundary orders the next launch's reads after its acquire.
+    if STAGE == 0 or (GROUPED_SERIAL and STAGE < 0):
+        if (pid == 0) & (last_phase == 0):
+            _wait_all_arrivals(arrival_ptr, arrival_expected_ptr, status_ptr, world_size, timeout_ns, MAX_CHUNKS)
