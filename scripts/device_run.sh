@@ -89,15 +89,15 @@ for stage in "$@"; do
     # the EP=2 record, over several calls. ep2-validate: validate quick at EP=2 for the baselines deepep and symm (each in
     # its own processes; deepep needs deepep-build first), then for the weave policies with the host-driven and the
     # resident call (EP2_VAL_TIMEOUT each). ep2-failures: the failure suite (stall, bad ids, sequence), resident call.
-    ep2-validate) for v in deepep symm; do
+    ep2-validate) for v in ${EP2_VAL_BASELINES-deepep symm}; do
           timeout 100 python3 -m weave_moe.validate --suite quick --nproc 2 --variants $v --out "$W/validate-quick-ep2-$v.json" --timeout 90 > "$W/validate-quick-ep2-$v.log" 2>&1; echo "$v rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-$v.log" | tail -4
         done
-        for mode in off on; do
-          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${EP2_VAL_TIMEOUT:-170}" python3 -m weave_moe.validate --suite quick --nproc 2 --out "$W/validate-quick-ep2-resident-$mode.json" --timeout $(( ${EP2_VAL_TIMEOUT:-170} - 10 )) > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
+        for mode in ${EP2_VAL_MODES:-off on}; do
+          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${EP2_VAL_TIMEOUT:-170}" python3 -m weave_moe.validate --suite quick --nproc 2 --trace "${EP2_TRACE:-120}" --out "$W/validate-quick-ep2-resident-$mode.json" --timeout $(( ${EP2_VAL_TIMEOUT:-170} - 10 )) > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
         done;;
     # the resident call at EP=2 with every rank's step log and, after EP2_TRACE s, every rank's Python stack
     ep2-diag) WEAVE_MOE_KERNEL_CONFIG=resident=on timeout "${EP2_DIAG_TIMEOUT:-150}" python3 -m weave_moe.validate --suite quick --nproc 2 --variants "${EP2_DIAG_VARIANTS:-weave:serial,weave}" --trace "${EP2_TRACE:-60}" --out "$W/ep2-diag.json" --timeout $(( ${EP2_DIAG_TIMEOUT:-150} - 10 )) > "$W/ep2-diag.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/ep2-diag.log" | cut -c1-300 | tail -60;;
-    ep2-failures) WEAVE_MOE_KERNEL_CONFIG=resident=${EP2_FAIL_RESIDENT:-on} timeout "${EP2_FAIL_TIMEOUT:-200}" python3 -m weave_moe.validate --suite quick --failures --nproc 2 --out "$W/validate-failures-ep2.json" --timeout $(( ${EP2_FAIL_TIMEOUT:-200} - 10 )) > "$W/validate-failures-ep2.log" 2>&1; echo "failures rc=$?"; grep -vE "^PASS" "$W/validate-failures-ep2.log" | tail -8;;
+    ep2-failures) WEAVE_MOE_KERNEL_CONFIG=resident=${EP2_FAIL_RESIDENT:-on} timeout "${EP2_FAIL_TIMEOUT:-200}" python3 -m weave_moe.validate --suite quick --failures --nproc 2 --trace "${EP2_TRACE:-120}" --out "$W/validate-failures-ep2.json" --timeout $(( ${EP2_FAIL_TIMEOUT:-200} - 10 )) > "$W/validate-failures-ep2.log" 2>&1; echo "failures rc=$?"; grep -vE "^PASS" "$W/validate-failures-ep2.log" | tail -8;;
     # ep2-bench: every baseline (nccl, symm, deepep: run deepep-build first in the same warm machine) and the weave
     # policies side by side at EP=2, --check on all (EP2_TOKENS, EP2_ROUTING, EP2_VARIANTS, EP2_MODELS, EP2_KC: the
     # KernelConfig, e.g. resident=on; partial JSON/CSV survive the timeout)

@@ -416,8 +416,15 @@ class WeaveBackend:
         self.workspace.flags(0).zero_()
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
+            # A layer's first call compiles its kernels after the exchange (_ensure_compiled, then a barrier), and
+            # before it the ranks may drift apart by a compile's length (tables, counts, planner: seconds on a cold
+            # machine; seen on an H200 pair: one rank's exchange timed out after 5 s): that call's exchange waits as
+            # long as the barrier does. The graph captured afterwards, which serves every later call, has the
+            # layer's own deadline.
+            first = not self.kernel_variants <= self.compiled
+            timeout_ns = int(1e9 * max(self.timeout_s, COMPILE_SKEW_S)) if first else self.timeout_ns
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
-                             self.timeout_ns)
+                             timeout_ns)
         counts = self.device_counts.build(self.all_routing, self.status, self.rank, verdict=True)
         if self.device_planner is not None:
             self.device_planner.launch(counts, self.plans_device)
