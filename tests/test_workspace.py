@@ -15,7 +15,7 @@ import torch
 
 from weave_moe.backends.coordination import HEADER_WORDS
 from weave_moe.backends.weave.exchange import RoutingMessage
-from weave_moe.backends.weave.workspace import EXCHANGE_CTRL_FIXED, SymmetricWorkspace, WorkspaceBytes
+from weave_moe.backends.weave.workspace import EXCHANGE_CTRL_FIXED, SymmetricWorkspace, WorkspaceBytes, retire_shared
 from weave_moe.models import MoESpec
 from weave_moe.plan import MAX_CHUNKS
 
@@ -90,6 +90,22 @@ def test_shared_returns_one_workspace_per_group_and_device_until_retired():
     assert SymmetricWorkspace.shared(None, 0, 1, CPU) is not a
     SymmetricWorkspace.shared(None, 0, 1, CPU).retire()
     SymmetricWorkspace.shared(None, 1, 2, CPU).retire()
+
+
+class _Group:
+    def __init__(self, name):
+        self.group_name = name
+
+
+def test_retire_shared_retires_the_groups_workspaces_only():
+    g, other = _Group("g"), _Group("other")
+    mine = [SymmetricWorkspace.shared(g, rank, 2, CPU) for rank in (0, 1)]
+    theirs = SymmetricWorkspace.shared(other, 0, 2, CPU)
+    assert retire_shared(g) == 2
+    assert retire_shared(g) == 0
+    assert all(SymmetricWorkspace.shared(g, rank, 2, CPU) is not mine[rank] for rank in (0, 1))
+    assert SymmetricWorkspace.shared(other, 0, 2, CPU) is theirs
+    retire_shared(g), retire_shared(other)
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=-1), dict(hidden_size=2.5), dict(max_pairs=None)])

@@ -121,9 +121,16 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
                 del layer, out
             except Exception as error:  # noqa: BLE001 - recorded per variant, the run goes on
                 row.update(passed=False, error=f"{type(error).__name__}: {error}"[:2000])
+                log(f"{name} failed: {row['error'][:600]}")
             rows.append(row)
-            if dist.is_initialized():
-                dist.barrier()
+            if dist.is_initialized():  # the barrier between variants; after a weave failure on any rank, every
+                #                        rank retires the group's workspace, so the next layers start clean
+                failed = torch.tensor([0 if row.get("passed") else 1], device=device)
+                dist.all_reduce(failed)
+                if backend == "weave" and failed.item():
+                    from weave_moe.backends.weave.workspace import retire_shared
+
+                    retire_shared(group)
     if extra.get("stress_calls"):
         log("stress")
         rows.append(_stress(rank, world_size, group, device, extra["stress_calls"], extra.get("stress_policy", "weave")))
@@ -221,16 +228,21 @@ def _bad_ids(rank, world_size, group, device) -> dict:
 
 
 def _stall(rank, world_size, group, device) -> dict:
-    """Rank world_size-1 never launches its kernel: every other rank must raise WeaveTimeoutError within seconds."""
+    """Rank world_size-1 never launches its kernel: every other rank must raise WeaveTimeoutError within seconds.
+
+    The stall is the layer's second call: a first call compiles, and its waits are as long as the compile barrier's
+    (backend.WeaveBackend._call_timeout_ns)."""
     from weave_moe.backends.weave import WeaveTimeoutError
     spec = MoESpec(16, 2, 256, 128, name="stall")
     stalled = rank == world_size - 1
-    layer, _, _ = _weave_layer(spec, rank, world_size, group, device, 1, 64, timeout_s=2.0,
-                               debug_skip_launch=stalled)
+    layer, _, _ = _weave_layer(spec, rank, world_size, group, device, 1, 64, timeout_s=2.0)
     ids = torch.randint(0, spec.num_experts, (64, 1), device=device).repeat(1, 2)
     ids[:, 1] = (ids[:, 0] + 1) % spec.num_experts
     x = torch.randn(64, spec.hidden_size, device=device).to(torch.bfloat16)
     w = torch.full((64, 2), 0.5, device=device)
+    layer(x, ids, w)
+    layer.synchronize()
+    layer.backend.debug_skip_launch = stalled
     start = time.perf_counter()
     layer(x, ids, w)
     # Watch the kernel without blocking: a device-wide synchronize would wait for every stream on the GPU, so a

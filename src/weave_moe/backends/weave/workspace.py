@@ -43,8 +43,8 @@ complete when call n's kernel ends (it waits for every count it was promised) an
 n + 2. So a layer's counters never leak into another layer's call, as long as every rank calls the layers in the
 same order (one sequence per group) on one stream. A kernel that timed out leaves its parity's flags dirty (the next
 call zeroes them) and a stalled peer may still write late, and the ranks' call counters part when some ranks raise
-and others launch: after a WeaveTimeoutError, `retire` the workspace on every rank and rebuild every layer of the
-group. The workspace outlives its layers (it is freed by `retire` once no layer holds a view), so that allocating
+and others launch: after a WeaveTimeoutError, retire the group's workspace on every rank (`retire_shared(group)`)
+and rebuild every layer of the group. The workspace outlives its layers (it is freed by `retire` once no layer holds a view), so that allocating
 stays a function of the construction sequence alone.
 
 Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max = max_tokens_per_rank),
@@ -135,6 +135,17 @@ class WorkspaceBytes:
 # collective) must depend only on the sequence of constructions, the same on every rank, never on when the garbage
 # collector of each rank happens to free a dropped layer. A workspace lives until `retire` (on every rank).
 _SHARED: dict[tuple, "SymmetricWorkspace"] = {}
+
+
+def retire_shared(group) -> int:
+    """Retire every shared workspace of `group` in this process (`SymmetricWorkspace.retire`): what every rank does
+    after a WeaveTimeoutError of any of the group's layers, at the same point, before it builds new layers (their
+    construction then allocates a fresh workspace, collectively). Returns how many were retired."""
+    name = None if group is None else group.group_name
+    retired = [workspace for key, workspace in _SHARED.items() if key[0] == name]
+    for workspace in retired:
+        workspace.retire()
+    return len(retired)
 
 
 class SymmetricWorkspace:
