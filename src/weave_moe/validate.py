@@ -230,8 +230,7 @@ def _bad_ids(rank, world_size, group, device) -> dict:
 def _stall(rank, world_size, group, device) -> dict:
     """Rank world_size-1 never launches its kernel: every other rank must raise WeaveTimeoutError within seconds.
 
-    The stall is the layer's second call: a first call compiles, and its waits are as long as the compile barrier's
-    (backend.WeaveBackend._call_timeout_ns)."""
+    The stall is the layer's second call (a first call compiles: its timing is the compile barrier's business)."""
     from weave_moe.backends.weave import WeaveTimeoutError
     spec = MoESpec(16, 2, 256, 128, name="stall")
     stalled = rank == world_size - 1

@@ -417,7 +417,7 @@ class WeaveBackend:
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
-                             self._call_timeout_ns())
+                             self.timeout_ns)
         counts = self.device_counts.build(self.all_routing, self.status, self.rank, verdict=True)
         if self.device_planner is not None:
             self.device_planner.launch(counts, self.plans_device)
@@ -524,16 +524,6 @@ class WeaveBackend:
 
         return self.graphs.run(f"layout{parity}.{self.workspace.generation}", build)
 
-    def _call_timeout_ns(self) -> int:
-        """The deadline of this call's device waits. A layer's first call compiles kernels on each rank while the
-        peers may already wait for it: before the exchange (tables, counts, planner), and after the compile barrier
-        (a launch whose arguments specialise differently from the warm-up's), seconds each on a cold machine. On an
-        H200 pair one rank's first resident call timed out after 5 s. So the first call waits as long as the barrier
-        does (COMPILE_SKEW_S); every later call, and the graphs captured after the first call, use `timeout_s`."""
-        if self.kernel_variants <= self.compiled:
-            return self.timeout_ns
-        return int(1e9 * max(self.timeout_s, COMPILE_SKEW_S))
-
     def _raise_on_status(self, status: list[int]) -> None:
         code = status[0]
         if code == 0:
@@ -556,7 +546,6 @@ class WeaveBackend:
         serial = my_plan is not None and my_plan.is_serial(grid)
         num_comm_ctas = grid if serial or my_plan is None else my_plan.c
         num_steal = (1 << 30) if serial or my_plan is None else my_plan.n_steal
-        timeout_ns = self._call_timeout_ns()  # before _ensure_compiled below marks the layer compiled
         if x.shape[0] == 0:  # the kernel never touches x or out then, but needs valid pointers
             x = out = ws.y()[:1]
         args = mk_launch.MegakernelArgs(
@@ -575,7 +564,7 @@ class WeaveBackend:
             rank=self.rank, world_size=self.world_size, max_tokens=self.max_tokens, num_tokens=x.shape[0],
             H=spec.hidden_size, I=spec.intermediate_size,
             num_comm_ctas=num_comm_ctas, num_steal=num_steal,
-            timeout_ns=timeout_ns, PHASE_FIRST=0, PHASE_LAST=3)
+            timeout_ns=self.timeout_ns, PHASE_FIRST=0, PHASE_LAST=3)
         launch_options = dict(grid=grid, descriptors=self.descriptors, num_warps=self.config.num_warps,
                               num_stages=self.config.num_stages)
         self._ensure_compiled(args, launch_options)
