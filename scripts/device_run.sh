@@ -97,6 +97,8 @@ for stage in "$@"; do
         done;;
     # the resident call at EP=2 with every rank's step log and, after EP2_TRACE s, every rank's Python stack
     ep2-diag) WEAVE_MOE_KERNEL_CONFIG=resident=on timeout "${EP2_DIAG_TIMEOUT:-150}" python3 -m weave_moe.validate --suite quick --nproc 2 --variants "${EP2_DIAG_VARIANTS:-weave:serial,weave}" --trace "${EP2_TRACE:-60}" --out "$W/ep2-diag.json" --timeout $(( ${EP2_DIAG_TIMEOUT:-150} - 10 )) > "$W/ep2-diag.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/ep2-diag.log" | cut -c1-300 | tail -60;;
+    # the resident call at EP=2, state per rank and call with no collective after a call (scripts/resident_ep2_probe.py)
+    ep2-probe) timeout "${EP2_PROBE_TIMEOUT:-200}" python3 scripts/resident_ep2_probe.py --out "$W/resident_ep2_probe.json" --timeout $(( ${EP2_PROBE_TIMEOUT:-200} - 10 )) > "$W/resident_ep2_probe.log" 2>&1; echo "rc=$?"; cut -c1-700 "$W/resident_ep2_probe.log" | tail -20;;
     ep2-failures) WEAVE_MOE_KERNEL_CONFIG=resident=${EP2_FAIL_RESIDENT:-on} timeout "${EP2_FAIL_TIMEOUT:-200}" python3 -m weave_moe.validate --suite quick --failures --nproc 2 --trace "${EP2_TRACE:-120}" --out "$W/validate-failures-ep2.json" --timeout $(( ${EP2_FAIL_TIMEOUT:-200} - 10 )) > "$W/validate-failures-ep2.log" 2>&1; echo "failures rc=$?"; grep -vE "^PASS" "$W/validate-failures-ep2.log" | tail -8;;
     # ep2-bench: every baseline (nccl, symm, deepep: run deepep-build first in the same warm machine) and the weave
     # policies side by side at EP=2, --check on all (EP2_TOKENS, EP2_ROUTING, EP2_VARIANTS, EP2_MODELS, EP2_KC: the
