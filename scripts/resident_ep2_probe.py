@@ -78,7 +78,7 @@ def probe(rank: int, world_size: int, calls: int, wait_s: float) -> dict:
                        error=error, status=_read(backend.status, device),
                        flags=_read(backend.workspace.flags(0), device), plans=_read(backend.plans_device, device),
                        header=_read(backend.header_device, device),
-                       routing_sum=int(sum(_read(backend.all_routing.long().sum(1), device))))
+                       routing_sums=_read(backend.all_routing.long().sum(1), device))
             if row["finished"] and out is not None and error is None:
                 ref = reference_moe(x, ids, weights, w13, w2)
                 row["rel_error"] = float(moe_error(out, ref)[0])
@@ -97,7 +97,7 @@ def probe(rank: int, world_size: int, calls: int, wait_s: float) -> dict:
                 row["peer_missing"] = type(exc).__name__
                 break
             peers = [json.loads(store.get(f"{key}/{r}")) for r in range(world_size)]
-            row["same_routing_on_every_rank"] = len({p["routing_sum"] for p in peers}) == 1
+            row["same_routing_on_every_rank"] = len({tuple(p["routing_sums"]) for p in peers}) == 1
             if not all(p["finished"] for p in peers):
                 break
         results[policy] = rows
