@@ -84,8 +84,8 @@ for stage in "$@"; do
         done;;
     # two GPUs. DeepEP from its public source (scripts/build_deepep.sh; DEEPEP_SRC: a checkout carried to the machine,
     # default .deepep/DeepEP, a folder .git/info/exclude ignores: `carry: [".deepep"]`)
-    # The wheel comes back as $OUT/deep_ep-*.whl: keep it in .deepep/wheels (DEEPEP_WHEELS) and a later machine installs it.
-    deepep-build) timeout "${DEEPEP_TIMEOUT:-300}" bash scripts/build_deepep.sh "${DEEPEP_SRC:-.deepep/DeepEP}" "${DEEPEP_WHEELS:-.deepep/wheels}" > "$W/deepep-build.log" 2>&1; echo "rc=$?"; tail -3 "$W/deepep-build.log"; cp .deepep/wheels/deep_ep-*.whl "$OUT/" 2>/dev/null;;
+    # (~90 s; the wheel stays in DEEPEP_WHEELS on that machine: a later stage of a warm machine reinstalls it)
+    deepep-build) timeout "${DEEPEP_TIMEOUT:-300}" bash scripts/build_deepep.sh "${DEEPEP_SRC:-.deepep/DeepEP}" "${DEEPEP_WHEELS:-.deepep/wheels}" > "$W/deepep-build.log" 2>&1; echo "rc=$?"; tail -3 "$W/deepep-build.log";;
     # the EP=2 record, over several calls. ep2-validate: validate quick at EP=2 for the baselines deepep and symm (each in
     # its own processes; deepep needs deepep-build first), then for the weave policies with the host-driven and the
     # resident call (EP2_VAL_TIMEOUT each). ep2-failures: the failure suite (stall, bad ids, sequence), resident call.
@@ -95,8 +95,6 @@ for stage in "$@"; do
         for mode in ${EP2_VAL_MODES:-off on}; do
           WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${EP2_VAL_TIMEOUT:-170}" python3 -m weave_moe.validate --suite quick --nproc 2 --trace "${EP2_TRACE:-120}" --out "$W/validate-quick-ep2-resident-$mode.json" --timeout $(( ${EP2_VAL_TIMEOUT:-170} - 10 )) > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
         done;;
-    # the resident call at EP=2 with every rank's step log and, after EP2_TRACE s, every rank's Python stack
-    ep2-diag) WEAVE_MOE_KERNEL_CONFIG=resident=on timeout "${EP2_DIAG_TIMEOUT:-150}" python3 -m weave_moe.validate --suite quick --nproc 2 --variants "${EP2_DIAG_VARIANTS:-weave:serial,weave}" --trace "${EP2_TRACE:-60}" --out "$W/ep2-diag.json" --timeout $(( ${EP2_DIAG_TIMEOUT:-150} - 10 )) > "$W/ep2-diag.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/ep2-diag.log" | cut -c1-300 | tail -60;;
     # the resident call at EP=2, state per rank and call with no collective after a call (scripts/resident_ep2_probe.py)
     ep2-probe) timeout "${EP2_PROBE_TIMEOUT:-200}" python3 scripts/resident_ep2_probe.py --out "$W/resident_ep2_probe.json" --timeout $(( ${EP2_PROBE_TIMEOUT:-200} - 10 )) > "$W/resident_ep2_probe.log" 2>&1; echo "rc=$?"; cut -c1-700 "$W/resident_ep2_probe.log" | tail -20;;
     ep2-failures) WEAVE_MOE_KERNEL_CONFIG=resident=${EP2_FAIL_RESIDENT:-on} timeout "${EP2_FAIL_TIMEOUT:-200}" python3 -m weave_moe.validate --suite quick --failures --nproc 2 --trace "${EP2_TRACE:-120}" --out "$W/validate-failures-ep2.json" --timeout $(( ${EP2_FAIL_TIMEOUT:-200} - 10 )) > "$W/validate-failures-ep2.log" 2>&1; echo "failures rc=$?"; grep -vE "^PASS" "$W/validate-failures-ep2.log" | tail -8;;

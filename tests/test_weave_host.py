@@ -267,8 +267,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend = WeaveBackend.__new__(WeaveBackend)  # the host-side logic only: no GPU here
     backend.spec, backend.rank, backend.world_size, backend.max_tokens = spec, 0, 1, 8
     backend.num_sms, backend.num_local_experts, backend.max_pairs, backend.local_rows = 4, 8, 16, 0
-    backend.device, backend.timeline_events = torch.device("cpu"), 0
-    backend.timeout_s, backend.timeout_ns = 1.0, 10 ** 9
+    backend.device, backend.timeout_ns, backend.timeline_events = torch.device("cpu"), 10 ** 9, 0
     backend.config = KernelConfig(fused_serial=fused_serial, grouped_gemm=grouped)
     backend.fixed_plan, backend.grouped, backend.resident = fixed_plan, grouped and fixed_plan is not None, resident
     backend.grouped_serial = grouped and resident and fixed_plan is None
@@ -363,4 +362,3 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
     g1 = (configs[1][0].block_m, False)
     assert sorted(prologues) == sorted({tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))})
-

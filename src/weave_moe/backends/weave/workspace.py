@@ -44,8 +44,8 @@ n + 2. So a layer's counters never leak into another layer's call, as long as ev
 same order (one sequence per group) on one stream. A kernel that timed out leaves its parity's flags dirty (the next
 call zeroes them) and a stalled peer may still write late, and the ranks' call counters part when some ranks raise
 and others launch: after a WeaveTimeoutError, retire the group's workspace on every rank (`retire_shared(group)`)
-and rebuild every layer of the group. The workspace outlives its layers (it is freed by `retire` once no layer holds a view), so that allocating
-stays a function of the construction sequence alone.
+and rebuild every layer of the group. The workspace outlives its layers (it is freed by `retire` once no layer holds
+a view), so that allocating stays a function of the construction sequence alone.
 
 Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max = max_tokens_per_rank),
 M = the largest routing message (RoutingMessage.words = 2 * T_max * k + 1 + HEADER_WORDS) and
@@ -141,8 +141,7 @@ def retire_shared(group) -> int:
     """Retire every shared workspace of `group` in this process (`SymmetricWorkspace.retire`): what every rank does
     after a WeaveTimeoutError of any of the group's layers, at the same point, before it builds new layers (their
     construction then allocates a fresh workspace, collectively). Returns how many were retired."""
-    name = None if group is None else group.group_name
-    retired = [workspace for key, workspace in _SHARED.items() if key[0] == name]
+    retired = [workspace for workspace in _SHARED.values() if workspace.group is group]
     for workspace in retired:
         workspace.retire()
     return len(retired)

@@ -93,15 +93,15 @@ def _record(timeline_ptr, pid, num_events, kind, t_start, t_ready, MAX_EVENTS: t
 
 
 @triton.jit
-def _wait_all_arrivals(arrival_ptr, arrival_expected_ptr, status_ptr, world_size, timeout_ns,
-                       MAX_CHUNKS: tl.constexpr):
-    """Wait (bounded) until every source's dispatch rows of every chunk have arrived: the end of a launch whose next
-    stage reads the receive buffer without waiting itself (the grouped GEMMs' row gather)."""
+def _wait_chunk_arrived(arrival_ptr, arrival_expected_ptr, status_ptr, chunk, world_size, timeout_ns,
+                        MAX_CHUNKS: tl.constexpr):
+    """Wait (bounded) until every source's dispatch rows of `chunk` have arrived; 1 if they did, 0 on a timeout."""
+    ok = 1
     for source in range(0, world_size):
-        for chunk in range(0, MAX_CHUNKS):
-            expected = tl.load(arrival_expected_ptr + source * MAX_CHUNKS + chunk)
-            sync.wait_at_least(arrival_ptr + source * MAX_CHUNKS + chunk, expected, status_ptr,
-                               sync.ERROR_ARRIVAL_TIMEOUT, source * 16 + chunk, timeout_ns, True)
+        expected = tl.load(arrival_expected_ptr + source * MAX_CHUNKS + chunk)
+        ok = ok & sync.wait_at_least(arrival_ptr + source * MAX_CHUNKS + chunk, expected, status_ptr,
+                                     sync.ERROR_ARRIVAL_TIMEOUT, source * 16 + chunk, timeout_ns, True)
+    return ok
 
 
 @triton.jit(do_not_specialize=["rank", "world_size", "num_tokens", "num_comm_ctas", "num_steal", "PHASE_FIRST",
@@ -236,13 +236,8 @@ def moe_megakernel(
                 mtile = tl.load(row + 6)
                 if kind == 0:
                     if ((arrived_chunks >> chunk) & 1) == 0:
-                        ok = 1
-                        for source in range(0, world_size):
-                            expected = tl.load(arrival_expected_ptr + source * MAX_CHUNKS + chunk)
-                            ok = ok & sync.wait_at_least(arrival_ptr + source * MAX_CHUNKS + chunk, expected,
-                                                         status_ptr, sync.ERROR_ARRIVAL_TIMEOUT,
-                                                         source * 16 + chunk, timeout_ns, True)
-                        if ok != 0:
+                        if _wait_chunk_arrived(arrival_ptr, arrival_expected_ptr, status_ptr, chunk, world_size,
+                                               timeout_ns, MAX_CHUNKS) != 0:
                             arrived_chunks = arrived_chunks | (1 << chunk)
                     if TIMELINE:
                         t_ready = sync.global_time_ns()
@@ -317,4 +312,6 @@ def moe_megakernel(
     # waits; the kernel boundary orders the next launch's reads after its acquire.
     if STAGE == 0 or (GROUPED_SERIAL and STAGE < 0):
         if (pid == 0) & (last_phase == 0):
-            _wait_all_arrivals(arrival_ptr, arrival_expected_ptr, status_ptr, world_size, timeout_ns, MAX_CHUNKS)
+            for chunk in range(0, MAX_CHUNKS):
+                _wait_chunk_arrived(arrival_ptr, arrival_expected_ptr, status_ptr, chunk, world_size, timeout_ns,
+                                    MAX_CHUNKS)
