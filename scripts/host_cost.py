@@ -40,6 +40,7 @@ def main():
     parser.add_argument("--emulate-ep", type=int, default=2)
     parser.add_argument("--policies", default="serial,weave")
     parser.add_argument("--out")
+    parser.add_argument("--cprofile", type=int, default=0, help="also profile this many layer calls per row (cProfile)")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     spec = emulated_spec(MoESpec.from_name(args.model), args.emulate_ep)
@@ -93,6 +94,18 @@ def main():
             row.update({k: round(v * 1e3 / 50, 1) for k, v in timings.items()})
             print(json.dumps(row), flush=True)
             report.append(row)
+            if args.cprofile:
+                import cProfile
+                import pstats
+                profiler = cProfile.Profile()
+                torch.cuda.synchronize()
+                profiler.enable()
+                for _ in range(args.cprofile):
+                    layer(x, ids, w)
+                profiler.disable()
+                torch.cuda.synchronize()
+                print(f"##### cProfile, {args.cprofile} layer calls, {policy}, {tokens} tokens", flush=True)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
             del layer
     if args.out:
         with open(args.out, "w") as f:
