@@ -33,7 +33,7 @@ def _read(tensor: torch.Tensor, device) -> list:
     return host.tolist()
 
 
-def probe(rank: int, world_size: int, calls: int, wait_s: float) -> dict:
+def probe(rank: int, world_size: int, calls: int, wait_s: float, shared_gpu: bool = False) -> dict:
     import torch.distributed as dist
 
     from weave_moe.backends.weave.config import KernelConfig
@@ -43,7 +43,10 @@ def probe(rank: int, world_size: int, calls: int, wait_s: float) -> dict:
     from weave_moe.reference import moe_error, reference_moe
     from weave_moe.testing import make_experts
 
-    device = torch.device("cuda", rank)
+    # --shared-gpu: both ranks on cuda:0 (a gloo group; the kernels of the two processes time-share the GPU, so the
+    # protocol runs, slowly, on one GPU)
+    device = torch.device("cuda", 0 if shared_gpu else rank)
+    torch.cuda.set_device(device)
     store = dist.distributed_c10d._get_default_store()
     group = dist.group.WORLD
     spec = MoESpec(16, 2, 256, 128, name="probe")
@@ -114,11 +117,14 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--wait", type=float, default=15.0, help="seconds to wait for a call's kernels")
     parser.add_argument("--timeout", type=float, default=240.0)
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="both ranks on one GPU (gloo group): the protocol without a second GPU")
     args = parser.parse_args()
     from weave_moe.reference import DEFAULT_TOLERANCE
     from weave_moe.testing import run_distributed
 
-    per_rank = run_distributed(probe, 2, args.calls, args.wait, backend="nccl", timeout_s=args.timeout)
+    per_rank = run_distributed(probe, 2, args.calls, args.wait, args.shared_gpu,
+                               backend="gloo" if args.shared_gpu else "nccl", timeout_s=args.timeout)
     with open(args.out, "w") as handle:
         json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), ranks=per_rank), handle,
                   indent=1)

@@ -72,7 +72,8 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
 
     from weave_moe.layer import ExpertParallelMoE
 
-    device = torch.device("cuda", rank)
+    # shared_gpu: every rank on cuda:0 over a gloo group (the cross-GPU protocol, time-shared on one GPU)
+    device = torch.device("cuda", 0 if extra.get("shared_gpu") else rank)
     torch.cuda.set_device(device)
     group = dist.group.WORLD if dist.is_initialized() else None
     rows = []
@@ -442,6 +443,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="validate.json")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every rank on GPU 0 over a gloo group: the cross-rank protocol (symmetric memory, "
+                             "flags, waits) with one GPU, its kernels time-shared between the ranks' processes; "
+                             "correctness only, never timings")
     parser.add_argument("--trace", type=float, default=0.0, metavar="S",
                         help="log each case and variant as it starts, and dump every rank's Python stack after S s")
     args = parser.parse_args(argv)
@@ -449,13 +454,14 @@ def main(argv=None) -> int:
              "quick": [Case("qwen3-30b-a3b", (2048, 2048)), Case("deepseek-v2-lite", (1024, 512), "skewed:6")]}
     cases = cases[args.suite]
     extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids,
-                 failures=args.failures)
+                 failures=args.failures, shared_gpu=args.shared_gpu)
     start = time.time()
     from weave_moe.bench.variants import parse_variants
 
     # "static:20,4" keeps its comma; a typo fails here, before any rank starts
     variants = [variant.name for variant in parse_variants(args.variants)]
-    results = run_distributed(check_worker, args.nproc, cases, variants, extra, backend="nccl",
+    results = run_distributed(check_worker, args.nproc, cases, variants, extra,
+                              backend="gloo" if args.shared_gpu else "nccl",
                               timeout_s=args.timeout)
     rows = [row for per_rank in results for row in per_rank]
     failed = [r for r in rows if not r.get("passed")]
