@@ -462,6 +462,7 @@ def main(argv=None) -> int:
     variants = [variant.name for variant in parse_variants(args.variants)]
     results = run_distributed(check_worker, args.nproc, cases, variants, extra,
                               backend="gloo" if args.shared_gpu else "nccl",
+                              env=dict(WEAVE_MOE_TRANSPORT="ipc") if args.shared_gpu else None,
                               timeout_s=args.timeout)
     rows = [row for per_rank in results for row in per_rank]
     failed = [r for r in rows if not r.get("passed")]

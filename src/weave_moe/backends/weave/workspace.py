@@ -17,7 +17,11 @@ rflags start at zero and `exchange_ctrl` is zeroed whenever the symmetric buffer
 the same layer, so the exchange's sequence numbers restart together with the flags they are compared with.
 
 Peers are addressed as base address (from the rendezvous) + byte offset, so the kernel needs one int64 table. With no
-process group (EP = 1) the buffer is an ordinary allocation.
+process group (EP = 1) the buffer is an ordinary allocation. With `WEAVE_MOE_TRANSPORT=ipc` (a test transport: every
+rank on ONE GPU, e.g. `validate --shared-gpu`) the buffer is an ordinary allocation too, opened by the peers through
+CUDA IPC handles passed in the process group's store: PyTorch's symmetric memory refuses ranks that share a device,
+and this is how the cross-rank protocol (flags, waits, peer stores) runs with one GPU, the ranks' kernels
+time-sharing it.
 
 Sharing. Every layer's call runs on one stream and the layers of a model run one after another, so all of them can
 use the same buffers: `SymmetricWorkspace.shared(group, rank, EP, device)` returns the one workspace of that group and
@@ -63,6 +67,8 @@ where one workspace per layer cost 58 x 2978 MiB (169 GiB, more than an H200 hol
 
 from __future__ import annotations
 
+import os
+import pickle
 import weakref
 from dataclasses import dataclass
 
@@ -77,6 +83,17 @@ _ALIGN = 256
 
 #: int32 words of `exchange_ctrl` before its per-destination send counters (kernels/routing_exchange.py: CTRL_*)
 EXCHANGE_CTRL_FIXED = 2
+
+#: how ranks reach each other's buffers at EP > 1: "symm" (PyTorch symmetric memory, production) or "ipc" (CUDA IPC
+#: handles through the store, every rank on one GPU: tests of the protocol without a second GPU; module docstring)
+TRANSPORTS = ("symm", "ipc")
+
+
+def transport_from_env() -> str:
+    transport = os.environ.get("WEAVE_MOE_TRANSPORT", "symm")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"WEAVE_MOE_TRANSPORT must be one of {TRANSPORTS}, got {transport!r}")
+    return transport
 
 
 def _align(n: int) -> int:
@@ -175,6 +192,9 @@ class SymmetricWorkspace:
         # the routing exchange's control block (local; zeroed with every symmetric allocation)
         self.exchange_ctrl = torch.zeros(EXCHANGE_CTRL_FIXED + world_size, dtype=torch.int32, device=self.device)
         self.handle = None
+        self.transport = transport_from_env()
+        self.peer_buffers: list[torch.Tensor] = []   # transport "ipc": the peers' buffers, opened here
+        self.rendezvous_round = 0
         self.h_buffer = self.y_buffer = None
         self.generation = 0
         self.calls = 0
@@ -250,6 +270,10 @@ class SymmetricWorkspace:
             self.buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
             bases = [self.buffer.data_ptr()]
             self.handle = None
+        elif self.transport == "ipc":
+            self.buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
+            torch.cuda.synchronize(self.device)
+            bases = self._ipc_rendezvous()
         else:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -260,6 +284,30 @@ class SymmetricWorkspace:
             bases = [int(p) for p in self.handle.buffer_ptrs]
             self.handle.barrier()
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+
+    def _ipc_rendezvous(self) -> list[int]:
+        """Transport "ipc": publish this rank's buffer as a CUDA IPC handle in the store, open every peer's; returns
+        the base addresses, rank order. Collective (every rank allocates at the same layer)."""
+        import datetime
+
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.rendezvous_round += 1
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"weave_moe/ipc/{self.group.group_name}/{self.rendezvous_round}"
+        store.set(f"{prefix}/{self.rank}", pickle.dumps(reduce_tensor(self.buffer)))
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        store.wait(keys, datetime.timedelta(seconds=120))
+        self.peer_buffers = []
+        for peer, key in enumerate(keys):
+            if peer == self.rank:
+                self.peer_buffers.append(self.buffer)
+                continue
+            rebuild, args = pickle.loads(store.get(key))
+            self.peer_buffers.append(rebuild(*args))
+        dist.barrier(group=self.group)
+        return [buffer.data_ptr() for buffer in self.peer_buffers]
 
     def _view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
         size = torch.tensor([], dtype=dtype).element_size()
@@ -297,6 +345,10 @@ class SymmetricWorkspace:
     def barrier(self) -> None:
         if self.handle is not None:
             self.handle.barrier()
+        elif self.peer_buffers:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
 
 
 class WorkspaceView:
