@@ -108,3 +108,32 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
         source = ASTSource(fn=fn, signature=signature(fn, constants, fp32), constexprs=constants)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
         assert ".local" not in ptx, fn.__name__
+
+
+def test_rank_is_never_specialised_in_a_launched_kernel():
+    """Triton compiles an int argument equal to 1 as a constant unless it is in `do_not_specialize`. A kernel whose
+    `rank` is specialised runs another binary on rank 1 than on rank 0 (compiled while the peers already wait in the
+    call's exchange) and may not compile at all: `_scan_kernel` failed with CompilationError on rank 1 (`rank.to(...)`
+    on a constant), so the device-resident call at EP = 2 raised on rank 1 while rank 0 waited out its deadline for
+    rank 1's rows. Every kernel the package launches with a `rank` argument keeps it a runtime value."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import weave_moe
+
+    launched = []
+    for info in pkgutil.walk_packages(weave_moe.__path__, "weave_moe."):
+        if info.name in ("weave_moe.hf",):
+            continue  # optional extra (transformers); it launches no kernel
+        module = importlib.import_module(info.name)
+        for name, fn in vars(module).items():
+            if isinstance(fn, JITFunction) and fn.__module__ == module.__name__ and name.endswith("kernel"):
+                params = {p.name: p for p in fn.params}
+                if "rank" in params:
+                    launched.append(name)
+                    assert params["rank"].do_not_specialize, f"{info.name}.{name}: rank is specialised"
+    assert {"_scan_kernel", "_bases_kernel", "_emit_kernel", "counts_kernel", "moe_megakernel",
+            "routing_exchange_kernel"} <= set(launched)
+

@@ -389,7 +389,7 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
                 layer_backend._write_header()
                 layer_backend.message.pack(layer_backend.send_routing, ids[:0], w[:0], layer_backend.routing_pad,
                                            layer_backend.token_counts, layer_backend.header_device)
-                torch.distributed.all_gather_into_tensor(layer_backend.all_routing, layer_backend.send_routing,
+                torch.distributed.all_gather_into_tensor(layer_backend.all_routing.view(-1), layer_backend.send_routing,
                                                          group=group)
             else:  # the count all-to-all
                 counts = layer_backend._counts

@@ -287,8 +287,9 @@ class WeaveBackend:
             self.message.pack(self.send_routing, *self.no_tokens, self.routing_pad, self.token_counts,
                               self.header_device)
         if self.world_size > 1:
-            work = torch.distributed.all_gather_into_tensor(self.all_routing, self.send_routing, group=self.group,
-                                                            async_op=True)
+            # flat output: gloo (CUDA tensors on one GPU, validate --shared-gpu) takes no [EP, words] one
+            work = torch.distributed.all_gather_into_tensor(self.all_routing.view(-1), self.send_routing,
+                                                            group=self.group, async_op=True)
             coordinator.wait(work, "the routing exchange", host=False)  # bounded below, at the counts' event
         clock.lap("exchange")  # at EP = 1 send_routing is all_routing[0]
         # 2. counts to the host (the one sync), with the previous call's status word. While the host waits, the GPU

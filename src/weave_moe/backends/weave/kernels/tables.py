@@ -132,7 +132,11 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
     tl.atomic_add(key_counts_ptr + f, keys, mask=(keys > 0) & (f < P * MC), sem="relaxed")
 
 
-@triton.jit
+# `rank` differs between ranks: specialised (Triton compiles an int argument equal to 1 as a constant), rank 1 would
+# run another binary than rank 0, compiled while its peers wait, and `rank.to(...)` fails to compile on a constant
+# (the device-resident call at EP = 2: rank 1 raised CompilationError in its first call while rank 0 waited out its
+# deadline for rank 1's rows)
+@triton.jit(do_not_specialize=["rank"])
 def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr, pair_counts_ptr,
                  recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr, send_hist_ptr, key_counts_ptr, mask_ptr,
                  rank, P, T, L, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr,
@@ -255,7 +259,7 @@ def _block_bases(hist_ptr, base_ptr, column0, columns, row_stride, column_stride
         running += tl.sum(hist, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stride,
                   pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
                   group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
@@ -431,7 +435,7 @@ def _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_pt
         tl.store(task + 7, tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.int32), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
                  send_local_ptr, pair_base_ptr, recv_base_ptr, send_base_ptr, pair_block_base_ptr,
                  recv_block_base_ptr, send_block_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr,
