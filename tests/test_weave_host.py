@@ -170,12 +170,12 @@ def test_resident_tables_never_read_a_device_value_on_the_host():
     assert status.tolist() == [16, 0, 1, 3]
 
 
-def test_resident_setting_is_strict_and_auto_means_one_rank(monkeypatch):
+def test_resident_setting_is_strict_and_auto_means_on(monkeypatch):
     import pytest
 
     from weave_moe.backends.weave.config import KERNEL_CONFIG_ENV, KernelConfig
 
-    assert KernelConfig().resident_at(1) and not KernelConfig().resident_at(2)
+    assert KernelConfig().resident_at(1) and KernelConfig().resident_at(2)
     assert KernelConfig(resident="on").resident_at(4) and not KernelConfig(resident="off").resident_at(1)
     monkeypatch.setenv(KERNEL_CONFIG_ENV, "resident=Off")
     assert KernelConfig.from_env().resident == "off"
