@@ -280,6 +280,11 @@ def _stall(rank, world_size, group, device) -> dict:
             store.wait([f"weave-stall/{r}" for r in range(world_size)], datetime.timedelta(seconds=30))
         except Exception as error:  # noqa: BLE001 - the verdict is recorded either way
             outcome += f" (peer verdict missing: {type(error).__name__})"
+    # the ranks' call sequences parted (the stalled rank skipped a call): a fresh workspace for what follows
+    from weave_moe.backends.weave.workspace import retire_shared
+
+    del layer
+    retire_shared(group)
     expected = "no error" if stalled else "WeaveTimeoutError"
     return dict(stall=True, rank=rank, stalled=stalled, outcome=outcome[:500], seconds=seconds,
                 passed=outcome.startswith(expected) and seconds < 10)
@@ -336,7 +341,8 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
         bad_calls = {"x-fp16": ((x.half(), ids, w), "TypeError"),
                      "too-many-tokens": ((torch.cat([x, x]), torch.cat([ids, ids]), torch.cat([w, w])), "ValueError")}
         for case, (bad, own) in bad_calls.items():
-            outcome = outcome_of(lambda: layer(*(bad if rank == last else (x, ids, w))))
+            # synchronize: a device-resident call's peers raise there (or at the next call), not in the call
+            outcome = outcome_of(lambda: (layer(*(bad if rank == last else (x, ids, w))), layer.synchronize()))
             record(case, outcome, expect(last, own), next_error(layer, w13, w2))
         wide = ids.long()
         if rank == last:
@@ -366,7 +372,7 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
         first = _weave_layer(spec, rank, world_size, group, device, 6, max_tokens, backend)
         second = _weave_layer(spec, rank, world_size, group, device, 7, max_tokens, backend)
         order = (first, second) if rank == 0 else (second, first)
-        outcomes = [outcome_of(lambda: each[0](x, ids, w)) for each in order]
+        outcomes = [outcome_of(lambda: (each[0](x, ids, w), each[0].synchronize())) for each in order]
         rel = max(next_error(*first), next_error(*second))
         record("call-order", " | ".join(outcomes) if all(o.startswith("CallOrderError") for o in outcomes)
                else f"not every call raised CallOrderError: {outcomes}", "CallOrderError", rel)
@@ -379,14 +385,20 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
 
         # The last rank never calls: the others raise within timeout_s. Then it joins the pending all-gather (and
         # nothing else), so the others' NCCL stream drains and the process group stays usable for the report.
+        # A device-resident call (weave's default) has no host collective to leave pending: the waiting ranks'
+        # routing exchange times out on the device and raises WeaveTimeoutError at synchronize(), and the layer is
+        # broken (WeaveError at its next call); the last rank has nothing to join.
         doomed, doomed_w13, doomed_w2 = _weave_layer(spec, rank, world_size, group, device, 5, max_tokens, backend)
+        resident = backend == "weave" and doomed.backend.resident
         first_error = next_error(doomed, doomed_w13, doomed_w2)  # the first call has a check of its own
         doomed.coordinator.timeout_s = 3.0  # after construction and compiles, which a small timeout could trip
         store = torch.distributed.distributed_c10d._get_default_store()
         if rank == last:
             store.wait([f"{backend}-never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
             layer_backend = doomed.backend
-            if backend == "weave":  # the routing all-gather, with a T = 0 message
+            if resident:
+                pass
+            elif backend == "weave":  # the routing all-gather, with a T = 0 message
                 layer_backend._write_header()
                 layer_backend.message.pack(layer_backend.send_routing, ids[:0], w[:0], layer_backend.routing_pad,
                                            layer_backend.token_counts, layer_backend.header_device)
@@ -400,12 +412,14 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
             record("never-calls", "did not call", "did not call", first_error)
         else:
             start = time.perf_counter()
-            outcome = outcome_of(lambda: doomed(x, ids, w))
+            outcome = outcome_of(lambda: (doomed(x, ids, w), doomed.synchronize()))
             seconds = time.perf_counter() - start
             after = outcome_of(lambda: doomed(x, ids, w))
             store.set(f"{backend}-never-calls/{rank}", "done")
-            record("never-calls", outcome if after.startswith("LayerBrokenError") else f"{outcome} / then {after}",
-                   "CollectiveTimeoutError", first_error if seconds < 3.0 + 5.0 else float("inf"), seconds=seconds)
+            broken = "WeaveError: this layer failed earlier" if resident else "LayerBrokenError"
+            record("never-calls", outcome if after.startswith(broken) else f"{outcome} / then {after}",
+                   "WeaveTimeoutError" if resident else "CollectiveTimeoutError",
+                   first_error if seconds < 3.0 + 5.0 else float("inf"), seconds=seconds)
     except Exception as error:  # noqa: BLE001 - a case that crashed is a failed row, the report goes on
         rows.append(dict(failures=f"{backend}:crashed", rank=rank, passed=False,
                          error=f"{type(error).__name__}: {error}"[:2000]))
