@@ -227,15 +227,34 @@ for T_max, k, T, code in [(5, 2, 5, 0), (5, 2, 3, 7), (4097, 3, 4000, 0), (3, 4,
     got = torch.full((msg.words,), 12345, dtype=torch.int32)
     io = torch.zeros(2, dtype=torch.int64)
     x, out = torch.empty(T, 8, dtype=torch.bfloat16), torch.empty(T, 8, dtype=torch.bfloat16)
-    msg.pack_call(got, ids, w, header, io, x, out, code)
+    status = torch.zeros(8, dtype=torch.int32)
+    msg.pack_call(got, ids, w, header, io, x, out, code, status)
     assert torch.equal(got, ref), (T_max, k, T, (got != ref).nonzero()[:5])
     assert io.tolist() == [x.data_ptr(), out.data_ptr()]
     assert header[-1] == 0   # the device header keeps its own error word
+    assert not status.any()
+# the status word: a rejection moves from the live word into the reported one (first error wins) and the live word
+# is cleared, so the call runs; a kernel error (code < 16) stays live
+from weave_moe.backends.weave.kernels import sync
+msg = RoutingMessage(4, 2)
+ids, w = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2)
+got, io, x = torch.empty(msg.words, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.empty(2, 8)
+header = torch.zeros(HEADER_WORDS, dtype=torch.int32)
+for before, after in [
+    ([sync.REJECT_BAD_IDS, 1, 3, 7, 0, 0, 0, 0], [0, 0, 0, 0, sync.REJECT_BAD_IDS, 1, 3, 7]),
+    ([sync.REJECT_CALL_ORDER, 0, 9, 8, sync.REJECT_BAD_IDS, 1, 3, 7], [0, 0, 0, 0, sync.REJECT_BAD_IDS, 1, 3, 7]),
+    ([0, 0, 0, 0, sync.REJECT_PEER_FAILED, 1, 1, 2], [0, 0, 0, 0, sync.REJECT_PEER_FAILED, 1, 1, 2]),
+    ([5, 1, 3, 4, 0, 0, 0, 0], [5, 1, 3, 4, 0, 0, 0, 0]),
+    ([0] * 8, [0] * 8),
+]:
+    status = torch.tensor(before, dtype=torch.int32)
+    msg.pack_call(got, ids, w, header, io, x, x, 0, status)
+    assert status.tolist() == after, (before, status.tolist())
 print("PACK OK")
 '''
 
 
 def test_pack_call_equals_pack_under_interpreter():
     """The resident call's one-launch pack writes the message `pack` writes (bitwise, padding included), the error
-    code in place of the header's, and the addresses of x and out."""
+    code in place of the header's, the addresses of x and out, and carries a rejection out of the live status word."""
     run_interpreted(PACK_SCRIPT, "PACK OK", timeout=300)

@@ -212,13 +212,14 @@ def test_deferred_errors_name_the_problem_and_leave_the_layer_usable():
 
     backend = WeaveBackend.__new__(WeaveBackend)  # the host-side logic only: no GPU here
     backend.rank, backend.spec, backend.broken, backend.timeout_s = 0, MoESpec(16, 2, 64, 32), None, 5.0
-    backend.status, backend.status_host = torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    backend.status, backend.status_host = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
 
-    def raised(word):
-        backend.status[:] = torch.tensor(word)
-        backend.status_host[:] = torch.tensor(word)
+    def raised(word, reported=(0, 0, 0, 0)):  # the live word, then the reported rejection (kernels/sync.py)
+        words = list(word) + list(reported)
+        backend.status[:] = torch.tensor(words)
+        backend.status_host[:] = torch.tensor(words)
         try:
-            backend._raise_status(word)
+            backend._raise_status(words)
         except Exception as error:  # noqa: BLE001 - returned for the assertions
             return error
         return None
@@ -229,6 +230,10 @@ def test_deferred_errors_name_the_problem_and_leave_the_layer_usable():
     assert isinstance(raised([sync.REJECT_PEER_FAILED, 1, 1, 2]), PeerError)
     assert raised([sync.REJECT_PEER_FAILED, 0, 1, 2]) is None  # this rank raised its own error in that call
     assert isinstance(raised([sync.REJECT_CALL_ORDER, 1, 9, 2]), CallOrderError)
+    # a rejection carried into the reported word (by a later call's pack) is raised with its own call number
+    error = raised([0, 0, 0, 0], [sync.REJECT_BAD_IDS, 1, 2, 4])
+    assert isinstance(error, ValueError) and "call 4" in str(error) and not backend.status.any()
+    assert raised([0] * 4) is None
     assert backend.broken is None
     error = raised([sync.ERROR_COMBINE_TIMEOUT.value, 1, 0, 5])
     assert isinstance(error, WeaveTimeoutError) and backend.broken
@@ -274,7 +279,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.interleaved = backend.grouped or backend.grouped_serial
     backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
     backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, H, I, 16)
-    backend.ctrl, backend.status = torch.zeros(32, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    backend.ctrl, backend.status = torch.zeros(32, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
     backend.plans_device, backend.io = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
     backend.tokens_word = torch.zeros(1, dtype=torch.int32)
     backend.w13, backend.w2 = torch.zeros(8, 2 * I, H).bfloat16(), torch.zeros(8, H, I).bfloat16()

@@ -44,7 +44,7 @@ from weave_moe.sim.measured import events_from_buffer
 __all__ = ["WeaveBackend", "WeaveError", "WeaveTimeoutError"]
 
 #: int32 words of the kernel's status word: [error code, flag tag, value seen, value expected] (kernels/sync.py)
-STATUS_WORDS = 4
+STATUS_WORDS = sync.STATUS_WORDS
 #: Seconds the ranks may drift apart while compiling for a first call: the barrier after the compile waits at least
 #: this long (a cold compile of the task tables alone took ~22 s on a fresh H200 machine).
 COMPILE_SKEW_S = 300.0
@@ -168,7 +168,8 @@ class WeaveBackend:
                                        routing_words=self.message.words)
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
-        self.status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
+        # [0:4] the live status word, [4:8] the resident call's reported rejection (kernels/sync.py)
+        self.status = torch.zeros(2 * STATUS_WORDS, dtype=torch.int32, device=device)
         self.all_routing = torch.empty(world_size, self.message.words, dtype=torch.int32, device=device)
         # at EP = 1 this rank's message is the whole exchange: it is packed there directly (no copy)
         self.send_routing = (self.all_routing[0] if world_size == 1 else
@@ -193,7 +194,7 @@ class WeaveBackend:
             p = self.fixed_plan
             self.plans_device.copy_(torch.tensor([[p.c, p.K, p.n_steal, 0]] * world_size, dtype=torch.int32))
         # the resident call's errors: the status word copied to the host after every call, read at the next one
-        self.status_host = torch.zeros(STATUS_WORDS, dtype=torch.int32).pin_memory()
+        self.status_host = torch.zeros(2 * STATUS_WORDS, dtype=torch.int32).pin_memory()
         self.status_copied: torch.cuda.Event | None = None
         self.plans_host = torch.zeros(world_size, 4, dtype=torch.int32).pin_memory()
         self.timeline_events = 2048 if timeline else 0
@@ -380,7 +381,8 @@ class WeaveBackend:
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
-        self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out, code)
+        self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out, code,
+                               self.status)
         clock.lap("pack")
         if self.debug_skip_launch and self.kernel_variants <= self.compiled:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
@@ -438,16 +440,18 @@ class WeaveBackend:
         """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no
         wait: a copy still in flight is read at a later call or at `synchronize()`)."""
         if self.status_copied is not None and self.status_copied.query():
-            status = self.status_host.tolist()
-            if status[0] != 0:
-                self._raise_status(status)
+            self._raise_status(self.status_host.tolist())
 
-    def _raise_status(self, status: list[int]) -> None:
-        """Raise what a status word holds (kernels/sync.py): a kernel error (the layer is broken) or a rejection (the
-        word is cleared and the layer goes on)."""
+    def _raise_status(self, words: list[int]) -> None:
+        """Raise what the status tensor holds (kernels/sync.py), read when the calls before have ended: a kernel error
+        in the live word (the layer is broken), else a rejection, the reported one first (both words are then
+        cleared and the layer goes on)."""
+        live, reported = words[:STATUS_WORDS], words[STATUS_WORDS:]
+        if 0 < live[0] < sync.REJECT_FIRST:
+            self._raise_on_status(live)
+        status = reported if reported[0] != 0 else live
         code = status[0]
-        if code < sync.REJECT_FIRST:
-            self._raise_on_status(status)
+        if code == 0:
             return
         self.status.zero_()
         self.status_host.zero_()

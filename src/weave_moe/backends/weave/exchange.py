@@ -103,19 +103,24 @@ class RoutingMessage:
                           token_counts[num_tokens:num_tokens + 1], header], out=out)
 
     def pack_call(self, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, header: torch.Tensor,
-                  io: torch.Tensor, x: torch.Tensor, result: torch.Tensor, error_code: int = 0) -> None:
-        """`pack` for the device-resident call, in ONE Triton launch that also writes the call's addresses: `out`
-        gets the message (`header` with its error-code word replaced by `error_code`), `io` [2] int64 the addresses
-        of x and `result` (what the resident kernel reads instead of pointer arguments).
+                  io: torch.Tensor, x: torch.Tensor, result: torch.Tensor, error_code: int,
+                  status: torch.Tensor) -> None:
+        """`pack` for the device-resident call, in ONE Triton launch that also writes the call's addresses and
+        carries the last call's rejection out of the live status word: `out` gets the message (`header` with its
+        error-code word replaced by `error_code`), `io` [2] int64 the addresses of x and `result` (what the resident
+        kernel reads instead of pointer arguments), `status` goes through `sync.carry_rejection`.
 
         Args as `pack`; `header`: [HEADER_WORDS] int32 on the device (the call number advances there, in the
-        resident graph); `io`: [2] int64 on the device."""
+        resident graph); `io`: [2] int64 on the device; `status`: int32 [2 * STATUS_WORDS] (kernels/sync.py: live
+        word, reported rejection)."""
+        if status.dtype != torch.int32 or status.numel() < 2 * sync.STATUS_WORDS:
+            raise ValueError(f"status must be int32 with >= {2 * sync.STATUS_WORDS} words (live and reported words)")
         words, n = self.id_words, topk_ids.numel()
         if n > words:
             raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {words} ids")
         grid = (triton.cdiv(words, _PACK_BLOCK), 1, 1)
-        args = (topk_ids, topk_weights, out, header, io, n, topk_ids.shape[0], x.data_ptr(), result.data_ptr(),
-                error_code, words)
+        args = (topk_ids, topk_weights, out, header, io, status, n, topk_ids.shape[0], x.data_ptr(),
+                result.data_ptr(), error_code, words)
         compiled = _PACK_COMPILED.get(out.device) if out.is_cuda else None
         if compiled is not None:
             # the compiled kernel directly: Triton's JIT launch spends ~25 us of host time per call binding and
@@ -144,12 +149,12 @@ _PACK_BLOCK = 4096
 _PACK_COMPILED: dict = {}   # device -> the compiled _pack_kernel (RoutingMessage.pack_call)
 
 
-@triton.jit(do_not_specialize=["ids_ptr", "weights_ptr", "message_ptr", "header_ptr", "io_ptr", "num_ids", "num_tokens",
-                               "x_address", "out_address", "error_code", "words"])
-def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, num_ids, num_tokens, x_address, out_address,
-                 error_code, words, HEADER: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["ids_ptr", "weights_ptr", "message_ptr", "header_ptr", "io_ptr", "status_ptr", "num_ids",
+                               "num_tokens", "x_address", "out_address", "error_code", "words"])
+def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, status_ptr, num_ids, num_tokens, x_address,
+                 out_address, error_code, words, HEADER: tl.constexpr, BLOCK: tl.constexpr):
     """RoutingMessage.pack_call: words [pid * BLOCK, +BLOCK) of the ids and of the weights' bits (padding -1 / 0);
-    program 0 also T, the header and the addresses."""
+    program 0 also T, the header, the addresses and the status word's carried rejection."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     given = offs < num_ids
     ids = tl.load(ids_ptr + offs, mask=given, other=-1)
@@ -163,6 +168,7 @@ def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, num_ids,
         tl.store(message_ptr + 2 * words + 1 + hh, tl.where(hh == HEADER - 1, error_code, header))
         tl.store(io_ptr, x_address.to(tl.int64))
         tl.store(io_ptr + 1, out_address.to(tl.int64))
+        sync.carry_rejection(status_ptr)
 
 
 def hit_matrix(all_ids: torch.Tensor, num_local_experts: int) -> torch.Tensor:

@@ -28,6 +28,16 @@ refused before its kernel, on every rank alike (kernels/counts.py, `exchange.Cou
 no work and fills its output with NaN. Unlike a timeout, a rejection leaves the layer usable: the host raises the
 named error (`REJECT_NAMES`) at the next call or `synchronize()` and clears the word.
 
+A rejection belongs to ONE call. The device-resident call keeps a second word beside the live one (status [4:8],
+`REPORTED`): before each call's work, the call's first kernel (the routing message's pack) moves a rejection out of
+the live word into the reported word (unless that is still full: first error wins) and clears the live word
+(`carry_rejection`); the host clears both words when it raises, which it does only once the calls before have
+ended. So a rejection never makes the
+NEXT call do nothing on one rank while its peers run that call (seen at EP = 2 on one GPU: the failing rank, which
+raises its own error in the call and never synchronizes, had its next call's exchange return at once on the stale
+word while the peer waited for its rows); the host raises the reported rejection at a later call or at
+`synchronize()`. Timeouts (codes < REJECT_FIRST) stay in the live word: the layer is broken.
+
 Under the Triton interpreter (TRITON_INTERPRET=1: CPU tests) there is no inline PTX, so no `%globaltimer` and no
 `nanosleep`: `INTERPRETER` switches `wait_at_least` to a deadline counted in polls (100 ns per poll, the backoff's
 nominal sleep) and `backoff` to nothing, so that timeouts can be tested on the CPU. The compiled kernel is unchanged.
@@ -50,6 +60,11 @@ REJECT_FIRST = 16
 REJECT_BAD_IDS = 16        # detail: number of expert ids outside [-1, E) the rank sent
 REJECT_PEER_FAILED = 17    # detail: the rank's coordination error code (its local checks failed)
 REJECT_CALL_ORDER = 18     # detail: the call number in that rank's header (it called another layer or call)
+
+#: int32 words of one status word; the resident call's status tensor holds two: [0:4] live, [4:8] reported rejection
+STATUS_WORDS = 4
+REPORTED = tl.constexpr(4)   # offset of the reported rejection (docstring)
+_REJECT_FIRST = tl.constexpr(REJECT_FIRST)
 
 #: rejection code -> what it means (the host's exception names it)
 REJECT_NAMES = {
@@ -89,6 +104,21 @@ def uniform_time_ns():
 def status_set(status_ptr):
     """1 if some wait of this kernel already failed, else 0; an atomic read, so the same in every thread."""
     return (tl.atomic_add(status_ptr, 0, sem="relaxed", scope="gpu") != 0).to(tl.int32)
+
+
+@triton.jit
+def carry_rejection(status_ptr):
+    """Start of a device-resident call (module docstring): move a rejection of an earlier call from the live word
+    into the reported word (unless that still holds one: first error wins) and clear the live word. One program runs
+    this; the call's other kernels come after it in stream order."""
+    words = tl.arange(0, 4)
+    live = tl.load(status_ptr + words)
+    live_code = tl.sum(tl.where(words == 0, live, 0), axis=0)
+    if live_code >= _REJECT_FIRST:
+        reported_code = tl.load(status_ptr + REPORTED)
+        if reported_code == 0:
+            tl.store(status_ptr + REPORTED + words, live)
+        tl.store(status_ptr + words, tl.zeros([4], dtype=tl.int32))
 
 
 @triton.jit
