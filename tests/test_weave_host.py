@@ -280,6 +280,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
     backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, H, I, 16)
     backend.ctrl, backend.status = torch.zeros(32, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    backend.live_status = backend.status[:4]
     backend.plans_device, backend.io = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)
     backend.tokens_word = torch.zeros(1, dtype=torch.int32)
     backend.w13, backend.w2 = torch.zeros(8, 2 * I, H).bfloat16(), torch.zeros(8, H, I).bfloat16()

@@ -170,6 +170,7 @@ class WeaveBackend:
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
         # [0:4] the live status word, [4:8] the resident call's reported rejection (kernels/sync.py)
         self.status = torch.zeros(2 * STATUS_WORDS, dtype=torch.int32, device=device)
+        self.live_status = self.status[:STATUS_WORDS]   # what the kernels read and write
         self.all_routing = torch.empty(world_size, self.message.words, dtype=torch.int32, device=device)
         # at EP = 1 this rank's message is the whole exchange: it is packed there directly (no copy)
         self.send_routing = (self.all_routing[0] if world_size == 1 else
@@ -246,7 +247,7 @@ class WeaveBackend:
         self.tokens_word = self.send_routing[2 * self.message.id_words:2 * self.message.id_words + 1]
         if self.resident and world_size > 1:
             # compiled now, so that no rank compiles inside its first exchange while its peers wait there
-            exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
+            exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
                              self.timeout_ns, compile_only=True)
         if self.resident:
             # the header's call number lives on the device (incremented by every call's tables, so that a captured
@@ -296,7 +297,7 @@ class WeaveBackend:
         # 2. counts to the host (the one sync), with the previous call's status word. While the host waits, the GPU
         #    already builds this call's task tables with the previous call's chunk counts (a pure function of the
         #    routing and the counts, so it is simply built again below in the rare call whose plan changes K).
-        counts_device = self.graphs.run("counts", lambda: self.device_counts.build(self.all_routing, self.status,
+        counts_device = self.graphs.run("counts", lambda: self.device_counts.build(self.all_routing, self.live_status,
                                                                                    self.rank, verdict=False))
         self.counts_host.copy_(counts_device, non_blocking=True)
         if self.device_planner is not None:
@@ -421,9 +422,9 @@ class WeaveBackend:
         self.workspace.flags(0).zero_()
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
-            exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.status,
+            exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
                              self.timeout_ns)
-        counts = self.device_counts.build(self.all_routing, self.status, self.rank, verdict=True)
+        counts = self.device_counts.build(self.all_routing, self.live_status, self.rank, verdict=True)
         if self.device_planner is not None:
             self.device_planner.launch(counts, self.plans_device)
         self.header_device[2:3].add_(1)
@@ -560,7 +561,7 @@ class WeaveBackend:
             recv_ptr=ws.recv(), h_ptr=ws.h(), y_ptr=ws.y(), comb_ptr=ws.comb(parity),
             peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset, comb_offset=ws.comb_offsets[parity],
             flags_offset=ws.flags_offsets[parity], arrival_ptr=ws.flags(parity), comb_flag_ptr=ws.comb_flags(parity),
-            ctrl_ptr=self.ctrl, status_ptr=self.status, meta_ptr=layout.meta, plan_ptr=self.plans_device,
+            ctrl_ptr=self.ctrl, status_ptr=self.live_status, meta_ptr=layout.meta, plan_ptr=self.plans_device,
             io_ptr=self.io, tokens_ptr=self.tokens_word, timeline_ptr=self.timeline_buf,
             dispatch_tasks_ptr=layout.dispatch_tasks, send_token_ptr=layout.send_token,
             send_slot_ptr=layout.send_slot, gemm_tasks_ptr=layout.gemm_tasks, gather_ptr=layout.gather_rows,
