@@ -36,7 +36,7 @@ Layers: by default one `ExpertParallelMoE` per registered name, layer shape and 
 that shape (its buffers are made once, not once per model layer); each call loads the calling module's experts into
 it first (a reference swap, no copy). That keeps the weave backend on its host-driven call, which waits for the
 routing counts on the host in every call. `register(..., per_module=True)` gives every experts module its own layer
-instead, loaded once: the weave backend then makes its device-resident call (at EP = 1; no host sync, one graph
+instead, loaded once: the weave backend then makes its device-resident call (no host sync, one graph
 replay per call; the weave backend's workspace is shared by all layers of a process group either way) on the
 module's weights as they are, without the interleaved copy of w13 that its grouped GEMMs would need
 (`KernelConfig.grouped_gemm` off unless `config=` says otherwise). Not yet measured on a GPU against the shared
@@ -213,7 +213,7 @@ class _Implementation:
 
             if self.per_module:
                 # the module's weights as they are (no interleaved w13 copy for the grouped GEMMs); the resident call
-                # as KernelConfig.resident decides (on at EP = 1)
+                # as KernelConfig.resident decides (on by default)
                 options["config"] = dataclasses.replace(KernelConfig.from_env(), grouped_gemm=False)
             else:
                 # One layer serves every MoE layer of this shape and is handed each module's experts per call: the
