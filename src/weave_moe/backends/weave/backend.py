@@ -235,6 +235,7 @@ class WeaveBackend:
                                              if self.grouped_serial else self.profile, policy)
                                if (cfg.device_plan or self.resident) and self.fixed_plan is None else None)
         self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
+        self.resident_graph_names: dict[tuple, str] = {}   # (workspace generation, rows) -> the call's graph name
         self.max_pairs = max_pairs
         self.local_rows = 0       # rows of this rank's experts in the current call (host, from the counts)
         self.constants = mk_launch.MegakernelConstants.from_config(
@@ -389,8 +390,13 @@ class WeaveBackend:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair,
         # picked from T on the host)
-        configs = self._grouped_configs(x.shape[0] * min(self.spec.top_k, self.num_local_experts))
-        self.graphs.run(f"resident.{self.workspace.generation}.{configs}", lambda: self._resident_call(configs))
+        rows = x.shape[0] * min(self.spec.top_k, self.num_local_experts)
+        name = self.resident_graph_names.get((self.workspace.generation, rows))
+        configs = self._grouped_configs(rows)
+        if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
+            name = self.resident_graph_names[(self.workspace.generation, rows)] = (
+                f"resident.{self.workspace.generation}.{configs}")
+        self.graphs.run(name, lambda: self._resident_call(configs))
         # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None
         self.last_plan = self.fixed_plan
         if not capturing:  # the graph ends with the status word's copy to the host (_resident_call)

@@ -32,8 +32,7 @@ A rejection belongs to ONE call. The device-resident call keeps a second word be
 `REPORTED`): before each call's work, the call's first kernel (the routing message's pack) moves a rejection out of
 the live word into the reported word (unless that is still full: first error wins) and clears the live word
 (`carry_rejection`); the host clears both words when it raises, which it does only once the calls before have
-ended. So a rejection never makes the
-NEXT call do nothing on one rank while its peers run that call (seen at EP = 2 on one GPU: the failing rank, which
+ended. So a rejection never makes the NEXT call do nothing on one rank while its peers run that call (seen at EP = 2 on one GPU: the failing rank, which
 raises its own error in the call and never synchronizes, had its next call's exchange return at once on the stale
 word while the peer waited for its rows); the host raises the reported rejection at a later call or at
 `synchronize()`. Timeouts (codes < REJECT_FIRST) stay in the live word: the layer is broken.
@@ -63,7 +62,7 @@ REJECT_CALL_ORDER = 18     # detail: the call number in that rank's header (it c
 
 #: int32 words of one status word; the resident call's status tensor holds two: [0:4] live, [4:8] reported rejection
 STATUS_WORDS = 4
-REPORTED = tl.constexpr(4)   # offset of the reported rejection (docstring)
+REPORTED = tl.constexpr(STATUS_WORDS)   # offset of the reported rejection (docstring)
 _REJECT_FIRST = tl.constexpr(REJECT_FIRST)
 
 #: rejection code -> what it means (the host's exception names it)
@@ -111,14 +110,14 @@ def carry_rejection(status_ptr):
     """Start of a device-resident call (module docstring): move a rejection of an earlier call from the live word
     into the reported word (unless that still holds one: first error wins) and clear the live word. One program runs
     this; the call's other kernels come after it in stream order."""
-    words = tl.arange(0, 4)
+    words = tl.arange(0, REPORTED)
     live = tl.load(status_ptr + words)
     live_code = tl.sum(tl.where(words == 0, live, 0), axis=0)
     if live_code >= _REJECT_FIRST:
         reported_code = tl.load(status_ptr + REPORTED)
         if reported_code == 0:
             tl.store(status_ptr + REPORTED + words, live)
-        tl.store(status_ptr + words, tl.zeros([4], dtype=tl.int32))
+        tl.store(status_ptr + words, tl.zeros([REPORTED], dtype=tl.int32))
 
 
 @triton.jit
