@@ -70,7 +70,8 @@ def main():
                                                               b.header_device))
             out = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
             row["pack_call_us"] = median_us(lambda: b.message.pack_call(b.send_routing, ids, w, b.header_device, b.io,
-                                                                        x, out, 0, b.status))
+                                                                        x, out, 0, b.status, b.ctrl,
+                                                                        b.workspace.flags(0), spec.num_experts))
             graphs = [g for name, (g, _) in b.graphs.graphs.items() if name.startswith("resident")]
             if graphs:
                 row["graph_replay_us"] = median_us(graphs[0].replay)

@@ -213,33 +213,43 @@ def test_exchange_stages_compile(stage):
 
 PACK_SCRIPT = r'''
 import torch
-from weave_moe.backends.coordination import HEADER_WORDS
+from weave_moe.backends.coordination import HEADER_CALL_WORD, HEADER_WORDS
 from weave_moe.backends.weave.exchange import RoutingMessage
-for T_max, k, T, code in [(5, 2, 5, 0), (5, 2, 3, 7), (4097, 3, 4000, 0), (3, 4, 0, 2)]:
+from weave_moe.backends.weave.kernels import sync
+E = 8
+for T_max, k, T, code, dtype in [(5, 2, 5, 0, torch.int32), (5, 2, 3, 7, torch.int64), (4097, 3, 4000, 0, torch.int32),
+                                 (4097, 3, 4000, 0, torch.int64), (3, 4, 0, 2, torch.int32)]:
     msg = RoutingMessage(T_max, k)
     g = torch.Generator().manual_seed(T)
-    ids = torch.randint(-1, 9, (T, k), generator=g, dtype=torch.int32)
+    ids = torch.randint(-1, 9, (T, k), generator=g, dtype=torch.int32)   # 8 = E: out of range, stays E
     w = torch.rand(T, k, generator=g)
     header = torch.tensor([11, 12, 13, 0], dtype=torch.int32)[:HEADER_WORDS]
     ref = torch.empty(msg.words, dtype=torch.int32)
     want_header = header.clone(); want_header[-1] = code
     msg.pack(ref, ids, w, msg.pad(), torch.arange(T_max + 1, dtype=torch.int32), want_header)
+    given = ids.to(dtype)
+    if dtype == torch.int64 and T:   # wide ids are narrowed without wrapping: 2**32 + 3 must not become expert 3
+        given[0, 0], given[-1, -1] = 2**32 + 3, -2**40
+        ref[0] = E
+        ref[T * k - 1] = -2
     got = torch.full((msg.words,), 12345, dtype=torch.int32)
     io = torch.zeros(2, dtype=torch.int64)
     x, out = torch.empty(T, 8, dtype=torch.bfloat16), torch.empty(T, 8, dtype=torch.bfloat16)
     status = torch.zeros(8, dtype=torch.int32)
-    msg.pack_call(got, ids, w, header, io, x, out, code, status)
+    control, flags = torch.full((9000,), 7, dtype=torch.int32), torch.full((37,), 5, dtype=torch.int32)
+    msg.pack_call(got, given, w, header, io, x, out, code, status, control, flags, E)
     assert torch.equal(got, ref), (T_max, k, T, (got != ref).nonzero()[:5])
     assert io.tolist() == [x.data_ptr(), out.data_ptr()]
-    assert header[-1] == 0   # the device header keeps its own error word
-    assert not status.any()
+    want_after = [11, 12, 13, 0][:HEADER_WORDS]
+    want_after[HEADER_CALL_WORD] += 1   # the call number advances; the device header keeps its own error word
+    assert header.tolist() == want_after, header.tolist()
+    assert not status.any() and not control.any() and not flags.any()
 # the status word: a rejection moves from the live word into the reported one (first error wins) and the live word
 # is cleared, so the call runs; a kernel error (code < 16) stays live
-from weave_moe.backends.weave.kernels import sync
 msg = RoutingMessage(4, 2)
 ids, w = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2)
 got, io, x = torch.empty(msg.words, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), torch.empty(2, 8)
-header = torch.zeros(HEADER_WORDS, dtype=torch.int32)
+header, control, flags = (torch.zeros(n, dtype=torch.int32) for n in (HEADER_WORDS, 4, 4))
 for before, after in [
     ([sync.REJECT_BAD_IDS, 1, 3, 7, 0, 0, 0, 0], [0, 0, 0, 0, sync.REJECT_BAD_IDS, 1, 3, 7]),
     ([sync.REJECT_CALL_ORDER, 0, 9, 8, sync.REJECT_BAD_IDS, 1, 3, 7], [0, 0, 0, 0, sync.REJECT_BAD_IDS, 1, 3, 7]),
@@ -248,13 +258,34 @@ for before, after in [
     ([0] * 8, [0] * 8),
 ]:
     status = torch.tensor(before, dtype=torch.int32)
-    msg.pack_call(got, ids, w, header, io, x, x, 0, status)
+    msg.pack_call(got, ids, w, header, io, x, x, 0, status, control, flags, E)
     assert status.tolist() == after, (before, status.tolist())
 print("PACK OK")
 '''
 
 
 def test_pack_call_equals_pack_under_interpreter():
-    """The resident call's one-launch pack writes the message `pack` writes (bitwise, padding included), the error
-    code in place of the header's, the addresses of x and out, and carries a rejection out of the live status word."""
+    """The resident call's one launch before its graph writes the message `pack` writes (bitwise, padding included;
+    int64 ids narrowed without wrapping), the error code in place of the header's, the addresses of x and out;
+    advances the call number, zeroes the control block and the flags, and carries a rejection out of the live status
+    word."""
     run_interpreted(PACK_SCRIPT, "PACK OK", timeout=300)
+
+
+@pytest.mark.parametrize("ids_dtype", ["*i32", "*i64"])
+def test_pack_kernel_compiles_for_sm90(ids_dtype):
+    """The launch before the resident call's graph compiles for Hopper with int32 and int64 ids (one compiled
+    kernel per dtype: RoutingMessage.pack_call keys its direct launches by it), without local memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from weave_moe.backends.weave.exchange import _pack_kernel
+
+    pointers = dict(ids_ptr=ids_dtype, weights_ptr="*fp32", io_ptr="*i64")
+    signature = {name: pointers.get(name, "*i32") if name.endswith("_ptr") else
+                 "constexpr" if name in ("HEADER", "CALL_WORD", "BLOCK") else
+                 "i64" if name.endswith("_address") else "i32" for name in _pack_kernel.arg_names}
+    source = ASTSource(fn=_pack_kernel, signature=signature, constexprs=dict(HEADER=4, CALL_WORD=2, BLOCK=4096))
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert ".local" not in ptx and "bar.sync" in ptx

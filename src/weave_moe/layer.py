@@ -297,7 +297,8 @@ class ExpertParallelMoE(torch.nn.Module):
         return self.backend.last_plan
 
     def _check_inputs(self, x, topk_ids, topk_weights) -> torch.Tensor:
-        """Raise on bad input; return topk_ids as contiguous int32 (ids outside [-1, E) stay outside it)."""
+        """Raise on bad input; return topk_ids contiguous, as int32 (ids outside [-1, E) stay outside it) unless the
+        backend narrows int64 ids itself (`Backend.narrows_int64_ids`)."""
         for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -328,6 +329,8 @@ class ExpertParallelMoE(torch.nn.Module):
             if low < -1 or high >= num_experts:
                 raise ValueError(f"topk_ids must be in [-1, {num_experts}) (-1 = no expert), got values in "
                                  f"[{low}, {high}]")
+        if topk_ids.dtype == torch.int64 and self.backend.narrows_int64_ids:
+            return topk_ids.contiguous()
         if topk_ids.dtype == torch.int64:
             # Narrow without wrapping: 2**32 + 3 must not become expert 3. Out-of-range ids map to -2 or E, which
             # a backend's own check still counts as out of range (one elementwise op, no host sync).

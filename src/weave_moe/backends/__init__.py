@@ -29,11 +29,15 @@ class Backend(Protocol):
         checks_expert_ids: True if `forward` itself raises ValueError, on every rank in the same call, when an id
             lies outside [-1, E) (it reads counts every rank exchanges anyway); False: the layer checks (one host
             sync).
+        narrows_int64_ids: True if `forward` takes int64 topk_ids and narrows them itself, without wrapping (ids
+            outside [-1, E) stay outside it); False: the layer narrows them to int32 first (two elementwise
+            launches).
         last_plan: the schedule of this rank's last call (`weave_moe.plan.Plan`), None for backends without one.
     """
 
     name: str
     checks_expert_ids: bool
+    narrows_int64_ids: bool
     last_plan: "Plan | None"
 
     def load_experts(self, w13: "torch.Tensor", w2: "torch.Tensor") -> None:
@@ -42,7 +46,8 @@ class Backend(Protocol):
 
     def forward(self, x: "torch.Tensor", topk_ids: "torch.Tensor", topk_weights: "torch.Tensor",
                 timings: dict | None = None) -> "torch.Tensor":
-        """x [T, H] bf16 (T may be 0), topk_ids [T, k] int32 global ids (-1 = none), topk_weights [T, k] fp32
+        """x [T, H] bf16 (T may be 0), topk_ids [T, k] int32 global ids (-1 = none; int64 where `narrows_int64_ids`),
+        topk_weights [T, k] fp32
         -> [T, H] bf16. `timings`, when a dict, receives per-stage milliseconds (names are the backend's)."""
 
     def synchronize(self) -> None:

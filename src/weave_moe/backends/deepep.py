@@ -64,6 +64,7 @@ class DeepEPBackend:
     name = "deepep"
     last_plan = None  # no weave plan
     checks_expert_ids = False  # the layer checks ids (one host sync) when asked to
+    narrows_int64_ids = False
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", num_sms: int = DEFAULT_NUM_SMS, *,

@@ -81,6 +81,7 @@ class NcclBackend:
     """
 
     name = "nccl"
+    narrows_int64_ids = False
     last_plan = None  # no weave plan
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,

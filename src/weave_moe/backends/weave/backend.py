@@ -190,6 +190,7 @@ class WeaveBackend:
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
         self.resident = cfg.resident_at(world_size)
+        self.narrows_int64_ids = self.resident   # the resident call's pack launch narrows them (RoutingMessage.pack_call)
         self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
         if self.fixed_plan is not None:  # every rank's (c, K, n_steal): the resident call's tables read K here
             p = self.fixed_plan
@@ -383,8 +384,10 @@ class WeaveBackend:
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
+        # the routing message, the addresses, the call number, the status word's carried rejection, and the
+        # zeroed control block and flags (this rank's parity-0 flags, before its message leaves: workspace.py)
         self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out, code,
-                               self.status)
+                               self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
         clock.lap("pack")
         if self.debug_skip_launch and self.kernel_variants <= self.compiled:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
@@ -420,12 +423,9 @@ class WeaveBackend:
         self.status_host.copy_(self.status, non_blocking=True)
 
     def _resident_tables(self):
-        """The resident call's tables: counts, the verdict, the plan (adaptive policies), the next call number, and
-        the task tables for the planned chunk counts."""
-        self.ctrl.zero_()
-        # this call's flags are zeroed before this rank's message leaves: a peer writes them only after it has
-        # received that message (workspace.py, flag protocol; the resident call always uses parity 0)
-        self.workspace.flags(0).zero_()
+        """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the
+        planned chunk counts (the pack launch before them zeroed the control block and the flags, the resident call
+        always using parity 0, and advanced the call number)."""
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
@@ -433,7 +433,6 @@ class WeaveBackend:
         counts = self.device_counts.build(self.all_routing, self.live_status, self.rank, verdict=True)
         if self.device_planner is not None:
             self.device_planner.launch(counts, self.plans_device)
-        self.header_device[2:3].add_(1)
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         build = build_layout_triton if cfg.triton_tables else self.layout_builder

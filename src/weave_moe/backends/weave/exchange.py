@@ -103,34 +103,46 @@ class RoutingMessage:
                           token_counts[num_tokens:num_tokens + 1], header], out=out)
 
     def pack_call(self, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, header: torch.Tensor,
-                  io: torch.Tensor, x: torch.Tensor, result: torch.Tensor, error_code: int,
-                  status: torch.Tensor) -> None:
-        """`pack` for the device-resident call, in ONE Triton launch that also writes the call's addresses and
-        carries the last call's rejection out of the live status word: `out` gets the message (`header` with its
-        error-code word replaced by `error_code`), `io` [2] int64 the addresses of x and `result` (what the resident
-        kernel reads instead of pointer arguments), `status` goes through `sync.carry_rejection`.
+                  io: torch.Tensor, x: torch.Tensor, result: torch.Tensor, error_code: int, status: torch.Tensor,
+                  control: torch.Tensor, flags: torch.Tensor, num_experts: int) -> None:
+        """Everything the device-resident call does before its graph, in ONE Triton launch: `out` gets the message
+        (`pack`'s words; `header` with its error-code word replaced by `error_code`), then the device header's call
+        number advances; `io` [2] int64 gets the addresses of x and `result` (what the resident kernel reads instead
+        of pointer arguments); `status` goes through `sync.carry_rejection`; `control` and `flags` are zeroed.
 
-        Args as `pack`; `header`: [HEADER_WORDS] int32 on the device (the call number advances there, in the
-        resident graph); `io`: [2] int64 on the device; `status`: int32 [2 * STATUS_WORDS] (kernels/sync.py: live
-        word, reported rejection)."""
+        Args as `pack`, except: topk_ids [T, k] int32 or int64 (int64 narrowed here without wrapping: ids outside
+        [-1, E) become -2 or E, which the counts kernel's verdict still counts as out of range); `header`:
+        [HEADER_WORDS] int32 on the device; `io`: [2] int64 on the device; `status`: int32 [2 * STATUS_WORDS]
+        (kernels/sync.py: live word, reported rejection); `control`: int32, the megakernel's control block;
+        `flags`: int32, this rank's arrival and combine flags of the call's parity (zeroed before this rank's
+        message leaves: a peer writes them only after it received that message, workspace.py); `num_experts`: E.
+        """
         if status.dtype != torch.int32 or status.numel() < 2 * sync.STATUS_WORDS:
             raise ValueError(f"status must be int32 with >= {2 * sync.STATUS_WORDS} words (live and reported words)")
+        for name, tensor in (("control", control), ("flags", flags)):
+            if tensor.dtype != torch.int32 or not tensor.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous int32 tensor")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
         words, n = self.id_words, topk_ids.numel()
         if n > words:
             raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {words} ids")
         grid = (triton.cdiv(words, _PACK_BLOCK), 1, 1)
-        args = (topk_ids, topk_weights, out, header, io, status, n, topk_ids.shape[0], x.data_ptr(),
-                result.data_ptr(), error_code, words)
-        compiled = _PACK_COMPILED.get(out.device) if out.is_cuda else None
+        args = (topk_ids, topk_weights, out, header, io, status, control, flags, n, topk_ids.shape[0], x.data_ptr(),
+                result.data_ptr(), error_code, words, control.numel(), flags.numel(), num_experts)
+        # one compiled kernel per (device, ids dtype): the launch below bypasses the JIT's dispatch on dtypes
+        key = (out.device, topk_ids.dtype)
+        compiled = _PACK_COMPILED.get(key) if out.is_cuda else None
         if compiled is not None:
             # the compiled kernel directly: Triton's JIT launch spends ~25 us of host time per call binding and
             # specialising arguments (measured on the H200 machine), this ~5. Valid for any arguments: no pointer
-            # or integer is specialised (do_not_specialize), the dtypes are the layer's checked ones.
-            compiled[grid](*args, HEADER_WORDS, _PACK_BLOCK)   # Triton's launcher takes the constexprs too
+            # or integer is specialised (do_not_specialize), the dtypes are the key's.
+            compiled[grid](*args, HEADER_WORDS, HEADER_CALL_WORD, _PACK_BLOCK)  # the launcher takes the constexprs
         else:
-            compiled = _pack_kernel[grid](*args, HEADER=HEADER_WORDS, BLOCK=_PACK_BLOCK, num_warps=4)
+            compiled = _pack_kernel[grid](*args, HEADER=HEADER_WORDS, CALL_WORD=HEADER_CALL_WORD, BLOCK=_PACK_BLOCK,
+                                          num_warps=4)
             if out.is_cuda:
-                _PACK_COMPILED[out.device] = compiled
+                _PACK_COMPILED[key] = compiled
 
     def unpack(self, messages: torch.Tensor):
         """Views of gathered messages [EP, words] int32: (ids [EP, T_max, k] int32, weights [EP, T_max, k] fp32,
@@ -146,26 +158,38 @@ class RoutingMessage:
 
 
 _PACK_BLOCK = 4096
-_PACK_COMPILED: dict = {}   # device -> the compiled _pack_kernel (RoutingMessage.pack_call)
+_PACK_COMPILED: dict = {}   # (device, ids dtype) -> the compiled _pack_kernel (RoutingMessage.pack_call)
 
 
-@triton.jit(do_not_specialize=["ids_ptr", "weights_ptr", "message_ptr", "header_ptr", "io_ptr", "status_ptr", "num_ids",
-                               "num_tokens", "x_address", "out_address", "error_code", "words"])
-def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, status_ptr, num_ids, num_tokens, x_address,
-                 out_address, error_code, words, HEADER: tl.constexpr, BLOCK: tl.constexpr):
-    """RoutingMessage.pack_call: words [pid * BLOCK, +BLOCK) of the ids and of the weights' bits (padding -1 / 0);
-    program 0 also T, the header, the addresses and the status word's carried rejection."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit(do_not_specialize=["ids_ptr", "weights_ptr", "message_ptr", "header_ptr", "io_ptr", "status_ptr",
+                               "control_ptr", "flags_ptr", "num_ids", "num_tokens", "x_address", "out_address",
+                               "error_code", "words", "control_words", "flag_words", "num_experts"])
+def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr, flags_ptr, num_ids,
+                 num_tokens, x_address, out_address, error_code, words, control_words, flag_words, num_experts,
+                 HEADER: tl.constexpr, CALL_WORD: tl.constexpr, BLOCK: tl.constexpr):
+    """RoutingMessage.pack_call: words [pid * BLOCK, +BLOCK) of the ids and of the weights' bits (padding -1 / 0) and
+    the same share of the zeroed control block and flags; program 0 also T, the header (then the call number + 1),
+    the addresses and the status word's carried rejection."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     given = offs < num_ids
     ids = tl.load(ids_ptr + offs, mask=given, other=-1)
+    ids = tl.minimum(tl.maximum(ids, -2), num_experts).to(tl.int32)  # int64 narrowed without wrapping
     weights = tl.load(weights_ptr + offs, mask=given, other=0.0).to(tl.int32, bitcast=True)
     tl.store(message_ptr + offs, ids, mask=offs < words)
     tl.store(message_ptr + words + offs, weights, mask=offs < words)
-    if tl.program_id(0) == 0:
+    zeros = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(pid * BLOCK, control_words, tl.num_programs(0) * BLOCK):
+        tl.store(control_ptr + start + tl.arange(0, BLOCK), zeros, mask=start + tl.arange(0, BLOCK) < control_words)
+    for start in range(pid * BLOCK, flag_words, tl.num_programs(0) * BLOCK):
+        tl.store(flags_ptr + start + tl.arange(0, BLOCK), zeros, mask=start + tl.arange(0, BLOCK) < flag_words)
+    if pid == 0:
         tl.store(message_ptr + 2 * words, num_tokens)
         hh = tl.arange(0, HEADER)
         header = tl.load(header_ptr + hh)
         tl.store(message_ptr + 2 * words + 1 + hh, tl.where(hh == HEADER - 1, error_code, header))
+        tl.debug_barrier()  # every thread has read the header before it advances
+        tl.store(header_ptr + hh, header + 1, mask=hh == CALL_WORD)
         tl.store(io_ptr, x_address.to(tl.int64))
         tl.store(io_ptr + 1, out_address.to(tl.int64))
         sync.carry_rejection(status_ptr)
