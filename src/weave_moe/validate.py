@@ -138,6 +138,9 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
     if extra.get("bad_ids"):
         log("bad ids")
         rows.append(_bad_ids(rank, world_size, group, device))
+    if extra.get("graph_capture"):
+        log("graph capture")
+        rows.extend(_graph_capture(rank, world_size, group, device, extra["graph_capture"]))
     if extra.get("stall"):
         log("stall")
         rows.append(_stall(rank, world_size, group, device))
@@ -187,6 +190,53 @@ def _stress(rank, world_size, group, device, calls, policy) -> dict:
                     passed=worst <= TOLERANCE, seconds=time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001
         return dict(stress=True, rank=rank, passed=False, error=f"{type(error).__name__}: {error}"[:2000])
+
+
+def _graph_capture(rank, world_size, group, device, replays: int) -> list[dict]:
+    """The layer inside a caller's `torch.cuda.graph` (what serving engines do for decode), at any EP size: one eager
+    call, a capture, then `replays` replays with fresh x and routing written into the captured inputs on every rank
+    (uniform, skewed and routing with -1 ids in turn), each output checked against the reference. The replays pair
+    across ranks through the routing exchange inside the graph, so every rank replays the same number of times."""
+    from weave_moe import routing
+
+    spec = MoESpec(16, 4, 512, 256, name="capture")
+    rows = []
+    for policy, T in (("serial", 48), ("weave", 48), ("weave", 4)):
+        layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 8, 64, policy=policy,
+                                      debug_poison=True)
+        gen = torch.Generator(device).manual_seed(rank)
+        x_s = torch.randn(T, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16)
+        ids_s, w_s = routing.uniform(T, spec.num_experts, spec.top_k, seed=rank, device=device)
+        ids_s = ids_s.to(torch.int32).contiguous()
+        error, worst = None, 0.0
+        try:
+            layer(x_s, ids_s, w_s)
+            layer.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out_s = layer(x_s, ids_s, w_s)
+            for replay in range(replays):
+                seed = 1000 * replay + rank
+                if replay % 3 == 1:
+                    ids, w = routing.skewed(T, spec.num_experts, spec.top_k, skew=4.0, seed=seed, device=device)
+                else:
+                    ids, w = routing.uniform(T, spec.num_experts, spec.top_k, seed=seed, device=device)
+                if replay % 3 == 2:
+                    ids = ids.clone()
+                    ids[::3, -1] = -1
+                x_s.copy_(torch.randn(T, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16))
+                ids_s.copy_(ids)
+                w_s.copy_(w)
+                graph.replay()
+                torch.cuda.synchronize(device)
+                worst = max(worst, moe_error(out_s, reference_moe(x_s, ids_s, w_s, w13, w2))[0])
+            layer.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a failed row
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(dict(graph_capture=f"{policy}:{T}", rank=rank, replays=replays, rel_error=worst, error=error,
+                         passed=error is None and worst <= TOLERANCE))
+        del layer
+    return rows
 
 
 def _bad_ids(rank, world_size, group, device) -> dict:
@@ -450,6 +500,9 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS))
     parser.add_argument("--stress-calls", type=int, default=0)
     parser.add_argument("--stall", action="store_true")
+    parser.add_argument("--graph-capture", type=int, default=0, metavar="N",
+                        help="capture the layer in a caller's CUDA graph, then N replays with fresh inputs written "
+                             "into it (every rank), each against the reference")
     parser.add_argument("--bad-ids", action="store_true",
                         help="one rank passes an expert id >= E: every rank must raise ValueError, the layer must go on")
     parser.add_argument("--failures", action="store_true",
@@ -469,7 +522,7 @@ def main(argv=None) -> int:
              "quick": [Case("qwen3-30b-a3b", (2048, 2048)), Case("deepseek-v2-lite", (1024, 512), "skewed:6")]}
     cases = cases[args.suite]
     extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids,
-                 failures=args.failures, shared_gpu=args.shared_gpu)
+                 failures=args.failures, shared_gpu=args.shared_gpu, graph_capture=args.graph_capture)
     start = time.time()
     from weave_moe.bench.variants import parse_variants
 
