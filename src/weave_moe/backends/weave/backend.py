@@ -269,7 +269,8 @@ class WeaveBackend:
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 timings: dict | None = None) -> torch.Tensor:
-        """x [T, H] bf16, topk_ids [T, k] int32 global ids (-1 = none), topk_weights [T, k] fp32 -> [T, H] bf16.
+        """x [T, H] bf16, topk_ids [T, k] int32 global ids (-1 = none; int64 too in the device-resident call, which
+        narrows them in its pack launch), topk_weights [T, k] fp32 -> [T, H] bf16.
 
         `timings`, when given, accumulates host milliseconds per step (host_exchange_ms, host_sync_ms, ...)."""
         if self.resident:
