@@ -93,7 +93,7 @@ for stage in "$@"; do
           timeout 100 python3 -m weave_moe.validate --suite quick --nproc 2 --variants $v --out "$W/validate-quick-ep2-$v.json" --timeout 90 > "$W/validate-quick-ep2-$v.log" 2>&1; echo "$v rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-$v.log" | tail -4
         done
         for mode in ${EP2_VAL_MODES:-off on}; do
-          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${EP2_VAL_TIMEOUT:-170}" python3 -m weave_moe.validate --suite quick --nproc 2 --trace "${EP2_TRACE:-120}" --out "$W/validate-quick-ep2-resident-$mode.json" --timeout $(( ${EP2_VAL_TIMEOUT:-170} - 10 )) > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
+          WEAVE_MOE_KERNEL_CONFIG=resident=$mode timeout "${EP2_VAL_TIMEOUT:-170}" python3 -m weave_moe.validate --suite quick --nproc 2 $([ "$mode" = on ] && echo "${EP2_VAL_ARGS---graph-capture 20}") --trace "${EP2_TRACE:-120}" --out "$W/validate-quick-ep2-resident-$mode.json" --timeout $(( ${EP2_VAL_TIMEOUT:-170} - 10 )) > "$W/validate-quick-ep2-resident-$mode.log" 2>&1; echo "resident=$mode rc=$?"; grep -vE "^PASS" "$W/validate-quick-ep2-resident-$mode.log" | tail -6
         done;;
     # the resident call at EP=2, state per rank and call with no collective after a call (scripts/resident_ep2_probe.py)
     ep2-probe) timeout "${EP2_PROBE_TIMEOUT:-200}" python3 scripts/resident_ep2_probe.py --out "$W/resident_ep2_probe.json" --timeout $(( ${EP2_PROBE_TIMEOUT:-200} - 10 )) > "$W/resident_ep2_probe.log" 2>&1; echo "rc=$?"; cut -c1-700 "$W/resident_ep2_probe.log" | tail -20;;
