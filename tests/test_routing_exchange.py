@@ -86,7 +86,7 @@ SCRIPT = textwrap.dedent(
             expected = torch.stack(sends)
             msg, W = self.msg, self.msg.id_words
             for r, view in enumerate(self.views):
-                assert self.statuses[r].tolist() == [0, 0, 0, 0], (r, self.statuses[r])
+                assert self.statuses[r][:4].tolist() == [0, 0, 0, 0], (r, self.statuses[r])
                 assert torch.equal(self.all_routing[r], expected), (r, self.all_routing[r], expected)
                 # one advance per call, the send counters back at zero, every source's flag at this call
                 assert view.exchange_ctrl.tolist() == [seq, 0] + [0] * self.ep, (r, view.exchange_ctrl)
@@ -128,6 +128,46 @@ SCRIPT = textwrap.dedent(
         assert torch.equal(ranks.all_routing[r][0], sends[0])
         assert (ranks.all_routing[r][1] == GARBAGE).all()
         assert ranks.views[r].exchange_ctrl[0] == 1  # the launch still counted
+
+    # (d) a rejection left in one rank's live status word (the rank whose input was refused raises in the call and
+    # never reads its word): its next call must still run. Without the pack launch's carry the word stays set through
+    # the exchange, so that rank's waits give up at once (on a GPU its receive had not seen the peer's flag yet) and
+    # its kernels do nothing while the peer runs the call (seen at EP = 2 on one GPU; the interpreter runs the sends
+    # first, so the receive here finds the flag and copies anyway). With the carry (what every resident call runs
+    # first), the live word is clean and the rejection waits in the reported word for the host.
+    from weave_moe.backends.coordination import HEADER_WORDS
+    from weave_moe.backends.weave.kernels import sync
+    rejection = [sync.REJECT_PEER_FAILED, 1, 1, 1]
+    for carry in (False, True):
+        ranks = Ranks(2, 6, 2, seed=11)
+        ranks.statuses = [torch.zeros(8, dtype=torch.int32) for _ in range(2)]
+        ranks.check(ranks.call([3, 4], parts=1), 1, [3, 4])
+        ranks.statuses[1][:4] = torch.tensor(rejection, dtype=torch.int32)
+        sends = []
+        for r in range(2):
+            send = torch.empty(ranks.msg.words, dtype=torch.int32)
+            ids = torch.tensor([[r, 5], [2, -1]], dtype=torch.int32)
+            header = torch.tensor([7, 0, 2, 0], dtype=torch.int32)[:HEADER_WORDS]
+            if carry:
+                x = torch.empty(2, 8, dtype=torch.bfloat16)
+                ranks.msg.pack_call(send, ids, torch.rand(2, 2), header, torch.zeros(2, dtype=torch.int64), x, x, 0,
+                                    ranks.statuses[r], torch.ones(3, dtype=torch.int32),
+                                    torch.ones(4, dtype=torch.int32), NUM_EXPERTS)
+            else:
+                ranks.msg.pack(send, ids, torch.rand(2, 2), ranks.msg.pad(),
+                               torch.arange(ranks.msg.max_tokens + 1, dtype=torch.int32), header)
+            sends.append(send)
+        for stage in (rx.STAGE_SEND, rx.STAGE_RECV):
+            for r in range(2):
+                ranks.all_routing[r] = (torch.full((2, ranks.msg.words), GARBAGE, dtype=torch.int32)
+                                        if stage == rx.STAGE_SEND else ranks.all_routing[r])
+                rx.exchange_routing(ranks.views[r], ranks.msg, sends[r], ranks.all_routing[r], ranks.statuses[r],
+                                    stage=stage, parts=1, peer_bases=ranks.table, block=8, timeout_ns=10 ** 9)
+        for r in range(2):
+            assert torch.equal(ranks.all_routing[r], torch.stack(sends)), (carry, r)
+        after = [0, 0, 0, 0] + rejection if carry else rejection + [0, 0, 0, 0]
+        assert ranks.statuses[1].tolist() == after, (carry, ranks.statuses[1])
+        assert not ranks.statuses[0].any()
     print("ROUTING EXCHANGE INTERPRETER OK")
     """
 )
