@@ -194,9 +194,10 @@ def _stress(rank, world_size, group, device, calls, policy) -> dict:
 
 def _graph_capture(rank, world_size, group, device, replays: int) -> list[dict]:
     """The layer inside a caller's `torch.cuda.graph` (what serving engines do for decode), at any EP size: one eager
-    call, a capture, then `replays` replays with fresh x and routing written into the captured inputs on every rank
-    (uniform, skewed and routing with -1 ids in turn), each output checked against the reference. The replays pair
-    across ranks through the routing exchange inside the graph, so every rank replays the same number of times."""
+    call, 10 eager calls under `torch.cuda.set_sync_debug_mode("error")` (no host sync inside a call), a capture,
+    then `replays` replays with fresh x and routing written into the captured inputs on every rank (uniform, skewed
+    and routing with -1 ids in turn), each output checked against the reference. The replays pair across ranks
+    through the routing exchange inside the graph, so every rank replays the same number of times."""
     from weave_moe import routing
 
     spec = MoESpec(16, 4, 512, 256, name="capture")
@@ -211,6 +212,13 @@ def _graph_capture(rank, world_size, group, device, replays: int) -> list[dict]:
         error, worst = None, 0.0
         try:
             layer(x_s, ids_s, w_s)
+            layer.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(10):
+                    layer(x_s, ids_s, w_s)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
             layer.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
