@@ -329,3 +329,50 @@ def test_pack_kernel_compiles_for_sm90(ids_dtype):
     source = ASTSource(fn=_pack_kernel, signature=signature, constexprs=dict(HEADER=4, CALL_WORD=2, BLOCK=4096))
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert ".local" not in ptx and "bar.sync" in ptx
+
+
+def _production_exchange_worker(rank: int, world_size: int, schedule: list) -> list:
+    """One rank of test_production_exchange_across_two_processes (TRITON_INTERPRET=1 inherited from the test)."""
+    import torch.distributed as dist
+
+    from weave_moe.backends.coordination import HEADER_WORDS
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle through the store
+    workspace = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu"))
+    msg = RoutingMessage(8, 2)
+    view = workspace.attach(8, 8, routing_words=msg.words)
+    status = torch.zeros(4, dtype=torch.int32)
+    results = []
+    for call, tokens in enumerate(schedule):
+        g = torch.Generator().manual_seed(100 * call + rank)
+        ids = torch.randint(-1, 6, (tokens[rank], 2), generator=g, dtype=torch.int32)
+        weights = torch.rand(tokens[rank], 2, generator=g)
+        header = torch.tensor([rank, call, 7, 0], dtype=torch.int32)[:HEADER_WORDS]
+        send = torch.empty(msg.words, dtype=torch.int32)
+        msg.pack(send, ids, weights, msg.pad(), torch.arange(msg.max_tokens + 1, dtype=torch.int32), header)
+        all_routing = torch.full((world_size, msg.words), 0x5A5A5A5A, dtype=torch.int32)
+        rx.exchange_routing(view, msg, send, all_routing, status, timeout_ns=120 * 10**9, parts=1, block=8)
+        results.append(dict(send=send, all_routing=all_routing, status=status.tolist(),
+                            ctrl=view.exchange_ctrl.tolist()))
+    dist.barrier()  # no rank frees its buffer while a peer may still read it
+    return results
+
+
+def test_production_exchange_across_two_processes(monkeypatch):
+    """The production launch (send, then receive, in one launch) between two real processes: each rank's buffer
+    opened by the other through the ipc transport (shared memory on the CPU), the kernels under the interpreter,
+    the two ranks running at the same time; consecutive calls with changing T (both parities, T = 0 and T_max).
+    Every rank's all_routing equals the stack of every rank's message, bit for bit."""
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
+    schedule = [[5, 8], [0, 3], [8, 0], [2, 2]]
+    results = run_distributed(_production_exchange_worker, 2, schedule, backend="gloo", timeout_s=600,
+                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+    for call in range(len(schedule)):
+        expected = torch.stack([results[r][call]["send"] for r in range(2)])
+        for rank in range(2):
+            got = results[rank][call]
+            assert got["status"] == [0, 0, 0, 0], (call, rank, got["status"])
+            assert torch.equal(got["all_routing"], expected), (call, rank)
+            assert got["ctrl"] == [call + 1, 0, 0, 0], (call, rank, got["ctrl"])

@@ -260,3 +260,45 @@ def test_the_emulation_catches_a_per_layer_parity():
     schedule = [(i % 2, counts, False) for i, (_, counts, _) in enumerate(schedule)]
     with pytest.raises(AssertionError, match="leaked"):
         emulation.run(schedule)
+
+
+def _ipc_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle (CUDA IPC handles always do)
+    workspace = SymmetricWorkspace(dist.group.WORLD, rank, world_size, CPU)
+    view = workspace.attach(4, 8, routing_words=RoutingMessage(4, 2).words)
+    # every rank writes its tag into every peer's routing flag of this source, through its own mapping of that peer
+    for buffer in workspace.peer_buffers:
+        buffer[view.routing_flags_offset:].view(torch.int32)[rank] = 100 + rank
+    dist.barrier()
+    flags = view.routing_flags().tolist()
+    # growth: a new allocation, a new round of handles, the old flags gone
+    grown = workspace.attach(16, 8, routing_words=RoutingMessage(16, 2).words)
+    return dict(flags=flags, round=workspace.rendezvous_round, grown_flags=grown.routing_flags().tolist(),
+                peers=len(workspace.peer_buffers), generation=grown.generation,
+                bases=[int(base) for base in grown.peer_bases.tolist()],
+                mappings=[buffer.data_ptr() for buffer in workspace.peer_buffers])
+
+
+def test_ipc_transport_maps_every_peers_buffer(monkeypatch):
+    """WEAVE_MOE_TRANSPORT=ipc (ranks sharing one GPU; here two gloo processes on the CPU): each rank opens every
+    peer's buffer through the handles in the store, and a store through that mapping lands in the peer's memory."""
+    from weave_moe.testing import run_distributed
+
+    results = run_distributed(_ipc_worker, 2, backend="gloo", timeout_s=120, env=dict(WEAVE_MOE_TRANSPORT="ipc"))
+    for rank, result in enumerate(results):
+        assert result["flags"] == [100, 101], (rank, result)
+        assert result["round"] == 2 and result["peers"] == 2 and result["generation"] == 2, (rank, result)
+        assert result["grown_flags"] == [0, 0], (rank, result)
+        assert result["bases"] == result["mappings"], (rank, result)   # the kernels' table: this process's mappings
+
+
+def test_transport_setting_is_checked(monkeypatch):
+    from weave_moe.backends.weave.workspace import transport_from_env
+
+    monkeypatch.setenv("WEAVE_MOE_TRANSPORT", "nvlink")
+    with pytest.raises(ValueError, match="WEAVE_MOE_TRANSPORT"):
+        transport_from_env()
+    monkeypatch.delenv("WEAVE_MOE_TRANSPORT")
+    assert transport_from_env() == "symm"

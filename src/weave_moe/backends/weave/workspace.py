@@ -272,7 +272,8 @@ class SymmetricWorkspace:
             self.handle = None
         elif self.transport == "ipc":
             self.buffer = torch.zeros(total, dtype=torch.uint8, device=self.device)
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             bases = self._ipc_rendezvous()
         else:
             import torch.distributed._symmetric_memory as symm_mem
@@ -287,16 +288,19 @@ class SymmetricWorkspace:
 
     def _ipc_rendezvous(self) -> list[int]:
         """Transport "ipc": publish this rank's buffer as a CUDA IPC handle in the store, open every peer's; returns
-        the base addresses, rank order. Collective (every rank allocates at the same layer)."""
+        the base addresses, rank order. Collective (every rank allocates at the same layer). CPU buffers go the same
+        way through shared memory (the tests; torch's "file_system" sharing strategy, whose handles pickle)."""
         import datetime
 
         import torch.distributed as dist
-        from torch.multiprocessing.reductions import reduce_tensor
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's tensor reducers (CUDA IPC, shm) with it
 
         self.rendezvous_round += 1
         store = dist.distributed_c10d._get_default_store()
         prefix = f"weave_moe/ipc/{self.group.group_name}/{self.rendezvous_round}"
-        store.set(f"{prefix}/{self.rank}", pickle.dumps(reduce_tensor(self.buffer)))
+        store.set(f"{prefix}/{self.rank}", bytes(ForkingPickler.dumps(self.buffer)))
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         store.wait(keys, datetime.timedelta(seconds=120))
         self.peer_buffers = []
@@ -304,8 +308,7 @@ class SymmetricWorkspace:
             if peer == self.rank:
                 self.peer_buffers.append(self.buffer)
                 continue
-            rebuild, args = pickle.loads(store.get(key))
-            self.peer_buffers.append(rebuild(*args))
+            self.peer_buffers.append(pickle.loads(store.get(key)))
         dist.barrier(group=self.group)
         return [buffer.data_ptr() for buffer in self.peer_buffers]
 
