@@ -1,4 +1,5 @@
-"""The megakernel without a GPU: the whole kernel under TRITON_INTERPRET=1 at EP=1, and its sm_90 PTX.
+"""The megakernel without a GPU: the whole kernel under TRITON_INTERPRET=1 at EP=1, the serial launches at EP=2
+between two processes (each rank's workspace opened by the other through the ipc transport), and its sm_90 PTX.
 
 Under the interpreter programs run one after another, so only schedules in which no CTA waits for a later CTA can
 run: the staged launches (`serial`) and a single launch where every CTA is a comm CTA with an unlimited steal budget
@@ -421,3 +422,107 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
         assert "cp.async.bulk.tensor" in ptx
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
         assert shapes == ({"128", "256"} if interleaved else {"128"}), (name, shapes)
+
+
+def _ep2_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int, I: int, K: int, seed: int) -> dict:
+    """One rank of test_megakernel_at_ep2_across_two_processes (TRITON_INTERPRET=1 inherited from the test)."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from weave_moe.backends.weave.launch import NO_DESCRIPTORS, MegakernelArgs, MegakernelConstants, launch
+    from weave_moe.backends.weave.layout import build_layout
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+    from weave_moe.plan import MAX_CHUNKS
+    from weave_moe.reference import reference_moe
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle through the store
+    max_tokens = max(tokens) + 3
+    g = torch.Generator().manual_seed(seed)
+    # every rank draws every rank's routing and tokens from one seed: what the routing exchange gives each rank
+    all_ids = torch.full((world_size, max_tokens, k), -1, dtype=torch.int32)
+    all_w = torch.zeros(world_size, max_tokens, k)
+    xs = []
+    for source, count in enumerate(tokens):
+        if count:
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(count)]).int()
+            if count > 2:
+                ids[1, :] = -1   # a token with no expert
+                ids[2, -1] = -1
+            all_ids[source, :count] = ids
+        all_w[source, :count] = torch.rand(count, k, generator=g)
+        xs.append(torch.randn(count, H, generator=g).bfloat16())
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    local = E // world_size
+    T, x = tokens[rank], xs[rank]
+    blocks = dict(block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
+    lay = build_layout(all_ids, all_w, torch.tensor(tokens), torch.tensor([K] * world_size), rank, E, hidden_size=H,
+                       intermediate_size=I, **blocks)
+    ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(max_tokens, H)
+    parity = ws.parity
+    flags = ws.flags(parity)
+    h = torch.full((lay.max_pairs, I), float("nan")).bfloat16()
+    y = torch.full((lay.max_pairs, H), float("nan")).bfloat16()
+    ctrl = torch.zeros(16 + lay.num_mtiles_bound, dtype=torch.int32)
+    status = torch.zeros(4, dtype=torch.int32)
+    out = torch.full((max(T, 1), H), 7.0).bfloat16()
+    grid = 3
+    constants = MegakernelConstants(
+        TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, DISPATCH_ROWS=4,
+        COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3, STAGES1=4,
+        BLOCK_K1=16, USE_TMA=False, RESIDENT=False)
+    dist.barrier()
+    for stage in (0, 1, 4):   # the serial policy's launches: dispatch, GEMMs, combine + reduce
+        args = MegakernelArgs(
+            x_ptr=x if T else out, out_ptr=out, w13_ptr=w13[rank * local:(rank + 1) * local],
+            w2_ptr=w2[rank * local:(rank + 1) * local], recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
+            comb_ptr=ws.comb(parity), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
+            comb_offset=ws.comb_offsets[parity], flags_offset=ws.flags_offsets[parity], arrival_ptr=flags,
+            comb_flag_ptr=ws.comb_flags(parity), ctrl_ptr=ctrl, status_ptr=status, meta_ptr=lay.meta,
+            plan_ptr=torch.tensor([[grid, K, 0, 0]] * world_size, dtype=torch.int32),
+            io_ptr=torch.zeros(2, dtype=torch.int64), tokens_ptr=torch.tensor([T], dtype=torch.int32),
+            timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=lay.dispatch_tasks,
+            send_token_ptr=lay.send_token, send_slot_ptr=lay.send_slot, gemm_tasks_ptr=lay.gemm_tasks,
+            gather_ptr=lay.gather_rows, arrival_expected_ptr=lay.arrival_expected,
+            gemm1_expected_ptr=lay.gemm1_expected, combine_tasks_ptr=lay.combine_tasks,
+            combine_token_ptr=lay.combine_token, combine_pos_ptr=lay.combine_pos,
+            combine_weight_ptr=lay.combine_weight, token_mask_ptr=lay.token_dest_mask,
+            combine_expected_ptr=lay.combine_expected, rank=rank, world_size=world_size, max_tokens=max_tokens,
+            num_tokens=T, H=H, I=I, num_comm_ctas=grid, num_steal=1 << 30, timeout_ns=10 ** 9,
+            PHASE_FIRST=0, PHASE_LAST=3)
+        launch(grid, args, dataclasses.replace(constants, STAGE=stage), NO_DESCRIPTORS, num_warps=8, num_stages=3)
+    dist.barrier()   # no rank frees its buffers while a peer may still write them
+    ref = reference_moe(x, all_ids[rank, :T], all_w[rank, :T], w13, w2) if T else None
+    # dispatch is bitwise: source s's tokens with an expert on this rank, in token order, from row s * T_max on
+    owner = torch.where(all_ids >= 0, all_ids // local, -1)
+    recv_ok = all(
+        torch.equal(ws.recv()[s * max_tokens: s * max_tokens + int(hit.sum())].view(torch.int16),
+                    xs[s][hit[:tokens[s]]].view(torch.int16))
+        for s in range(world_size) for hit in [(owner[s] == rank).any(dim=1)])
+    return dict(status=status.tolist(), unwritten=bool(out[:T].isnan().any()) or bool((out[:T] == 7.0).all(1).any()),
+                error=float(((out[:T].float() - ref.float()).norm() / ref.float().norm())) if T else 0.0,
+                arrivals=torch.equal(flags[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS),
+                                     lay.arrival_expected.view(world_size, MAX_CHUNKS)),
+                combines=flags[world_size * MAX_CHUNKS:].tolist() == lay.combine_expected.view(-1).tolist(),
+                recv_ok=recv_ok)
+
+
+@pytest.mark.parametrize("tokens, E, k, H, I, K", [([9, 6], 4, 2, 40, 24, 1), ([5, 0], 8, 3, 33, 20, 2),
+                                                   ([1, 12], 4, 2, 16, 16, 3)])
+def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I, K):
+    """The serial policy's launches at EP = 2 between two real processes: each rank's workspace opened by the other
+    through the ipc transport (shared memory on the CPU), the kernels under the interpreter, both ranks at once.
+    Rows go to the peer's receive buffer (checked bitwise), arrivals and combine rows come back through the peer's
+    flags, the dispatch launch waits for every peer's rows before it ends; every output row matches the reference
+    (2e-2: the interpreter's bf16 rounding, module docstring)."""
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
+    results = run_distributed(_ep2_worker, 2, tokens, E, k, H, I, K, sum(tokens) + E, backend="gloo", timeout_s=600,
+                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+    for rank, result in enumerate(results):
+        assert result["status"] == [0, 0, 0, 0], (rank, result)
+        assert result["arrivals"] and result["combines"] and result["recv_ok"], (rank, result)
+        assert not result["unwritten"] and result["error"] < 2e-2, (rank, result)
