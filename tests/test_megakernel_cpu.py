@@ -424,7 +424,8 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
         assert shapes == ({"128", "256"} if interleaved else {"128"}), (name, shapes)
 
 
-def _ep2_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int, I: int, K: int, seed: int) -> dict:
+def _ep2_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int, I: int, K: int, seed: int,
+                staged: bool = True) -> dict:
     """One rank of test_megakernel_at_ep2_across_two_processes (TRITON_INTERPRET=1 inherited from the test)."""
     import dataclasses
 
@@ -474,7 +475,9 @@ def _ep2_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int
         COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3, STAGES1=4,
         BLOCK_K1=16, USE_TMA=False, RESIDENT=False)
     dist.barrier()
-    for stage in (0, 1, 4):   # the serial policy's launches: dispatch, GEMMs, combine + reduce
+    # the serial policy's launches (dispatch, GEMMs, combine + reduce), or the one launch of every phase (all CTAs
+    # comm CTAs with an unlimited steal budget: CTA 0 claims every task in DAG order, module docstring)
+    for stage in ((0, 1, 4) if staged else (-1,)):
         args = MegakernelArgs(
             x_ptr=x if T else out, out_ptr=out, w13_ptr=w13[rank * local:(rank + 1) * local],
             w2_ptr=w2[rank * local:(rank + 1) * local], recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
@@ -509,10 +512,12 @@ def _ep2_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int
                 recv_ok=recv_ok)
 
 
-@pytest.mark.parametrize("tokens, E, k, H, I, K", [([9, 6], 4, 2, 40, 24, 1), ([5, 0], 8, 3, 33, 20, 2),
-                                                   ([1, 12], 4, 2, 16, 16, 3)])
-def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I, K):
-    """The serial policy's launches at EP = 2 between two real processes: each rank's workspace opened by the other
+@pytest.mark.parametrize("tokens, E, k, H, I, K, staged", [
+    ([9, 6], 4, 2, 40, 24, 1, True), ([5, 0], 8, 3, 33, 20, 2, True), ([1, 12], 4, 2, 16, 16, 3, True),
+    ([9, 6], 4, 2, 40, 24, 2, False), ([0, 7], 8, 3, 33, 20, 4, False)])
+def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I, K, staged):
+    """The serial policy's launches, and the one launch of every phase with K chunks, at EP = 2 between two real
+    processes: each rank's workspace opened by the other
     through the ipc transport (shared memory on the CPU), the kernels under the interpreter, both ranks at once.
     Rows go to the peer's receive buffer (checked bitwise), arrivals and combine rows come back through the peer's
     flags, the dispatch launch waits for every peer's rows before it ends; every output row matches the reference
@@ -520,7 +525,8 @@ def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I,
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
-    results = run_distributed(_ep2_worker, 2, tokens, E, k, H, I, K, sum(tokens) + E, backend="gloo", timeout_s=600,
+    results = run_distributed(_ep2_worker, 2, tokens, E, k, H, I, K, sum(tokens) + E, staged, backend="gloo",
+                              timeout_s=600,
                               env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
     for rank, result in enumerate(results):
         assert result["status"] == [0, 0, 0, 0], (rank, result)
