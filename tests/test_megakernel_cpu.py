@@ -532,3 +532,122 @@ def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I,
         assert result["status"] == [0, 0, 0, 0], (rank, result)
         assert result["arrivals"] and result["combines"] and result["recv_ok"], (rank, result)
         assert not result["unwritten"] and result["error"] < 2e-2, (rank, result)
+
+
+def _resident_ep2_worker(rank: int, world_size: int, calls: list) -> list:
+    """One rank of test_resident_call_sequence_at_ep2_across_two_processes: the device-resident call's launches in
+    the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from weave_moe.backends.coordination import HEADER_WORDS
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts
+    from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
+    from weave_moe.backends.weave.kernels.tables import build_layout_triton
+    from weave_moe.backends.weave.launch import NO_DESCRIPTORS, MegakernelArgs, MegakernelConstants, launch
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+    from weave_moe.plan import MAX_CHUNKS
+    from weave_moe.reference import reference_moe
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle through the store
+    E, k, H, I, max_tokens, grid = 4, 2, 40, 24, 12, 3
+    local = E // world_size
+    g = torch.Generator().manual_seed(5)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    message = RoutingMessage(max_tokens, k)
+    counts = DeviceCounts(CountsFormat(world_size, E, sync.STATUS_WORDS), message, torch.device("cpu"))
+    ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
+        max_tokens, H, routing_words=message.words)
+    send = torch.empty(message.words, dtype=torch.int32)
+    all_routing = torch.zeros(world_size, message.words, dtype=torch.int32)
+    status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
+    header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]   # identity, index, call, code
+    io = torch.zeros(2, dtype=torch.int64)
+    plans = torch.tensor([[grid, 1, 0, 0]] * world_size, dtype=torch.int32)   # serial, K = 1 (a fixed policy)
+    h = torch.empty(world_size * max_tokens * k, I).bfloat16()
+    y = torch.empty(world_size * max_tokens * k, H).bfloat16()
+    constants = MegakernelConstants(
+        TOP_K=k, MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, DISPATCH_ROWS=4,
+        COMBINE_ROWS=4, REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3, STAGES1=4,
+        BLOCK_K1=16, USE_TMA=False, RESIDENT=True)
+    # the control block, sized from the tables' static bound (as the backend sizes it)
+    probe = build_layout_triton(*message.unpack(all_routing), plans[:, 1], rank, E, hidden_size=H, intermediate_size=I,
+                                block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
+    ctrl = torch.zeros(16 + probe.num_mtiles_bound, dtype=torch.int32)
+    results = []
+    dist.barrier()
+    for call, (tokens, bad_rank) in enumerate(calls):
+        T = tokens[rank]
+        cg = torch.Generator().manual_seed(100 * call + rank)
+        ids = torch.stack([torch.randperm(E, generator=cg)[:k] for _ in range(T)]).int() if T else \
+            torch.zeros(0, k, dtype=torch.int32)
+        weights = torch.rand(T, k, generator=cg)
+        x = torch.randn(T, H, generator=cg).bfloat16()
+        if rank == bad_rank and T:
+            ids[0, 0] = E + 3   # an id out of range: every rank's verdict refuses the call
+        out = torch.full((max(T, 1), H), float("nan")).bfloat16()
+        message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
+        exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=120 * 10**9, parts=1,
+                         block=8)
+        counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
+        all_ids, all_weights, all_tokens = message.unpack(all_routing)
+        layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
+                                     intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=4,
+                                     combine_rows=4, reduce_rows=4)
+        dummy = y[:1]
+        args = MegakernelArgs(
+            x_ptr=dummy, out_ptr=dummy, w13_ptr=w13[rank * local:(rank + 1) * local],
+            w2_ptr=w2[rank * local:(rank + 1) * local], recv_ptr=ws.recv(), h_ptr=h, y_ptr=y, comb_ptr=ws.comb(0),
+            peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset, comb_offset=ws.comb_offsets[0],
+            flags_offset=ws.flags_offsets[0], arrival_ptr=ws.flags(0), comb_flag_ptr=ws.comb_flags(0), ctrl_ptr=ctrl,
+            status_ptr=status[:sync.STATUS_WORDS], meta_ptr=layout.meta, plan_ptr=plans, io_ptr=io,
+            tokens_ptr=send[2 * message.id_words:2 * message.id_words + 1],
+            timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=layout.dispatch_tasks,
+            send_token_ptr=layout.send_token, send_slot_ptr=layout.send_slot, gemm_tasks_ptr=layout.gemm_tasks,
+            gather_ptr=layout.gather_rows, arrival_expected_ptr=layout.arrival_expected,
+            gemm1_expected_ptr=layout.gemm1_expected, combine_tasks_ptr=layout.combine_tasks,
+            combine_token_ptr=layout.combine_token, combine_pos_ptr=layout.combine_pos,
+            combine_weight_ptr=layout.combine_weight, token_mask_ptr=layout.token_dest_mask,
+            combine_expected_ptr=layout.combine_expected, rank=rank, world_size=world_size, max_tokens=max_tokens,
+            num_tokens=0, H=H, I=I, num_comm_ctas=1, num_steal=0, timeout_ns=10 ** 9, PHASE_FIRST=0, PHASE_LAST=3)
+        launch(grid, args, dataclasses.replace(constants, STAGE=-1), NO_DESCRIPTORS, num_warps=8, num_stages=3)
+        error = None
+        if T and bad_rank is None:
+            ref = reference_moe(x, ids, weights, w13, w2)
+            error = float((out[:T].float() - ref.float()).norm() / ref.float().norm())
+        results.append(dict(status=status.tolist(), error=error, nan=bool(out[:T].isnan().all()) if T else True))
+    dist.barrier()   # no rank frees its buffers while a peer may still write them
+    return results
+
+
+def test_resident_call_sequence_at_ep2_across_two_processes(monkeypatch):
+    """The device-resident call's launches at EP = 2 between two real processes (ipc transport on the CPU, kernels
+    under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call
+    number), routing exchange, counts + verdict, task tables, the one-launch kernel reading its plan, T, x and out
+    from the device. Calls: two good ones, one where rank 1 sends an id out of range (both ranks refuse it: NaN rows,
+    the rejection in the live word), then good ones again, which must be correct on BOTH ranks: the rejection was
+    carried out of the live word by the next pack (without that, the refusing ranks' next call did no work)."""
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
+    calls = [([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)]
+    results = run_distributed(_resident_ep2_worker, 2, calls, backend="gloo", timeout_s=600,
+                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+    for rank in range(2):
+        for index, ((tokens, bad_rank), got) in enumerate(zip(calls, results[rank])):
+            if bad_rank is not None:
+                assert got["status"][0] == sync.REJECT_BAD_IDS and got["status"][1] == bad_rank, (rank, index, got)
+                assert got["nan"], (rank, index, got)
+                continue
+            if index == 3:  # the call after the refused one: the rejection moved to the reported word
+                assert got["status"][:4] == [0, 0, 0, 0] and got["status"][4] == sync.REJECT_BAD_IDS, (rank, got)
+            else:
+                assert got["status"][:4] == [0, 0, 0, 0], (rank, index, got)
+            if tokens[rank]:
+                assert got["error"] is not None and got["error"] < 2e-2, (rank, index, got)
