@@ -1,5 +1,6 @@
 """The megakernel without a GPU: the whole kernel under TRITON_INTERPRET=1 at EP=1, the serial launches at EP=2
-between two processes (each rank's workspace opened by the other through the ipc transport), and its sm_90 PTX.
+between processes at EP 2-4 (each rank's workspace opened by the others through the ipc transport), and its sm_90
+PTX.
 
 Under the interpreter programs run one after another, so only schedules in which no CTA waits for a later CTA can
 run: the staged launches (`serial`) and a single launch where every CTA is a comm CTA with an unlimited steal budget
@@ -424,9 +425,9 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
         assert shapes == ({"128", "256"} if interleaved else {"128"}), (name, shapes)
 
 
-def _ep2_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int, I: int, K: int, seed: int,
+def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int, I: int, K: int, seed: int,
                 staged: bool = True) -> dict:
-    """One rank of test_megakernel_at_ep2_across_two_processes (TRITON_INTERPRET=1 inherited from the test)."""
+    """One rank of test_megakernel_across_processes (TRITON_INTERPRET=1 inherited from the test)."""
     import dataclasses
 
     import torch
@@ -514,10 +515,11 @@ def _ep2_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int
 
 @pytest.mark.parametrize("tokens, E, k, H, I, K, staged", [
     ([9, 6], 4, 2, 40, 24, 1, True), ([5, 0], 8, 3, 33, 20, 2, True), ([1, 12], 4, 2, 16, 16, 3, True),
-    ([9, 6], 4, 2, 40, 24, 2, False), ([0, 7], 8, 3, 33, 20, 4, False)])
-def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I, K, staged):
-    """The serial policy's launches, and the one launch of every phase with K chunks, at EP = 2 between two real
-    processes: each rank's workspace opened by the other
+    ([9, 6], 4, 2, 40, 24, 2, False), ([0, 7], 8, 3, 33, 20, 4, False),
+    ([6, 0, 9], 6, 2, 24, 16, 2, True), ([5, 7, 0, 3], 8, 3, 24, 16, 1, True), ([4, 6, 2, 0], 8, 2, 24, 16, 2, False)])
+def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged):
+    """The serial policy's launches, and the one launch of every phase with K chunks, at EP 2, 3 and 4 between real
+    processes: each rank's workspace opened by the others
     through the ipc transport (shared memory on the CPU), the kernels under the interpreter, both ranks at once.
     Rows go to the peer's receive buffer (checked bitwise), arrivals and combine rows come back through the peer's
     flags, the dispatch launch waits for every peer's rows before it ends; every output row matches the reference
@@ -525,7 +527,7 @@ def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I,
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
-    results = run_distributed(_ep2_worker, 2, tokens, E, k, H, I, K, sum(tokens) + E, staged, backend="gloo",
+    results = run_distributed(_ep_worker, len(tokens), tokens, E, k, H, I, K, sum(tokens) + E, staged, backend="gloo",
                               timeout_s=600,
                               env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
     for rank, result in enumerate(results):
@@ -534,7 +536,7 @@ def test_megakernel_at_ep2_across_two_processes(monkeypatch, tokens, E, k, H, I,
         assert not result["unwritten"] and result["error"] < 2e-2, (rank, result)
 
 
-def _resident_ep2_worker(rank: int, world_size: int, calls: list) -> list:
+def _resident_ep_worker(rank: int, world_size: int, calls: list) -> list:
     """One rank of test_resident_call_sequence_at_ep2_across_two_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph."""
     import dataclasses
@@ -637,7 +639,7 @@ def test_resident_call_sequence_at_ep2_across_two_processes(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     calls = [([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)]
-    results = run_distributed(_resident_ep2_worker, 2, calls, backend="gloo", timeout_s=600,
+    results = run_distributed(_resident_ep_worker, 2, calls, backend="gloo", timeout_s=600,
                               env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
     for rank in range(2):
         for index, ((tokens, bad_rank), got) in enumerate(zip(calls, results[rank])):

@@ -358,21 +358,23 @@ def _production_exchange_worker(rank: int, world_size: int, schedule: list) -> l
     return results
 
 
-def test_production_exchange_across_two_processes(monkeypatch):
-    """The production launch (send, then receive, in one launch) between two real processes: each rank's buffer
-    opened by the other through the ipc transport (shared memory on the CPU), the kernels under the interpreter,
-    the two ranks running at the same time; consecutive calls with changing T (both parities, T = 0 and T_max).
-    Every rank's all_routing equals the stack of every rank's message, bit for bit."""
+@pytest.mark.parametrize("schedule", [[[5, 8], [0, 3], [8, 0], [2, 2]], [[3, 8, 0, 5], [8, 1, 2, 0]]],
+                         ids=["ep2", "ep4"])
+def test_production_exchange_across_processes(monkeypatch, schedule):
+    """The production launch (send, then receive, in one launch) between real processes (EP 2 and 4): each rank's
+    buffer opened by the others through the ipc transport (shared memory on the CPU), the kernels under the
+    interpreter, the ranks running at the same time; consecutive calls with changing T (both parities, T = 0 and
+    T_max). Every rank's all_routing equals the stack of every rank's message, bit for bit."""
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
-    schedule = [[5, 8], [0, 3], [8, 0], [2, 2]]
-    results = run_distributed(_production_exchange_worker, 2, schedule, backend="gloo", timeout_s=600,
+    world_size = len(schedule[0])
+    results = run_distributed(_production_exchange_worker, world_size, schedule, backend="gloo", timeout_s=600,
                               env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
     for call in range(len(schedule)):
-        expected = torch.stack([results[r][call]["send"] for r in range(2)])
-        for rank in range(2):
+        expected = torch.stack([results[r][call]["send"] for r in range(world_size)])
+        for rank in range(world_size):
             got = results[rank][call]
             assert got["status"] == [0, 0, 0, 0], (call, rank, got["status"])
             assert torch.equal(got["all_routing"], expected), (call, rank)
-            assert got["ctrl"] == [call + 1, 0, 0, 0], (call, rank, got["ctrl"])
+            assert got["ctrl"] == [call + 1, 0] + [0] * world_size, (call, rank, got["ctrl"])
