@@ -536,8 +536,8 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged)
         assert not result["unwritten"] and result["error"] < 2e-2, (rank, result)
 
 
-def _resident_ep_worker(rank: int, world_size: int, calls: list) -> list:
-    """One rank of test_resident_call_sequence_at_ep2_across_two_processes: the device-resident call's launches in
+def _resident_worker(rank: int, world_size: int, calls: list) -> list:
+    """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph."""
     import dataclasses
 
@@ -627,8 +627,11 @@ def _resident_ep_worker(rank: int, world_size: int, calls: list) -> list:
     return results
 
 
-def test_resident_call_sequence_at_ep2_across_two_processes(monkeypatch):
-    """The device-resident call's launches at EP = 2 between two real processes (ipc transport on the CPU, kernels
+@pytest.mark.parametrize("calls", [
+    [([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)],
+    [([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)]], ids=["ep2", "ep4"])
+def test_resident_call_sequence_across_processes(monkeypatch, calls):
+    """The device-resident call's launches at EP 2 and 4 between real processes (ipc transport on the CPU, kernels
     under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call
     number), routing exchange, counts + verdict, task tables, the one-launch kernel reading its plan, T, x and out
     from the device. Calls: two good ones, one where rank 1 sends an id out of range (both ranks refuse it: NaN rows,
@@ -638,16 +641,17 @@ def test_resident_call_sequence_at_ep2_across_two_processes(monkeypatch):
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
-    calls = [([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)]
-    results = run_distributed(_resident_ep_worker, 2, calls, backend="gloo", timeout_s=600,
+    world_size = len(calls[0][0])
+    results = run_distributed(_resident_worker, world_size, calls, backend="gloo", timeout_s=600,
                               env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
-    for rank in range(2):
+    refused = [index for index, (_, bad_rank) in enumerate(calls) if bad_rank is not None]
+    for rank in range(world_size):
         for index, ((tokens, bad_rank), got) in enumerate(zip(calls, results[rank])):
             if bad_rank is not None:
                 assert got["status"][0] == sync.REJECT_BAD_IDS and got["status"][1] == bad_rank, (rank, index, got)
                 assert got["nan"], (rank, index, got)
                 continue
-            if index == 3:  # the call after the refused one: the rejection moved to the reported word
+            if index - 1 in refused:  # the call after the refused one: the rejection moved to the reported word
                 assert got["status"][:4] == [0, 0, 0, 0] and got["status"][4] == sync.REJECT_BAD_IDS, (rank, got)
             else:
                 assert got["status"][:4] == [0, 0, 0, 0], (rank, index, got)
