@@ -425,6 +425,23 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
         assert shapes == ({"128", "256"} if interleaved else {"128"}), (name, shapes)
 
 
+def _workspace_args(ws, parity: int) -> dict:
+    """The megakernel arguments that come from a WorkspaceView (as backend.py's `_launch` passes them)."""
+    return dict(recv_ptr=ws.recv(), comb_ptr=ws.comb(parity), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
+                comb_offset=ws.comb_offsets[parity], flags_offset=ws.flags_offsets[parity],
+                arrival_ptr=ws.flags(parity), comb_flag_ptr=ws.comb_flags(parity))
+
+
+def _table_args(lay) -> dict:
+    """The megakernel arguments that come from the task tables (layout.Layout)."""
+    return dict(meta_ptr=lay.meta, dispatch_tasks_ptr=lay.dispatch_tasks, send_token_ptr=lay.send_token,
+                send_slot_ptr=lay.send_slot, gemm_tasks_ptr=lay.gemm_tasks, gather_ptr=lay.gather_rows,
+                arrival_expected_ptr=lay.arrival_expected, gemm1_expected_ptr=lay.gemm1_expected,
+                combine_tasks_ptr=lay.combine_tasks, combine_token_ptr=lay.combine_token,
+                combine_pos_ptr=lay.combine_pos, combine_weight_ptr=lay.combine_weight,
+                token_mask_ptr=lay.token_dest_mask, combine_expected_ptr=lay.combine_expected)
+
+
 def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int, I: int, K: int, seed: int,
                 staged: bool = True) -> dict:
     """One rank of test_megakernel_across_processes (TRITON_INTERPRET=1 inherited from the test)."""
@@ -481,19 +498,11 @@ def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int,
     for stage in ((0, 1, 4) if staged else (-1,)):
         args = MegakernelArgs(
             x_ptr=x if T else out, out_ptr=out, w13_ptr=w13[rank * local:(rank + 1) * local],
-            w2_ptr=w2[rank * local:(rank + 1) * local], recv_ptr=ws.recv(), h_ptr=h, y_ptr=y,
-            comb_ptr=ws.comb(parity), peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset,
-            comb_offset=ws.comb_offsets[parity], flags_offset=ws.flags_offsets[parity], arrival_ptr=flags,
-            comb_flag_ptr=ws.comb_flags(parity), ctrl_ptr=ctrl, status_ptr=status, meta_ptr=lay.meta,
+            w2_ptr=w2[rank * local:(rank + 1) * local], h_ptr=h, y_ptr=y, ctrl_ptr=ctrl, status_ptr=status,
             plan_ptr=torch.tensor([[grid, K, 0, 0]] * world_size, dtype=torch.int32),
             io_ptr=torch.zeros(2, dtype=torch.int64), tokens_ptr=torch.tensor([T], dtype=torch.int32),
-            timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=lay.dispatch_tasks,
-            send_token_ptr=lay.send_token, send_slot_ptr=lay.send_slot, gemm_tasks_ptr=lay.gemm_tasks,
-            gather_ptr=lay.gather_rows, arrival_expected_ptr=lay.arrival_expected,
-            gemm1_expected_ptr=lay.gemm1_expected, combine_tasks_ptr=lay.combine_tasks,
-            combine_token_ptr=lay.combine_token, combine_pos_ptr=lay.combine_pos,
-            combine_weight_ptr=lay.combine_weight, token_mask_ptr=lay.token_dest_mask,
-            combine_expected_ptr=lay.combine_expected, rank=rank, world_size=world_size, max_tokens=max_tokens,
+            timeline_ptr=torch.zeros(1, dtype=torch.int64), **_workspace_args(ws, parity), **_table_args(lay),
+            rank=rank, world_size=world_size, max_tokens=max_tokens,
             num_tokens=T, H=H, I=I, num_comm_ctas=grid, num_steal=1 << 30, timeout_ns=10 ** 9,
             PHASE_FIRST=0, PHASE_LAST=3)
         launch(grid, args, dataclasses.replace(constants, STAGE=stage), NO_DESCRIPTORS, num_warps=8, num_stages=3)
@@ -604,18 +613,11 @@ def _resident_worker(rank: int, world_size: int, calls: list) -> list:
         dummy = y[:1]
         args = MegakernelArgs(
             x_ptr=dummy, out_ptr=dummy, w13_ptr=w13[rank * local:(rank + 1) * local],
-            w2_ptr=w2[rank * local:(rank + 1) * local], recv_ptr=ws.recv(), h_ptr=h, y_ptr=y, comb_ptr=ws.comb(0),
-            peer_base_ptr=ws.peer_bases, recv_offset=ws.recv_offset, comb_offset=ws.comb_offsets[0],
-            flags_offset=ws.flags_offsets[0], arrival_ptr=ws.flags(0), comb_flag_ptr=ws.comb_flags(0), ctrl_ptr=ctrl,
-            status_ptr=status[:sync.STATUS_WORDS], meta_ptr=layout.meta, plan_ptr=plans, io_ptr=io,
+            w2_ptr=w2[rank * local:(rank + 1) * local], h_ptr=h, y_ptr=y, ctrl_ptr=ctrl,
+            status_ptr=status[:sync.STATUS_WORDS], plan_ptr=plans, io_ptr=io,
             tokens_ptr=send[2 * message.id_words:2 * message.id_words + 1],
-            timeline_ptr=torch.zeros(1, dtype=torch.int64), dispatch_tasks_ptr=layout.dispatch_tasks,
-            send_token_ptr=layout.send_token, send_slot_ptr=layout.send_slot, gemm_tasks_ptr=layout.gemm_tasks,
-            gather_ptr=layout.gather_rows, arrival_expected_ptr=layout.arrival_expected,
-            gemm1_expected_ptr=layout.gemm1_expected, combine_tasks_ptr=layout.combine_tasks,
-            combine_token_ptr=layout.combine_token, combine_pos_ptr=layout.combine_pos,
-            combine_weight_ptr=layout.combine_weight, token_mask_ptr=layout.token_dest_mask,
-            combine_expected_ptr=layout.combine_expected, rank=rank, world_size=world_size, max_tokens=max_tokens,
+            timeline_ptr=torch.zeros(1, dtype=torch.int64), **_workspace_args(ws, 0), **_table_args(layout),
+            rank=rank, world_size=world_size, max_tokens=max_tokens,
             num_tokens=0, H=H, I=I, num_comm_ctas=1, num_steal=0, timeout_ns=10 ** 9, PHASE_FIRST=0, PHASE_LAST=3)
         launch(grid, args, dataclasses.replace(constants, STAGE=-1), NO_DESCRIPTORS, num_warps=8, num_stages=3)
         error = None
