@@ -545,7 +545,7 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged)
         assert not result["unwritten"] and result["error"] < 2e-2, (rank, result)
 
 
-def _resident_worker(rank: int, world_size: int, calls: list) -> list:
+def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None) -> list:
     """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph."""
     import dataclasses
@@ -593,6 +593,12 @@ def _resident_worker(rank: int, world_size: int, calls: list) -> list:
     results = []
     dist.barrier()
     for call, (tokens, bad_rank) in enumerate(calls):
+        stalled_call = stall is not None and call == stall[1]
+        if stalled_call and rank == stall[0]:
+            results.append(dict(status=None, error=None, nan=None))   # this rank never makes the call
+            break
+        # the waits of a call with a stalled peer end after 2 * 10^4 polls (the interpreter counts 100 ns a poll)
+        timeout_ns = 2 * 10**6 if stalled_call else 120 * 10**9
         T = tokens[rank]
         cg = torch.Generator().manual_seed(100 * call + rank)
         ids = torch.stack([torch.randperm(E, generator=cg)[:k] for _ in range(T)]).int() if T else \
@@ -603,7 +609,7 @@ def _resident_worker(rank: int, world_size: int, calls: list) -> list:
             ids[0, 0] = E + 3   # an id out of range: every rank's verdict refuses the call
         out = torch.full((max(T, 1), H), float("nan")).bfloat16()
         message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
-        exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=120 * 10**9, parts=1,
+        exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=timeout_ns, parts=1,
                          block=8)
         counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
@@ -618,7 +624,8 @@ def _resident_worker(rank: int, world_size: int, calls: list) -> list:
             tokens_ptr=send[2 * message.id_words:2 * message.id_words + 1],
             timeline_ptr=torch.zeros(1, dtype=torch.int64), **_workspace_args(ws, 0), **_table_args(layout),
             rank=rank, world_size=world_size, max_tokens=max_tokens,
-            num_tokens=0, H=H, I=I, num_comm_ctas=1, num_steal=0, timeout_ns=10 ** 9, PHASE_FIRST=0, PHASE_LAST=3)
+            num_tokens=0, H=H, I=I, num_comm_ctas=1, num_steal=0, timeout_ns=min(timeout_ns, 10 ** 9), PHASE_FIRST=0,
+            PHASE_LAST=3)
         launch(grid, args, dataclasses.replace(constants, STAGE=-1), NO_DESCRIPTORS, num_warps=8, num_stages=3)
         error = None
         if T and bad_rank is None:
@@ -659,3 +666,24 @@ def test_resident_call_sequence_across_processes(monkeypatch, calls):
                 assert got["status"][:4] == [0, 0, 0, 0], (rank, index, got)
             if tokens[rank]:
                 assert got["error"] is not None and got["error"] < 2e-2, (rank, index, got)
+
+
+def test_stalled_peer_at_ep4_ends_in_a_timeout_on_every_waiting_rank(monkeypatch):
+    """EP 4 between real processes, the device-resident call's launches: rank 3 never makes call 1. Every other rank's
+    routing exchange gives up at its deadline and records [timeout of the exchange, source 3, seen, expected] in its
+    status word, its kernel then does nothing and leaves NaN rows (the caller's tensors are not written), and no rank
+    hangs: what the host turns into WeaveTimeoutError."""
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
+    calls = [([4, 2, 5, 3], None), ([3, 6, 1, 2], None)]
+    results = run_distributed(_resident_worker, 4, calls, (3, 1), backend="gloo", timeout_s=600,
+                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+    for rank in range(3):
+        first, stalled = results[rank]
+        assert first["status"][:4] == [0, 0, 0, 0] and first["error"] < 2e-2, (rank, first)
+        assert stalled["status"][:2] == [sync.ERROR_EXCHANGE_TIMEOUT.value, 3], (rank, stalled)
+        assert stalled["status"][2] < stalled["status"][3], (rank, stalled)   # seen below expected
+        assert stalled["nan"], (rank, stalled)
+    assert results[3][1]["status"] is None
