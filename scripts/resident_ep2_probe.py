@@ -124,8 +124,8 @@ def main() -> int:
     from weave_moe.testing import run_distributed
 
     per_rank = run_distributed(probe, 2, args.calls, args.wait, args.shared_gpu,
-                               backend="gloo" if args.shared_gpu else "nccl", timeout_s=args.timeout,
-                               env=dict(WEAVE_MOE_TRANSPORT="ipc") if args.shared_gpu else None)
+                               backend="gloo" if args.shared_gpu else "nccl", shared_device=args.shared_gpu,
+                               timeout_s=args.timeout)
     with open(args.out, "w") as handle:
         json.dump(dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(), ranks=per_rank), handle,
                   indent=1)

@@ -456,7 +456,6 @@ def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int,
     from weave_moe.plan import MAX_CHUNKS
     from weave_moe.reference import reference_moe
 
-    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle through the store
     max_tokens = max(tokens) + 3
     g = torch.Generator().manual_seed(seed)
     # every rank draws every rank's routing and tokens from one seed: what the routing exchange gives each rank
@@ -538,7 +537,7 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged)
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     results = run_distributed(_ep_worker, len(tokens), tokens, E, k, H, I, K, sum(tokens) + E, staged, backend="gloo",
                               timeout_s=600,
-                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+                              env=dict(TRITON_INTERPRET="1"), shared_device=True)
     for rank, result in enumerate(results):
         assert result["status"] == [0, 0, 0, 0], (rank, result)
         assert result["arrivals"] and result["combines"] and result["recv_ok"], (rank, result)
@@ -564,7 +563,6 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     from weave_moe.plan import MAX_CHUNKS
     from weave_moe.reference import reference_moe
 
-    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle through the store
     E, k, H, I, max_tokens, grid = 4, 2, 40, 24, 12, 3
     local = E // world_size
     g = torch.Generator().manual_seed(5)
@@ -652,7 +650,7 @@ def test_resident_call_sequence_across_processes(monkeypatch, calls):
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     world_size = len(calls[0][0])
     results = run_distributed(_resident_worker, world_size, calls, backend="gloo", timeout_s=600,
-                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+                              env=dict(TRITON_INTERPRET="1"), shared_device=True)
     refused = [index for index, (_, bad_rank) in enumerate(calls) if bad_rank is not None]
     for rank in range(world_size):
         for index, ((tokens, bad_rank), got) in enumerate(zip(calls, results[rank])):
@@ -679,7 +677,7 @@ def test_stalled_peer_at_ep4_ends_in_a_timeout_on_every_waiting_rank(monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     calls = [([4, 2, 5, 3], None), ([3, 6, 1, 2], None)]
     results = run_distributed(_resident_worker, 4, calls, (3, 1), backend="gloo", timeout_s=600,
-                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+                              env=dict(TRITON_INTERPRET="1"), shared_device=True)
     for rank in range(3):
         first, stalled = results[rank]
         assert first["status"][:4] == [0, 0, 0, 0] and first["error"] < 2e-2, (rank, first)

@@ -337,7 +337,6 @@ def _production_exchange_worker(rank: int, world_size: int, schedule: list) -> l
 
     from weave_moe.backends.coordination import HEADER_WORDS
 
-    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle through the store
     workspace = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu"))
     msg = RoutingMessage(8, 2)
     view = workspace.attach(8, 8, routing_words=msg.words)
@@ -370,7 +369,7 @@ def test_production_exchange_across_processes(monkeypatch, schedule):
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     world_size = len(schedule[0])
     results = run_distributed(_production_exchange_worker, world_size, schedule, backend="gloo", timeout_s=600,
-                              env=dict(WEAVE_MOE_TRANSPORT="ipc", TRITON_INTERPRET="1"))
+                              env=dict(TRITON_INTERPRET="1"), shared_device=True)
     for call in range(len(schedule)):
         expected = torch.stack([results[r][call]["send"] for r in range(world_size)])
         for rank in range(world_size):

@@ -265,7 +265,6 @@ def test_the_emulation_catches_a_per_layer_parity():
 def _ipc_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    torch.multiprocessing.set_sharing_strategy("file_system")  # CPU handles that pickle (CUDA IPC handles always do)
     workspace = SymmetricWorkspace(dist.group.WORLD, rank, world_size, CPU)
     view = workspace.attach(4, 8, routing_words=RoutingMessage(4, 2).words)
     # every rank writes its tag into every peer's routing flag of this source, through its own mapping of that peer
@@ -286,7 +285,7 @@ def test_ipc_transport_maps_every_peers_buffer(monkeypatch):
     peer's buffer through the handles in the store, and a store through that mapping lands in the peer's memory."""
     from weave_moe.testing import run_distributed
 
-    results = run_distributed(_ipc_worker, 2, backend="gloo", timeout_s=120, env=dict(WEAVE_MOE_TRANSPORT="ipc"))
+    results = run_distributed(_ipc_worker, 2, backend="gloo", timeout_s=120, shared_device=True)
     for rank, result in enumerate(results):
         assert result["flags"] == [100, 101], (rank, result)
         assert result["round"] == 2 and result["peers"] == 2 and result["generation"] == 2, (rank, result)

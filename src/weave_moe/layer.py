@@ -330,13 +330,10 @@ class ExpertParallelMoE(torch.nn.Module):
                 raise ValueError(f"topk_ids must be in [-1, {num_experts}) (-1 = no expert), got values in "
                                  f"[{low}, {high}]")
         if topk_ids.dtype == torch.int32 or self.backend.narrows_int64_ids:
-            # no `.to` when nothing changes: even a no-op cast costs ~3 us of host time per call
-            return topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        if topk_ids.dtype == torch.int64:
-            # Narrow without wrapping: 2**32 + 3 must not become expert 3. Out-of-range ids map to -2 or E, which
-            # a backend's own check still counts as out of range (one elementwise op, no host sync).
-            topk_ids = topk_ids.clamp(-2, num_experts)
-        return topk_ids.to(torch.int32).contiguous()
+            return topk_ids.contiguous()   # no `.to`: even a no-op cast costs ~3 us of host time per call
+        # Narrow without wrapping: 2**32 + 3 must not become expert 3. Out-of-range ids map to -2 or E, which a
+        # backend's own check still counts as out of range (one elementwise op, no host sync).
+        return topk_ids.clamp(-2, num_experts).to(torch.int32).contiguous()
 
     def extra_repr(self) -> str:
         return (f"spec={self.spec.name}, backend={self.backend_name}, policy={self.policy}, "

@@ -40,7 +40,7 @@ def _to_bytes(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _worker(rank, world_size, port, backend, fn, args, env, results) -> None:
+def _worker(rank, world_size, port, backend, shared_device, fn, args, env, results) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
@@ -48,6 +48,8 @@ def _worker(rank, world_size, port, backend, fn, args, env, results) -> None:
 
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if shared_device:  # CPU buffers then share through files whose handles pickle (CUDA IPC handles always do)
+            torch.multiprocessing.set_sharing_strategy("file_system")
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size,
@@ -71,6 +73,7 @@ def run_distributed(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    shared_device: bool = False,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks and return their results, rank order.
 
@@ -80,6 +83,9 @@ def run_distributed(
         backend: "gloo" (CPU) or "nccl" (rank r uses cuda:r).
         timeout_s: wall-clock limit for the whole run; past it every rank is killed and TimeoutError is raised.
         env: extra environment variables for the ranks.
+        shared_device: every rank on ONE device (the caller's `fn` picks it: cuda:0, or the CPU): a gloo group, and
+            the weave workspace's "ipc" transport (WEAVE_MOE_TRANSPORT=ipc), through which the ranks open each
+            other's buffers (PyTorch's symmetric memory refuses ranks that share a device).
 
     Raises:
         DistributedError: a rank raised (message: every failing rank's traceback) or died without reporting.
@@ -87,12 +93,16 @@ def run_distributed(
     """
     import torch.multiprocessing as mp
 
+    if shared_device:
+        if backend != "gloo":
+            raise ValueError(f"shared_device=True runs over a gloo group, got backend={backend!r}")
+        env = {**(env or {}), "WEAVE_MOE_TRANSPORT": "ipc"}
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, backend, fn, args, dict(env or {}), results),
-                        daemon=True)
+        context.Process(target=_worker, args=(rank, world_size, port, backend, shared_device, fn, args,
+                                              dict(env or {}), results), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:

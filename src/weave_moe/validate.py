@@ -454,15 +454,13 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
         if rank == last:
             store.wait([f"{backend}-never-calls/{r}" for r in range(last)], datetime.timedelta(seconds=60))
             layer_backend = doomed.backend
-            if resident:
-                pass
-            elif backend == "weave":  # the routing all-gather, with a T = 0 message
+            if backend == "weave" and not resident:  # the routing all-gather, with a T = 0 message
                 layer_backend._write_header()
                 layer_backend.message.pack(layer_backend.send_routing, ids[:0], w[:0], layer_backend.routing_pad,
                                            layer_backend.token_counts, layer_backend.header_device)
                 torch.distributed.all_gather_into_tensor(layer_backend.all_routing.view(-1), layer_backend.send_routing,
                                                          group=group)
-            else:  # the count all-to-all
+            elif backend != "weave":  # the count all-to-all
                 counts = layer_backend._counts
                 torch.distributed.all_to_all_single(counts[1], counts[0], group=group)
             if device.type == "cuda":
@@ -537,8 +535,7 @@ def main(argv=None) -> int:
     # "static:20,4" keeps its comma; a typo fails here, before any rank starts
     variants = [variant.name for variant in parse_variants(args.variants)]
     results = run_distributed(check_worker, args.nproc, cases, variants, extra,
-                              backend="gloo" if args.shared_gpu else "nccl",
-                              env=dict(WEAVE_MOE_TRANSPORT="ipc") if args.shared_gpu else None,
+                              backend="gloo" if args.shared_gpu else "nccl", shared_device=args.shared_gpu,
                               timeout_s=args.timeout)
     rows = [row for per_rank in results for row in per_rank]
     failed = [r for r in rows if not r.get("passed")]
