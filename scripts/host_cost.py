@@ -3,9 +3,9 @@
 python scripts/host_cost.py --model qwen3-30b-a3b --tokens 1 --emulate-ep 2 [--policy serial] [--out host.json]
 
 Times (microseconds, CPU clock, the GPU drained before each sample so no queue backs up): the whole layer call
-(host return), the backend's forward alone, and its pieces one by one: torch.empty for out, the two io fills and the
-message pack (the path before pack_call), pack_call (what a call runs now), the graph replay, the status copy +
-event record. Also the GPU time of one call (events).
+(host return), the backend's forward alone, and its pieces one by one: torch.empty for out, the slot write of an
+eager call (CallSlots), pack_call (what a call captured into a caller's graph launches instead), the graph replay,
+the event record after it (cached stream). Also the GPU time of one call (events).
 """
 
 import argparse
@@ -65,13 +65,15 @@ def main():
                 row["layer_call_no_grad_us"] = median_us(lambda: layer(x, ids, w))
             row["empty_out_us"] = median_us(lambda: torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16,
                                                                 device=device))
-            row["io_fills_us"] = median_us(lambda: (b.io[0:1].fill_(x.data_ptr()), b.io[1:2].fill_(x.data_ptr())))
-            row["pack_us"] = median_us(lambda: b.message.pack(b.send_routing, ids, w, b.routing_pad, b.token_counts,
-                                                              b.header_device))
             out = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
+            # the pack a call captured into a caller's graph launches; an eager call writes its slot instead
             row["pack_call_us"] = median_us(lambda: b.message.pack_call(b.send_routing, ids, w, b.header_device, b.io,
                                                                         x, out, 0, b.status, b.ctrl,
                                                                         b.workspace.flags(0), spec.num_experts))
+            slots = type(b.slots)(b.message, device)   # a ring of its own: the layer's must stay in step
+            row["slot_write_us"] = median_us(lambda: (slots.write(x, out, ids, w, 0, None),
+                                                      slots.consumed_numpy.__setitem__(0, slots.written)))
+            row["current_stream_cached_us"] = median_us(b._current_stream)
             graphs = [g for name, (g, _) in b.graphs.graphs.items() if name.startswith("resident")]
             if graphs:
                 row["graph_replay_us"] = median_us(graphs[0].replay)
@@ -86,8 +88,7 @@ def main():
                     gpu.append(start.elapsed_time(end) * 1e3)
                 row["graph_gpu_us"] = round(statistics.median(gpu), 1)
             event = torch.cuda.Event()
-            row["status_copy_us"] = median_us(lambda: (b.status_host.copy_(b.status, non_blocking=True),
-                                                       event.record()))
+            row["event_record_us"] = median_us(lambda: event.record(b._current_stream()))
             timings = {}
             for _ in range(50):
                 torch.cuda.synchronize()

@@ -254,7 +254,7 @@ def test_exchange_stages_compile(stage):
 PACK_SCRIPT = r'''
 import torch
 from weave_moe.backends.coordination import HEADER_CALL_WORD, HEADER_WORDS
-from weave_moe.backends.weave.exchange import RoutingMessage
+from weave_moe.backends.weave.exchange import CallSlots, RoutingMessage
 from weave_moe.backends.weave.kernels import sync
 E = 8
 for T_max, k, T, code, dtype in [(5, 2, 5, 0, torch.int32), (5, 2, 3, 7, torch.int64), (4097, 3, 4000, 0, torch.int32),
@@ -284,6 +284,37 @@ for T_max, k, T, code, dtype in [(5, 2, 5, 0, torch.int32), (5, 2, 3, 7, torch.i
     want_after[HEADER_CALL_WORD] += 1   # the call number advances; the device header keeps its own error word
     assert header.tolist() == want_after, header.tolist()
     assert not status.any() and not control.any() and not flags.any()
+    # the same call through a slot of the host ring (CallSlots: the in-graph pack of the resident call): the same
+    # words, addresses, header, status, control block and flags
+    slots = CallSlots(msg, torch.device("cpu"), num_slots=2)
+    for call in range(3):   # wraps the ring of two slots
+        got2 = torch.full((msg.words,), 12345, dtype=torch.int32)
+        io2 = torch.zeros(2, dtype=torch.int64)
+        header2 = torch.tensor([11, 12, 13, 0], dtype=torch.int32)[:HEADER_WORDS]
+        status2 = torch.zeros(8, dtype=torch.int32)
+        control2, flags2 = torch.full((9000,), 7, dtype=torch.int32), torch.full((37,), 5, dtype=torch.int32)
+        slots.write(x, out, given, w, code, wait=None)
+        slots.launch(got2, header2, io2, status2, control2, flags2, E)
+        assert torch.equal(got2, ref), (T_max, k, T, call, (got2 != ref).nonzero()[:5])
+        assert io2.tolist() == io.tolist() and header2.tolist() == want_after
+        assert not status2.any() and not control2.any() and not flags2.any()
+        assert slots.cursor.item() == call + 1 and int(slots.consumed_numpy[0]) == call + 1
+        assert slots.done.item() == 0   # reset by the last program
+# a full ring: the host waits (bounded by its caller) before it overwrites a slot no kernel has read yet
+slots = CallSlots(RoutingMessage(4, 2), torch.device("cpu"), num_slots=2)
+ids, w, x = torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 2), torch.empty(1, 8)
+waited = []
+def refuse(is_done):
+    waited.append(is_done())
+    raise TimeoutError("ring full")
+slots.write(x, x, ids, w, 0, wait=refuse)
+slots.write(x, x, ids, w, 0, wait=refuse)
+try:
+    slots.write(x, x, ids, w, 0, wait=refuse)
+    raise AssertionError("a third write into a ring of two unread slots did not wait")
+except TimeoutError:
+    pass
+assert waited == [False] and slots.written == 2
 # the status word: a rejection moves from the live word into the reported one (first error wins) and the live word
 # is cleared, so the call runs; a kernel error (code < 16) stays live
 msg = RoutingMessage(4, 2)
@@ -329,6 +360,25 @@ def test_pack_kernel_compiles_for_sm90(ids_dtype):
     source = ASTSource(fn=_pack_kernel, signature=signature, constexprs=dict(HEADER=4, CALL_WORD=2, BLOCK=4096))
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert ".local" not in ptx and "bar.sync" in ptx
+
+
+def test_slot_pack_kernel_compiles_for_sm90():
+    """The resident call's in-graph pack (CallSlots) compiles for Hopper, both ids widths in one kernel, without local
+    memory; the slot's addresses become pointers (no argument carries them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from weave_moe.backends.weave.exchange import _pack_slot_kernel
+
+    pointers = dict(slots_ptr="*i64", consumed_ptr="*i64", io_ptr="*i64")
+    constexprs = dict(SLOT=8, HEADER=4, CALL_WORD=2, BLOCK=4096)
+    signature = {name: pointers.get(name, "*i32") if name.endswith("_ptr") else
+                 "constexpr" if name in constexprs else "i32" for name in _pack_slot_kernel.arg_names}
+    source = ASTSource(fn=_pack_slot_kernel, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    assert ".local" not in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx   # the programs' arrival count before the cursor advances
 
 
 def _production_exchange_worker(rank: int, world_size: int, schedule: list) -> list:

@@ -25,7 +25,7 @@ from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordina
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
-from weave_moe.backends.weave.exchange import CountsFormat, LayoutCounts, RoutingMessage
+from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
@@ -246,6 +246,12 @@ class WeaveBackend:
         self.kernel_variants = self._kernel_variants()
         # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
         self.io = torch.zeros(2, dtype=torch.int64, device=device)
+        # ... which its graph's first kernel reads, with the ids' and weights' addresses, from a slot the host wrote
+        # (CallSlots); the host reads the status word through a numpy view
+        self.slots = CallSlots(self.message, device) if self.resident else None
+        self.status_numpy = self.status_host.numpy()
+        self.stream_cache = (None, None)   # (raw handle, torch.cuda.Stream) of the current stream (_current_stream)
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.tokens_word = self.send_routing[2 * self.message.id_words:2 * self.message.id_words + 1]
         if self.resident and world_size > 1:
             # compiled now, so that no rank compiles inside its first exchange while its peers wait there
@@ -380,18 +386,23 @@ class WeaveBackend:
                 raise failure
             x = x[:0]
             topk_ids, topk_weights = self.no_tokens
-        # this call's x and out, by address: the kernel reads them from `io`, so one captured launch serves any call;
-        # one launch writes them and the routing message
+        # this call's x and out, by address: the kernel reads them from `io`, so one captured launch serves any call
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
-        # the routing message, the addresses, the call number, the status word's carried rejection, and the
-        # zeroed control block and flags (this rank's parity-0 flags, before its message leaves: workspace.py)
-        self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out, code,
-                               self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-        clock.lap("pack")
-        if self.debug_skip_launch and self.kernel_variants <= self.compiled:
+        if capturing:
+            # the pack with this call's tensors as arguments, recorded into the caller's graph: the routing message,
+            # the addresses, the call number, the status word's carried rejection, and the zeroed control block and
+            # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
+            self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
+                                   code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
+        elif self.debug_skip_launch and self.kernel_variants <= self.compiled:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
+        else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
+            self.slots.write(x, out, topk_ids, topk_weights, code,
+                             lambda is_done: coordinator.poll(is_done, "a free call slot (the GPU is behind)",
+                                                              timeout_s=self.timeout_s + coordinator.timeout_s))
+        clock.lap("pack")
         # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair,
         # picked from T on the host)
         rows = x.shape[0] * min(self.spec.top_k, self.num_local_experts)
@@ -400,22 +411,26 @@ class WeaveBackend:
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}")
-        self.graphs.run(name, lambda: self._resident_call(configs))
+        self.graphs.run(name, lambda: self._resident_call(configs, from_slot=not capturing))
         # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None
         self.last_plan = self.fixed_plan
         if not capturing:  # the graph ends with the status word's copy to the host (_resident_call)
             if self.status_copied is None:
                 self.status_copied = torch.cuda.Event()
-            self.status_copied.record(torch.cuda.current_stream(self.device))
+            self.status_copied.record(self._current_stream())
         clock.lap("launch")
         self.calls += 1
         if failure is not None:
             raise failure
         return out
 
-    def _resident_call(self, grouped_configs) -> None:
-        """The resident call's device work after the exchange: the tables, then the kernel (dummy x / out: it reads
-        this call's from `io`)."""
+    def _resident_call(self, grouped_configs, from_slot: bool) -> None:
+        """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
+        `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
+        `io`)."""
+        if from_slot:
+            self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
+                              self.workspace.flags(0), self.spec.num_experts)
         layout = self._resident_tables()
         dummy = self.workspace.y()[:1]
         self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs)
@@ -446,8 +461,17 @@ class WeaveBackend:
     def _raise_deferred(self) -> None:
         """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no
         wait: a copy still in flight is read at a later call or at `synchronize()`)."""
-        if self.status_copied is not None and self.status_copied.query():
+        words = self.status_numpy   # read only once the copy has landed (the event); 0.6 us, tolist() ~4
+        if self.status_copied is not None and self.status_copied.query() and (words[0] or words[STATUS_WORDS]):
             self._raise_status(self.status_host.tolist())
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """torch.cuda.current_stream(device), cached by its raw handle: building the Stream object costs ~6 us of
+        host time per call on the H200 machine, reading the handle well under one."""
+        raw = torch._C._cuda_getCurrentRawStream(self.device_index)
+        if raw != self.stream_cache[0]:
+            self.stream_cache = (raw, torch.cuda.current_stream(self.device))
+        return self.stream_cache[1]
 
     def _raise_status(self, words: list[int]) -> None:
         """Raise what the status tensor holds (kernels/sync.py), read when the calls before have ended: a kernel error
