@@ -4,8 +4,8 @@ python scripts/host_cost.py --model qwen3-30b-a3b --tokens 1 --emulate-ep 2 [--p
 
 Times (microseconds, CPU clock, the GPU drained before each sample so no queue backs up): the whole layer call
 (host return), the backend's forward alone, and its pieces one by one: torch.empty for out, the slot write of an
-eager call (CallSlots), pack_call (what a call captured into a caller's graph launches instead), the graph replay,
-the event record after it (cached stream). Also the GPU time of one call (events).
+eager call (CallSlots), pack_call (what a call captured into a caller's graph launches instead), a slot write +
+the graph replay, the event record after it (cached stream). Also the GPU time of one call (events).
 """
 
 import argparse
@@ -76,11 +76,17 @@ def main():
             row["current_stream_cached_us"] = median_us(b._current_stream)
             graphs = [g for name, (g, _) in b.graphs.graphs.items() if name.startswith("resident")]
             if graphs:
-                row["graph_replay_us"] = median_us(graphs[0].replay)
+                # every replay of the layer's graph reads the next call slot: write one first, as a call does
+                def write_slot():
+                    b.slots.write(x, out, ids, w, 0, None)
+                write_slot()
+                graphs[0].replay()
+                row["slot_write_and_replay_us"] = median_us(lambda: (write_slot(), graphs[0].replay()))
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 gpu = []
                 for _ in range(50):
                     torch.cuda.synchronize()
+                    write_slot()
                     start.record()
                     graphs[0].replay()
                     end.record()

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import gc
 import random
+import time
 
 import pytest
 import torch
 
 from weave_moe.backends.coordination import HEADER_WORDS
 from weave_moe.backends.weave.exchange import RoutingMessage
-from weave_moe.backends.weave.workspace import EXCHANGE_CTRL_FIXED, SymmetricWorkspace, WorkspaceBytes, retire_shared
+from weave_moe.backends.weave.workspace import (_IPC_ROUNDS, EXCHANGE_CTRL_FIXED, SymmetricWorkspace, WorkspaceBytes,
+                                             retire_shared)
 from weave_moe.models import MoESpec
 from weave_moe.plan import MAX_CHUNKS
 
@@ -274,10 +276,22 @@ def _ipc_worker(rank: int, world_size: int) -> dict:
     flags = view.routing_flags().tolist()
     # growth: a new allocation, a new round of handles, the old flags gone
     grown = workspace.attach(16, 8, routing_words=RoutingMessage(16, 2).words)
-    return dict(flags=flags, round=workspace.rendezvous_round, grown_flags=grown.routing_flags().tolist(),
+    rounds = dict(_IPC_ROUNDS)
+    # a workspace built after the old one is retired (as after a timeout) while the old buffers still exist: rank 0
+    # publishes late, so a peer that looked its handle up under a reused key would map rank 0's OLD buffer
+    workspace.retire()
+    if rank == 0:
+        time.sleep(1.0)
+    fresh = SymmetricWorkspace(dist.group.WORLD, rank, world_size, CPU)
+    fresh_view = fresh.attach(4, 8, routing_words=RoutingMessage(4, 2).words)
+    for buffer in fresh.peer_buffers:
+        buffer[fresh_view.routing_flags_offset:].view(torch.int32)[rank] = 200 + rank
+    dist.barrier()
+    return dict(flags=flags, rounds=rounds, grown_flags=grown.routing_flags().tolist(),
                 peers=len(workspace.peer_buffers), generation=grown.generation,
                 bases=[int(base) for base in grown.peer_bases.tolist()],
-                mappings=[buffer.data_ptr() for buffer in workspace.peer_buffers])
+                mappings=[buffer.data_ptr() for buffer in workspace.peer_buffers],
+                fresh_flags=fresh_view.routing_flags().tolist(), old_flags=grown.routing_flags().tolist())
 
 
 def test_ipc_transport_maps_every_peers_buffer(monkeypatch):
@@ -288,9 +302,11 @@ def test_ipc_transport_maps_every_peers_buffer(monkeypatch):
     results = run_distributed(_ipc_worker, 2, backend="gloo", timeout_s=120, shared_device=True)
     for rank, result in enumerate(results):
         assert result["flags"] == [100, 101], (rank, result)
-        assert result["round"] == 2 and result["peers"] == 2 and result["generation"] == 2, (rank, result)
-        assert result["grown_flags"] == [0, 0], (rank, result)
+        assert list(result["rounds"].values()) == [2] and result["peers"] == 2, (rank, result)
+        assert result["generation"] == 2 and result["grown_flags"] == [0, 0], (rank, result)
         assert result["bases"] == result["mappings"], (rank, result)   # the kernels' table: this process's mappings
+        # after a retire, every rank's stores land in the peers' NEW buffers, none in the retired ones
+        assert result["fresh_flags"] == [200, 201] and result["old_flags"] == [0, 0], (rank, result)
 
 
 def test_transport_setting_is_checked(monkeypatch):

@@ -390,28 +390,34 @@ class WeaveBackend:
         out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
-        if capturing:
-            # the pack with this call's tensors as arguments, recorded into the caller's graph: the routing message,
-            # the addresses, the call number, the status word's carried rejection, and the zeroed control block and
-            # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
-            self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
-                                   code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-        elif self.debug_skip_launch and self.kernel_variants <= self.compiled:
-            return out  # test hook (a stalled peer): this rank never reaches the call's exchange
-        else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
-            self.slots.write(x, out, topk_ids, topk_weights, code,
-                             lambda is_done: coordinator.poll(is_done, "a free call slot (the GPU is behind)",
-                                                              timeout_s=self.timeout_s + coordinator.timeout_s))
-        clock.lap("pack")
-        # everything else of the call, the routing exchange included, is one graph (per grouped-GEMM config pair,
-        # picked from T on the host)
+        # the call is one graph (per grouped-GEMM config pair, picked from T on the host), the routing exchange
+        # included
         rows = x.shape[0] * min(self.spec.top_k, self.num_local_experts)
         name = self.resident_graph_names.get((self.workspace.generation, rows))
         configs = self._grouped_configs(rows)
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}")
-        self.graphs.run(name, lambda: self._resident_call(configs, from_slot=not capturing))
+        if capturing:
+            # the pack with this call's tensors as arguments, recorded into the caller's graph: the routing message,
+            # the addresses, the call number, the status word's carried rejection, and the zeroed control block and
+            # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
+            self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
+                                   code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
+            self.graphs.run(name, lambda: self._resident_call(configs, from_slot=False))
+        elif self.debug_skip_launch and self.kernel_variants <= self.compiled:
+            return out  # test hook (a stalled peer): this rank never reaches the call's exchange
+        else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
+            self.slots.write(x, out, topk_ids, topk_weights, code,
+                             lambda is_done: coordinator.poll(is_done, "a free call slot (the GPU is behind)",
+                                                              timeout_s=self.timeout_s + coordinator.timeout_s))
+            clock.lap("pack")
+            try:
+                self.graphs.run(name, lambda: self._resident_call(configs, from_slot=True))
+            except BaseException as error:
+                # the slot may or may not have been read: the ring and the device cursor could have parted
+                self.broken = f"a call failed while it was enqueued: {type(error).__name__}: {error}"
+                raise
         # the host does not know an adaptive policy's plan (it is on the device, in plans_device): last_plan is None
         self.last_plan = self.fixed_plan
         if not capturing:  # the graph ends with the status word's copy to the host (_resident_call)

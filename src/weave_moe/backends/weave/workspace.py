@@ -152,6 +152,7 @@ class WorkspaceBytes:
 # collective) must depend only on the sequence of constructions, the same on every rank, never on when the garbage
 # collector of each rank happens to free a dropped layer. A workspace lives until `retire` (on every rank).
 _SHARED: dict[tuple, "SymmetricWorkspace"] = {}
+_IPC_ROUNDS: dict[str, int] = {}   # group name -> rendezvous rounds of the ipc transport in this process
 
 
 def retire_shared(group) -> int:
@@ -194,7 +195,6 @@ class SymmetricWorkspace:
         self.handle = None
         self.transport = transport_from_env()
         self.peer_buffers: list[torch.Tensor] = []   # transport "ipc": the peers' buffers, opened here
-        self.rendezvous_round = 0
         self.h_buffer = self.y_buffer = None
         self.generation = 0
         self.calls = 0
@@ -297,9 +297,12 @@ class SymmetricWorkspace:
 
         import torch.multiprocessing  # noqa: F401 - registers torch's tensor reducers (CUDA IPC, shm) with it
 
-        self.rendezvous_round += 1
+        # numbered per group and process, not per workspace: a workspace built after `retire_shared` must not find
+        # the retired one's handles under its keys (seen on one GPU: a rank opened its peer's freed buffer)
+        name = self.group.group_name
+        _IPC_ROUNDS[name] = _IPC_ROUNDS.get(name, 0) + 1
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"weave_moe/ipc/{self.group.group_name}/{self.rendezvous_round}"
+        prefix = f"weave_moe/ipc/{name}/{_IPC_ROUNDS[name]}"
         store.set(f"{prefix}/{self.rank}", bytes(ForkingPickler.dumps(self.buffer)))
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]
         store.wait(keys, datetime.timedelta(seconds=120))
