@@ -229,7 +229,10 @@ def test_deferred_errors_name_the_problem_and_leave_the_layer_usable():
     assert "call 7" in str(error) and not backend.status.any() and not backend.status_host.any()
     assert isinstance(raised([sync.REJECT_PEER_FAILED, 1, 1, 2]), PeerError)
     assert raised([sync.REJECT_PEER_FAILED, 0, 1, 2]) is None  # this rank raised its own error in that call
-    assert isinstance(raised([sync.REJECT_CALL_ORDER, 1, 9, 2]), CallOrderError)
+    error = raised([sync.REJECT_CALL_ORDER, 1, 9, 2])
+    assert isinstance(error, CallOrderError) and "rank 1 was at its call 9" in str(error) and "in call 2" in str(error)
+    error = raised([sync.REJECT_CALL_ORDER, 1, 2, 2])   # the same call number: the peer was in another layer
+    assert isinstance(error, CallOrderError) and "rank 1 was in a call of another MoE layer" in str(error)
     # a rejection carried into the reported word (by a later call's pack) is raised with its own call number
     error = raised([0, 0, 0, 0], [sync.REJECT_BAD_IDS, 1, 2, 4])
     assert isinstance(error, ValueError) and "call 4" in str(error) and not backend.status.any()

@@ -503,9 +503,11 @@ class WeaveBackend:
                 return  # this rank raised its own error in that call
             raise PeerError(f"rank {self.rank}: rank {rank} {code_name(detail)} {where}", {rank: code_name(detail)})
         if code == sync.REJECT_CALL_ORDER:
-            raise CallOrderError(f"rank {self.rank}: rank {rank} was at call {detail} of a layer while this rank was "
-                                 f"at its call {call} (or at another layer) {where}; every rank must call the MoE "
-                                 "layers of a process group in the same order")
+            # the verdict compares (layer identity, creation index, call number); detail is the peer's call number
+            peer = ("was in a call of another MoE layer" if detail == call else
+                    f"was at its call {detail} (of this layer or another)")
+            raise CallOrderError(f"rank {self.rank}: rank {rank} {peer} while this rank was {where}; every rank must "
+                                 "call the MoE layers of a process group in the same order")
         raise WeaveError(f"rank {self.rank}: unknown status {status}")
 
     def synchronize(self) -> None:
