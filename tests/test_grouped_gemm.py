@@ -169,12 +169,13 @@ def _runtime_compile_cases():
 
 def _runtime_launch(gemm, cfg, hidden, inter, sms, scale=False):
     """The launch the weave backend makes (backend._grouped_gemms: workspace h / y of max_pairs rows, a tile table
-    without split tails, GEMM1 without routing weights), on CPU tensors of 16-byte aligned storage like the GPU's."""
+    with the config's split tails, GEMM1 without routing weights), on CPU tensors of 16-byte aligned storage like the
+    GPU's."""
     import torch
 
     experts, rows = 2, 512
     offsets = torch.tensor([0, rows // 2, rows], dtype=torch.int32)
-    tiles = gg.build_tile_table_torch(offsets, cfg.block_m, rows)
+    tiles = gg.build_tile_table_torch(offsets, cfg.block_m, rows, cfg.split_tail)
     h = torch.empty(rows, inter, dtype=torch.bfloat16)
     if gemm == 0:
         a = torch.empty(rows, hidden, dtype=torch.bfloat16)
@@ -197,7 +198,8 @@ def _check_hopper_ptx(cfg, compiled, tmp_path):
         assert "wgmma.mma_async" in ptx, "not on Hopper's tensor cores"
         # one wide MMA per k16 step and warpgroup row block (GEMM0: no separate gate and up MMAs): BLOCK_K / 16
         # wgmma per K step, twice that where one warpgroup covers 128 rows
-        expected = cfg.block_k // 16 * max(1, cfg.block_m // (16 * cfg.num_warps))
+        heights = (cfg.block_m, 64) if cfg.split_tail else (cfg.block_m,)   # split tails: a 64-row loop too
+        expected = sum(cfg.block_k // 16 * max(1, rows // (16 * cfg.num_warps)) for rows in heights)
         assert ptx.count("wgmma.mma_async") == expected, (ptx.count("wgmma.mma_async"), expected)
     report = _ptxas_report(ptx, tmp_path)
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
