@@ -340,6 +340,21 @@ def test_requires_grad_forward_works_and_backward_raises(backend):
         assert not layer(x, ids, weights).requires_grad
 
 
+@pytest.mark.parametrize("backend", ["nccl", "reference"])
+def test_parameter_experts_record_no_autograd_history(backend):
+    """Experts loaded from nn.Parameters (requires_grad) and inputs that need no grad, with grad mode on (a model's
+    default): the call takes the layer's path without a no_grad() guard, so the weights must have been detached at
+    load; the output carries no autograd history and is correct."""
+    layer = ExpertParallelMoE(SPEC, backend=backend, max_tokens_per_rank=MAX_TOKENS, device="cpu")
+    w13, w2 = make_experts(SPEC)
+    layer.load_experts(torch.nn.Parameter(w13), torch.nn.Parameter(w2))
+    x, ids, weights = _inputs(0, 0)
+    assert torch.is_grad_enabled()
+    out = layer(x, ids, weights)
+    assert not out.requires_grad and out.grad_fn is None
+    assert moe_error(out, reference_moe(x, ids, weights, w13, w2))[0] <= DEFAULT_TOLERANCE
+
+
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout_s must be a positive number"):
         ExpertParallelMoE(SPEC, backend="nccl", device="cpu", timeout_s=0)
