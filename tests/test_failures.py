@@ -85,6 +85,9 @@ def _failure_cases(rank: int, world_size: int) -> dict:
     for name, bad in bad_inputs.items():
         results[name] = _outcome(lambda: layer(*(bad if rank == last else (x, ids, weights))))
         results[name + "/next"] = _error_of_good_call(layer, rank, seed=1, call=1)
+    wrong_out = torch.empty(x.shape[0] + 1, SPEC.hidden_size, dtype=torch.bfloat16)
+    results["out-shape"] = _outcome(lambda: layer(x, ids, weights, out=wrong_out if rank == last else None))
+    results["out-shape/next"] = _error_of_good_call(layer, rank, seed=1, call=1)
 
     # an exception inside the backend before its exchange (here: a broken internal table on one rank)
     ranks_table = layer.backend._ranks
@@ -188,6 +191,7 @@ EP_SIZES = [2, 4]
 @pytest.mark.parametrize("case, own_error", [("x-fp16", "TypeError: x must be bfloat16, got torch.float16"),
                                               ("too-many-tokens", "ValueError: T=17 tokens exceeds max_tokens_per_rank"),
                                               ("ids-int16", "TypeError: topk_ids must be int32 or int64"),
+                                              ("out-shape", "ValueError: out must have shape [T, hidden_size]"),
                                               ("not-loaded", "RuntimeError: forward called before load_experts")])
 def test_local_failure_on_one_rank_raises_on_every_rank_then_the_layer_goes_on(world_size, case, own_error):
     results = _results(world_size)
@@ -353,6 +357,32 @@ def test_parameter_experts_record_no_autograd_history(backend):
     out = layer(x, ids, weights)
     assert not out.requires_grad and out.grad_fn is None
     assert moe_error(out, reference_moe(x, ids, weights, w13, w2))[0] <= DEFAULT_TOLERANCE
+
+
+@pytest.mark.parametrize("backend", ["nccl", "reference"])
+def test_out_receives_the_result_and_bad_out_is_refused(backend):
+    """forward(..., out=buf): the result lands in buf (poisoned first, so an unwritten row fails) and buf is
+    returned, call after call; an out that cannot hold it is refused with its reason."""
+    layer = ExpertParallelMoE(SPEC, backend=backend, max_tokens_per_rank=MAX_TOKENS, device="cpu")
+    w13, w2 = make_experts(SPEC)
+    layer.load_experts(w13, w2)
+    buf = torch.empty(6, SPEC.hidden_size, dtype=torch.bfloat16)
+    for call in range(3):
+        x, ids, weights = _inputs(0, call)
+        buf.fill_(float("nan"))
+        assert layer(x, ids, weights, out=buf) is buf
+        assert moe_error(buf, reference_moe(x, ids, weights, w13, w2))[0] <= DEFAULT_TOLERANCE
+    x, ids, weights = _inputs(0, 0)
+    for bad, message in [(torch.empty(5, SPEC.hidden_size, dtype=torch.bfloat16), "out must have shape"),
+                         (torch.empty(6, SPEC.hidden_size), "out must be bfloat16"),
+                         (torch.empty(SPEC.hidden_size, 6, dtype=torch.bfloat16).t(), "out must be contiguous"),
+                         (x, "out must not share memory with x"),
+                         ("not a tensor", "out must be a torch.Tensor")]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            layer(x, ids, weights, out=bad)
+    grad_x = x.clone().requires_grad_()
+    result = layer(grad_x, ids, weights, out=buf)   # the autograd guard returns an alias of buf
+    assert result.requires_grad and result.data_ptr() == buf.data_ptr()
 
 
 def test_timeout_must_be_positive():

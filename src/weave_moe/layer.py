@@ -227,11 +227,15 @@ class ExpertParallelMoE(torch.nn.Module):
         self._loaded = True
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                timings: dict | None = None) -> torch.Tensor:
+                timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32/int64 global expert ids (-1 = none), topk_weights [T, k] fp32.
 
         Returns [T, H] bf16. T may be 0 (the rank still takes part in the collectives). `timings`, when given, is
-        passed to the backend (the nccl backend fills in per-stage milliseconds on CUDA).
+        passed to the backend (the nccl backend fills in per-stage milliseconds on CUDA). `out`, when given
+        ([T, H] bf16, contiguous, on the layer's device, not sharing memory with x), receives the result and is
+        returned: a serving engine can allocate it once and reuse it for every call of a size (inside a CUDA-graph
+        capture too). The weave backend writes it directly (a call refused on the device leaves NaN rows in it);
+        the others copy their result into it. Without `out`, every call returns a new tensor.
 
         Raises (at EP > 1, on every rank in the same call unless noted): this rank's own TypeError / ValueError /
         RuntimeError for its bad input, PeerError on the others; ValueError for expert ids outside [-1, E) on any
@@ -243,6 +247,8 @@ class ExpertParallelMoE(torch.nn.Module):
             if not self._loaded:
                 raise RuntimeError("forward called before load_experts(w13, w2)")
             topk_ids = self._check_inputs(x, topk_ids, topk_weights)
+            if out is not None:
+                self._check_out(out, x)
         except Exception as error:  # noqa: BLE001 - every local failure is reported to the peers the same way
             if self.world_size == 1:
                 raise
@@ -254,12 +260,13 @@ class ExpertParallelMoE(torch.nn.Module):
         topk_weights = topk_weights.contiguous()
         if not (x.requires_grad or topk_weights.requires_grad) or not torch.is_grad_enabled():
             # nothing to guard (the weights are detached at load): no no_grad() context, ~5-10 us of host time
-            return self.backend.forward(x, topk_ids, topk_weights, timings=timings)
+            result = self.backend.forward(x, topk_ids, topk_weights, timings=timings, out=out)
+            return result if out is None or result is out else out.copy_(result)
         with torch.no_grad():
-            out = self.backend.forward(x, topk_ids, topk_weights, timings=timings)
-        if x.requires_grad or topk_weights.requires_grad:
-            out = _InferenceOnly.apply(out, x, topk_weights)
-        return out
+            result = self.backend.forward(x, topk_ids, topk_weights, timings=timings, out=out)
+            if out is not None and result is not out:
+                result = out.copy_(result)
+        return _InferenceOnly.apply(result, x, topk_weights)
 
     def synchronize(self) -> None:
         """Wait for this rank's last call (within timeout_s) and raise any error it deferred (the weave kernel's
@@ -298,6 +305,24 @@ class ExpertParallelMoE(torch.nn.Module):
     def last_plan(self):
         """The schedule (`weave_moe.plan.Plan`) of this rank's last call; None for backends without one."""
         return self.backend.last_plan
+
+    def _check_out(self, out, x) -> None:
+        """Raise unless `out` can receive this call's result (forward's `out`)."""
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != (x.shape[0], self.spec.hidden_size):
+            raise ValueError(f"out must have shape [T, hidden_size] = [{x.shape[0]}, {self.spec.hidden_size}], got "
+                             f"{list(out.shape)}")
+        if out.dtype != torch.bfloat16:
+            raise TypeError(f"out must be bfloat16, got {out.dtype}")
+        if out.device != self.device:
+            raise ValueError(f"out is on {out.device} but the layer is on {self.device}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if out.requires_grad:
+            raise ValueError("out must not require grad (the layer is inference-only)")
+        if out.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            raise ValueError("out must not share memory with x (the kernel reads x while it writes out)")
 
     def _check_inputs(self, x, topk_ids, topk_weights) -> torch.Tensor:
         """Raise on bad input; return topk_ids contiguous, as int32 (ids outside [-1, E) stay outside it) unless the

@@ -45,10 +45,12 @@ class Backend(Protocol):
         on the backend's device (checked by the layer)."""
 
     def forward(self, x: "torch.Tensor", topk_ids: "torch.Tensor", topk_weights: "torch.Tensor",
-                timings: dict | None = None) -> "torch.Tensor":
+                timings: dict | None = None, out: "torch.Tensor | None" = None) -> "torch.Tensor":
         """x [T, H] bf16 (T may be 0), topk_ids [T, k] int32 global ids (-1 = none; int64 where `narrows_int64_ids`),
         topk_weights [T, k] fp32
-        -> [T, H] bf16. `timings`, when a dict, receives per-stage milliseconds (names are the backend's)."""
+        -> [T, H] bf16. `timings`, when a dict, receives per-stage milliseconds (names are the backend's). `out`,
+        when given ([T, H] bf16, contiguous, on the device; checked by the layer), is where the caller wants the
+        result: a backend may write it there and return `out`, or return another tensor, which the layer copies."""
 
     def synchronize(self) -> None:
         """Wait for this rank's last call and raise any error it deferred (e.g. a kernel timeout)."""

@@ -121,7 +121,7 @@ class DeepEPBackend:
         torch.cuda.synchronize(self.device)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                timings: dict | None = None) -> torch.Tensor:
+                timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 in [-1, E), topk_weights [T, k] fp32 -> [T, H] bf16.
 
         timings: per-stage ms as in the nccl backend ("dispatch" = layout + DeepEP dispatch, "permute", "gemms",

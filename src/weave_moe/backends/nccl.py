@@ -168,7 +168,7 @@ class NcclBackend:
     #   launches); on the CPU the Triton helpers are 2 + 3 + ~9 torch ops each (see _OP_BUDGET in the test).
     #   EP=1: the experts stage alone (9 on CUDA), no sync.
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                timings: dict | None = None) -> torch.Tensor:
+                timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 in [-1, E), topk_weights [T, k] fp32 (checked) -> [T, H] bf16.
 
         timings: when a dict is given on CUDA, CUDA events bracket the stages and, after the call (which then

@@ -53,7 +53,7 @@ class ReferenceBackend:
             torch.cuda.current_stream(self.device).synchronize()
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                timings: dict | None = None) -> torch.Tensor:
+                timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 (global ids, -1 = none), topk_weights [T, k] fp32 -> [T, H] bf16."""
         failure = self.coordinator.take_failure()
         if failure is not None:  # the layer rejected this rank's input; no peer waits for this call

@@ -185,7 +185,7 @@ class SymmBackend:
         return rows[:, _ROW_ALIGN_BYTES:x_end].view(torch.bfloat16), rows[:, :4].view(torch.int32)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                timings: dict | None = None) -> torch.Tensor:
+                timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 in [-1, E), topk_weights [T, k] fp32 -> [T, H] bf16. No host sync.
 
         timings: per-stage ms as in the nccl backend ("dispatch", "permute", "gemms", "unpermute", "combine",

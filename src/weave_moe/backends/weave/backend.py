@@ -274,13 +274,14 @@ class WeaveBackend:
         self.graphs.drop("resident.")
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                timings: dict | None = None) -> torch.Tensor:
+                timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 global ids (-1 = none; int64 too in the device-resident call, which
         narrows them in its pack launch), topk_weights [T, k] fp32 -> [T, H] bf16.
 
-        `timings`, when given, accumulates host milliseconds per step (host_exchange_ms, host_sync_ms, ...)."""
+        `timings`, when given, accumulates host milliseconds per step (host_exchange_ms, host_sync_ms, ...). `out`:
+        the result's tensor (written by the kernel; NaN rows where a call is refused); None: a new one."""
         if self.resident:
-            return self._forward_resident(x, topk_ids, topk_weights, timings)
+            return self._forward_resident(x, topk_ids, topk_weights, timings, out)
         if self.broken:
             raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
         coordinator = self.coordinator
@@ -314,7 +315,8 @@ class WeaveBackend:
         self.counts_ready.record(torch.cuda.current_stream(self.device))
         parity = self.workspace.parity  # of the group's call sequence, shared by its layers
         layout = self._layout(parity) if self.last_chunks is not None else None
-        out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if out is None:
+            out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
         # The one host sync, bounded: a peer that never joins the exchange makes this raise CollectiveTimeoutError.
@@ -355,7 +357,7 @@ class WeaveBackend:
         self.header_device.copy_(self.header_host, non_blocking=True)
 
     # ---- the device-resident call (KernelConfig.resident) --------------------------------------------------------
-    def _forward_resident(self, x, topk_ids, topk_weights, timings) -> torch.Tensor:
+    def _forward_resident(self, x, topk_ids, topk_weights, timings, out) -> torch.Tensor:
         """One call that never waits for the GPU: the routing exchange, counts, checks, plan and task tables are
         device work enqueued behind each other (at EP = 1 one CUDA-graph replay), then the kernel.
 
@@ -384,10 +386,11 @@ class WeaveBackend:
         if failure is not None:
             if capturing:
                 raise failure
-            x = x[:0]
+            x, out = x[:0], None
             topk_ids, topk_weights = self.no_tokens
         # this call's x and out, by address: the kernel reads them from `io`, so one captured launch serves any call
-        out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if out is None:
+            out = torch.empty(x.shape[0], self.spec.hidden_size, dtype=torch.bfloat16, device=self.device)
         if self.debug_poison:
             out.fill_(float("nan"))
         # the call is one graph (per grouped-GEMM config pair, picked from T on the host), the routing exchange
