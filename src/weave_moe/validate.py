@@ -196,9 +196,9 @@ def _graph_capture(rank, world_size, group, device, replays: int) -> list[dict]:
     """The layer inside a caller's `torch.cuda.graph` (what serving engines do for decode), at any EP size: one eager
     call, 10 eager calls under `torch.cuda.set_sync_debug_mode("error")` (no host sync inside a call), a capture,
     then `replays` replays with fresh x and routing written into the captured inputs on every rank (uniform, skewed
-    and routing with -1 ids in turn), then 5 eager calls again, each output checked against the reference. The
-    replays pair across ranks through the routing exchange inside the graph, so every rank replays the same number of
-    times."""
+    and routing with -1 ids in turn), then 6 eager calls again (3 into a poisoned `out=` buffer), each output
+    checked against the reference. The replays pair across ranks through the routing exchange inside the graph, so
+    every rank replays the same number of times."""
     from weave_moe import routing
 
     spec = MoESpec(16, 4, 512, 256, name="capture")
@@ -240,10 +240,19 @@ def _graph_capture(rank, world_size, group, device, replays: int) -> list[dict]:
                 torch.cuda.synchronize(device)
                 worst = max(worst, moe_error(out_s, reference_moe(x_s, ids_s, w_s, w13, w2))[0])
             layer.synchronize()
-            for call in range(5):   # eager calls again after the replays (the replays used no call slot)
+            buf = torch.empty(T, spec.hidden_size, dtype=torch.bfloat16, device=device)
+            for call in range(6):   # eager calls again after the replays (the replays used no call slot); the
+                #                     last three into a caller's buffer, poisoned first
                 ids, w = routing.uniform(T, spec.num_experts, spec.top_k, seed=7000 + 10 * call + rank, device=device)
                 x = torch.randn(T, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16)
-                worst = max(worst, moe_error(layer(x, ids, w), reference_moe(x, ids, w, w13, w2))[0])
+                if call < 3:
+                    out = layer(x, ids, w)
+                else:
+                    buf.fill_(float("nan"))
+                    out = layer(x, ids, w, out=buf)
+                    if out is not buf:
+                        raise AssertionError("forward(out=buf) returned another tensor")
+                worst = max(worst, moe_error(out, reference_moe(x, ids, w, w13, w2))[0])
             layer.synchronize()
         except Exception as exc:  # noqa: BLE001 - a failed row
             error = f"{type(exc).__name__}: {exc}"[:500]
