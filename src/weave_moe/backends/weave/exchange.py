@@ -181,6 +181,8 @@ class CallSlots:
     3. Before writing slot n the host checks that call n - num_slots has read its slot (consumed > n - num_slots); if
        not (more than num_slots calls queued on the GPU), it waits, bounded by `wait` (the caller's deadline).
 
+    The calls of one layer run in order on the GPU (one stream, or streams the caller orders), as the layer's other
+    buffers require too: two of its calls running at once on unordered streams could read each other's slots.
     Under the interpreter (CPU tests) the slots are ordinary CPU memory, which the interpreted kernel reads alike.
     """
 
