@@ -544,16 +544,19 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged)
         assert not result["unwritten"] and result["error"] < 2e-2, (rank, result)
 
 
-def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None) -> list:
+def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None,
+                     slots: bool = False) -> list:
     """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
-    the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph."""
+    the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph.
+    `slots`: the pack as an eager call makes it (CallSlots: the arguments through a ring of two slots, which the
+    calls wrap), else as a captured call makes it (`pack_call`, the arguments in the launch)."""
     import dataclasses
 
     import torch
     import torch.distributed as dist
 
     from weave_moe.backends.coordination import HEADER_WORDS
-    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.backends.weave.kernels.counts import DeviceCounts
     from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
@@ -588,6 +591,7 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     probe = build_layout_triton(*message.unpack(all_routing), plans[:, 1], rank, E, hidden_size=H, intermediate_size=I,
                                 block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
     ctrl = torch.zeros(16 + probe.num_mtiles_bound, dtype=torch.int32)
+    ring = CallSlots(message, torch.device("cpu"), num_slots=2)
     results = []
     dist.barrier()
     for call, (tokens, bad_rank) in enumerate(calls):
@@ -606,7 +610,11 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
         if rank == bad_rank and T:
             ids[0, 0] = E + 3   # an id out of range: every rank's verdict refuses the call
         out = torch.full((max(T, 1), H), float("nan")).bfloat16()
-        message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
+        if slots:
+            ring.write(x if T else out, out, ids, weights, 0, wait=None)
+            ring.launch(send, header, io, status, ctrl, ws.flags(0), E)
+        else:
+            message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
         exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=timeout_ns, parts=1,
                          block=8)
         counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
@@ -634,22 +642,24 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     return results
 
 
-@pytest.mark.parametrize("calls", [
-    [([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)],
-    [([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)]], ids=["ep2", "ep4"])
-def test_resident_call_sequence_across_processes(monkeypatch, calls):
+@pytest.mark.parametrize("calls, slots", [
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True),
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False)], ids=["ep2", "ep2-slots", "ep4"])
+def test_resident_call_sequence_across_processes(monkeypatch, calls, slots):
     """The device-resident call's launches at EP 2 and 4 between real processes (ipc transport on the CPU, kernels
     under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call
     number), routing exchange, counts + verdict, task tables, the one-launch kernel reading its plan, T, x and out
     from the device. Calls: two good ones, one where rank 1 sends an id out of range (both ranks refuse it: NaN rows,
     the rejection in the live word), then good ones again, which must be correct on BOTH ranks: the rejection was
-    carried out of the live word by the next pack (without that, the refusing ranks' next call did no work)."""
+    carried out of the live word by the next pack (without that, the refusing ranks' next call did no work). At EP 2
+    once with the pack of a captured call (arguments in the launch) and once with an eager call's (CallSlots)."""
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     world_size = len(calls[0][0])
-    results = run_distributed(_resident_worker, world_size, calls, backend="gloo", timeout_s=600,
+    results = run_distributed(_resident_worker, world_size, calls, None, slots, backend="gloo", timeout_s=600,
                               env=dict(TRITON_INTERPRET="1"), shared_device=True)
     refused = [index for index, (_, bad_rank) in enumerate(calls) if bad_rank is not None]
     for rank in range(world_size):
