@@ -385,6 +385,32 @@ def test_out_receives_the_result_and_bad_out_is_refused(backend):
     assert result.requires_grad and result.data_ptr() == buf.data_ptr()
 
 
+def test_input_checks_are_not_skipped_by_the_accepted_signature():
+    """The layer skips the layout checks for inputs shaped like the last accepted ones (`_check_inputs`): every bad
+    input after a good call still raises its own error, the ids' values are checked on every call, and the good
+    call after each refusal runs."""
+    layer = ExpertParallelMoE(SPEC, backend="reference", max_tokens_per_rank=MAX_TOKENS, device="cpu")
+    w13, w2 = make_experts(SPEC)
+    layer.load_experts(w13, w2)
+    x, ids, weights = _inputs(0, 0)
+    bad_ids = ids.clone()
+    bad_ids[0, 0] = SPEC.num_experts
+    big = _inputs(0, 0, num_tokens=MAX_TOKENS + 1)
+    for bad, error, message in [((x.half(), ids, weights), TypeError, "x must be bfloat16"),
+                                ((x, ids[:, :1], weights), ValueError, "topk_ids must have shape"),
+                                ((x, ids, weights.double()), TypeError, "topk_weights must be float32"),
+                                (big, ValueError, "exceeds max_tokens_per_rank"),
+                                ((x, bad_ids, weights), ValueError, r"topk_ids must be in \[-1, "),
+                                (("x", ids, weights), TypeError, "x must be a torch.Tensor"),
+                                ((torch.nn.Parameter(x, requires_grad=False), ids, weights), None, None)]:
+        layer(x, ids, weights)   # accepted: its signature is the cached one
+        if error is None:
+            assert moe_error(layer(*bad), reference_moe(x, ids, weights, w13, w2))[0] <= DEFAULT_TOLERANCE
+            continue
+        with pytest.raises(error, match=message):
+            layer(*bad)
+
+
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout_s must be a positive number"):
         ExpertParallelMoE(SPEC, backend="nccl", device="cpu", timeout_s=0)
