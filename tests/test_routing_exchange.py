@@ -427,3 +427,27 @@ def test_production_exchange_across_processes(monkeypatch, schedule):
             assert got["status"] == [0, 0, 0, 0], (call, rank, got["status"])
             assert torch.equal(got["all_routing"], expected), (call, rank)
             assert got["ctrl"] == [call + 1, 0] + [0] * world_size, (call, rank, got["ctrl"])
+
+
+def test_a_dropped_slot_ring_is_kept_until_its_last_call_has_run():
+    """CallSlots' pinned memory is read by kernels the allocator does not know about: a ring dropped with calls still
+    queued stays referenced until its owner's per-call event has passed, then is freed at the next ring's creation
+    (and one that never made a call is freed at once)."""
+    from weave_moe.backends.weave import exchange
+
+    class Event:   # a CUDA event's query(), without a GPU
+        done = False
+
+        def query(self):
+            return self.done
+
+    ring, event = (torch.zeros(2),), Event()
+    exchange._RETIRED.clear()
+    exchange._retire(ring, [None])
+    assert exchange._RETIRED == []          # no call made: nothing can still read it
+    exchange._retire(ring, [event])
+    exchange._release_retired()
+    assert exchange._RETIRED == [(event, ring)]   # its last call has not run yet
+    event.done = True
+    exchange.CallSlots(RoutingMessage(4, 2), torch.device("cpu"), num_slots=2)   # a new ring frees the old one
+    assert exchange._RETIRED == []

@@ -275,8 +275,8 @@ class WeaveBackend:
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] bf16, topk_ids [T, k] int32 global ids (-1 = none; int64 too in the device-resident call, which
-        narrows them in its pack launch), topk_weights [T, k] fp32 -> [T, H] bf16.
+        """x [T, H] bf16, topk_ids [T, k] int32 global ids (-1 = none; int64 too in the device-resident call, whose
+        pack kernel narrows them), topk_weights [T, k] fp32 -> [T, H] bf16.
 
         `timings`, when given, accumulates host milliseconds per step (host_exchange_ms, host_sync_ms, ...). `out`:
         the result's tensor (written by the kernel; NaN rows where a call is refused); None: a new one."""
@@ -426,6 +426,7 @@ class WeaveBackend:
         if not capturing:  # the graph ends with the status word's copy to the host (_resident_call)
             if self.status_copied is None:
                 self.status_copied = torch.cuda.Event()
+                self.slots.track_calls(self.status_copied)   # the ring outlives the layer until it has passed
             self.status_copied.record(self._current_stream())
         clock.lap("launch")
         self.calls += 1

@@ -24,6 +24,7 @@ Shape legend: EP ranks, T_max = max_tokens_per_rank, k = top_k, E experts, E_loc
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,19 @@ class RoutingMessage:
 
 _PACK_BLOCK = 4096
 _PACK_COMPILED: dict = {}   # (device, ids dtype) -> the compiled _pack_kernel (RoutingMessage.pack_call)
+_RETIRED: list = []         # (event, pinned tensors) of dropped CallSlots rings, kept until the event has passed
+
+
+def _retire(tensors: tuple, last_call: list) -> None:
+    """A CallSlots ring was dropped: keep its pinned memory until its last call has run (`last_call[0]`, the event
+    recorded after it; None: no call was made)."""
+    if last_call[0] is not None:
+        _RETIRED.append((last_call[0], tensors))
+
+
+def _release_retired() -> None:
+    """Free the retired rings whose queued work has run."""
+    _RETIRED[:] = [(event, tensors) for event, tensors in _RETIRED if not event.query()]
 
 
 class CallSlots:
@@ -183,6 +197,9 @@ class CallSlots:
 
     The calls of one layer run in order on the GPU (one stream, or streams the caller orders), as the layer's other
     buffers require too: two of its calls running at once on unordered streams could read each other's slots.
+    Kernels read the slots by address, which torch's pinned-memory allocator does not track: a ring dropped while its
+    calls may still be queued is kept (`_RETIRED`) until the event its owner records after every call
+    (`track_calls`) has passed, so no later pinned allocation reuses memory a queued kernel still reads.
     Under the interpreter (CPU tests) the slots are ordinary CPU memory, which the interpreted kernel reads alike.
     """
 
@@ -190,6 +207,7 @@ class CallSlots:
 
     def __init__(self, message: RoutingMessage, device: torch.device, num_slots: int = 1024) -> None:
         pinned = device.type == "cuda"
+        _release_retired()
         self.message, self.num_slots, self.written = message, num_slots, 0
         self.slots = torch.zeros(num_slots, self.SLOT_WORDS, dtype=torch.int64, pin_memory=pinned)
         self.slots_numpy = self.slots.numpy()
@@ -197,6 +215,14 @@ class CallSlots:
         self.consumed_numpy = self.consumed.numpy()
         self.cursor = torch.zeros(1, dtype=torch.int32, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        self.last_call: list = [None]   # the owner's per-call event (track_calls); a list, shared with the finalizer
+        if pinned:
+            weakref.finalize(self, _retire, (self.slots, self.consumed), self.last_call)
+
+    def track_calls(self, event: torch.cuda.Event) -> None:
+        """`event` is recorded after every call that wrote a slot (on the call's stream): the ring's memory is freed
+        only once it has passed (class docstring)."""
+        self.last_call[0] = event
 
     def write(self, x: torch.Tensor, out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               error_code: int, wait) -> None:
