@@ -3,7 +3,7 @@
 python scripts/host_cost.py --model qwen3-30b-a3b --tokens 1 --emulate-ep 2 [--policy serial] [--out host.json]
 
 Times (microseconds, CPU clock, the GPU drained before each sample so no queue backs up): the whole layer call
-(host return), the backend's forward alone, and its pieces one by one: torch.empty for out, the slot write of an
+(host return; also with a reused `out=` buffer), the backend's forward alone, and its pieces one by one: torch.empty for out, the slot write of an
 eager call (CallSlots), pack_call (what a call captured into a caller's graph launches instead), a slot write +
 the graph replay, the event record after it (cached stream). Also the GPU time of one call (events).
 """
@@ -63,6 +63,8 @@ def main():
             row["backend_forward_us"] = median_us(lambda: b.forward(x, ids, w))
             with torch.no_grad():
                 row["layer_call_no_grad_us"] = median_us(lambda: layer(x, ids, w))
+            buf = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
+            row["layer_call_out_us"] = median_us(lambda: layer(x, ids, w, out=buf))   # a serving engine's call
             row["empty_out_us"] = median_us(lambda: torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16,
                                                                 device=device))
             out = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
