@@ -3,9 +3,10 @@
 python scripts/host_cost.py --model qwen3-30b-a3b --tokens 1 --emulate-ep 2 [--policy serial] [--out host.json]
 
 Times (microseconds, CPU clock, the GPU drained before each sample so no queue backs up): the whole layer call
-(host return; also with a reused `out=` buffer), the backend's forward alone, and its pieces one by one: torch.empty for out, the slot write of an
-eager call (CallSlots), pack_call (what a call captured into a caller's graph launches instead), a slot write +
-the graph replay, the event record after it (cached stream). Also the GPU time of one call (events).
+(host return; also into a reused `out=` buffer), the backend's forward alone, and its pieces one by one:
+torch.empty for out, the slot write of an eager call (CallSlots), pack_call (what a call captured into a caller's
+graph launches instead), a slot write + the graph replay, the event record after it (cached stream). Also the GPU
+time of one call (events).
 """
 
 import argparse
