@@ -371,3 +371,96 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
     g1 = (configs[1][0].block_m, False)
     assert sorted(prologues) == sorted({tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))})
+
+
+def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatch):
+    """WeaveBackend._forward_resident's host logic (no GPU): an eager call writes its slot and replays the graph whose
+    first kernel reads it; a call captured into a caller's graph launches the argument pack and writes no slot; the
+    stalled-peer hook writes nothing; a launch that raises after the slot write breaks the layer (ring and device
+    cursor may have parted); `out` is the tensor returned."""
+    import pytest
+    import torch
+
+    from weave_moe.backends.weave.backend import WeaveBackend, WeaveError
+    from weave_moe.backends.weave.exchange import CallSlots, RoutingMessage
+    from weave_moe.models import MoESpec
+
+    spec = MoESpec(8, 2, 32, 16)
+    backend = WeaveBackend.__new__(WeaveBackend)   # the host-side logic only
+    events = []
+
+    class Coordinator:
+        timeout_s = 5.0
+
+        def check_usable(self):
+            pass
+
+        def header(self):
+            return [1, 2, 3, 0]
+
+        def take_failure(self):
+            return None
+
+        def poll(self, is_done, what, timeout_s=None):
+            raise AssertionError("no wait expected")
+
+    class Event:
+        def record(self, stream=None):
+            events.append("record")
+
+        def query(self):
+            return True
+
+    class Graphs:
+        def __init__(self):
+            self.runs, self.fail = [], False
+
+        def run(self, name, build, capturing=None):
+            self.runs.append((name, capturing))
+            if self.fail:
+                raise RuntimeError("launch failed")
+            build()
+
+    class Message:
+        def __init__(self):
+            self.packs = 0
+
+        def pack_call(self, *args):
+            self.packs += 1
+
+    backend.spec, backend.num_local_experts, backend.device = spec, 8, torch.device("cpu")
+    backend.resident, backend.no_tokens = True, None
+    backend.broken, backend.coordinator, backend.timeout_s = None, Coordinator(), 5.0
+    backend.kernel_variants, backend.compiled = frozenset({"k"}), {"k"}
+    backend.status_copied, backend.status_numpy = Event(), torch.zeros(8, dtype=torch.int32).numpy()
+    backend.slots, backend.message = CallSlots(RoutingMessage(8, 2), torch.device("cpu"), num_slots=4), Message()
+    backend.graphs, backend.resident_graph_names = Graphs(), {}
+    backend.workspace = type("W", (), {"generation": 1, "flags": lambda self, parity: None})()
+    backend.send_routing = backend.header_device = backend.io = backend.status = backend.ctrl = None
+    backend.fixed_plan, backend.calls, backend.debug_poison, backend.debug_skip_launch = None, 0, False, False
+    backend._grouped_configs = lambda rows: None
+    backend._current_stream = lambda: None
+    built = []
+    backend._resident_call = lambda configs, from_slot: built.append(from_slot)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    x, ids, w = torch.randn(3, 32).bfloat16(), torch.zeros(3, 2, dtype=torch.int32), torch.rand(3, 2)
+    out = torch.empty(3, 32, dtype=torch.bfloat16)
+    assert backend.forward(x, ids, w, out=out) is out
+    assert backend.slots.written == 1 and built == [True] and backend.message.packs == 0 and events == ["record"]
+    assert backend.slots.slots_numpy[0].tolist() == [x.data_ptr(), out.data_ptr(), ids.data_ptr(), w.data_ptr(),
+                                                     3, 0, 0, 6]
+    capturing[0] = True   # inside a caller's capture: the argument pack, no slot, no event
+    backend.forward(x, ids, w)
+    assert backend.slots.written == 1 and built == [True, False] and backend.message.packs == 1 and len(events) == 1
+    capturing[0] = False
+    backend.debug_skip_launch = True   # the stalled-peer hook: nothing enqueued
+    backend.forward(x, ids, w)
+    assert backend.slots.written == 1 and len(built) == 2
+    backend.debug_skip_launch, backend.graphs.fail = False, True
+    with pytest.raises(RuntimeError, match="launch failed"):
+        backend.forward(x, ids, w)
+    assert backend.slots.written == 2 and backend.broken and "enqueued" in backend.broken
+    with pytest.raises(WeaveError, match="failed earlier"):
+        backend.forward(x, ids, w)
