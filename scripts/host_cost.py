@@ -17,15 +17,18 @@ import time
 import torch
 
 
-def median_us(fn, calls=200):
+def median_us(fn, calls=200, drain=True, digits=1):
+    """Median host microseconds of `fn` over `calls` calls; `drain`: the GPU drained before each (no queue backs up),
+    else calls queue behind each other as in a serving loop."""
     samples = []
     for _ in range(calls):
-        torch.cuda.synchronize()
+        if drain:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
-    return round(statistics.median(samples), 1)
+    return round(statistics.median(samples), digits)
 
 
 def main():

@@ -11,13 +11,13 @@ once), and a write into pinned host memory that a kernel inside a CUDA graph rea
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+import host_cost  # scripts/host_cost.py: this script runs from scripts/, which Python puts on sys.path
 
 
 @triton.jit(do_not_specialize=["src_ptr", "dst_ptr", "n"])
@@ -27,15 +27,7 @@ def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
 
 
 def median_us(fn, calls=400, drain=True):
-    samples = []
-    for _ in range(calls):
-        if drain:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return round(statistics.median(samples), 2)
+    return host_cost.median_us(fn, calls, drain, digits=2)
 
 
 def main():

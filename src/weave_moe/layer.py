@@ -261,13 +261,15 @@ class ExpertParallelMoE(torch.nn.Module):
         topk_weights = topk_weights.contiguous()
         if not (x.requires_grad or topk_weights.requires_grad) or not torch.is_grad_enabled():
             # nothing to guard (the weights are detached at load): no no_grad() context, ~5-10 us of host time
-            result = self.backend.forward(x, topk_ids, topk_weights, timings=timings, out=out)
-            return result if out is None or result is out else out.copy_(result)
+            return self._run_backend(x, topk_ids, topk_weights, timings, out)
         with torch.no_grad():
-            result = self.backend.forward(x, topk_ids, topk_weights, timings=timings, out=out)
-            if out is not None and result is not out:
-                result = out.copy_(result)
+            result = self._run_backend(x, topk_ids, topk_weights, timings, out)
         return _InferenceOnly.apply(result, x, topk_weights)
+
+    def _run_backend(self, x, topk_ids, topk_weights, timings, out) -> torch.Tensor:
+        """The backend's forward, its result in `out` when one is given (a backend may have written it there)."""
+        result = self.backend.forward(x, topk_ids, topk_weights, timings=timings, out=out)
+        return result if out is None or result is out else out.copy_(result)
 
     def synchronize(self) -> None:
         """Wait for this rank's last call (within timeout_s) and raise any error it deferred (the weave kernel's

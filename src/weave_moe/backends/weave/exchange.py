@@ -78,6 +78,12 @@ class RoutingMessage:
     def words(self) -> int:
         return self.header_word + HEADER_WORDS
 
+    def check_fits(self, topk_ids: torch.Tensor) -> None:
+        """Raise ValueError unless topk_ids [T, k] fits the message's W ids."""
+        if topk_ids.numel() > self.id_words:
+            raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {self.id_words} "
+                             "ids")
+
     def pad(self, device=None) -> torch.Tensor:
         """[2 W] int32: -1 (no expert) for the ids' padding, then 0 (the bits of 0.0) for the weights' padding."""
         return torch.cat([torch.full((self.id_words,), -1, dtype=torch.int32, device=device),
@@ -95,9 +101,8 @@ class RoutingMessage:
             token_counts: [T_max + 1] int32 device vector 0..T_max, so T needs no host-to-device copy.
             header: [HEADER_WORDS] int32, this call's coordination header (on the device).
         """
+        self.check_fits(topk_ids)
         words, n = self.id_words, topk_ids.numel()
-        if n > words:
-            raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {words} ids")
         num_tokens = topk_ids.shape[0]
         return torch.cat([topk_ids.reshape(-1).to(torch.int32), pad[:words - n],
                           topk_weights.reshape(-1).view(torch.int32), pad[words:2 * words - n],
@@ -125,9 +130,8 @@ class RoutingMessage:
                 raise ValueError(f"{name} must be a contiguous int32 tensor")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        self.check_fits(topk_ids)
         words, n = self.id_words, topk_ids.numel()
-        if n > words:
-            raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of {words} ids")
         grid = (triton.cdiv(words, _PACK_BLOCK), 1, 1)
         args = (topk_ids, topk_weights, out, header, io, status, control, flags, n, topk_ids.shape[0], x.data_ptr(),
                 result.data_ptr(), error_code, words, control.numel(), flags.numel(), num_experts)
@@ -229,9 +233,7 @@ class CallSlots:
         """This call's slot (protocol step 1); `wait(is_done)` polls `is_done` until it is True or raises at the
         caller's deadline (step 3). topk_ids [T, k] int32 / int64 and topk_weights [T, k] fp32, contiguous."""
         n = self.written
-        if topk_ids.numel() > self.message.id_words:
-            raise ValueError(f"{topk_ids.shape[0]} tokens x top-k do not fit the exchange buffer of "
-                             f"{self.message.id_words} ids")
+        self.message.check_fits(topk_ids)
         if n - int(self.consumed_numpy[0]) >= self.num_slots:
             wait(lambda: n - int(self.consumed_numpy[0]) < self.num_slots)
         self.slots_numpy[n % self.num_slots] = (x.data_ptr(), out.data_ptr(), topk_ids.data_ptr(),
