@@ -107,6 +107,7 @@ for stage in "$@"; do
     ep2-bench) WEAVE_MOE_KERNEL_CONFIG=${EP2_KC:-} timeout "${EP2_TIMEOUT:-420}" python3 -m weave_moe.cli bench --models "${EP2_MODELS:-qwen3-30b-a3b,deepseek-v3,phi-3.5-moe,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v2}" --tokens "${EP2_TOKENS:-128,2048,8192}" --routing "${EP2_ROUTING:-uniform,skewed}" --variants "${EP2_VARIANTS:-nccl,symm,deepep,weave:serial,weave}" --check --iters 10 --no-progress --name "${BENCH_NAME:-h200x2-eval6}" --out "$W" --timeout $(( ${EP2_TIMEOUT:-420} - 10 )) > "$W/ep2-bench-${BENCH_NAME:-h200x2-eval6}.log" 2>&1; echo "rc=$?"; tail -30 "$W/ep2-bench-${BENCH_NAME:-h200x2-eval6}.log";;
     # host cost of the primitives a call is made of (scripts/host_primitives.py): run beside host-cost, whose
     # absolute figures vary with the machine's host
+    launch-probe) timeout 120 python3 scripts/launch_probe.py --out "$W/launch_probe.json" > "$W/launch_probe.log" 2>&1; echo "rc=$?"; tail -14 "$W/launch_probe.log" | cut -c1-300;;
     host-primitives) timeout 120 python3 scripts/host_primitives.py --out "$W/host_primitives.json" > "$W/host_primitives.log" 2>&1; echo "rc=$?"; tail -25 "$W/host_primitives.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" ${HC_ARGS:-} --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; grep "^{" "$W/host_cost.log" | cut -c1-600;;
