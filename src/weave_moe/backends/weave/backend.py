@@ -407,7 +407,7 @@ class WeaveBackend:
             # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-            self.graphs.run(name, lambda: self._resident_call(configs, from_slot=False), capturing=True)
+            self.graphs.run(name, lambda: self._resident_call(configs, from_slot=False), in_capture=True)
         elif self.debug_skip_launch and self.kernel_variants <= self.compiled:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
@@ -416,7 +416,7 @@ class WeaveBackend:
                                                               timeout_s=self.timeout_s + coordinator.timeout_s))
             clock.lap("pack")
             try:
-                self.graphs.run(name, lambda: self._resident_call(configs, from_slot=True), capturing=False)
+                self.graphs.run(name, lambda: self._resident_call(configs, from_slot=True), in_capture=False)
             except BaseException as error:
                 # the slot may or may not have been read: the ring and the device cursor could have parted
                 self.broken = f"a call failed while it was enqueued: {type(error).__name__}: {error}"

@@ -105,14 +105,14 @@ class GraphCache:
         for name in [n for n in self.graphs if n.startswith(prefix)]:
             del self.graphs[name]
 
-    def run(self, name: str, build, capturing: bool | None = None):
+    def run(self, name: str, build, in_capture: bool | None = None):
         """Replay graph `name` (captured from `build` at its first use) and return what `build` returned then.
-        `capturing`: whether the current stream is capturing, when the caller knows (None: asked here)."""
+        `in_capture`: whether the current stream is capturing, when the caller knows (None: asked here)."""
         # inside a caller's capture the ops are recorded into the caller's graph (a graph launch is not replayed
         # inside another capture)
-        if capturing is None:
-            capturing = torch.cuda.is_current_stream_capturing()
-        if not self.enabled or capturing:
+        if in_capture is None:
+            in_capture = torch.cuda.is_current_stream_capturing()
+        if not self.enabled or in_capture:
             return build()
         if name in self.graphs:
             graph, output = self.graphs[name]
