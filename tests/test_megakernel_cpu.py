@@ -357,7 +357,8 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
     assert _has_release_add(stage_kernels[0].asm["ptx"], "sys")
     # the dispatch-only launch also waits (system scope) until the peers' rows have arrived before it ends: the grouped
     # GEMMs' row gather after it reads them unguarded (a wrong answer at EP=2 on an H200 pair until fba7568)
-    assert re.search(r"ld\.global\.sys\.acquire", stage_kernels[0].asm["ptx"])
+    # (its flags polled as one vector of atomics, sync.wait_all_at_least: an acquire add of 0 at system scope)
+    assert re.search(r"ld\.global\.sys\.acquire|atom\.global\.sys\.acquire\.add", stage_kernels[0].asm["ptx"])
     assert _has_release_add(stage_kernels[2].asm["ptx"], "sys")
     assert re.search(r"ld\.global\.gpu\.acquire", stage_kernels[2].asm["ptx"])
     assert re.search(r"ld\.global\.sys\.acquire", stage_kernels[3].asm["ptx"])
