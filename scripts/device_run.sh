@@ -108,6 +108,11 @@ for stage in "$@"; do
     # host cost of the primitives a call is made of (scripts/host_primitives.py): run beside host-cost, whose
     # absolute figures vary with the machine's host
     launch-probe) timeout 120 python3 scripts/launch_probe.py --out "$W/launch_probe.json" > "$W/launch_probe.log" 2>&1; echo "rc=$?"; tail -14 "$W/launch_probe.log" | cut -c1-300;;
+    # A/B of KernelConfig.decode_stages at decode sizes: per-kernel GPU time (torch.profiler) and the bench, both modes
+    decode-ab) for ds in 0 1; do
+          WEAVE_MOE_KERNEL_CONFIG=decode_stages=$ds timeout 120 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${DA_MODEL:-qwen3-30b-a3b}" --tokens "${DA_PROFILE_TOKENS:-1}" --variants "${DA_VARIANTS:-weave:serial,weave}" --rows 30 > "$W/profile-decode_stages$ds.txt" 2>&1; echo "profile decode_stages=$ds rc=$?"
+          WEAVE_MOE_KERNEL_CONFIG=decode_stages=$ds timeout "${DA_TIMEOUT:-150}" python3 -m weave_moe.bench --emulate-ep 2 --models "${DA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${DA_TOKENS:-1,8,32,128}" --routing uniform --variants "${DA_BENCH_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${DA_TIMEOUT:-150} - 10 )) --name "decode-stages$ds" --out "$W" > "$W/bench-decode-stages$ds.log" 2>&1; echo "bench decode_stages=$ds rc=$?"; tail -9 "$W/bench-decode-stages$ds.log"
+        done;;
     host-primitives) timeout 120 python3 scripts/host_primitives.py --out "$W/host_primitives.json" > "$W/host_primitives.log" 2>&1; echo "rc=$?"; tail -25 "$W/host_primitives.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" ${HC_ARGS:-} --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; grep "^{" "$W/host_cost.log" | cut -c1-600;;

@@ -368,7 +368,7 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
     assert re.search(r"ld\.global\.sys\.acquire", combine_reduce)
 
 
-def _as_launched(stage_key, interleaved: bool, resident: bool):
+def _as_launched(stage_key, interleaved: bool, resident: bool, H: int = 2048):
     """The sm_90 compile of one of the backend's launches (`stage_constants` key) for the default KernelConfig at the
     per-rank shape of Qwen3-30B-A3B at EP 2 (H 2048, I 768, T_max 2048), specialised exactly as the launch is:
     16-byte-aligned pointers (as every torch allocation), H / I / max_tokens as passed, the backend's TMA descriptors.
@@ -383,9 +383,9 @@ def _as_launched(stage_key, interleaved: bool, resident: bool):
     from weave_moe.backends.weave.launch import (MegakernelArgs, MegakernelConstants, compile_as_launched,
                                                  tma_descriptors)
 
-    cfg, E, H, I = KernelConfig(), 2, 2048, 768
+    cfg, E, I = KernelConfig(), 2, 768
     constants = stage_constants(MegakernelConstants.from_config(cfg, 8, 8, 0, True, resident=resident,
-                                                                interleaved=interleaved))[stage_key]
+                                                                interleaved=interleaved), H)[stage_key]
     w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16), torch.zeros(E, H, I, dtype=torch.bfloat16)
     pointers = {f.name: (w13 if f.name == "w13_ptr" else w2 if f.name == "w2_ptr" else
                          torch.zeros(64, dtype={"*i32": torch.int32, "*i64": torch.int64, "*fp32": torch.float32,
@@ -398,22 +398,28 @@ def _as_launched(stage_key, interleaved: bool, resident: bool):
                                cfg.num_stages)
 
 
-@pytest.mark.parametrize("name, stage_key, interleaved, resident, max_stack", [
+@pytest.mark.parametrize("name, stage_key, interleaved, resident, max_stack, H", [
     # the default policy's resident call: the one launch that runs any split plan (and a serial plan's dispatch)
-    ("resident one-launch", (-1, "grouped serial"), True, True, 48),
+    ("resident one-launch", (-1, "grouped serial"), True, True, 48, 2048),
     # ... and its combine + reduce launch under a serial plan
-    ("resident combine + reduce", (4, "grouped serial"), True, True, 0),
+    ("resident combine + reduce", (4, "grouped serial"), True, True, 0, 2048),
+    # ... at decode sizes (KernelConfig.decode_stages: one row per task, whole rows of 2048 / 4096-wide steps)
+    ("resident decode combine + reduce", ("decode", (4, "grouped serial")), True, True, 0, 2048),
+    ("resident decode combine + reduce, H 7168", ("decode", (4, "grouped serial")), True, True, 0, 7168),
+    # the fixed serial policy's dispatch and combine + reduce launches at decode sizes
+    ("serial decode dispatch", ("decode", 0), True, True, 0, 2048),
+    ("serial decode combine + reduce", ("decode", 4), True, True, 0, 7168),
     # the host-driven call (EP > 1 by default): the one-launch kernel on the plain w13
-    ("host-driven one-launch", -1, False, False, 144),
+    ("host-driven one-launch", -1, False, False, 144, 2048),
 ])
-def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, max_stack):
+def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, max_stack, H):
     """The kernels that run, compiled as launched (`compile_as_launched`), not `compile_sm`'s unspecialised variant:
     their registers, stack and shared memory. Measured with Triton 3.6 (REG / STACK bytes / shared KB): resident
     one-launch 255 / 48 / 192, resident combine + reduce 188 / 0 / 8, host-driven one-launch 255 / 144 / 192
     (`compile_sm`, unspecialised: 255 / 240-248 / 144 and 255 / 40 / 0). Spills are register spills (no `.local`
     array in the PTX); the bounds are today's figures, so a change that spills more fails here. Not yet met: no
     spills at all in the GEMM path (the one-launch kernels)."""
-    compiled = _as_launched(stage_key, interleaved, resident)
+    compiled = _as_launched(stage_key, interleaved, resident, H)
     resources, ptx = _cubin_resources(compiled), compiled.asm["ptx"]
     assert ".local" not in ptx, name
     assert resources["STACK"] <= max_stack, (name, resources)
@@ -444,8 +450,10 @@ def _table_args(lay) -> dict:
 
 
 def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int, I: int, K: int, seed: int,
-                staged: bool = True) -> dict:
-    """One rank of test_megakernel_across_processes (TRITON_INTERPRET=1 inherited from the test)."""
+                staged: bool = True, decode: bool = False) -> dict:
+    """One rank of test_megakernel_across_processes (TRITON_INTERPRET=1 inherited from the test). `decode`: tables
+    of one row per task (KernelConfig.decode_stages), the staged launches without GEMM as their decode compiles
+    (whole rows per step), the GEMM stage and the one launch of every phase as they are."""
     import dataclasses
 
     import torch
@@ -476,7 +484,8 @@ def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int,
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
     local = E // world_size
     T, x = tokens[rank], xs[rank]
-    blocks = dict(block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
+    rows = 1 if decode else 4
+    blocks = dict(block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows, combine_rows=rows, reduce_rows=rows)
     lay = build_layout(all_ids, all_w, torch.tensor(tokens), torch.tensor([K] * world_size), rank, E, hidden_size=H,
                        intermediate_size=I, **blocks)
     ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(max_tokens, H)
@@ -505,7 +514,13 @@ def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int,
             rank=rank, world_size=world_size, max_tokens=max_tokens,
             num_tokens=T, H=H, I=I, num_comm_ctas=grid, num_steal=1 << 30, timeout_ns=10 ** 9,
             PHASE_FIRST=0, PHASE_LAST=3)
-        launch(grid, args, dataclasses.replace(constants, STAGE=stage), NO_DESCRIPTORS, num_warps=8, num_stages=3)
+        compile_ = dataclasses.replace(constants, STAGE=stage)
+        if decode and stage in (0, 4):
+            from weave_moe.backends.weave.config import DECODE_ROWS, decode_block_h
+
+            compile_ = dataclasses.replace(compile_, DISPATCH_ROWS=DECODE_ROWS, COMBINE_ROWS=DECODE_ROWS,
+                                           REDUCE_ROWS=DECODE_ROWS, BLOCK_H=decode_block_h(H))
+        launch(grid, args, compile_, NO_DESCRIPTORS, num_warps=8, num_stages=3)
     dist.barrier()   # no rank frees its buffers while a peer may still write them
     ref = reference_moe(x, all_ids[rank, :T], all_w[rank, :T], w13, w2) if T else None
     # dispatch is bitwise: source s's tokens with an expert on this rank, in token order, from row s * T_max on
@@ -522,11 +537,16 @@ def _ep_worker(rank: int, world_size: int, tokens: list, E: int, k: int, H: int,
                 recv_ok=recv_ok)
 
 
-@pytest.mark.parametrize("tokens, E, k, H, I, K, staged", [
-    ([9, 6], 4, 2, 40, 24, 1, True), ([5, 0], 8, 3, 33, 20, 2, True), ([1, 12], 4, 2, 16, 16, 3, True),
-    ([9, 6], 4, 2, 40, 24, 2, False), ([0, 7], 8, 3, 33, 20, 4, False),
-    ([6, 0, 9], 6, 2, 24, 16, 2, True), ([5, 7, 0, 3], 8, 3, 24, 16, 1, True), ([4, 6, 2, 0], 8, 2, 24, 16, 2, False)])
-def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged):
+@pytest.mark.parametrize("tokens, E, k, H, I, K, staged, decode", [
+    ([9, 6], 4, 2, 40, 24, 1, True, False), ([5, 0], 8, 3, 33, 20, 2, True, False),
+    ([1, 12], 4, 2, 16, 16, 3, True, False), ([9, 6], 4, 2, 40, 24, 2, False, False),
+    ([0, 7], 8, 3, 33, 20, 4, False, False), ([6, 0, 9], 6, 2, 24, 16, 2, True, False),
+    ([5, 7, 0, 3], 8, 3, 24, 16, 1, True, False), ([4, 6, 2, 0], 8, 2, 24, 16, 2, False, False),
+    # decode calls (KernelConfig.decode_stages): one-row tasks, the launches without GEMM compiled for them; the one
+    # launch of every phase on such tables (its blocks of 4 rows hold tasks of 1)
+    ([6, 3], 4, 2, 40, 24, 1, True, True), ([2, 0, 5], 6, 3, 33, 16, 2, True, True),
+    ([5, 4], 4, 2, 40, 24, 2, False, True)])
+def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged, decode):
     """The serial policy's launches, and the one launch of every phase with K chunks, at EP 2, 3 and 4 between real
     processes: each rank's workspace opened by the others
     through the ipc transport (shared memory on the CPU), the kernels under the interpreter, both ranks at once.
@@ -536,7 +556,8 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged)
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
-    results = run_distributed(_ep_worker, len(tokens), tokens, E, k, H, I, K, sum(tokens) + E, staged, backend="gloo",
+    results = run_distributed(_ep_worker, len(tokens), tokens, E, k, H, I, K, sum(tokens) + E, staged, decode,
+                              backend="gloo",
                               timeout_s=600,
                               env=dict(TRITON_INTERPRET="1"), shared_device=True)
     for rank, result in enumerate(results):

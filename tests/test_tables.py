@@ -80,6 +80,10 @@ case((600,), 64, 8, (1,), 0, seed=14, T_max=700, blocks=prod)
 case((600,), 64, 8, (8,), 0, seed=15, blocks=prod, block_tokens=8)
 case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8)
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8)
+# a decode call's tables (KernelConfig.decode_stages): one row per dispatch, combine and reduce task
+decode = dict(prod, dispatch_rows=1, combine_rows=1, reduce_rows=1)
+case((5, 3), 16, 4, (1, 1), 0, seed=18, blocks=decode)
+case((60, 0, 7), 12, 4, (3, 8, 5), 1, seed=19, mode="dups", blocks=decode)
 print("TABLES BIG OK")
 '''
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from weave_moe.backends.weave import KernelConfig
+from weave_moe.backends.weave.config import DECODE_ROWS, DECODE_TOKENS
 from weave_moe.models import MoESpec
 from weave_moe.sim.timeline import KINDS, measured_result
 
@@ -251,18 +252,24 @@ class _AnyTable:
         return torch.zeros(1, dtype=torch.int32)
 
 
-def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False, resident=False):
+def _compile_name(constants):
+    """A megakernel compile as the launch tests name it: its STAGE; "4gs": STAGE 4 (combine + reduce) compiled with
+    GROUPED_SERIAL; "d4": a decode compile (DECODE_ROWS rows per task; the tests' plain compiles have 4)."""
+    plain = f"{constants.STAGE}gs" if constants.GROUPED_SERIAL else constants.STAGE
+    return f"d{plain}" if constants.REDUCE_ROWS == DECODE_ROWS else plain
+
+
+def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False, resident=False, decode=False):
     """A WeaveBackend for `_launch`'s host logic on the CPU: the megakernel's launches and compiles are recorded as
-    STAGE values (the grouped GEMMs as "grouped"), nothing runs."""
+    STAGE values (the grouped GEMMs as "grouped"; "d" prefixed: a decode compile), nothing runs. `decode`: the
+    layer has decode compiles (KernelConfig.decode_stages on a resident layer)."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.backend import WeaveBackend
     from weave_moe.backends.weave.launch import MegakernelConstants
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
 
     launched, compiled = [], []
-    def name(constants):  # "4gs": STAGE 4 (combine + reduce) compiled with GROUPED_SERIAL
-        return f"{constants.STAGE}gs" if constants.GROUPED_SERIAL else constants.STAGE
-
+    name = _compile_name
     monkeypatch.setattr(backend_module.mk_launch, "launch", lambda args, constants, **options:
                         launched.append(name(constants)))
     monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
@@ -292,7 +299,8 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         TOP_K=2, MAX_CHUNKS=8, BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, DISPATCH_ROWS=4, COMBINE_ROWS=4,
         REDUCE_ROWS=4, BLOCK_H=32, DOT_FP32=True, TIMELINE=False, MAX_EVENTS=1, STAGES0=3, STAGES1=4, BLOCK_K1=16,
         USE_TMA=False, RESIDENT=resident)
-    backend.stage_constants = backend_module.stage_constants(backend.constants)
+    backend.stage_constants = backend_module.stage_constants(backend.constants, H)
+    backend.decode_tokens = DECODE_TOKENS if decode else 0
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
     backend._grouped_gemms = lambda layout, configs, device_serial=False: launched.append(
@@ -319,6 +327,13 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     ("weave", True, False, True, [None], [[-1]], [-1, "-1gs", "4gs"]),
     ("weave", True, False, True, ["device serial", None], [["-1gs", "grouped if serial", "4gs"], [-1]],
      [-1, "-1gs", "4gs"]),
+    # KernelConfig.decode_stages: a decode call runs the decode compiles of the launches without GEMM (the one that
+    # may run every phase keeps its compile); the layer compiles both kinds at its first call
+    ("serial", True, False, "decode", ["fixed decode", "fixed"], [["d0", "grouped", "d4"], [0, "grouped", 4]],
+     [0, 4, "d0", "d4"]),
+    ("weave", True, False, "decode", ["device serial decode", "device serial"],
+     [["-1gs", "grouped if serial", "d4gs"], ["-1gs", "grouped if serial", "4gs"]], [-1, "-1gs", "4gs", "d4gs"]),
+    ("weave", False, False, "decode", ["decode"], [[-1]], [-1]),
 ])
 def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, grouped, fused_serial, resident, plans,
                                                          launches, compiles):
@@ -330,16 +345,20 @@ def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, gr
                "device serial": None}
     fixed = plan_of["fixed"] if policy != "weave" else None
     backend, launched, compiled = _host_backend(monkeypatch, fixed, grouped=grouped, fused_serial=fused_serial,
-                                                resident=resident)
+                                                resident=bool(resident), decode=resident == "decode")
     x, out = torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16()
     for plan_name, expected in zip(plans, launches):
         launched.clear()
+        # "<plan> decode": that plan in a decode call ("decode" alone: the plan on the device)
+        decode = plan_name is not None and plan_name.endswith("decode")
+        if decode:
+            plan_name = plan_name.removesuffix("decode").strip() or None
         configs = ("gemm0 config", "gemm1 config") if plan_name == "device serial" else None
-        backend._launch(x, out, _AnyTable(), plan_of[plan_name], 0, configs)
+        backend._launch(x, out, _AnyTable(), plan_of[plan_name], 0, configs, decode)
         assert launched == expected, (plan_name, launched)
         # every variant a call can launch was compiled at the first call, and only then
         assert sorted(compiled, key=str) == sorted(compiles, key=str)
-    assert {f"{c.STAGE}gs" if c.GROUPED_SERIAL else c.STAGE for c in backend.compiled} == set(compiles)
+    assert {_compile_name(c) for c in backend.compiled} == set(compiles)
 
 
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch):
@@ -415,8 +434,8 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
         def __init__(self):
             self.runs, self.fail = [], False
 
-        def run(self, name, build, capturing=None):
-            self.runs.append((name, capturing))
+        def run(self, name, build, in_capture=None):
+            self.runs.append((name, in_capture))
             if self.fail:
                 raise RuntimeError("launch failed")
             build()
@@ -441,7 +460,8 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend._grouped_configs = lambda rows: None
     backend._current_stream = lambda: None
     built = []
-    backend._resident_call = lambda configs, from_slot: built.append(from_slot)
+    backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
+    backend._resident_call = lambda configs, from_slot, decode: built.append(from_slot if decode else "not decode")
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
@@ -458,9 +478,12 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend.debug_skip_launch = True   # the stalled-peer hook: nothing enqueued
     backend.forward(x, ids, w)
     assert backend.slots.written == 1 and len(built) == 2
-    backend.debug_skip_launch, backend.graphs.fail = False, True
+    backend.debug_skip_launch = False
+    backend.forward(torch.cat([x, x]), torch.cat([ids, ids]), torch.cat([w, w]))   # 6 tokens: not a decode call
+    assert built[-1] == "not decode" and backend.slots.written == 2
+    backend.graphs.fail = True
     with pytest.raises(RuntimeError, match="launch failed"):
         backend.forward(x, ids, w)
-    assert backend.slots.written == 2 and backend.broken and "enqueued" in backend.broken
+    assert backend.slots.written == 3 and backend.broken and "enqueued" in backend.broken
     with pytest.raises(WeaveError, match="failed earlier"):
         backend.forward(x, ids, w)

@@ -24,7 +24,8 @@ from weave_moe.backends import raise_on_bad_ids
 from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordinator, CallOrderError, PeerError,
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
-from weave_moe.backends.weave.config import KernelConfig, timeout_s_from_env
+from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelConfig, decode_block_h,
+                                             timeout_s_from_env)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
@@ -58,13 +59,21 @@ class WeaveTimeoutError(WeaveError):
     """A bounded wait in the megakernel ran past its deadline (a peer stalled or died)."""
 
 
-def stage_constants(constants: mk_launch.MegakernelConstants) -> dict:
+#: the launches without GEMM (keys of `stage_constants`), which have decode compiles ("decode", key)
+_ROW_STAGES = (0, STAGE_COMBINE_REDUCE.value, (STAGE_COMBINE_REDUCE.value, "grouped serial"))
+
+
+def stage_constants(constants: mk_launch.MegakernelConstants, hidden_size: int) -> dict:
     """The megakernel's compiles of a layer by launch (`WeaveBackend._stages`): STAGE -1 (every phase in one launch),
-    0 and 1 (dispatch, the GEMMs: one serial stage each) and 4 (combine + reduce), and (STAGE, "grouped serial") for
-    the resident adaptive calls that may run the grouped GEMMs."""
+    0 and 1 (dispatch, the GEMMs: one serial stage each) and 4 (combine + reduce), (STAGE, "grouped serial") for
+    the resident adaptive calls that may run the grouped GEMMs, and ("decode", key) for the launches without GEMM
+    at decode sizes (KernelConfig.decode_stages: DECODE_ROWS rows per task, whole rows per step)."""
     table = {stage: dataclasses.replace(constants, STAGE=stage) for stage in (-1, 0, 1, STAGE_COMBINE_REDUCE.value)}
     table.update({(stage, "grouped serial"): dataclasses.replace(constants, STAGE=stage, GROUPED_SERIAL=True)
                   for stage in (-1, STAGE_COMBINE_REDUCE.value)})
+    table.update({("decode", key): dataclasses.replace(
+        table[key], DISPATCH_ROWS=DECODE_ROWS, COMBINE_ROWS=DECODE_ROWS, REDUCE_ROWS=DECODE_ROWS,
+        BLOCK_H=decode_block_h(hidden_size)) for key in _ROW_STAGES})
     return table
 
 
@@ -242,7 +251,10 @@ class WeaveBackend:
         self.constants = mk_launch.MegakernelConstants.from_config(
             cfg, spec.top_k, MAX_CHUNKS, self.timeline_events, self.use_tma,
             resident=self.resident, interleaved=self.interleaved)
-        self.stage_constants = stage_constants(self.constants)
+        self.stage_constants = stage_constants(self.constants, spec.hidden_size)
+        # KernelConfig.decode_stages: resident calls of at most DECODE_TOKENS tokens (the graph of a call is per row
+        # count, so per T: its launches and tables are fixed at capture)
+        self.decode_tokens = DECODE_TOKENS if cfg.decode_stages and self.resident else 0
         self.kernel_variants = self._kernel_variants()
         # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
         self.io = torch.zeros(2, dtype=torch.int64, device=device)
@@ -398,6 +410,7 @@ class WeaveBackend:
         rows = x.shape[0] * min(self.spec.top_k, self.num_local_experts)
         name = self.resident_graph_names.get((self.workspace.generation, rows))
         configs = self._grouped_configs(rows)
+        decode = self._decode_call(x.shape[0])   # a function of rows, as the graph's name is
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}")
@@ -407,7 +420,7 @@ class WeaveBackend:
             # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-            self.graphs.run(name, lambda: self._resident_call(configs, from_slot=False), in_capture=True)
+            self.graphs.run(name, lambda: self._resident_call(configs, False, decode), in_capture=True)
         elif self.debug_skip_launch and self.kernel_variants <= self.compiled:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
@@ -416,7 +429,7 @@ class WeaveBackend:
                                                               timeout_s=self.timeout_s + coordinator.timeout_s))
             clock.lap("pack")
             try:
-                self.graphs.run(name, lambda: self._resident_call(configs, from_slot=True), in_capture=False)
+                self.graphs.run(name, lambda: self._resident_call(configs, True, decode), in_capture=False)
             except BaseException as error:
                 # the slot may or may not have been read: the ring and the device cursor could have parted
                 self.broken = f"a call failed while it was enqueued: {type(error).__name__}: {error}"
@@ -434,21 +447,21 @@ class WeaveBackend:
             raise failure
         return out
 
-    def _resident_call(self, grouped_configs, from_slot: bool) -> None:
+    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool) -> None:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
-        `io`)."""
+        `io`); `decode`: `_decode_call`."""
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
-        layout = self._resident_tables()
+        layout = self._resident_tables(decode)
         dummy = self.workspace.y()[:1]
-        self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs)
+        self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode)
         # the status word to the host, read at the next call once the event recorded after the call has passed
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         self.status_host.copy_(self.status, non_blocking=True)
 
-    def _resident_tables(self):
+    def _resident_tables(self, decode: bool):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the
         planned chunk counts (the pack launch before them zeroed the control block and the flags, the resident call
         always using parity 0, and advanced the call number)."""
@@ -465,8 +478,7 @@ class WeaveBackend:
         return build(
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
-            block_n0=cfg.block_n0, block_n1=cfg.block_n1, dispatch_rows=cfg.dispatch_rows,
-            combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+            block_n0=cfg.block_n0, block_n1=cfg.block_n1, **self._table_rows(decode))
 
     def _raise_deferred(self) -> None:
         """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no
@@ -588,10 +600,12 @@ class WeaveBackend:
             "different layer. The caller's tensors are untouched. At EP > 1 every rank calls "
             "weave_moe.backends.weave.workspace.retire_shared(group), then rebuilds the group's layers.")
 
-    def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None) -> None:
+    def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None,
+                decode: bool = False) -> None:
         """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
         kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
-        layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial."""
+        layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
+        the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`)."""
         ws, spec, grid = self.workspace, self.spec, self.num_sms
         if self.timeline_events:
             self.timeline_buf.zero_()
@@ -623,7 +637,7 @@ class WeaveBackend:
         if self.debug_skip_launch:
             return
         device_serial = my_plan is None and grouped_configs is not None
-        for stage in self._stages(serial, device_serial):
+        for stage in self._stages(serial, device_serial, decode):
             if stage == "grouped":
                 self._grouped_gemms(layout, grouped_configs or self._grouped_configs(self.local_rows), device_serial)
                 continue
@@ -636,26 +650,43 @@ class WeaveBackend:
         can be either."""
         serial_choices = ((self.fixed_plan.is_serial(self.num_sms),) if self.fixed_plan is not None
                           else (False,) if self.resident else (False, True))
-        stages = [self._stages(serial) for serial in serial_choices]
+        decode_choices = (False, True) if self.decode_tokens else (False,)
+        stages = [self._stages(serial, decode=decode) for serial in serial_choices for decode in decode_choices]
         if self.grouped_serial:
-            stages.append(self._stages(False, device_serial=True))
+            stages += [self._stages(False, device_serial=True, decode=decode) for decode in decode_choices]
         return frozenset(self.stage_constants[stage] for launches in stages for stage in launches
                          if stage != "grouped")
 
-    def _stages(self, serial: bool, device_serial: bool = False) -> tuple:
+    def _stages(self, serial: bool, device_serial: bool = False, decode: bool = False) -> tuple:
         """The launches of one call, in order: keys of `stage_constants` (STAGE -1: phases PHASE_FIRST..PHASE_LAST =
         0..3 in one launch; 0, 1: that stage alone, compiled for it; 4: combine + reduce; (STAGE, "grouped serial"):
         the GROUPED_SERIAL compiles) or "grouped" (the grouped GEMMs, `_grouped_gemms`). `device_serial`: a resident
         adaptive call whose serial plan, decided on the device, runs the grouped GEMMs (the other plans run whole in
-        the first launch)."""
+        the first launch). `decode`: the launches without GEMM as their decode compiles (`_decode_call`)."""
         combine_reduce = STAGE_COMBINE_REDUCE.value
         if device_serial:
-            return ((-1, "grouped serial"), "grouped", (combine_reduce, "grouped serial"))
-        if serial and self.grouped:
-            return (0, "grouped", combine_reduce)
-        if serial and not self.config.fused_serial:
-            return (0, 1, combine_reduce)
-        return (-1,)
+            stages = ((-1, "grouped serial"), "grouped", (combine_reduce, "grouped serial"))
+        elif serial and self.grouped:
+            stages = (0, "grouped", combine_reduce)
+        elif serial and not self.config.fused_serial:
+            stages = (0, 1, combine_reduce)
+        else:
+            stages = (-1,)
+        return tuple(("decode", stage) if decode and stage in _ROW_STAGES else stage for stage in stages)
+
+    def _decode_call(self, tokens: int) -> bool:
+        """Whether a resident call of `tokens` tokens runs the decode compiles (KernelConfig.decode_stages) and the
+        task tables cut for them (`_table_rows`)."""
+        return tokens <= self.decode_tokens
+
+    def _table_rows(self, decode: bool) -> dict:
+        """Rows per dispatch / combine / reduce task of a call's tables: the compiles' (decode: DECODE_ROWS). A
+        table's tasks may hold fewer rows than a launch's blocks (its reduce tasks past the rows then do nothing),
+        never more: a decode call's tables serve its other launches too."""
+        cfg = self.config
+        if decode:
+            return dict(dispatch_rows=DECODE_ROWS, combine_rows=DECODE_ROWS, reduce_rows=DECODE_ROWS)
+        return dict(dispatch_rows=cfg.dispatch_rows, combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
 
     def _grouped_configs(self, rows: int) -> tuple | None:
         """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""

@@ -20,6 +20,17 @@ TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
 #: of DeepSeek-V3, ~15 ms) is far below it; a first call's compile happens before the kernel's waits (see backend.py).
 DEFAULT_TIMEOUT_S = 5.0
 
+#: KernelConfig.decode_stages: calls of at most this many tokens per rank use the decode compiles of the launches
+#: without GEMM, whose tasks hold DECODE_ROWS rows, copied in steps of `decode_block_h(H)` elements
+DECODE_TOKENS = 64
+DECODE_ROWS = 1
+
+
+def decode_block_h(hidden_size: int) -> int:
+    """Elements per step of the decode compiles' row tasks: the whole row (a power of two), at most 4096 (a step of
+    the combine holds top-k such rows in registers)."""
+    return min(4096, 1 << max(hidden_size - 1, 1).bit_length())
+
 #: the values of the str fields
 _CHOICES = {"resident": ("auto", "on", "off")}
 _TRUE = ("1", "true", "yes", "on")
@@ -70,6 +81,12 @@ class KernelConfig:
             serial policy or a resident adaptive call). On: where such a call's plan runs the megakernel's tiles it
             measured 1.4-4.7% faster than two MMAs in 9 of 9 configurations on an H200 (three models x 1 / 32 / 512
             tokens, one rank's work of EP=2; bench/results/wide-gemm0-h200-f9bb464/).
+        decode_stages: a resident call of at most DECODE_TOKENS tokens runs its launches without GEMM (dispatch;
+            combine + reduce) compiled for one row per task and a whole row per step (`DECODE_ROWS`,
+            `decode_block_h`), with task tables cut to match: at decode sizes those launches are chains of dependent
+            loads (a task's rows in BLOCK_H-wide steps), not bandwidth, and one row per task spreads the few rows
+            over as many CTAs. The launch that may run every phase (an adaptive policy's first) keeps its compile:
+            tasks of fewer rows than its blocks are valid for it.
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
@@ -96,6 +113,7 @@ class KernelConfig:
     device_plan: bool = False
     resident: str = "auto"
     triton_tables: bool = True
+    decode_stages: bool = True
     wide_gemm0: bool = True
 
     def __post_init__(self):
