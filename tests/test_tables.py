@@ -11,9 +11,10 @@ SCRIPT = r'''
 import sys, torch
 from weave_moe.backends.weave.exchange import RoutingMessage
 from weave_moe.backends.weave.layout import build_layout, META_FIELDS
-from weave_moe.backends.weave.kernels.tables import build_layout_triton
+from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
 
-def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None):
+def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None,
+         counters=None):
     P = len(tokens); T = T_max or max(max(tokens), 1) + 2
     g = torch.Generator().manual_seed(seed)
     msg = RoutingMessage(T, k)
@@ -35,7 +36,10 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     b = blocks or dict(block_m=4, block_n0=8, block_n1=8, dispatch_rows=2, combine_rows=3, reduce_rows=2)
     kw = dict(hidden_size=20, intermediate_size=12, **b)
     ref = build_layout(ids, wts, toks, plans[:, 1], rank, E, **kw)
-    got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, **kw)
+    got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, counters=counters,
+                              **kw)
+    if counters is not None:   # the caller's counters are zero again for its next call
+        assert not counters.any(), counters
     meta = ref.meta.tolist()
     assert got.meta.tolist() == meta, ("meta", got.meta.tolist(), meta)
     nd, ng, nc, nr, nm = meta
@@ -84,6 +88,10 @@ case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8)
 decode = dict(prod, dispatch_rows=1, combine_rows=1, reduce_rows=1)
 case((5, 3), 16, 4, (1, 1), 0, seed=18, blocks=decode)
 case((60, 0, 7), 12, 4, (3, 8, 5), 1, seed=19, mode="dups", blocks=decode)
+# a caller's persistent counters (the resident call's), reused by calls of other routings, ranks and chunk counts
+counters = torch.zeros(counter_words(2, 16), dtype=torch.int32)
+for seed, (tokens, chunks, rank) in enumerate([((7, 5), (1, 2), 0), ((30, 2), (3, 1), 1), ((0, 9), (8, 8), 0)]):
+    case(tokens, 16, 4, chunks, rank, seed=30 + seed, mode="dups", counters=counters)
 print("TABLES BIG OK")
 '''
 
@@ -105,7 +113,8 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
 
     for fn, constants, fp32 in [
         (tables._scan_kernel, dict(K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2), ()),
-        (tables._bases_kernel, dict(MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64), ()),
+        (tables._bases_kernel, dict(MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64,
+                                    CLEAR_COUNTS=True), ()),
         (tables._emit_kernel, dict(K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16, BLOCK_SEG=1024,
                                    BLOCK_J=64, BLOCK_N=16), ("weights_ptr", "combine_weight_ptr")),
     ]:

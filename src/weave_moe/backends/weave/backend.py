@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -34,7 +35,7 @@ from weave_moe.backends.weave.kernels.megakernel import (CTRL_GEMM1_DONE, CTRL_S
                                                         STAGE_COMBINE_REDUCE)
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
-from weave_moe.backends.weave.kernels.tables import build_layout_triton
+from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
 from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
@@ -261,6 +262,9 @@ class WeaveBackend:
         # ... which its graph's first kernel reads, with the ids' and weights' addresses, from a slot the host wrote
         # (CallSlots); the host reads the status word through a numpy view
         self.slots = CallSlots(self.message, device) if self.resident else None
+        # ... and its task tables count into these (kernels/tables.py: zero between calls, no memset in the graph)
+        self.table_counters = torch.zeros(counter_words(world_size, spec.num_experts), dtype=torch.int32,
+                                          device=device)
         self.status_numpy = self.status_host.numpy()
         self.stream_cache = (None, None)   # (raw handle, torch.cuda.Stream) of the current stream (_current_stream)
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
@@ -474,7 +478,9 @@ class WeaveBackend:
             self.device_planner.launch(counts, self.plans_device)
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
-        build = build_layout_triton if cfg.triton_tables else self.layout_builder
+        # the Triton tables count into the layer's persistent counters, which their bases kernel zeroes again
+        build = (functools.partial(build_layout_triton, counters=self.table_counters) if cfg.triton_tables
+                 else self.layout_builder)
         return build(
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,

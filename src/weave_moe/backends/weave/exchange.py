@@ -308,15 +308,18 @@ def _pack_slot_kernel(slots_ptr, cursor_ptr, done_ptr, consumed_ptr, message_ptr
     is free (`consumed`: every program has read it)."""
     pid = tl.program_id(0)
     cursor = tl.load(cursor_ptr)          # advanced only after every program has read it (below)
-    slot = slots_ptr + (cursor % num_slots) * SLOT
-    x_address = tl.load(slot + 0)
-    out_address = tl.load(slot + 1)
-    ids_address = tl.load(slot + 2)
-    weights_address = tl.load(slot + 3)
-    num_tokens = tl.load(slot + 4).to(tl.int32)
-    error_code = tl.load(slot + 5).to(tl.int32)
-    wide_ids = tl.load(slot + 6)
-    num_ids = tl.load(slot + 7).to(tl.int32)
+    # the slot as ONE vector load (a read of pinned host memory crosses PCIe: one transaction per warp, not one per
+    # word), its words then picked out in registers
+    words_of_slot = tl.arange(0, SLOT)
+    slot = tl.load(slots_ptr + (cursor % num_slots) * SLOT + words_of_slot)
+    x_address = tl.sum(tl.where(words_of_slot == 0, slot, 0), axis=0)
+    out_address = tl.sum(tl.where(words_of_slot == 1, slot, 0), axis=0)
+    ids_address = tl.sum(tl.where(words_of_slot == 2, slot, 0), axis=0)
+    weights_address = tl.sum(tl.where(words_of_slot == 3, slot, 0), axis=0)
+    num_tokens = tl.sum(tl.where(words_of_slot == 4, slot, 0), axis=0).to(tl.int32)
+    error_code = tl.sum(tl.where(words_of_slot == 5, slot, 0), axis=0).to(tl.int32)
+    wide_ids = tl.sum(tl.where(words_of_slot == 6, slot, 0), axis=0)
+    num_ids = tl.sum(tl.where(words_of_slot == 7, slot, 0), axis=0).to(tl.int32)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     given = offs < num_ids
     if wide_ids != 0:

@@ -1,4 +1,5 @@
-"""The task tables of `layout.build_layout` as three Triton kernels (and a memset) instead of ~40 torch kernels.
+"""The task tables of `layout.build_layout` as three Triton kernels (and a memset, unless the caller keeps the
+counters: `build_layout_triton`) instead of ~40 torch kernels.
 
 Same inputs, same `layout.Layout`, the same values in every entry the megakernel reads (the first `meta` entries of each
 task table, the first rows of each list; tests/test_tables.py checks them bitwise against `build_layout` under the
@@ -44,7 +45,7 @@ import triton.language as tl
 from weave_moe.backends.weave.layout import Layout
 from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["build_layout_triton"]
+__all__ = ["build_layout_triton", "counter_words"]
 
 _BLOCK_T = 256         # tokens per emit program
 
@@ -162,7 +163,8 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
            group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
            gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
            rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
-           MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr):
+           MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
+           CLEAR_COUNTS: tl.constexpr):
     # -- pairs: groups (chunk, expert, source) in that order; pair_base[s, e, c] = base of the group minus the pairs
     #    of (s, e) in earlier chunks, so a pair's position is pair_base + its running count q. All [MC, L, P].
     c3 = tl.arange(0, MC)[:, None, None]
@@ -241,6 +243,12 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
     tl.store(meta_ptr + 2, num_combine)
     tl.store(meta_ptr + 3, num_reduce)
     tl.store(meta_ptr + 4, num_mtiles)
+    if CLEAR_COUNTS:  # a caller's persistent counters (build_layout_triton `counters`): zero again for the next call
+        tl.debug_barrier()   # every thread has read them
+        tl.store(pair_counts_ptr + at, tl.zeros([MC, BLOCK_L, BLOCK_P], dtype=tl.int32), mask=ok3)
+        tl.store(arrival_ptr + fs * MC + fc, tl.zeros([BLOCK_PMC], dtype=tl.int32), mask=fok)
+        tl.store(key_counts_ptr + pp[:, None] * MC + mc[None, :], tl.zeros([BLOCK_P, MC], dtype=tl.int32),
+                 mask=(pp < P)[:, None])
 
 
 @triton.jit
@@ -268,7 +276,7 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, toke
                   send_block_base_ptr,
                   rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
                   MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
-                  BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+                  BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, CLEAR_COUNTS: tl.constexpr = False):
     """Program 0: the group bases and `meta` from the scan's counts. The others: the token blocks' bases, one
     program per (source, BLOCK_C local experts) of the pairs' [P, NB, L] table, and the last one for the received
     and sent tokens' [P, NB] tables."""
@@ -280,7 +288,7 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, toke
                group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
                gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
                rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows, MC, BLOCK_L, BLOCK_P,
-               BLOCK_PMC)
+               BLOCK_PMC, CLEAR_COUNTS)
     elif pid <= P * slices:   # pairs: [P, NB, L]
         s = (pid - 1) // slices
         _block_bases(pair_hist_ptr + s * NB * L, pair_block_base_ptr + s * NB * L, ((pid - 1) % slices) * BLOCK_C, L,
@@ -476,13 +484,22 @@ def _block_tokens(T: int, KP: int) -> tuple[int, int]:
     return max(step, min(256, max(32, _pow2(-(-T // 128))))), step
 
 
+def counter_words(world_size: int, num_experts: int) -> int:
+    """int32 words of `build_layout_triton`'s atomic counters: pairs per (source, local expert, chunk), rows per
+    (source, chunk) received and per (destination, chunk) sent."""
+    return world_size * (num_experts // world_size) * MAX_CHUNKS + 2 * world_size * MAX_CHUNKS
+
+
 def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
-                        combine_rows: int, reduce_rows: int, block_tokens: int | None = None) -> Layout:
+                        combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
+                        counters: torch.Tensor | None = None) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
-    `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice."""
+    `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
+    the scan's atomic counters as a caller's buffer (`counter_words` int32, all zero), which the bases kernel zeroes
+    again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -511,7 +528,14 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         BT, step = block_tokens, min(step, block_tokens)
     NB = triton.cdiv(T, BT)
     # scratch: what the scan counts with atomics (zeroed), then per token block
-    counted = torch.zeros(P * L * MC + 2 * P * MC, **i32)
+    if counters is None:
+        counted = torch.zeros(counter_words(P, num_experts), **i32)
+    elif counters.dtype != torch.int32 or counters.numel() != counter_words(P, num_experts) or \
+            counters.device != device:
+        raise ValueError(f"counters: expected int32 [{counter_words(P, num_experts)}] on {device}, given "
+                         f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
+    else:
+        counted = counters
     pair_counts = counted[:P * L * MC].view(P, L, MC)
     arrival = counted[P * L * MC:P * L * MC + P * MC].view(P, MC)
     key_counts = counted[P * L * MC + P * MC:].view(P, MC)
@@ -560,7 +584,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta, gemm1_expected,
         arrival_expected, combine_expected, pair_hist, pair_block_base, recv_hist, recv_block_base, send_hist,
         send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
-        MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c)
+        MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
+        CLEAR_COUNTS=counters is not None)
     per_block = triton.cdiv(T, _BLOCK_T)
     task_slots = max(max_dispatch, max_combine, max_mtiles)
     block_j = 64
