@@ -113,6 +113,12 @@ for stage in "$@"; do
           WEAVE_MOE_KERNEL_CONFIG=decode_stages=$ds timeout 120 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${DA_MODEL:-qwen3-30b-a3b}" --tokens "${DA_PROFILE_TOKENS:-1}" --variants "${DA_VARIANTS:-weave:serial,weave}" --rows 30 > "$W/profile-decode_stages$ds.txt" 2>&1; echo "profile decode_stages=$ds rc=$?"
           WEAVE_MOE_KERNEL_CONFIG=decode_stages=$ds timeout "${DA_TIMEOUT:-150}" python3 -m weave_moe.bench --emulate-ep 2 --models "${DA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${DA_TOKENS:-1,8,32,128}" --routing uniform --variants "${DA_BENCH_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${DA_TIMEOUT:-150} - 10 )) --name "decode-stages$ds" --out "$W" > "$W/bench-decode-stages$ds.log" 2>&1; echo "bench decode_stages=$ds rc=$?"; tail -9 "$W/bench-decode-stages$ds.log"
         done;;
+    # A/B of programmatic dependent launch (WEAVE_MOE_PDL, kernels/sync.py) at decode sizes: the bench in both modes,
+    # then torch.profiler's per-kernel GPU time with it on
+    pdl-ab) for pdl in 0 1; do
+          WEAVE_MOE_PDL=$pdl timeout "${PA_TIMEOUT:-90}" python3 -m weave_moe.bench --emulate-ep 2 --models "${PA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${PA_TOKENS:-1,32}" --routing uniform --variants "${PA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${PA_TIMEOUT:-90} - 10 )) --name "pdl$pdl" --out "$W" > "$W/bench-pdl$pdl.log" 2>&1; echo "bench pdl=$pdl rc=$?"; tail -7 "$W/bench-pdl$pdl.log"
+        done
+        timeout 90 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model qwen3-30b-a3b --tokens 1 --variants weave:serial,weave --rows 30 > "$W/profile-pdl1.txt" 2>&1; echo "profile rc=$?";;
     host-primitives) timeout 120 python3 scripts/host_primitives.py --out "$W/host_primitives.json" > "$W/host_primitives.log" 2>&1; echo "rc=$?"; tail -25 "$W/host_primitives.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" ${HC_ARGS:-} --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; grep "^{" "$W/host_cost.log" | cut -c1-600;;

@@ -422,6 +422,8 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
     compiled = _as_launched(stage_key, interleaved, resident, H)
     resources, ptx = _cubin_resources(compiled), compiled.asm["ptx"]
     assert ".local" not in ptx, name
+    # programmatic dependent launch: the kernel waits for its predecessor before anything else (sync.pdl_enter)
+    assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), name
     assert resources["STACK"] <= max_stack, (name, resources)
     assert compiled.metadata.shared <= 227 * 1024, (name, compiled.metadata.shared)
     gemm = stage_key in (-1, (-1, "grouped serial"))

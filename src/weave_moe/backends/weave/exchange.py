@@ -145,7 +145,7 @@ class RoutingMessage:
             compiled[grid](*args, HEADER_WORDS, HEADER_CALL_WORD, _PACK_BLOCK)  # the launcher takes the constexprs
         else:
             compiled = _pack_kernel[grid](*args, HEADER=HEADER_WORDS, CALL_WORD=HEADER_CALL_WORD, BLOCK=_PACK_BLOCK,
-                                          num_warps=4)
+                                          num_warps=4, **sync.LAUNCH)
             if out.is_cuda:
                 _PACK_COMPILED[key] = compiled
 
@@ -250,7 +250,7 @@ class CallSlots:
         _pack_slot_kernel[grid](self.slots, self.cursor, self.done, self.consumed, message_out, header, io, status,
                                 control, flags, self.num_slots, words, control.numel(), flags.numel(), num_experts,
                                 SLOT=self.SLOT_WORDS, HEADER=HEADER_WORDS, CALL_WORD=HEADER_CALL_WORD,
-                                BLOCK=_PACK_BLOCK, num_warps=4)
+                                BLOCK=_PACK_BLOCK, num_warps=4, **sync.LAUNCH)
 
 
 @triton.jit
@@ -287,6 +287,7 @@ def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, status_p
                  num_tokens, x_address, out_address, error_code, words, control_words, flag_words, num_experts,
                  HEADER: tl.constexpr, CALL_WORD: tl.constexpr, BLOCK: tl.constexpr):
     """RoutingMessage.pack_call: the call's tensors and values as arguments (_pack_words)."""
+    sync.pdl_enter()
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     given = offs < num_ids
@@ -306,6 +307,7 @@ def _pack_slot_kernel(slots_ptr, cursor_ptr, done_ptr, consumed_ptr, message_ptr
     """CallSlots.launch: the call's addresses and values from slot `cursor % num_slots` of the host's ring (CallSlots:
     the slot layout), then _pack_words; the last program to finish advances the cursor and tells the host the slot
     is free (`consumed`: every program has read it)."""
+    sync.pdl_enter()
     pid = tl.program_id(0)
     cursor = tl.load(cursor_ptr)          # advanced only after every program has read it (below)
     # the slot as ONE vector load (a read of pinned host memory crosses PCIe: one transaction per warp, not one per

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
+from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.megakernel import moe_megakernel
 
 __all__ = ["MegakernelArgs", "MegakernelConstants", "NO_DESCRIPTORS", "launch", "warmup", "compile_sm", "compile_ptx"]
@@ -177,7 +178,7 @@ def launch(grid: int, args: MegakernelArgs, constants: MegakernelConstants, desc
            num_stages: int) -> None:
     """One cooperative launch of `grid` CTAs (all resident, or the launch fails instead of hanging)."""
     moe_megakernel[(grid,)](**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
-                            num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True)
+                            num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True, **sync.LAUNCH)
 
 
 def compile_as_launched(args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
@@ -191,14 +192,15 @@ def compile_as_launched(args: MegakernelArgs, constants: MegakernelConstants, de
 
     return compile_for_sm90(moe_megakernel, (), dict(**args.by_name(), **constants.by_name(),
                                                      **_descriptors(constants, descriptors), num_warps=num_warps,
-                                                     num_stages=num_stages), capability)
+                                                     num_stages=num_stages, **sync.LAUNCH), capability)
 
 
 def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
            num_stages: int) -> None:
     """Compile for these arguments' specialisation without launching."""
     moe_megakernel.warmup(**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
-                          grid=(grid,), num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True)
+                          grid=(grid,), num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True,
+                          **sync.LAUNCH)
 
 
 def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_stages: int = 3):

@@ -137,6 +137,7 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, rank, world
         blocks_per_rank: ceil(T_max / BLOCK_T).
         tokens_word, header_word: `RoutingMessage` positions; *_offset: `CountsFormat` offsets.
     """
+    sync.pdl_enter()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     pp = tl.arange(0, BLOCK_P)
@@ -253,7 +254,7 @@ class DeviceCounts:
         if status.dtype != torch.int32 or tuple(status.shape) != (fmt.status_words,):
             raise ValueError(f"status must be int32 [{fmt.status_words}], got {status.dtype} {tuple(status.shape)}")
         counts_kernel[self.grid](messages, status, self.scratch, self.counts, rank, **self.scalar_args,
-                                 **self.constants, VERDICT=verdict, num_warps=NUM_WARPS)
+                                 **self.constants, VERDICT=verdict, num_warps=NUM_WARPS, **sync.LAUNCH)
         return self.counts
 
 

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table, build_tile_table_torch
 
 __all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
@@ -484,6 +485,7 @@ def _gemm0_kernel(a_desc, a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_til
     [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK]; h: [P, I] bf16 (h_desc block [BM, BN / 2]);
     tiles: int32 [3, 2 * max_tiles] (TileTable).
     """
+    sync.pdl_enter()
     pid = tl.program_id(0)
     width = 2 * max_tiles
     num_n = tl.cdiv(I, BLOCK_N // 2)
@@ -526,6 +528,7 @@ def _gemm1_kernel(h_desc, h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_p
     h_desc: [P, I] block [BM, BK] (h_tail_desc: block [BM / 2, BK]); w_desc: w2 as [E_local * H, I], block
     [BN, BK]; y: [P, H] bf16 (y_desc block [BM, BN]); scale: fp32 [P] (the routing weight of each row).
     """
+    sync.pdl_enter()
     pid = tl.program_id(0)
     width = 2 * max_tiles
     num_n = tl.cdiv(H, BLOCK_N)
@@ -585,7 +588,7 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
                   INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
     return _gemm0_kernel, (num_sms,), args, kwargs
 
 
@@ -612,7 +615,7 @@ def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, do
                   HAS_SCALE=scale is not None, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
     return _gemm1_kernel, (num_sms,), args, kwargs
 
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from weave_moe.backends.weave.kernels import sync
+
 __all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "gather_rows", "grouped_prologue"]
 
 
@@ -62,7 +64,7 @@ def build_tile_table(expert_offsets: torch.Tensor, block_m: int, max_rows: int, 
     num_experts = expert_offsets.numel() - 1
     _tile_table_kernel[(triton.cdiv(tiles.max_tiles, _BLOCK_T),)](
         expert_offsets, tiles.table, tiles.num_tiles, num_experts, tiles.max_tiles, BLOCK_M=block_m,
-        SPLIT_TAIL=split_tail, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T)
+        SPLIT_TAIL=split_tail, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, **sync.LAUNCH)
     return tiles
 
 
@@ -105,6 +107,7 @@ def build_tile_table_torch(expert_offsets: torch.Tensor, block_m: int, max_rows:
 def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_tiles,
                        BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_T: tl.constexpr):
+    sync.pdl_enter()
     _tile_table_block(tl.program_id(0), offsets_ptr, 1, table_ptr, num_tiles_ptr, num_experts, max_tiles,
                       BLOCK_M, SPLIT_TAIL, BLOCK_E, BLOCK_T)
 
@@ -158,6 +161,7 @@ def _tile_table_block(pid, offsets_ptr, scale, table_ptr, num_tiles_ptr, num_exp
 @triton.jit
 def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, count_ptr, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     """dst[r] = src[index[r]] for r < count (a device scalar); a persistent grid strides over the rows."""
+    sync.pdl_enter()
     count = tl.load(count_ptr)
     offs_r = tl.arange(0, ROWS)
     offs_h = tl.arange(0, BLOCK_H)
@@ -183,7 +187,8 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
         raise ValueError(f"gather_rows: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
                          "must be [*, H] of one dtype")
-    _gather_rows_kernel[(num_programs,)](src, index, dst, count, src.shape[1], ROWS=16, BLOCK_H=512, num_warps=8)
+    _gather_rows_kernel[(num_programs,)](src, index, dst, count, src.shape[1], ROWS=16, BLOCK_H=512, num_warps=8,
+                                         **sync.LAUNCH)
     return dst
 
 
@@ -195,6 +200,7 @@ def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_t
                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     """`grouped_prologue`'s first launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the rest the
     second; program 0 also writes the rows to gather and copies the done counters."""
+    sync.pdl_enter()
     pid = tl.program_id(0)
     scale = 1
     if DEVICE_SERIAL:  # rows only under a serial plan (plan_ptr: this rank's c)
@@ -245,6 +251,6 @@ def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool]
         second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles, done, expected,
         NUM_DONE=num_done, TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
         BLOCK_M1=second.block_m, SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T)
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, **sync.LAUNCH)
     gather_rows(src, index, dst, rows, num_programs)
     return built

@@ -150,6 +150,7 @@ def moe_megakernel(
     # does nothing
     GROUPED_SERIAL: tl.constexpr = False,
 ):
+    sync.pdl_enter()
     pid = tl.program_id(0)
     if RESIDENT:
         x_ptr = tl.load(io_ptr).to(tl.pointer_type(tl.bfloat16))

@@ -243,6 +243,7 @@ def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, n
         timing_ptr: int64 [programs, 4] (TIMING only): SM clock and %globaltimer at each program's start and end.
         static_c, static_k: the plan of POLICY 2 ("static:<c>,<K>").
     """
+    sync.pdl_enter()
     pid = tl.program_id(0)
     if TIMING:
         start_cycles = _clock_cycles()
@@ -391,7 +392,7 @@ class DevicePlanner:
         options = {} if _interpreting() else dict(enable_fp_fusion=False)
         plan_kernel[grid](counts, model, per_iteration, out, out if timing is None else timing, num_batches,
                           counts.stride(0) if batched else 0, **self._launch_args, TIMING=timing is not None,
-                          num_warps=4, **options)
+                          num_warps=4, **options, **sync.LAUNCH)
         return out
 
     def decode(self, rows) -> list[Plan]:

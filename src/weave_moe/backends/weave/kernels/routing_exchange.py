@@ -118,6 +118,7 @@ def _used_ids(tokens, id_words, top_k):
 def routing_exchange_kernel(send_ptr, all_routing_ptr, peer_base_ptr, ctrl_ptr, status_ptr, routing_offset,
                             routing_flags_offset, slot_words, rank, world_size, id_words, words, top_k, timeout_ns,
                             STAGE: tl.constexpr, BLOCK: tl.constexpr):
+    sync.pdl_enter()
     peer = tl.program_id(0)  # destination of the send, source of the receive
     part = tl.program_id(1)
     num_parts = tl.num_programs(1)
@@ -223,9 +224,10 @@ def exchange_routing(view: WorkspaceView, message: RoutingMessage, send: torch.T
     args = (send, all_routing, peer_bases, view.exchange_ctrl, status, view.routing_offset, view.routing_flags_offset,
             view.routing_slot_words, view.rank, ep, message.id_words, words, message.top_k, timeout_ns)
     if compile_only:
-        routing_exchange_kernel.warmup(*args, STAGE=stage, BLOCK=block, num_warps=num_warps, grid=(ep, parts))
+        routing_exchange_kernel.warmup(*args, STAGE=stage, BLOCK=block, num_warps=num_warps, grid=(ep, parts),
+                                       **sync.LAUNCH)
     else:
-        routing_exchange_kernel[(ep, parts)](*args, STAGE=stage, BLOCK=block, num_warps=num_warps)
+        routing_exchange_kernel[(ep, parts)](*args, STAGE=stage, BLOCK=block, num_warps=num_warps, **sync.LAUNCH)
     return all_routing
 
 

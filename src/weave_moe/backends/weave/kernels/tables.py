@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.layout import Layout
 from weave_moe.plan.workload import MAX_CHUNKS
 
@@ -142,6 +143,7 @@ def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_p
                  recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr, send_hist_ptr, key_counts_ptr, mask_ptr,
                  rank, P, T, L, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr,
                  SUB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
+    sync.pdl_enter()
     pid = tl.program_id(0)
     if pid < P * NB:
         _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
@@ -280,6 +282,7 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, toke
     """Program 0: the group bases and `meta` from the scan's counts. The others: the token blocks' bases, one
     program per (source, BLOCK_C local experts) of the pairs' [P, NB, L] table, and the last one for the received
     and sent tokens' [P, NB] tables."""
+    sync.pdl_enter()
     pid = tl.program_id(0)
     slices = tl.cdiv(L, BLOCK_C)
     if pid == 0:
@@ -455,6 +458,7 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
                  K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
                  BLOCK_N: tl.constexpr):
+    sync.pdl_enter()
     pid = tl.program_id(0)
     if pid < recv_programs:
         _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
@@ -577,7 +581,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     _scan_kernel[(P * NB + NB,)](
         all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
         recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP, MC=MC,
-        BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P)
+        BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, **sync.LAUNCH)
     block_c = min(BLOCK_L, 64)
     _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
         pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
@@ -585,7 +589,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         arrival_expected, combine_expected, pair_hist, pair_block_base, recv_hist, recv_block_base, send_hist,
         send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
         MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
-        CLEAR_COUNTS=counters is not None)
+        CLEAR_COUNTS=counters is not None, **sync.LAUNCH)
     per_block = triton.cdiv(T, _BLOCK_T)
     task_slots = max(max_dispatch, max_combine, max_mtiles)
     block_j = 64
@@ -598,7 +602,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         gemm_tasks,
         rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
         max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BT=BT,
-        BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j, BLOCK_N=_pow2(max(n0, n1)))
+        BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j, BLOCK_N=_pow2(max(n0, n1)),
+        **sync.LAUNCH)
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
                   gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,

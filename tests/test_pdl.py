@@ -1,0 +1,63 @@
+"""Programmatic dependent launch (kernels/sync.py, `LAUNCH` and `pdl_enter`): a kernel launched with `**sync.LAUNCH`
+may start while its predecessor still runs, so its first statement must be `sync.pdl_enter()` (which waits for the
+predecessor). Checked on the source: every launch with `**sync.LAUNCH` in the package names a kernel whose body
+begins with that call (after its docstring), and every kernel that calls it is launched that way somewhere."""
+
+import ast
+from pathlib import Path
+
+import weave_moe
+
+PACKAGE = Path(weave_moe.__file__).parent
+
+
+def _is_launch_option(keyword: ast.keyword) -> bool:
+    value = keyword.value
+    return (keyword.arg is None and isinstance(value, ast.Attribute) and value.attr == "LAUNCH"
+            and isinstance(value.value, ast.Name) and value.value.id == "sync")
+
+
+def _launched_kernel(call: ast.Call) -> str | None:
+    """`kernel[grid](...)` or `kernel.warmup(...)` -> "kernel"."""
+    func = call.func
+    if isinstance(func, ast.Subscript) and isinstance(func.value, ast.Name):
+        return func.value.id
+    if isinstance(func, ast.Attribute) and func.attr == "warmup" and isinstance(func.value, ast.Name):
+        return func.value.id
+    return None
+
+
+def _enters(function: ast.FunctionDef) -> bool:
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]   # the docstring
+    first = body[0] if body else None
+    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and ast.unparse(first.value.func) == "sync.pdl_enter")
+
+
+def test_every_kernel_launched_with_pdl_waits_for_its_predecessor_first():
+    kernels, entering, launched = {}, set(), {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                kernels[node.name] = path
+                if _enters(node):
+                    entering.add(node.name)
+            if isinstance(node, ast.Call) and any(_is_launch_option(k) for k in node.keywords):
+                name = _launched_kernel(node)
+                if name is not None:
+                    launched[name] = path
+            if isinstance(node, ast.FunctionDef):   # a launch helper: returns (kernel, grid, args, kwargs) with the
+                #                                     options in kwargs (grouped_gemm's _gemm0_launch, _gemm1_launch)
+                options = any(isinstance(n, ast.Call) and ast.unparse(n.func) == "dict"
+                              and any(_is_launch_option(k) for k in n.keywords) for n in ast.walk(node))
+                for ret in (n for n in ast.walk(node) if isinstance(n, ast.Return) and options):
+                    if isinstance(ret.value, ast.Tuple) and isinstance(ret.value.elts[0], ast.Name):
+                        launched[ret.value.elts[0].id] = path
+    assert len(launched) >= 12, launched   # the resident call's kernels (pack, exchange, counts, plan, tables, ...)
+    missing = {name: str(path) for name, path in launched.items() if name in kernels and name not in entering}
+    assert not missing, f"launched with sync.LAUNCH but not beginning with sync.pdl_enter(): {missing}"
+    assert all(name in kernels for name in launched), set(launched) - set(kernels)
+    assert entering <= set(launched), f"call sync.pdl_enter() but are never launched with it: {entering - set(launched)}"
