@@ -569,11 +569,13 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged,
 
 
 def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None,
-                     slots: bool = False) -> list:
+                     slots: bool = False, decode: bool = False) -> list:
     """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph.
     `slots`: the pack as an eager call makes it (CallSlots: the arguments through a ring of two slots, which the
-    calls wrap), else as a captured call makes it (`pack_call`, the arguments in the launch)."""
+    calls wrap), else as a captured call makes it (`pack_call`, the arguments in the launch). `decode`: the tables
+    of a decode call (one row per task, KernelConfig.decode_stages) into the layer's persistent counters, as the
+    backend builds them (`_resident_tables`), read by the one-launch kernel of 4-row blocks."""
     import dataclasses
 
     import torch
@@ -584,7 +586,7 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.backends.weave.kernels.counts import DeviceCounts
     from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
-    from weave_moe.backends.weave.kernels.tables import build_layout_triton
+    from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
     from weave_moe.backends.weave.launch import NO_DESCRIPTORS, MegakernelArgs, MegakernelConstants, launch
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.plan import MAX_CHUNKS
@@ -616,6 +618,8 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
                                 block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
     ctrl = torch.zeros(16 + probe.num_mtiles_bound, dtype=torch.int32)
     ring = CallSlots(message, torch.device("cpu"), num_slots=2)
+    rows = 1 if decode else 4
+    counters = torch.zeros(counter_words(world_size, E), dtype=torch.int32) if decode else None
     results = []
     dist.barrier()
     for call, (tokens, bad_rank) in enumerate(calls):
@@ -644,8 +648,8 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
         counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
         layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
-                                     intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=4,
-                                     combine_rows=4, reduce_rows=4)
+                                     intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows,
+                                     combine_rows=rows, reduce_rows=rows, counters=counters)
         dummy = y[:1]
         args = MegakernelArgs(
             x_ptr=dummy, out_ptr=dummy, w13_ptr=w13[rank * local:(rank + 1) * local],
@@ -666,24 +670,28 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     return results
 
 
-@pytest.mark.parametrize("calls, slots", [
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], False),
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True),
-    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False)], ids=["ep2", "ep2-slots", "ep4"])
-def test_resident_call_sequence_across_processes(monkeypatch, calls, slots):
+@pytest.mark.parametrize("calls, slots, decode", [
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], False, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, True),
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False, False)],
+    ids=["ep2", "ep2-slots", "ep2-slots-decode", "ep4"])
+def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, decode):
     """The device-resident call's launches at EP 2 and 4 between real processes (ipc transport on the CPU, kernels
     under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call
     number), routing exchange, counts + verdict, task tables, the one-launch kernel reading its plan, T, x and out
     from the device. Calls: two good ones, one where rank 1 sends an id out of range (both ranks refuse it: NaN rows,
     the rejection in the live word), then good ones again, which must be correct on BOTH ranks: the rejection was
     carried out of the live word by the next pack (without that, the refusing ranks' next call did no work). At EP 2
-    once with the pack of a captured call (arguments in the launch) and once with an eager call's (CallSlots)."""
+    once with the pack of a captured call (arguments in the launch) and once with an eager call's (CallSlots), and
+    with the eager pack once more on a decode call's tables (one-row tasks in the layer's persistent counters, which
+    must be zero again after every call, the refused one included)."""
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     world_size = len(calls[0][0])
-    results = run_distributed(_resident_worker, world_size, calls, None, slots, backend="gloo", timeout_s=600,
+    results = run_distributed(_resident_worker, world_size, calls, None, slots, decode, backend="gloo", timeout_s=600,
                               env=dict(TRITON_INTERPRET="1"), shared_device=True)
     refused = [index for index, (_, bad_rank) in enumerate(calls) if bad_rank is not None]
     for rank in range(world_size):
