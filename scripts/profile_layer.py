@@ -4,8 +4,10 @@ python scripts/profile_layer.py --model qwen3-30b-a3b --tokens 2048 --variants n
 python scripts/profile_layer.py --nproc 1 --emulate-ep 2 ...     (one GPU: the per-rank work of EP=2)
 
 Per variant: host-return and synchronised milliseconds of 10 single calls, the per-step milliseconds the backend
-reports through `layer(..., timings=)` (mean of 10 more calls; for weave the host steps), and torch.profiler's CUDA
-and CPU tables of 3 more calls. The `profile` stage of scripts/device_run.sh runs it.
+reports through `layer(..., timings=)` (mean of 10 more calls; for weave the host steps), torch.profiler's CUDA
+and CPU tables of 3 more calls, and the GPU timeline of one more call (`kernel_timeline`: each kernel's start and
+duration from the GPU's own timestamps, the call's span, and how long after its first kernel the first grouped GEMM
+starts). The `profile` stage of scripts/device_run.sh runs it.
 """
 
 import argparse
@@ -14,6 +16,28 @@ import time
 import torch
 
 from weave_moe.testing import make_experts, run_distributed
+
+#: kernels that start a call's GEMMs (the grouped GEMM0 of serial plans; a one-launch plan's first GEMM tile is inside
+#: the megakernel and not seen here)
+GEMM_KERNELS = ("_gemm0_kernel",)
+
+
+def kernel_timeline(events) -> dict:
+    """One profiled call's GPU work from torch.profiler's events (`prof.events()`): `kernels` [(name, start_us,
+    duration_us)] in start order, relative to the first one's start (with programmatic dependent launch a kernel's
+    span includes the time its CTAs waited for the one before: spans overlap); `span_us`: last end - first start,
+    the call's GPU time; `before_gemm_us`: when the first GEMM kernel (`GEMM_KERNELS`) started, None without one."""
+    from torch.autograd import DeviceType
+
+    work = sorted(((e.name, e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA), key=lambda item: item[1])
+    if not work:
+        return dict(kernels=[], span_us=0.0, before_gemm_us=None)
+    origin = work[0][1]
+    gemm = [start for name, start, _ in work if any(k in name for k in GEMM_KERNELS)]
+    return dict(kernels=[(name, start - origin, end - start) for name, start, end in work],
+                span_us=max(end for _, _, end in work) - origin,
+                before_gemm_us=(gemm[0] - origin) if gemm else None)
 
 
 def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
@@ -64,11 +88,15 @@ def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
             for _ in range(3):
                 layer(x, ids, w)
             torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as one:
+            layer(x, ids, w)
+            torch.cuda.synchronize()
+        timeline = kernel_timeline(one.events())
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
         cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=rows)
         if steps:
             table = "ms per call by step: " + ", ".join(f"{k}={v / calls:.3f}" for k, v in steps.items()) + "\n" + table
-        report.append((variant, times, table, cpu_table))
+        report.append((variant, times, table, cpu_table, timeline))
         del layer
         dist.barrier()
     return report
@@ -85,8 +113,13 @@ if __name__ == "__main__":
     args = parser.parse_args()
     results = run_distributed(worker, args.nproc, args.model, args.tokens, args.variants.split(","), args.rows,
                               args.emulate_ep, backend="nccl", timeout_s=500)
-    for variant, times, table, cpu_table in results[0]:
+    for variant, times, table, cpu_table, timeline in results[0]:
         print(f"##### {variant}: host-return ms / synced ms per call:",
               " ".join(f"{a:.2f}/{b:.2f}" for a, b in times))
         print(table)
         print(cpu_table)
+        before = timeline["before_gemm_us"]
+        print(f"##### {variant}: one call's GPU span {timeline['span_us']:.1f} us, first grouped GEMM at "
+              + ("-" if before is None else f"{before:.1f} us"))
+        for name, start, duration in timeline["kernels"]:
+            print(f"  {start:8.1f} us  +{duration:7.1f} us  {name[:90]}")
