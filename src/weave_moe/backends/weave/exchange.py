@@ -298,6 +298,12 @@ def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, status_p
                 HEADER, CALL_WORD, BLOCK)
 
 
+@triton.jit
+def _word(values, lanes, index):
+    """Word `index` of a vector loaded once (`values` over `lanes` = tl.arange), as a scalar."""
+    return tl.sum(tl.where(lanes == index, values, 0), axis=0)
+
+
 @triton.jit(do_not_specialize=["slots_ptr", "cursor_ptr", "done_ptr", "consumed_ptr", "message_ptr", "header_ptr",
                                "io_ptr", "status_ptr", "control_ptr", "flags_ptr", "num_slots", "words",
                                "control_words", "flag_words", "num_experts"])
@@ -312,16 +318,16 @@ def _pack_slot_kernel(slots_ptr, cursor_ptr, done_ptr, consumed_ptr, message_ptr
     cursor = tl.load(cursor_ptr)          # advanced only after every program has read it (below)
     # the slot as ONE vector load (a read of pinned host memory crosses PCIe: one transaction per warp, not one per
     # word), its words then picked out in registers
-    words_of_slot = tl.arange(0, SLOT)
-    slot = tl.load(slots_ptr + (cursor % num_slots) * SLOT + words_of_slot)
-    x_address = tl.sum(tl.where(words_of_slot == 0, slot, 0), axis=0)
-    out_address = tl.sum(tl.where(words_of_slot == 1, slot, 0), axis=0)
-    ids_address = tl.sum(tl.where(words_of_slot == 2, slot, 0), axis=0)
-    weights_address = tl.sum(tl.where(words_of_slot == 3, slot, 0), axis=0)
-    num_tokens = tl.sum(tl.where(words_of_slot == 4, slot, 0), axis=0).to(tl.int32)
-    error_code = tl.sum(tl.where(words_of_slot == 5, slot, 0), axis=0).to(tl.int32)
-    wide_ids = tl.sum(tl.where(words_of_slot == 6, slot, 0), axis=0)
-    num_ids = tl.sum(tl.where(words_of_slot == 7, slot, 0), axis=0).to(tl.int32)
+    lanes = tl.arange(0, SLOT)
+    slot = tl.load(slots_ptr + (cursor % num_slots) * SLOT + lanes)
+    x_address = _word(slot, lanes, 0)
+    out_address = _word(slot, lanes, 1)
+    ids_address = _word(slot, lanes, 2)
+    weights_address = _word(slot, lanes, 3)
+    num_tokens = _word(slot, lanes, 4).to(tl.int32)
+    error_code = _word(slot, lanes, 5).to(tl.int32)
+    wide_ids = _word(slot, lanes, 6)
+    num_ids = _word(slot, lanes, 7).to(tl.int32)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     given = offs < num_ids
     if wide_ids != 0:

@@ -196,6 +196,34 @@ def _poll(flag_ptr, SYS_SCOPE: tl.constexpr):
 
 
 @triton.jit
+def _wait_started():
+    """The clock a wait's deadline counts from (0 under the interpreter, which counts polls instead)."""
+    start = tl.full([], 0, tl.int64)
+    if not INTERPRETER:
+        start = uniform_time_ns()
+    return start
+
+
+@triton.jit
+def _past_deadline(start, polls, timeout_ns):
+    """Whether a wait that began at `start` and has polled `polls` times is past its deadline."""
+    if INTERPRETER:
+        elapsed = polls * 100  # no clock under the interpreter: 100 ns per poll
+    else:
+        elapsed = uniform_time_ns() - start
+    return elapsed > timeout_ns
+
+
+@triton.jit
+def _report_timeout(status_ptr, error_code, flag_tag, seen, expected):
+    """First error wins: record the code, which flag and what was seen for the host's message."""
+    if tl.atomic_cas(status_ptr, 0, error_code, sem="relaxed", scope="gpu") == 0:
+        tl.store(status_ptr + 1, flag_tag)
+        tl.store(status_ptr + 2, seen)
+        tl.store(status_ptr + 3, expected)
+
+
+@triton.jit
 def _poll_all(flag_ptrs, need, SYS_SCOPE: tl.constexpr):
     if SYS_SCOPE:
         seen = tl.atomic_add(flag_ptrs, 0, mask=need, sem="acquire", scope="sys")
@@ -221,9 +249,7 @@ def wait_all_at_least(flag_ptr, expected_ptr, n, status_ptr, error_code, tag_bas
     seen = _poll_all(flag_ptr + offs, need, SYS_SCOPE)
     unmet = tl.sum((need & (seen < expected)).to(tl.int32), axis=0)
     if unmet != 0:
-        start = tl.full([], 0, tl.int64)
-        if not INTERPRETER:
-            start = uniform_time_ns()
+        start = _wait_started()
         failed = status_set(status_ptr)
         polls = 0
         while (unmet != 0) & (failed == 0):
@@ -231,18 +257,13 @@ def wait_all_at_least(flag_ptr, expected_ptr, n, status_ptr, error_code, tag_bas
             seen = _poll_all(flag_ptr + offs, need, SYS_SCOPE)
             unmet = tl.sum((need & (seen < expected)).to(tl.int32), axis=0)
             polls += 1
-            if (unmet != 0) & ((polls & 15) == 0):
+            if (unmet != 0) & ((polls & 15) == 0):   # as in wait_at_least
                 failed = status_set(status_ptr)
-                if INTERPRETER:
-                    elapsed = polls * 100  # no clock under the interpreter: 100 ns per poll
-                else:
-                    elapsed = uniform_time_ns() - start
-                if elapsed > timeout_ns:
+                if _past_deadline(start, polls, timeout_ns):
                     first = tl.min(tl.where(need & (seen < expected), offs, BLOCK), axis=0)
-                    if tl.atomic_cas(status_ptr, 0, error_code, sem="relaxed", scope="gpu") == 0:
-                        tl.store(status_ptr + 1, tag_base + first)
-                        tl.store(status_ptr + 2, tl.sum(tl.where(offs == first, seen, 0), axis=0))
-                        tl.store(status_ptr + 3, tl.sum(tl.where(offs == first, expected, 0), axis=0))
+                    _report_timeout(status_ptr, error_code, tag_base + first,
+                                    tl.sum(tl.where(offs == first, seen, 0), axis=0),
+                                    tl.sum(tl.where(offs == first, expected, 0), axis=0))
                     failed = 1
     return (unmet == 0).to(tl.int32)
 
@@ -257,9 +278,7 @@ def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_
     seen = _poll(flag_ptr, SYS_SCOPE)
     ok = (seen >= expected).to(tl.int32)
     if ok == 0:
-        start = tl.full([], 0, tl.int64)
-        if not INTERPRETER:
-            start = uniform_time_ns()
+        start = _wait_started()
         failed = status_set(status_ptr)
         polls = 0
         while (ok == 0) & (failed == 0):
@@ -271,15 +290,7 @@ def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_
             # CTAs may spin here at once.
             if (ok == 0) & ((polls & 15) == 0):
                 failed = status_set(status_ptr)
-                if INTERPRETER:
-                    elapsed = polls * 100  # no clock under the interpreter: 100 ns per poll
-                else:
-                    elapsed = uniform_time_ns() - start
-                if elapsed > timeout_ns:
-                    # First error wins; record which flag and what was seen for the host's message.
-                    if tl.atomic_cas(status_ptr, 0, error_code, sem="relaxed", scope="gpu") == 0:
-                        tl.store(status_ptr + 1, flag_tag)
-                        tl.store(status_ptr + 2, seen)
-                        tl.store(status_ptr + 3, expected)
+                if _past_deadline(start, polls, timeout_ns):
+                    _report_timeout(status_ptr, error_code, flag_tag, seen, expected)
                     failed = 1
     return ok
