@@ -26,7 +26,10 @@ def kernel_timeline(events) -> dict:
     """One profiled call's GPU work from torch.profiler's events (`prof.events()`): `kernels` [(name, start_us,
     duration_us)] in start order, relative to the first one's start (with programmatic dependent launch a kernel's
     span includes the time its CTAs waited for the one before: spans overlap); `span_us`: last end - first start,
-    the call's GPU time; `before_gemm_us`: when the first GEMM kernel (`GEMM_KERNELS`) started, None without one."""
+    the call's GPU time; `before_gemm_us`: when the first GEMM kernel (`GEMM_KERNELS`) can start its work, None
+    without one: its own start or, if later, the last end of the kernels that started before it (every one of them
+    precedes it in the call's graph, and with PDL a kernel's CTAs start early but wait at `griddepcontrol.wait` until
+    its predecessor has ended, so the start alone would under-count the work before the GEMM)."""
     from torch.autograd import DeviceType
 
     work = sorted(((e.name, e.time_range.start, e.time_range.end) for e in events
@@ -34,10 +37,12 @@ def kernel_timeline(events) -> dict:
     if not work:
         return dict(kernels=[], span_us=0.0, before_gemm_us=None)
     origin = work[0][1]
-    gemm = [start for name, start, _ in work if any(k in name for k in GEMM_KERNELS)]
+    first = next((i for i, (name, _, _) in enumerate(work) if any(k in name for k in GEMM_KERNELS)), None)
+    before = None
+    if first is not None:
+        before = max([work[first][1]] + [end for _, _, end in work[:first]]) - origin
     return dict(kernels=[(name, start - origin, end - start) for name, start, end in work],
-                span_us=max(end for _, _, end in work) - origin,
-                before_gemm_us=(gemm[0] - origin) if gemm else None)
+                span_us=max(end for _, _, end in work) - origin, before_gemm_us=before)
 
 
 def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
@@ -119,7 +124,7 @@ if __name__ == "__main__":
         print(table)
         print(cpu_table)
         before = timeline["before_gemm_us"]
-        print(f"##### {variant}: one call's GPU span {timeline['span_us']:.1f} us, first grouped GEMM at "
+        print(f"##### {variant}: one call's GPU span {timeline['span_us']:.1f} us, first grouped GEMM's work from "
               + ("-" if before is None else f"{before:.1f} us"))
         for name, start, duration in timeline["kernels"]:
             print(f"  {start:8.1f} us  +{duration:7.1f} us  {name[:90]}")

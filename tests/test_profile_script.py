@@ -1,5 +1,6 @@
 """scripts/profile_layer.py's `kernel_timeline` on stand-in profiler events (no GPU here): GPU events only, in start
-order, relative to the first; the call's span; when the first grouped GEMM starts."""
+order, relative to the first; the call's span; when the first grouped GEMM's work can start (its start, or the
+last end of the kernels before it: with PDL its CTAs start early and wait)."""
 
 import importlib.util
 from pathlib import Path
@@ -31,4 +32,8 @@ def test_kernel_timeline_orders_gpu_work_and_finds_the_first_gemm():
     assert timeline["kernels"][1] == ("moe_megakernel", 20.0, 11.0)
     assert timeline["span_us"] == 70.5 and timeline["before_gemm_us"] == 40.0
     assert _script().kernel_timeline([_event("moe_megakernel", 5.0, 9.0)])["before_gemm_us"] is None
+    # a GEMM launched early (PDL) behind a gather that ends later, and a side-stream kernel ending before it
+    early = [_event("_pack_slot_kernel", 0.0, 3.0), _event("_prologue_kernel", 4.0, 8.0),
+             _event("_gather_rows_kernel", 5.0, 30.0), _event("_gemm0_kernel", 12.0, 80.0)]
+    assert _script().kernel_timeline(early)["before_gemm_us"] == 30.0
     assert _script().kernel_timeline([])["span_us"] == 0.0

@@ -259,10 +259,12 @@ def _compile_name(constants):
     return f"d{plain}" if constants.REDUCE_ROWS == DECODE_ROWS else plain
 
 
-def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False, resident=False, decode=False):
+def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False, resident=False, decode=False,
+                  fork=False):
     """A WeaveBackend for `_launch`'s host logic on the CPU: the megakernel's launches and compiles are recorded as
     STAGE values (the grouped GEMMs as "grouped"; "d" prefixed: a decode compile), nothing runs. `decode`: the
-    layer has decode compiles (KernelConfig.decode_stages on a resident layer)."""
+    layer has decode compiles (KernelConfig.decode_stages on a resident layer). `fork`: KernelConfig.fork_prologue
+    as on a GPU (the side stream's prologue recorded as "fork", the grouped stage after it as "grouped after fork")."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.backend import WeaveBackend
     from weave_moe.backends.weave.launch import MegakernelConstants
@@ -303,8 +305,10 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.decode_tokens = DECODE_TOKENS if decode else 0
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
-    backend._grouped_gemms = lambda layout, configs, device_serial=False: launched.append(
-        "grouped" + (" if serial" if device_serial else ""))
+    backend.fork_prologue = fork
+    backend._fork_prologue = lambda layout, configs: launched.append("fork") or ("tables", "rows", "event")
+    backend._grouped_gemms = lambda layout, configs, device_serial=False, early=None: launched.append(
+        "grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None else ""))
     return backend, launched, compiled
 
 
@@ -359,6 +363,24 @@ def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, gr
         # every variant a call can launch was compiled at the first call, and only then
         assert sorted(compiled, key=str) == sorted(compiles, key=str)
     assert {_compile_name(c) for c in backend.compiled} == set(compiles)
+
+
+@pytest.mark.parametrize("policy, plan, launches", [
+    # a fixed serial plan: the tile tables on the side stream before the dispatch launch, the grouped stage joins
+    ("serial", "fixed", ["fork", 0, "grouped after fork", 4]),
+    ("serial", "fixed decode", ["fork", "d0", "grouped after fork", "d4"]),
+    # an adaptive plan decided on the device: its first launch may run every phase and count on the done counters
+    # the prologue sets, so the prologue stays after it, in the grouped stage
+    ("weave", "device serial", ["-1gs", "grouped if serial", "4gs"]),
+])
+def test_fork_prologue_only_beside_a_dispatch_only_launch(monkeypatch, policy, plan, launches):
+    from weave_moe.plan import Plan
+
+    fixed = Plan(4, 1, 0, 0.0, policy) if policy == "serial" else None
+    backend, launched, _ = _host_backend(monkeypatch, fixed, grouped=True, resident=True, decode=True, fork=True)
+    backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(),
+                    fixed, 0, ("gemm0 config", "gemm1 config"), plan.endswith("decode"))
+    assert launched == launches
 
 
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch):

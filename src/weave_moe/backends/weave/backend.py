@@ -197,6 +197,8 @@ class WeaveBackend:
         self.device_counts = DeviceCounts(self.counts_format, self.message, device)
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
+        # KernelConfig.fork_prologue (CUDA streams); the side stream is made at its first use
+        self.fork_prologue, self.side_stream = cfg.fork_prologue and device.type == "cuda", None
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
         self.resident = cfg.resident_at(world_size)
@@ -643,9 +645,16 @@ class WeaveBackend:
         if self.debug_skip_launch:
             return
         device_serial = my_plan is None and grouped_configs is not None
-        for stage in self._stages(serial, device_serial, decode):
+        stages = self._stages(serial, device_serial, decode)
+        configs = (grouped_configs or self._grouped_configs(self.local_rows)) if "grouped" in stages else None
+        # a fixed serial plan's first launch is the dispatch alone, which the tile tables do not wait for: they are
+        # built beside it, on a side stream (an adaptive plan's first launch may run every phase, counting on the
+        # done counters the prologue sets, so its prologue stays after it)
+        early = (self._fork_prologue(layout, configs) if configs is not None and not device_serial
+                 and self.fork_prologue else None)
+        for stage in stages:
             if stage == "grouped":
-                self._grouped_gemms(layout, grouped_configs or self._grouped_configs(self.local_rows), device_serial)
+                self._grouped_gemms(layout, configs, device_serial, early)
                 continue
             mk_launch.launch(args=args, constants=self.stage_constants[stage], **launch_options)
 
@@ -705,17 +714,45 @@ class WeaveBackend:
             self.grouped_configs[rows] = configs
         return configs
 
-    def _grouped_gemms(self, layout, configs, device_serial: bool = False) -> None:
+    def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
         overwrites afterwards), GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
         combine phase, which waits on those counters. `device_serial`: only if this rank's device plan is serial;
         under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
-        the GEMMs), all without a host sync."""
+        the GEMMs), all without a host sync. `early`: the tile tables `_fork_prologue` enqueued before the dispatch
+        launch (the stage then waits for them and gathers)."""
         keys = [(config.block_m, config.split_tail) for config in configs]
-        tables = self._grouped_prologue(layout.expert_offsets, keys, layout.gather_rows, layout.gemm1_expected,
-                                        device_serial)
+        if early is None:
+            tables = self._grouped_prologue(layout.expert_offsets, keys, layout.gather_rows, layout.gemm1_expected,
+                                            device_serial)
+        else:
+            tables, rows, filled = early
+            self._current_stream().wait_event(filled)
+            grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.workspace.y(), rows,
+                                      4 * self.num_sms)
         grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0])
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1])
+
+    def _fork_prologue(self, layout, configs) -> tuple:
+        """The grouped GEMMs' tile tables and done counters (`grouped_tiles.fill_tile_tables`) on the layer's side
+        stream, after the work enqueued so far (the task tables), beside the dispatch launch that follows: returns
+        (tables, rows to gather, the event after them) for `_grouped_gemms`. The buffers are allocated on the current
+        stream, which reads them; in a CUDA-graph capture the fork and the join are edges of the graph."""
+        keys = tuple(sorted({(config.block_m, config.split_tail) for config in configs}))
+        tables = grouped_tiles.empty_tile_tables(layout.expert_offsets, keys, self.max_pairs)
+        rows = torch.empty(1, dtype=torch.int32, device=self.device)
+        main = self._current_stream()
+        if self.side_stream is None:
+            self.side_stream = torch.cuda.Stream(self.device)
+        side = self.side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            grouped_tiles.fill_tile_tables(tables, layout.expert_offsets, rows,
+                                           self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS],
+                                           layout.gemm1_expected)
+            filled = torch.cuda.Event()
+            filled.record(side)
+        return tables, rows, filled
 
     def _grouped_prologue(self, offsets, keys, gather_rows, gemm1_expected, device_serial: bool) -> dict:
         """The grouped GEMMs' tile tables and done counters (one launch) and the row gather (another):

@@ -87,6 +87,9 @@ class KernelConfig:
             loads (a task's rows in BLOCK_H-wide steps), not bandwidth, and one row per task spreads the few rows
             over as many CTAs. The launch that may run every phase (an adaptive policy's first) keeps its compile:
             tasks of fewer rows than its blocks are valid for it.
+        fork_prologue: a fixed serial plan's grouped-GEMM tile tables (grouped_tiles.fill_tile_tables) are built on a
+            side stream beside the dispatch launch, which they do not depend on, instead of after it; the gather of
+            the received rows waits for both.
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
@@ -115,6 +118,7 @@ class KernelConfig:
     triton_tables: bool = True
     decode_stages: bool = True
     wide_gemm0: bool = True
+    fork_prologue: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -14,7 +14,8 @@ import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
 
-__all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "gather_rows", "grouped_prologue"]
+__all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "empty_tile_tables", "fill_tile_tables",
+           "gather_rows", "grouped_prologue"]
 
 
 @dataclass(frozen=True)
@@ -217,40 +218,62 @@ def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_t
                           max_tiles1, BLOCK_M1, SPLIT_TAIL1, BLOCK_E, BLOCK_T)
 
 
-def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...], max_rows: int,
-                     src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, num_programs: int,
-                     done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
-                     num_sms: int = 0) -> dict[tuple[int, bool], TileTable]:
-    """Everything the grouped GEMMs need before they run, in two launches and without a host sync: the tile table of
-    each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`) and `done[:] = expected` (the counters the
-    next stage waits on, int32, a power-of-two length) in the first; the rows in expert order
-    (`gather_rows(src, index, dst, expert_offsets[-1:], num_programs)`) in the second. The gather is its own launch:
-    fused into the first it compiled to 178 registers per thread instead of 64 (sm_90), a quarter of the CTAs per SM
-    for a copy bound by loads in flight, and serial calls at 8192 tokens measured 4-8% slower on an H200
-    (bench/results/h200-3114d5b). With `plan` (int32 device scalar: this rank's c), the offsets count only under a
-    serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty.
-
-    Returns {(block_m, split_tail): TileTable}.
-    """
+def _check_tiles_keys(tiles) -> None:
     if not 1 <= len(tiles) <= 2 or len(set(tiles)) != len(tiles):
         raise ValueError(f"grouped_prologue: one or two distinct (block_m, split_tail) pairs, given {tiles}")
-    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
-        raise ValueError(f"grouped_prologue: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
-                         f"{dst.dtype} must be [*, H] of one dtype")
+
+
+def empty_tile_tables(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...],
+                      max_rows: int) -> dict[tuple[int, bool], TileTable]:
+    """The buffers of `fill_tile_tables`, not yet filled: {(block_m, split_tail): TileTable} for the one or two
+    distinct pairs in `tiles` (allocated on the current stream: a caller that fills them on another one allocates
+    them here first, on the stream that reads them)."""
+    _check_tiles_keys(tiles)
+    return {(block_m, tail): _empty_table(expert_offsets, block_m, max_rows, tail) for block_m, tail in tiles}
+
+
+def fill_tile_tables(built: dict[tuple[int, bool], TileTable], expert_offsets: torch.Tensor, rows: torch.Tensor,
+                     done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
+                     num_sms: int = 0) -> None:
+    """`grouped_prologue`'s first launch: every table of `built` (`empty_tile_tables`), `rows[0]` = the rows to
+    gather (expert_offsets[-1], or 0 under `plan` when it is not serial) and `done[:] = expected`."""
     num_done = done.numel()
     if num_done != expected.numel() or num_done & (num_done - 1) or done.dtype != torch.int32:
         raise ValueError(f"grouped_prologue: done / expected must be int32 of one power-of-two length, given "
                          f"{done.numel()} / {expected.numel()} ({done.dtype})")
-    built = {(block_m, tail): _empty_table(expert_offsets, block_m, max_rows, tail) for block_m, tail in tiles}
     first, second = list(built.values()) + list(built.values())[:2 - len(built)]
     programs = [triton.cdiv(table.max_tiles, _BLOCK_T) for table in built.values()]
     num_experts = expert_offsets.numel() - 1
-    rows = torch.empty(1, dtype=torch.int32, device=expert_offsets.device)
     _prologue_kernel[(sum(programs),)](
         expert_offsets, expert_offsets if plan is None else plan, num_sms, rows, first.table, first.num_tiles,
         second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles, done, expected,
         NUM_DONE=num_done, TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
         BLOCK_M1=second.block_m, SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, **sync.LAUNCH)
+
+
+def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...], max_rows: int,
+                     src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, num_programs: int,
+                     done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
+                     num_sms: int = 0) -> dict[tuple[int, bool], TileTable]:
+    """Everything the grouped GEMMs need before they run, in two launches and without a host sync: the tile table of
+    each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`) and `done[:] = expected` (the counters the
+    next stage waits on, int32, a power-of-two length) in the first (`fill_tile_tables`); the rows in expert order
+    (`gather_rows(src, index, dst, expert_offsets[-1:], num_programs)`) in the second. The gather is its own launch:
+    fused into the first it compiled to 178 registers per thread instead of 64 (sm_90), a quarter of the CTAs per SM
+    for a copy bound by loads in flight, and serial calls at 8192 tokens measured 4-8% slower on an H200
+    (bench/results/h200-3114d5b). With `plan` (int32 device scalar: this rank's c), the offsets count only under a
+    serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty. The first launch needs
+    only the offsets, so a caller may run it on another stream, beside other work (the weave backend's
+    `fork_prologue`), and the gather after both.
+
+    Returns {(block_m, split_tail): TileTable}.
+    """
+    built = empty_tile_tables(expert_offsets, tiles, max_rows)
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+        raise ValueError(f"grouped_prologue: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
+                         f"{dst.dtype} must be [*, H] of one dtype")
+    rows = torch.empty(1, dtype=torch.int32, device=expert_offsets.device)
+    fill_tile_tables(built, expert_offsets, rows, done, expected, plan, num_sms)
     gather_rows(src, index, dst, rows, num_programs)
     return built
