@@ -119,6 +119,16 @@ for stage in "$@"; do
           WEAVE_MOE_PDL=$pdl timeout "${PA_TIMEOUT:-90}" python3 -m weave_moe.bench --emulate-ep 2 --models "${PA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${PA_TOKENS:-1,32}" --routing uniform --variants "${PA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${PA_TIMEOUT:-90} - 10 )) --name "pdl$pdl" --out "$W" > "$W/bench-pdl$pdl.log" 2>&1; echo "bench pdl=$pdl rc=$?"; tail -7 "$W/bench-pdl$pdl.log"
         done
         timeout 90 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model qwen3-30b-a3b --tokens 1 --variants weave:serial,weave --rows 30 > "$W/profile-pdl1.txt" 2>&1; echo "profile rc=$?";;
+    # A/B of KernelConfig settings (KA_CONFIGS, space-separated: "none" = the defaults, else key=value,...; results
+    # are numbered in that order, config-ab.txt names them): the bench with --check for each, side by side with
+    # nccl, then one profiled call per config and KA_PROFILE_TOKENS (its GPU timeline: kernel_timeline)
+    config-ab) i=0; : > "$W/config-ab.txt"; for cfg in ${KA_CONFIGS:-none}; do i=$((i + 1)); echo "$i $cfg" >> "$W/config-ab.txt"
+          kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
+          WEAVE_MOE_KERNEL_CONFIG=$kc timeout "${KA_TIMEOUT:-150}" python3 -m weave_moe.bench --emulate-ep 2 --models "${KA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${KA_TOKENS:-1,8,32,2048}" --routing uniform --variants "${KA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${KA_TIMEOUT:-150} - 10 )) --name "config-ab$i" --out "$W" > "$W/bench-config-ab$i.log" 2>&1; echo "bench $i ($cfg) rc=$?"; tail -14 "$W/bench-config-ab$i.log" | cut -c1-220
+          for t in ${KA_PROFILE_TOKENS:-1}; do
+            WEAVE_MOE_KERNEL_CONFIG=$kc timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model qwen3-30b-a3b --tokens $t --variants weave:serial --rows 30 > "$W/profile-config-ab$i-$t.txt" 2>&1; echo "profile $i $t rc=$?"; grep -E "^#####.*span" "$W/profile-config-ab$i-$t.txt"
+          done
+        done;;
     host-primitives) timeout 120 python3 scripts/host_primitives.py --out "$W/host_primitives.json" > "$W/host_primitives.log" 2>&1; echo "rc=$?"; tail -25 "$W/host_primitives.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" ${HC_ARGS:-} --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; grep "^{" "$W/host_cost.log" | cut -c1-600;;

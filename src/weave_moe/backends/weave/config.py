@@ -12,7 +12,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-__all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV"]
+__all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV",
+           "DECODE_TOKENS", "DECODE_ROWS", "DECODE_TABLE_PROGRAMS"]
 
 KERNEL_CONFIG_ENV = "WEAVE_MOE_KERNEL_CONFIG"
 TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
@@ -24,6 +25,8 @@ DEFAULT_TIMEOUT_S = 5.0
 #: without GEMM, whose tasks hold DECODE_ROWS rows, copied in steps of `decode_block_h(H)` elements
 DECODE_TOKENS = 64
 DECODE_ROWS = 1
+#: KernelConfig.decode_tables: programs of a decode call's one-launch task tables (at most the SMs)
+DECODE_TABLE_PROGRAMS = 32
 
 
 def decode_block_h(hidden_size: int) -> int:
@@ -87,6 +90,11 @@ class KernelConfig:
             loads (a task's rows in BLOCK_H-wide steps), not bandwidth, and one row per task spreads the few rows
             over as many CTAs. The launch that may run every phase (an adaptive policy's first) keeps its compile:
             tasks of fewer rows than its blocks are valid for it.
+        decode_tables: a decode call (as `decode_stages` decides it) builds its task tables in ONE launch of
+            DECODE_TABLE_PROGRAMS programs with grid barriers between the scan, bases and emit roles, visiting only
+            token blocks that hold tokens (kernels/tables.py, `build_layout_triton(programs=...)`), instead of three
+            launches sized for T_max. A peer with many tokens makes it slower than the three launches (its blocks
+            spread over fewer programs), never wrong.
         fork_prologue: a fixed serial plan's grouped-GEMM tile tables (grouped_tiles.fill_tile_tables) are built on a
             side stream beside the dispatch launch, which they do not depend on, instead of after it; the gather of
             the received rows waits for both.
@@ -119,6 +127,7 @@ class KernelConfig:
     decode_stages: bool = True
     wide_gemm0: bool = True
     fork_prologue: bool = True
+    decode_tables: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
