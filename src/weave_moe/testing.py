@@ -8,6 +8,7 @@ killed and raises TimeoutError, so a deadlock fails a test instead of stalling C
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue
@@ -41,6 +42,9 @@ def _to_bytes(value: Any) -> bytes:
 
 
 def _worker(rank, world_size, port, backend, shared_device, fn, args, env, results) -> None:
+    # a rank that dies of a signal (SIGSEGV in a native library) prints its Python stacks first: otherwise the parent
+    # only sees "ranks died without reporting"
+    faulthandler.enable(all_threads=True)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))

@@ -93,8 +93,10 @@ class KernelConfig:
         decode_tables: a decode call (as `decode_stages` decides it) builds its task tables in ONE launch of
             DECODE_TABLE_PROGRAMS programs with grid barriers between the scan, bases and emit roles, visiting only
             token blocks that hold tokens (kernels/tables.py, `build_layout_triton(programs=...)`), instead of three
-            launches sized for T_max. A peer with many tokens makes it slower than the three launches (its blocks
-            spread over fewer programs), never wrong.
+            launches sized for T_max. Off: on an H200 (one rank's work of EP=2, with `fork_prologue`) the one launch
+            took 21.7 us where the three took 12.2 (Qwen3-30B-A3B, 1 token: its two grid barriers and the last
+            program's reset cost more than two kernel boundaries under programmatic dependent launch), calls
+            1.02-1.10x slower at 1-32 tokens (bench/results/h200-55ea952).
         fork_prologue: a fixed serial plan's grouped-GEMM tile tables (grouped_tiles.fill_tile_tables) are built on a
             side stream beside the dispatch launch, which they do not depend on, instead of after it; the gather of
             the received rows waits for both.
@@ -127,7 +129,7 @@ class KernelConfig:
     decode_stages: bool = True
     wide_gemm0: bool = True
     fork_prologue: bool = True
-    decode_tables: bool = True
+    decode_tables: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
