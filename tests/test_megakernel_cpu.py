@@ -647,12 +647,9 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
                          block=8)
         counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
-        # a decode call's tables in one launch (KernelConfig.decode_tables, off by default: the layer measured it
-        # slower; kept tested here, one program under the interpreter)
-        one_launch = dict(programs=1, status=status[:sync.STATUS_WORDS], timeout_ns=timeout_ns) if decode else {}
         layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
                                      intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows,
-                                     combine_rows=rows, reduce_rows=rows, counters=counters, **one_launch)
+                                     combine_rows=rows, reduce_rows=rows, counters=counters)
         dummy = y[:1]
         args = MegakernelArgs(
             x_ptr=dummy, out_ptr=dummy, w13_ptr=w13[rank * local:(rank + 1) * local],

@@ -25,8 +25,8 @@ from weave_moe.backends import raise_on_bad_ids
 from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordinator, CallOrderError, PeerError,
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
-from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TABLE_PROGRAMS, DECODE_TOKENS, KernelConfig,
-                                             decode_block_h, timeout_s_from_env)
+from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelConfig, decode_block_h,
+                                             timeout_s_from_env)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
@@ -483,13 +483,10 @@ class WeaveBackend:
         # the Triton tables count into the layer's persistent counters, which their bases kernel zeroes again
         build = (functools.partial(build_layout_triton, counters=self.table_counters) if cfg.triton_tables
                  else self.layout_builder)
-        # a decode call's tables in one launch (KernelConfig.decode_tables), its barrier reporting into the status
-        one_launch = (dict(programs=min(DECODE_TABLE_PROGRAMS, self.num_sms), status=self.live_status,
-                           timeout_ns=self.timeout_ns) if decode and cfg.triton_tables and cfg.decode_tables else {})
         return build(
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
-            block_n0=cfg.block_n0, block_n1=cfg.block_n1, **self._table_rows(decode), **one_launch)
+            block_n0=cfg.block_n0, block_n1=cfg.block_n1, **self._table_rows(decode))
 
     def _raise_deferred(self) -> None:
         """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV",
-           "DECODE_TOKENS", "DECODE_ROWS", "DECODE_TABLE_PROGRAMS"]
+           "DECODE_TOKENS", "DECODE_ROWS"]
 
 KERNEL_CONFIG_ENV = "WEAVE_MOE_KERNEL_CONFIG"
 TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
@@ -25,8 +25,6 @@ DEFAULT_TIMEOUT_S = 5.0
 #: without GEMM, whose tasks hold DECODE_ROWS rows, copied in steps of `decode_block_h(H)` elements
 DECODE_TOKENS = 64
 DECODE_ROWS = 1
-#: KernelConfig.decode_tables: programs of a decode call's one-launch task tables (at most the SMs)
-DECODE_TABLE_PROGRAMS = 32
 
 
 def decode_block_h(hidden_size: int) -> int:
@@ -90,13 +88,6 @@ class KernelConfig:
             loads (a task's rows in BLOCK_H-wide steps), not bandwidth, and one row per task spreads the few rows
             over as many CTAs. The launch that may run every phase (an adaptive policy's first) keeps its compile:
             tasks of fewer rows than its blocks are valid for it.
-        decode_tables: a decode call (as `decode_stages` decides it) builds its task tables in ONE launch of
-            DECODE_TABLE_PROGRAMS programs with grid barriers between the scan, bases and emit roles, visiting only
-            token blocks that hold tokens (kernels/tables.py, `build_layout_triton(programs=...)`), instead of three
-            launches sized for T_max. Off: on an H200 (one rank's work of EP=2, with `fork_prologue`) the one launch
-            took 21.7 us where the three took 12.2 (Qwen3-30B-A3B, 1 token: its two grid barriers and the last
-            program's reset cost more than two kernel boundaries under programmatic dependent launch), calls
-            1.02-1.10x slower at 1-32 tokens (bench/results/h200-55ea952).
         fork_prologue: a fixed serial plan's grouped-GEMM tile tables (grouped_tiles.fill_tile_tables) are built on a
             side stream beside the dispatch launch, which they do not depend on, instead of after it; the gather of
             the received rows waits for both.
@@ -129,7 +120,6 @@ class KernelConfig:
     decode_stages: bool = True
     wide_gemm0: bool = True
     fork_prologue: bool = True
-    decode_tables: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -57,7 +57,6 @@ ERROR_GEMM0_TIMEOUT = tl.constexpr(2)        # a GEMM1 tile waited for its GEMM0
 ERROR_GEMM1_TIMEOUT = tl.constexpr(3)        # a combine block waited for its chunk's GEMM1 tiles
 ERROR_COMBINE_TIMEOUT = tl.constexpr(4)      # the final reduce waited for a peer's combine rows
 ERROR_EXCHANGE_TIMEOUT = tl.constexpr(5)     # the routing exchange waited for a peer's routing message
-ERROR_TABLES_TIMEOUT = tl.constexpr(6)       # a program of the one-launch task tables waited for the others
 
 REJECT_FIRST = 16
 REJECT_BAD_IDS = 16        # detail: number of expert ids outside [-1, E) the rank sent
@@ -83,7 +82,6 @@ ERROR_NAMES = {
     3: ("a combine block waited too long for its chunk's GEMM1 tiles", "chunk"),
     4: ("combine rows from a peer did not arrive", "destination rank"),
     5: ("the routing message of a peer did not arrive", "source rank"),
-    6: ("the programs of the one-launch task tables did not all arrive (kernels/tables.py)", "barrier"),
 }
 
 
@@ -295,28 +293,4 @@ def wait_at_least(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_
                 if _past_deadline(start, polls, timeout_ns):
                     _report_timeout(status_ptr, error_code, flag_tag, seen, expected)
                     failed = 1
-    return ok
-
-
-@triton.jit
-def wait_at_least_alone(flag_ptr, expected, status_ptr, error_code, flag_tag, timeout_ns, SYS_SCOPE: tl.constexpr):
-    """`wait_at_least` that does not give up when the status word is set by someone else: for a wait whose data must
-    be complete whatever else happened, e.g. the task tables' grid barrier in a refused call, whose tables the
-    grouped GEMMs still read. Only its own deadline ends it (reported first-error-wins). Returns 1, or 0 on a
-    timeout."""
-    seen = _poll(flag_ptr, SYS_SCOPE)
-    ok = (seen >= expected).to(tl.int32)
-    if ok == 0:
-        start = _wait_started()
-        timed_out = 0
-        polls = 0
-        while (ok == 0) & (timed_out == 0):
-            backoff()
-            seen = _poll(flag_ptr, SYS_SCOPE)
-            ok = (seen >= expected).to(tl.int32)
-            polls += 1
-            if (ok == 0) & ((polls & 15) == 0):   # the clock every 16th poll, as in wait_at_least
-                if _past_deadline(start, polls, timeout_ns):
-                    _report_timeout(status_ptr, error_code, flag_tag, seen, expected)
-                    timed_out = 1
     return ok

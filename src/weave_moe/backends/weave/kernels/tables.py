@@ -46,7 +46,7 @@ from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.layout import Layout
 from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["build_layout_triton", "counter_words", "BARRIER_WORDS"]
+__all__ = ["build_layout_triton", "counter_words"]
 
 _BLOCK_T = 256         # tokens per emit program
 
@@ -476,131 +476,6 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
                     BLOCK_N)
 
 
-#: int32 words of the one-launch tables' grid barrier (arrivals, departures), after the counters (`counter_words`)
-BARRIER_WORDS = 2
-
-
-@triton.jit
-def _of(values, pp, s):
-    """values[s] of a [BLOCK_P] vector, as a scalar (register work: no load)."""
-    return tl.sum(tl.where(pp == s, values, 0), axis=0)
-
-
-@triton.jit
-def _first_item(pid, G, offset):
-    """The first item of program `pid` in a list of items dealt round-robin over G programs, the list continuing a
-    global one at `offset` (so consecutive lists spread over the programs): pid - offset mod G, >= 0."""
-    return (pid + G - offset % G) % G
-
-
-@triton.jit
-def _grid_barrier(barrier_ptr, target, status_ptr, timeout_ns, phase):
-    """Every program of the launch has passed here `target / G` times (its stores released, acquired here); bounded
-    (status word ERROR_TABLES_TIMEOUT naming the phase), and not given up on another error: a refused call's tables
-    are still read. Returns 1, or 0 on a timeout."""
-    sync.arrive(barrier_ptr, False)
-    ok = sync.wait_at_least_alone(barrier_ptr, target, status_ptr, sync.ERROR_TABLES_TIMEOUT, phase, timeout_ns,
-                                  False)
-    tl.debug_barrier()
-    return ok
-
-
-@triton.jit(do_not_specialize=["rank"])
-def _tables_kernel(ids_ptr, weights_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride,
-                   q_ptr, pair_hist_ptr, pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr,
-                   send_hist_ptr, key_counts_ptr, mask_ptr,
-                   pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
-                   group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
-                   gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
-                   pair_block_base_ptr, recv_block_base_ptr, send_block_base_ptr,
-                   gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, send_token_ptr, send_out_ptr,
-                   dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, barrier_ptr, status_ptr, timeout_ns,
-                   rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, reduce_rows,
-                   max_dispatch, max_combine, max_pairs,
-                   K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-                   BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_B: tl.constexpr,
-                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """The three launches of the tables as one, for calls of few tokens (`build_layout_triton(programs=...)`): the
-    same roles (`_scan_*`, `_bases` / `_block_bases`, `_emit_*`) as items dealt round-robin over the G programs, a
-    grid barrier between the phases, and only the items that hold tokens: token blocks of a source up to its T
-    (T_max sizes the three-launch grid), task slots up to the largest of the dispatch, combine and M-tile counts.
-    What is not written is never read: a block's counts and bases past its source's T, `token_dest_mask` past this
-    rank's T (the reduce reads its tokens' bits), task rows past `meta`'s counts (the kernels stop there). The G
-    programs must be resident together (G <= the SMs; the barrier's waits are bounded); the last to leave zeroes the
-    barrier for the next launch."""
-    sync.pdl_enter()
-    pid = tl.program_id(0)
-    G = tl.num_programs(0)
-    pp = tl.arange(0, BLOCK_P)
-    n_tok = tl.load(tokens_ptr + pp * tokens_stride, mask=pp < P, other=0)
-    mine = _of(n_tok, pp, rank)
-    # -- phase 1: the scan, blocks of BT tokens of each source, then of this rank's tokens
-    scan_blocks = tl.where(pp < P, (n_tok + BT - 1) // BT, 0)
-    before = _exclusive(scan_blocks)
-    for s in range(0, P):
-        s_t = s + pid * 0
-        for b in range(_first_item(pid, G, _of(before, pp, s_t)), _of(scan_blocks, pp, s_t), G):
-            _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
-                           pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, s_t, b, rank, T, L, NB,
-                           K, KP, MC, BT, SUB, BLOCK_L)
-    for b in range(_first_item(pid, G, tl.sum(scan_blocks, axis=0)), (mine + BT - 1) // BT, G):
-        _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
-                   key_counts_ptr, mask_ptr, b, rank, P, T, L, NB, K, KP, MC, BT, BLOCK_P)
-    ok = _grid_barrier(barrier_ptr, G, status_ptr, timeout_ns, 1)
-    # -- phase 2: the group bases and meta (item 0), the block bases of the pairs (one item per source and BLOCK_C
-    #    experts), of the received and sent tokens (the last item)
-    slices = tl.cdiv(L, BLOCK_C)
-    if ok != 0:
-        for item in range(pid, 2 + P * slices, G):
-            if item == 0:
-                _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stride,
-                       pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
-                       group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
-                       gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
-                       rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows, MC, BLOCK_L, BLOCK_P,
-                       BLOCK_PMC, True)
-            elif item <= P * slices:
-                s = (item - 1) // slices
-                _block_bases(pair_hist_ptr + s * NB * L, pair_block_base_ptr + s * NB * L,
-                             ((item - 1) % slices) * BLOCK_C, L, L, 1, NB, BLOCK_B, BLOCK_C)
-            else:
-                _block_bases(recv_hist_ptr, recv_block_base_ptr, 0, P, 1, NB, NB, BLOCK_B, BLOCK_P)
-                _block_bases(send_hist_ptr, send_block_base_ptr, 0, P, 1, NB, NB, BLOCK_B, BLOCK_P)
-        ok = _grid_barrier(barrier_ptr, 2 * G, status_ptr, timeout_ns, 2)
-    # -- phase 3: the entries, blocks of BLOCK_T received tokens of each source, of this rank's tokens to each
-    #    destination, then the task slots
-    if ok != 0:
-        per_rank = tl.cdiv(T, BLOCK_T)
-        emit_blocks = tl.where(pp < P, (n_tok + BLOCK_T - 1) // BLOCK_T, 0)
-        before = _exclusive(emit_blocks)
-        for s in range(0, P):
-            s_t = s + pid * 0
-            for b in range(_first_item(pid, G, _of(before, pp, s_t)), _of(emit_blocks, pp, s_t), G):
-                _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr,
-                               recv_local_ptr, pair_base_ptr, recv_base_ptr, pair_block_base_ptr,
-                               recv_block_base_ptr, gather_ptr, combine_token_ptr, combine_pos_ptr,
-                               combine_weight_ptr, s_t * per_rank + b, rank, T, L, NB, max_pairs, K, KP, MC,
-                               BLOCK_T, BT)
-        offset = tl.sum(emit_blocks, axis=0)
-        my_blocks = (mine + BLOCK_T - 1) // BLOCK_T
-        for item in range(_first_item(pid, G, offset), P * my_blocks, G):
-            _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, send_block_base_ptr,
-                       send_base_ptr, send_token_ptr, send_out_ptr, (item // my_blocks) * per_rank + item % my_blocks,
-                       rank, T, L, NB, K, KP, BLOCK_T, BT)
-        offset += P * my_blocks
-        slots = tl.maximum(tl.maximum(tl.load(meta_ptr + 0), tl.load(meta_ptr + 2)), tl.load(meta_ptr + 4))
-        for b in range(_first_item(pid, G, offset), tl.cdiv(slots, BLOCK_J), G):
-            _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
-                        dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, b, P, L,
-                        n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch, max_combine,
-                        max_pairs, MC, BLOCK_P, BLOCK_PMC, BLOCK_SEG, BLOCK_J, BLOCK_N)
-    # the last program to leave has seen every other one leave its waits: it zeroes the barrier
-    if sync.arrive(barrier_ptr + 1, False) == G - 1:
-        tl.atomic_xchg(barrier_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(barrier_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -615,26 +490,20 @@ def _block_tokens(T: int, KP: int) -> tuple[int, int]:
 
 def counter_words(world_size: int, num_experts: int) -> int:
     """int32 words of `build_layout_triton`'s atomic counters: pairs per (source, local expert, chunk), rows per
-    (source, chunk) received and per (destination, chunk) sent; then the one-launch tables' barrier
-    (BARRIER_WORDS)."""
-    return world_size * (num_experts // world_size) * MAX_CHUNKS + 2 * world_size * MAX_CHUNKS + BARRIER_WORDS
+    (source, chunk) received and per (destination, chunk) sent."""
+    return world_size * (num_experts // world_size) * MAX_CHUNKS + 2 * world_size * MAX_CHUNKS
 
 
 def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
-                        counters: torch.Tensor | None = None, programs: int | None = None,
-                        status: torch.Tensor | None = None, timeout_ns: int = 0) -> Layout:
+                        counters: torch.Tensor | None = None) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
     the scan's atomic counters as a caller's buffer (`counter_words` int32, all zero), which the bases kernel zeroes
-    again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call.
-    `programs`: ONE launch of that many programs instead of three (`_tables_kernel`: for calls of few tokens, where
-    the three launches are mostly their start-up), with `counters` given and the barrier's bounded waits reporting
-    into `status` (a kernel status word, sync.py) after `timeout_ns`; the programs must fit on the GPU at once (1
-    under the Triton interpreter, which runs programs one after another)."""
+    again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -671,13 +540,9 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                          f"{counters.dtype} {tuple(counters.shape)} on {counters.device}")
     else:
         counted = counters
-    if programs is not None and (counters is None or status is None or programs < 1):
-        raise ValueError("build_layout_triton(programs=...) needs the caller's counters, a status word and "
-                         f"programs >= 1, given programs={programs}")
     pair_counts = counted[:P * L * MC].view(P, L, MC)
     arrival = counted[P * L * MC:P * L * MC + P * MC].view(P, MC)
-    key_counts = counted[P * L * MC + P * MC:P * L * MC + 2 * P * MC].view(P, MC)
-    barrier = counted[P * L * MC + 2 * P * MC:]
+    key_counts = counted[P * L * MC + P * MC:].view(P, MC)
     q = torch.empty(P, T, K, **i32)
     recv_local = torch.empty(P, T, **i32)
     send_local = torch.empty(P, T, **i32)
@@ -713,35 +578,11 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     combine_tasks = torch.empty(max_combine, 4, **i32)
     gemm_tasks = torch.empty(max_mtiles * (n0 + n1), 8, **i32)
 
-    block_c = min(BLOCK_L, 64)
-    per_block = triton.cdiv(T, _BLOCK_T)
-    task_slots = max(max_dispatch, max_combine, max_mtiles)
-    block_j = 64
-    layout = Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
-                    gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
-                    gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
-                    combine_token=combine_token, combine_pos=combine_pos, combine_weight=combine_weight,
-                    token_dest_mask=token_dest_mask, combine_expected=combine_expected, max_pairs=max_pairs,
-                    expert_offsets=expert_offsets)
-    if programs is not None:
-        _tables_kernel[(programs,)](
-            all_ids, all_weights, all_ids.stride(0), chunks, tokens, tokens.stride(0),
-            q, pair_hist, pair_counts, recv_local, recv_hist, arrival, send_local, send_hist, key_counts,
-            token_dest_mask, pair_base, seg_rows, seg_mtiles_end, expert_offsets, chunk_mtiles, group_base, recv_base,
-            combine_seg, dispatch_seg, send_base, meta, gemm1_expected, arrival_expected, combine_expected,
-            pair_block_base, recv_block_base, send_block_base,
-            gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks,
-            combine_tasks, gemm_tasks, barrier, status, timeout_ns,
-            rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, reduce_rows,
-            max_dispatch, max_combine, max_pairs,
-            K=K, KP=KP, MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64,
-            BLOCK_C=block_c, BLOCK_T=_BLOCK_T, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-            BLOCK_N=_pow2(max(n0, n1)), **sync.LAUNCH)
-        return layout
     _scan_kernel[(P * NB + NB,)](
         all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
         recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP, MC=MC,
         BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, **sync.LAUNCH)
+    block_c = min(BLOCK_L, 64)
     _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
         pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
         expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta, gemm1_expected,
@@ -749,6 +590,9 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
         MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
         CLEAR_COUNTS=counters is not None, **sync.LAUNCH)
+    per_block = triton.cdiv(T, _BLOCK_T)
+    task_slots = max(max_dispatch, max_combine, max_mtiles)
+    block_j = 64
     grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
     _emit_kernel[(grid,)](
         all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
@@ -760,4 +604,9 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BT=BT,
         BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j, BLOCK_N=_pow2(max(n0, n1)),
         **sync.LAUNCH)
-    return layout
+    return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
+                  gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
+                  gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
+                  combine_token=combine_token, combine_pos=combine_pos, combine_weight=combine_weight,
+                  token_dest_mask=token_dest_mask, combine_expected=combine_expected, max_pairs=max_pairs,
+                  expert_offsets=expert_offsets)
