@@ -277,7 +277,6 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
                         compiled.append(name(constants)))
     monkeypatch.setattr(backend_module.grouped_gemm, "default_configs", lambda *args: [])
-    monkeypatch.setattr(backend_module.grouped_tiles, "grouped_prologue", lambda *args, **kwargs: {})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
     spec, H, I = MoESpec(8, 2, 32, 16), 32, 16
@@ -306,7 +305,9 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
     backend.fork_prologue = fork
-    backend._fork_prologue = lambda layout, configs: launched.append("fork") or ("tables", "rows", "event")
+    backend._grouped_prologue = lambda offsets, keys, expected, device_serial, side=False: (
+        launched.append("fork") if side else None) or ({}, None, "event" if side else None)
+    backend._gather_rows = lambda index, rows: None
     backend._grouped_gemms = lambda layout, configs, device_serial=False, early=None: launched.append(
         "grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None else ""))
     return backend, launched, compiled
@@ -378,8 +379,11 @@ def test_fork_prologue_only_beside_a_dispatch_only_launch(monkeypatch, policy, p
 
     fixed = Plan(4, 1, 0, 0.0, policy) if policy == "serial" else None
     backend, launched, _ = _host_backend(monkeypatch, fixed, grouped=True, resident=True, decode=True, fork=True)
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+
+    configs = (gg.analytical_configs(0)[0], gg.analytical_configs(1)[0])
     backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(),
-                    fixed, 0, ("gemm0 config", "gemm1 config"), plan.endswith("decode"))
+                    fixed, 0, configs, plan.endswith("decode"))
     assert launched == launches
 
 
@@ -407,7 +411,9 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
-    backend._grouped_prologue = lambda offsets, keys, *rest: prologues.append(tuple(sorted(set(keys))))
+    backend._grouped_prologue = lambda offsets, keys, *rest, **options: prologues.append(
+        tuple(sorted(set(keys)))) or ({}, None, None)
+    backend._gather_rows = lambda index, rows: None
     backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(), backend.fixed_plan, 0)
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
     g1 = (configs[1][0].block_m, False)

@@ -64,6 +64,11 @@ class WeaveTimeoutError(WeaveError):
 _ROW_STAGES = (0, STAGE_COMBINE_REDUCE.value, (STAGE_COMBINE_REDUCE.value, "grouped serial"))
 
 
+def _tile_keys(configs) -> list:
+    """(block_m, split_tail) of each grouped-GEMM config: the tile table it runs on."""
+    return [(config.block_m, config.split_tail) for config in configs]
+
+
 def stage_constants(constants: mk_launch.MegakernelConstants, hidden_size: int) -> dict:
     """The megakernel's compiles of a layer by launch (`WeaveBackend._stages`): STAGE -1 (every phase in one launch),
     0 and 1 (dispatch, the GEMMs: one serial stage each) and 4 (combine + reduce), (STAGE, "grouped serial") for
@@ -650,8 +655,9 @@ class WeaveBackend:
         # a fixed serial plan's first launch is the dispatch alone, which the tile tables do not wait for: they are
         # built beside it, on a side stream (an adaptive plan's first launch may run every phase, counting on the
         # done counters the prologue sets, so its prologue stays after it)
-        early = (self._fork_prologue(layout, configs) if configs is not None and not device_serial
-                 and self.fork_prologue else None)
+        early = (self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), layout.gemm1_expected, False,
+                                        side=True)
+                 if configs is not None and not device_serial and self.fork_prologue else None)
         for stage in stages:
             if stage == "grouped":
                 self._grouped_gemms(layout, configs, device_serial, early)
@@ -719,49 +725,46 @@ class WeaveBackend:
         overwrites afterwards), GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
         combine phase, which waits on those counters. `device_serial`: only if this rank's device plan is serial;
         under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
-        the GEMMs), all without a host sync. `early`: the tile tables `_fork_prologue` enqueued before the dispatch
-        launch (the stage then waits for them and gathers)."""
-        keys = [(config.block_m, config.split_tail) for config in configs]
-        if early is None:
-            tables = self._grouped_prologue(layout.expert_offsets, keys, layout.gather_rows, layout.gemm1_expected,
-                                            device_serial)
-        else:
-            tables, rows, filled = early
+        the GEMMs), all without a host sync. `early`: the side-stream prologue `_launch` enqueued before the
+        dispatch launch (the stage then waits for it)."""
+        keys = _tile_keys(configs)
+        tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, layout.gemm1_expected,
+                                                               device_serial)
+        if filled is not None:
             self._current_stream().wait_event(filled)
-            grouped_tiles.gather_rows(self.workspace.recv(), layout.gather_rows, self.workspace.y(), rows,
-                                      4 * self.num_sms)
+        self._gather_rows(layout.gather_rows, rows)
         grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0])
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1])
 
-    def _fork_prologue(self, layout, configs) -> tuple:
-        """The grouped GEMMs' tile tables and done counters (`grouped_tiles.fill_tile_tables`) on the layer's side
-        stream, after the work enqueued so far (the task tables), beside the dispatch launch that follows: returns
-        (tables, rows to gather, the event after them) for `_grouped_gemms`. The buffers are allocated on the current
-        stream, which reads them; in a CUDA-graph capture the fork and the join are edges of the graph."""
-        keys = tuple(sorted({(config.block_m, config.split_tail) for config in configs}))
-        tables = grouped_tiles.empty_tile_tables(layout.expert_offsets, keys, self.max_pairs)
-        rows = torch.empty(1, dtype=torch.int32, device=self.device)
-        main = self._current_stream()
+    def _grouped_prologue(self, offsets, keys, gemm1_expected, device_serial: bool, side: bool = False) -> tuple:
+        """The grouped GEMMs' tile tables and done counters (`grouped_tiles.fill_tile_tables`, one launch) for the
+        (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
+        this rank's device plan is serial. `side`: on the layer's side stream, after the work enqueued so far, beside
+        what the current stream runs next (KernelConfig.fork_prologue); the buffers are allocated on the current
+        stream, which reads them, and in a CUDA-graph capture the fork and the join are edges of the graph. Returns
+        (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs."""
+        tables = grouped_tiles.empty_tile_tables(offsets, tuple(sorted(set(keys))), self.max_pairs)
+        rows = torch.empty(1, dtype=torch.int32, device=offsets.device)
+        fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
+                                 self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS], gemm1_expected,
+                                 plan=self.plans_device[self.rank, 0:1] if device_serial else None,
+                                 num_sms=self.num_sms)
+        if not side:
+            fill()
+            return tables, rows, None
         if self.side_stream is None:
             self.side_stream = torch.cuda.Stream(self.device)
-        side = self.side_stream
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            grouped_tiles.fill_tile_tables(tables, layout.expert_offsets, rows,
-                                           self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS],
-                                           layout.gemm1_expected)
+        self.side_stream.wait_stream(self._current_stream())
+        with torch.cuda.stream(self.side_stream):
+            fill()
             filled = torch.cuda.Event()
-            filled.record(side)
+            filled.record(self.side_stream)
         return tables, rows, filled
 
-    def _grouped_prologue(self, offsets, keys, gather_rows, gemm1_expected, device_serial: bool) -> dict:
-        """The grouped GEMMs' tile tables and done counters (one launch) and the row gather (another):
-        grouped_tiles.grouped_prologue; its compiles depend on the sorted set of `keys`, (block_m, split_tail) per
-        GEMM."""
-        return grouped_tiles.grouped_prologue(
-            offsets, tuple(sorted(set(keys))), self.max_pairs, self.workspace.recv(), gather_rows, self.workspace.y(),
-            4 * self.num_sms, self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS], gemm1_expected,
-            plan=self.plans_device[self.rank, 0:1] if device_serial else None, num_sms=self.num_sms)
+    def _gather_rows(self, index, rows) -> None:
+        """The received rows into expert order for the grouped GEMMs (into y, which GEMM1 overwrites afterwards):
+        `rows` (the prologue's device scalar) rows of recv at `index`."""
+        grouped_tiles.gather_rows(self.workspace.recv(), index, self.workspace.y(), rows, 4 * self.num_sms)
 
     def _ensure_compiled(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`) before the first launch and line the
@@ -787,7 +790,8 @@ class WeaveBackend:
             done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
-                self._grouped_prologue(empty, pair, self.ctrl, done.clone(), self.grouped_serial)
+                _, rows, _ = self._grouped_prologue(empty, pair, done.clone(), self.grouped_serial)
+                self._gather_rows(self.ctrl, rows)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             work = torch.distributed.barrier(group=self.group, async_op=True)
