@@ -262,3 +262,29 @@ def test_tune_records_round_trip_through_the_lookup(tmp_path):
         assert len(json.loads(out.read_text())["measured_default"]) == 2
     finally:
         gg.clear_tuned_cache()
+
+
+def test_cold_rotations_cover_the_l2_several_times_within_the_experts():
+    l2 = 50 << 20
+    # 8 experts of 6 MiB each: 48 MiB a launch -> ceil(4 * 50 / 48) = 5 rotations
+    assert tune.cold_rotations(8 * (6 << 20), l2, 64) == 5
+    assert tune.cold_rotations(8 * (6 << 20), l2, 3) == 3          # never more rotations than experts
+    assert tune.cold_rotations(tune.COLD_L2_FACTOR * l2, l2, 64) == 1  # reads enough by itself
+    assert tune.cold_rotations(10 * l2, l2, 64) == 1
+    assert tune.cold_rotations(0, l2, 64) == 1
+    for rotations in range(1, 9):
+        launch = 4 * l2 // rotations + 1
+        r = tune.cold_rotations(launch, l2, 64)
+        assert r * launch >= tune.COLD_L2_FACTOR * l2 and (r - 1) * launch < tune.COLD_L2_FACTOR * l2
+
+
+def test_rotated_counts_keep_the_rows_and_move_them_to_other_experts():
+    import torch
+
+    counts = torch.zeros(64, dtype=torch.int64)
+    counts[[3, 17, 40]] = torch.tensor([2, 5, 1])
+    for r in range(8):
+        rolled = tune.rotated_counts(counts, r, 8)
+        assert int(rolled.sum()) == 8 and sorted(rolled[rolled > 0].tolist()) == [1, 2, 5]
+        assert set(torch.nonzero(rolled).flatten().tolist()) == {(e + 8 * r) % 64 for e in (3, 17, 40)}
+    assert torch.equal(tune.rotated_counts(counts, 0, 8), counts)

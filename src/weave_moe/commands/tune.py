@@ -31,6 +31,8 @@ PAPER_TOKENS = "2048,8192"
 HOPPER_SMEM_BYTES = 232448
 #: Accumulator registers per thread above which a tile spills (255 registers per thread in all).
 MAX_ACC_REGS = 128
+#: Cold-L2 timing: each timed replay reads at least this many times the L2's bytes of distinct weights.
+COLD_L2_FACTOR = 4
 
 
 def add_arguments(parser) -> None:
@@ -53,6 +55,10 @@ def add_arguments(parser) -> None:
                         help="write an entry only where the best candidate is at least this fraction faster than the "
                              "analytical default (run-to-run noise of one config is a few points)")
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
+    parser.add_argument("--warm-l2", action="store_true",
+                        help="time every launch on the same experts, so weights that fit in the L2 cache stay there "
+                             "between replays (default: cold, see `cold_rotations`: in a model's call the other "
+                             "layers' weights pass through L2 between two calls of a layer)")
     parser.add_argument("--out", default=None,
                         help="table file (.json) or directory (the file is <device key>.json in it); default: the "
                              "package's table of this device (kernels/tuned/<device key>.json)")
@@ -236,9 +242,12 @@ def _write_table(out, table: dict) -> None:
 
 
 class _Work:
-    """One shape's tensors on the GPU: inputs, weights, outputs, the fp32 reference on the checked experts."""
+    """One shape's tensors on the GPU: inputs, weights, outputs, the fp32 reference on the checked experts.
 
-    def __init__(self, shape: dict, seed: int):
+    `l2_bytes` (None: warm timing) sets `rotations[gemm]` (`cold_rotations` of the weights one launch of that GEMM
+    reads); rotation r's launches run on `rotated_counts` (its own tile tables; only rotation 0 is checked)."""
+
+    def __init__(self, shape: dict, seed: int, l2_bytes: int | None = None):
         import torch
         import torch.nn.functional as F
 
@@ -252,6 +261,14 @@ class _Work:
         self.rows = int(counts.sum())
         self.offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
         self.offsets[1:] = torch.cumsum(counts, 0).cuda()
+        active = int((counts > 0).sum())
+        self.rotations = {g: 1 if l2_bytes is None else cold_rotations(active * per_expert * 2, l2_bytes, E)
+                          for g, per_expert in ((0, 2 * I * H), (1, H * I))}
+        self.rotated_offsets = [self.offsets]
+        for r in range(1, max(self.rotations.values())):
+            offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+            offsets[1:] = torch.cumsum(rotated_counts(counts, r, max(self.rotations.values())), 0).cuda()
+            self.rotated_offsets.append(offsets)
         self.alloc = (self.rows + 127) // 128 * 128  # the backend's buffers are sized by a bound, not the count
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.a = torch.randn(self.alloc, H, device="cuda", generator=gen).bfloat16()
@@ -281,18 +298,18 @@ class _Work:
         self.y = torch.empty(self.alloc, H, device="cuda", dtype=torch.bfloat16)
         self.tables: dict = {}
 
-    def table(self, block_m: int, split_tail: bool = False):
+    def table(self, block_m: int, split_tail: bool = False, rotation: int = 0):
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
-        key = (block_m, split_tail)
+        key = (block_m, split_tail, rotation)
         if key not in self.tables:
-            self.tables[key] = gg.build_tile_table(self.offsets, block_m, self.alloc, split_tail)
+            self.tables[key] = gg.build_tile_table(self.rotated_offsets[rotation], block_m, self.alloc, split_tail)
         return self.tables[key]
 
-    def launcher(self, gemm: int, config):
+    def launcher(self, gemm: int, config, rotation: int = 0):
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
-        tiles = self.table(config.block_m, config.split_tail)
+        tiles = self.table(config.block_m, config.split_tail, rotation)
         if gemm == 0:
             return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config)
         return lambda: gg.grouped_gemm1(self.h_in, self.w2, self.y, tiles, config)
@@ -310,6 +327,24 @@ class _Work:
         if torch.isnan(out[:self.rows]).any():
             return float("inf")
         return moe_error(out[self.check_rows], ref)[0]
+
+
+def cold_rotations(launch_bytes: int, l2_bytes: int, num_experts: int) -> int:
+    """How many launches a cold-L2 timing rotates through: the smallest R with R * `launch_bytes` (the weights one
+    launch reads) >= COLD_L2_FACTOR * `l2_bytes`, at most `num_experts` (rotation r moves every expert's rows r * E/R
+    experts on, so R rotations read mostly different expert sets), at least 1 (a launch that reads that much already
+    evicts its own weights)."""
+    if launch_bytes <= 0:
+        return 1
+    return max(1, min(num_experts, -(-COLD_L2_FACTOR * l2_bytes // launch_bytes)))
+
+
+def rotated_counts(counts, rotation: int, rotations: int):
+    """Per-expert row counts of rotation `rotation` of `rotations`: `counts` rolled by rotation * (E // rotations)
+    experts (the same rows, the same tile shapes, other experts' weights)."""
+    import torch
+
+    return torch.roll(counts, rotation * (len(counts) // max(rotations, 1)))
 
 
 def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
@@ -341,7 +376,11 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
         emulate_ep=args.emulate_ep, models=[s.name for s in specs], tokens=sorted({s["tokens"] for s in shapes}),
         reps=args.reps, min_gain=args.min_gain, tolerance=DEFAULT_TOLERANCE,
         candidates={f"gemm{g}": [config_name(c) for c in candidates[g][0]] for g in gemms},
-        timing="median of CUDA-event-timed CUDA-graph replays (3 warm-ups), one launch per replay"))
+        timing=("median of CUDA-event-timed CUDA-graph replays (3 warm-ups), one launch per replay" if args.warm_l2
+                else "median of CUDA-event-timed CUDA-graph replays (3 warm-ups); a replay runs `rotations` launches "
+                     "on rotated expert sets (cold_rotations: >= COLD_L2_FACTOR x L2 of distinct weights), time per "
+                     "launch = replay / rotations"),
+        l2_bytes=props.L2_cache_size, cold_l2_factor=None if args.warm_l2 else COLD_L2_FACTOR))
     table.setdefault("measured_default", [])
     print(f"tuning on {device} ({props.multi_processor_count} SMs), {len(shapes)} shapes, "
           f"{', '.join(f'GEMM{g}: {len(candidates[g][0])} candidates' for g in gemms)}; writing {out}", flush=True)
@@ -353,7 +392,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
         print(f"{shape['model']} T={shape['tokens']}: {shape['E_local']} x {shape['H']} x {shape['I']}, "
               f"{shape['rows']} rows (elapsed {time.time() - started:.0f} s)", flush=True)
         try:
-            work = _Work(shape, args.seed)
+            work = _Work(shape, args.seed, None if args.warm_l2 else props.L2_cache_size)
         except Exception:
             traceback.print_exc()
             failed += 1
@@ -364,12 +403,13 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
             for config in candidates[gemm][0]:
                 name = config_name(config)
                 try:
-                    launch = work.launcher(gemm, config)
-                    err = work.error(gemm, launch)
+                    err = work.error(gemm, work.launcher(gemm, config))
                     if not err <= DEFAULT_TOLERANCE:
                         print(f"  GEMM{gemm} {name}: WRONG, error {err:.2e} > {DEFAULT_TOLERANCE:g}", flush=True)
                         continue
-                    ms = statistics.median(graph_replay_ms(launch, args.reps))
+                    launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
+                    ms = statistics.median(graph_replay_ms(lambda: [launch() for launch in launches], args.reps))
+                    ms /= len(launches)
                 except Exception as error:  # a config that does not compile or launch must not stop the sweep
                     print(f"  GEMM{gemm} {name}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
                     torch.cuda.synchronize()
@@ -377,7 +417,8 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                 measured.append((ms, config, err))
                 print(f"  GEMM{gemm} {name}: {ms:.4f} ms, error {err:.1e}{'  (default)' if config == default else ''}",
                       flush=True)
-            result = _record(table, shape, gemm, default, measured, args.min_gain, args.emulate_ep)
+            result = _record(table, shape, gemm, default, measured, args.min_gain, args.emulate_ep,
+                             work.rotations[gemm])
             if result is not None:
                 result.pop("run")
             if result is None:
@@ -398,7 +439,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     return 1 if failed else 0
 
 
-def _record(table, shape, gemm, default, measured, min_gain, emulate_ep) -> dict | None:
+def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotations: int = 1) -> dict | None:
     """Put one measured (shape, gemm) into the table (replacing older records of its key); a result row for the
     printout, or None when no candidate passed."""
     import dataclasses
@@ -414,7 +455,7 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep) -> dict
     record = dict(key, model=shape["model"], tokens=shape["tokens"], emulate_ep=emulate_ep, rows=shape["rows"],
                   ms=round(best_ms, 5), default_ms=None if default_ms is None else round(default_ms, 5),
                   default=config_name(default), best=config_name(best), error=float(f"{best_err:.3g}"),
-                  candidates_measured=len(measured), run=f"{meta['date']} {meta['commit']}")
+                  candidates_measured=len(measured), rotations=rotations, run=f"{meta['date']} {meta['commit']}")
     for section in ("entries", "measured_default"):
         table[section] = [e for e in table[section] if any(e.get(k) != v for k, v in key.items())]
     if written:
