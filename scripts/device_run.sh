@@ -134,6 +134,9 @@ for stage in "$@"; do
     table-ab) i=0; : > "$W/table-ab.txt"; for tbl in ${TA_TABLES:-shipped off}; do i=$((i + 1)); echo "$i $tbl" >> "$W/table-ab.txt"
           if [ "$tbl" = shipped ]; then unset WEAVE_MOE_TUNED_TABLE; else export WEAVE_MOE_TUNED_TABLE=$tbl; fi
           timeout "${TA_TIMEOUT:-200}" python3 -m weave_moe.bench --emulate-ep 2 --models "${TA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${TA_TOKENS:-1,8,32,128,512}" --routing uniform --variants "${TA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${TA_TIMEOUT:-200} - 10 )) --name "table-ab$i" --out "$W" > "$W/bench-table-ab$i.log" 2>&1; echo "bench $i ($tbl) rc=$?"; tail -16 "$W/bench-table-ab$i.log" | cut -c1-220
+          for mt in ${TA_PROFILE:-}; do  # model:tokens, weave:serial's kernel timeline with this table
+            timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${mt%%:*}" --tokens "${mt##*:}" --variants weave:serial --rows 30 > "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt" 2>&1; echo "profile $i $mt rc=$?"; grep -E "^#####.*span" "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt"
+          done
         done; unset WEAVE_MOE_TUNED_TABLE;;
     host-primitives) timeout 120 python3 scripts/host_primitives.py --out "$W/host_primitives.json" > "$W/host_primitives.log" 2>&1; echo "rc=$?"; tail -25 "$W/host_primitives.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
