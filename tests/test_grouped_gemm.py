@@ -201,6 +201,11 @@ def _check_hopper_ptx(cfg, compiled, tmp_path):
         heights = (cfg.block_m, 64) if cfg.split_tail else (cfg.block_m,)   # split tails: a 64-row loop too
         expected = sum(cfg.block_k // 16 * max(1, rows // (16 * cfg.num_warps)) for rows in heights)
         assert ptx.count("wgmma.mma_async") == expected, (ptx.count("wgmma.mma_async"), expected)
+    # programmatic dependent launch: wait for the predecessor before anything, release the next launch after the
+    # tiles (every MMA issued), not at the start (grouped_gemm's module docstring)
+    waits, releases = ptx.find("griddepcontrol.wait"), ptx.rfind("griddepcontrol.launch_dependents")
+    last_mma = max(ptx.rfind("wgmma.mma_async"), ptx.rfind("mma.sync.aligned"))
+    assert 0 <= waits < last_mma < releases, (waits, last_mma, releases)
     report = _ptxas_report(ptx, tmp_path)
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 

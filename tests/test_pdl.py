@@ -1,7 +1,9 @@
 """Programmatic dependent launch (kernels/sync.py, `LAUNCH` and `pdl_enter`): a kernel launched with `**sync.LAUNCH`
-may start while its predecessor still runs, so its first statement must be `sync.pdl_enter()` (which waits for the
-predecessor). Checked on the source: every launch with `**sync.LAUNCH` in the package names a kernel whose body
-begins with that call (after its docstring), and every kernel that calls it is launched that way somewhere."""
+may start while its predecessor still runs, so its first statement must be `sync.pdl_enter()` or `sync.pdl_wait()`
+(both wait for the predecessor; one that begins with `pdl_wait` must also call `sync.pdl_release()`, or the next
+launch waits for its CTAs to exit). Checked on the source: every launch with `**sync.LAUNCH` in the package names a
+kernel whose body begins with such a call (after its docstring), and every kernel that calls it is launched that way
+somewhere."""
 
 import ast
 from pathlib import Path
@@ -32,8 +34,12 @@ def _enters(function: ast.FunctionDef) -> bool:
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]   # the docstring
     first = body[0] if body else None
-    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-            and ast.unparse(first.value.func) == "sync.pdl_enter")
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)):
+        return False
+    name = ast.unparse(first.value.func)
+    if name == "sync.pdl_wait":
+        return any(isinstance(n, ast.Call) and ast.unparse(n.func) == "sync.pdl_release" for n in ast.walk(function))
+    return name == "sync.pdl_enter"
 
 
 def test_every_kernel_launched_with_pdl_waits_for_its_predecessor_first():
@@ -58,6 +64,7 @@ def test_every_kernel_launched_with_pdl_waits_for_its_predecessor_first():
                         launched[ret.value.elts[0].id] = path
     assert len(launched) >= 12, launched   # the resident call's kernels (pack, exchange, counts, plan, tables, ...)
     missing = {name: str(path) for name, path in launched.items() if name in kernels and name not in entering}
-    assert not missing, f"launched with sync.LAUNCH but not beginning with sync.pdl_enter(): {missing}"
+    assert not missing, (f"launched with sync.LAUNCH but not beginning with sync.pdl_enter() (or sync.pdl_wait() "
+                         f"with a sync.pdl_release()): {missing}")
     assert all(name in kernels for name in launched), set(launched) - set(kernels)
     assert entering <= set(launched), f"call sync.pdl_enter() but are never launched with it: {entering - set(launched)}"

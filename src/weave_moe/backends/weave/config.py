@@ -91,6 +91,10 @@ class KernelConfig:
         fork_prologue: a fixed serial plan's grouped-GEMM tile tables (grouped_tiles.fill_tile_tables) are built on a
             side stream beside the dispatch launch, which they do not depend on, instead of after it; the gather of
             the received rows waits for both.
+        gemm_early_release: the grouped GEMMs let the next launch's CTAs be scheduled (programmatic dependent
+            launch) from their start, as every other kernel does, instead of after their tiles: the waiting CTAs then
+            share the SMs with the GEMM's tiles and slowed a bandwidth-bound GEMM0 by up to 45% (grouped_gemm's module
+            docstring).
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
@@ -120,6 +124,7 @@ class KernelConfig:
     decode_stages: bool = True
     wide_gemm0: bool = True
     fork_prologue: bool = True
+    gemm_early_release: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -26,6 +26,11 @@ How the kernels are built (Hopper, Triton 3.6):
 - `flatten` pipelines the tile loop and the K loop as one, so the next tile's loads overlap this tile's epilogue.
   `warp_specialize` compiles on sm_90 with Triton 3.6 but yields the same code as without (no producer/consumer
   split on Hopper in this Triton); it is kept for newer Tritons and measured, not used by default.
+- Programmatic dependent launch: a CTA waits for the previous launch first (sync.pdl_wait) and lets the next
+  launch's CTAs be scheduled only after its tiles (sync.pdl_release), so they are not resident beside the tiles: on
+  an H200, DeepSeek-V3's GEMM0 at 128 tokens (per-rank work of EP=2, 16x128x128 tiles, 147 KB of shared memory,
+  leaving room for a GEMM1 CTA) took 2439 us with GEMM1's CTAs resident from its start and 1679 us alone
+  (bench/results/h200-4d666c5). `early_release` keeps the early release, for the A/B.
 - Work order: GROUP_M consecutive M tiles (mostly one expert's rows) sweep the N tiles together, so a weight block
   is read from HBM about once and reused from L2 by the group.
 
@@ -478,14 +483,17 @@ def _gemm0_kernel(a_desc, a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_til
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   NUM_SMS: tl.constexpr, INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr,
                   SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
-                  DOT_FP32: tl.constexpr):
+                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr):
     """h[m, j] = silu(a[m] . gate_j) * (a[m] . up_j) over every tile of the table.
 
     a_desc: [P, H] block [BM, BK] (a_tail_desc: block [BM / 2, BK], section 1 of a split table); w_desc: w13 as
     [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK]; h: [P, I] bf16 (h_desc block [BM, BN / 2]);
-    tiles: int32 [3, 2 * max_tiles] (TileTable).
+    tiles: int32 [3, 2 * max_tiles] (TileTable). EARLY_RELEASE: the next launch's CTAs may be scheduled from the
+    start (sync.pdl_enter) instead of after this CTA's tiles.
     """
-    sync.pdl_enter()
+    sync.pdl_wait()
+    if EARLY_RELEASE:
+        sync.pdl_release()
     pid = tl.program_id(0)
     width = 2 * max_tiles
     num_n = tl.cdiv(I, BLOCK_N // 2)
@@ -499,6 +507,8 @@ def _gemm0_kernel(a_desc, a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_til
         for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
             _gemm0_tile(a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, max_tiles, num_tails, num_n, work,
                         H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32)
+    if not EARLY_RELEASE:
+        sync.pdl_release()
 
 
 @triton.jit
@@ -522,13 +532,16 @@ def _gemm1_kernel(h_desc, h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_p
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   NUM_SMS: tl.constexpr, HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr,
                   SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
-                  DOT_FP32: tl.constexpr):
+                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr):
     """y[m] = scale[m] * (h[m] . w2[expert]^T) over every tile of the table (scale = 1 without HAS_SCALE).
 
     h_desc: [P, I] block [BM, BK] (h_tail_desc: block [BM / 2, BK]); w_desc: w2 as [E_local * H, I], block
     [BN, BK]; y: [P, H] bf16 (y_desc block [BM, BN]); scale: fp32 [P] (the routing weight of each row).
+    EARLY_RELEASE: as in _gemm0_kernel.
     """
-    sync.pdl_enter()
+    sync.pdl_wait()
+    if EARLY_RELEASE:
+        sync.pdl_release()
     pid = tl.program_id(0)
     width = 2 * max_tiles
     num_n = tl.cdiv(H, BLOCK_N)
@@ -542,6 +555,8 @@ def _gemm1_kernel(h_desc, h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_p
         for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
             _gemm1_tile(h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, max_tiles, num_tails, num_n,
                         work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
+    if not EARLY_RELEASE:
+        sync.pdl_release()
 
 
 def _num_sms(device: torch.device) -> int:
@@ -566,7 +581,8 @@ def _check_tiles(tiles: TileTable, config: GemmConfig):
                          "EPILOGUE_MASKED or EPILOGUE_TMA_CLIPPED")
 
 
-def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None):
+def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None,
+                  early_release: bool = False):
     """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0); `num_sms` overrides the grid (CTAs,
     also the NUM_SMS constexpr), which is otherwise the device's SM count (a compile-only test passes the GPU's)."""
     rows, hidden = a.shape
@@ -588,12 +604,12 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
                   INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
+                  EARLY_RELEASE=early_release, num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
     return _gemm0_kernel, (num_sms,), args, kwargs
 
 
 def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, dot_fp32: bool = False,
-                  num_sms: int | None = None):
+                  num_sms: int | None = None, early_release: bool = False):
     """(kernel, grid, args, kwargs) of one GEMM1 launch (see grouped_gemm1; `num_sms` as in _gemm0_launch)."""
     rows, inter = h.shape
     num_experts, hidden, _ = w2.shape
@@ -615,7 +631,7 @@ def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, do
                   HAS_SCALE=scale is not None, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
+                  EARLY_RELEASE=early_release, num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
     return _gemm1_kernel, (num_sms,), args, kwargs
 
 
@@ -639,7 +655,7 @@ def _launch(kernel, grid, args, kwargs, needs_scratch: bool):
 
 
 def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
-                  dot_fp32: bool = False) -> torch.Tensor:
+                  dot_fp32: bool = False, early_release: bool = False) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert, one persistent launch.
 
     Args:
@@ -649,14 +665,16 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
         tiles: `build_tile_table(expert_offsets, config.block_m, P, config.split_tail)`.
         config: tile shape and schedule.
         dot_fp32: multiply in fp32 (interpreter tests only).
+        early_release: let the next launch's CTAs onto the SMs from the start, not after the tiles (see the module
+            docstring).
     """
-    kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32)
+    kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32, early_release=early_release)
     _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and a.is_cuda)
     return h
 
 
 def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable, config: GemmConfig,
-                  scale: torch.Tensor | None = None, dot_fp32: bool = False) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, dot_fp32: bool = False, early_release: bool = False) -> torch.Tensor:
     """y = scale * (h @ w2[expert]^T) per expert, one persistent launch.
 
     Args:
@@ -667,7 +685,8 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
         config: tile shape and schedule (`interleaved` is ignored).
         scale: optional fp32 [P], multiplied into each row in fp32 before the bf16 rounding (routing weights).
         dot_fp32: multiply in fp32 (interpreter tests only).
+        early_release: as in grouped_gemm0.
     """
-    kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32)
+    kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32, early_release=early_release)
     _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and h.is_cuda)
     return y

@@ -99,8 +99,24 @@ def pdl_enter():
     """First statement of every kernel launched with `LAUNCH`: wait until the previous kernel of the stream has
     finished and its memory is visible (`griddepcontrol.wait`; without PDL a no-op), then let the next kernel's CTAs
     be scheduled (they wait likewise). Nothing under the interpreter, which runs one launch at a time."""
+    pdl_wait()
+    pdl_release()
+
+
+@triton.jit
+def pdl_wait():
+    """The first half of `pdl_enter`: wait for the previous kernel of the stream (all of it, memory included). A
+    kernel that begins with this alone must call `pdl_release` once its CTAs' main work is issued."""
     if not INTERPRETER:
         gdc_wait()
+
+
+@triton.jit
+def pdl_release():
+    """The second half of `pdl_enter`: let the next kernel's CTAs be scheduled (once every CTA of this launch has
+    released or exited). Its waiting CTAs share the SMs with this kernel's: the bandwidth-bound grouped GEMMs release
+    after their tile loops (measured, grouped_gemm's module docstring)."""
+    if not INTERPRETER:
         gdc_launch_dependents()
 
 
