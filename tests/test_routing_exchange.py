@@ -451,3 +451,27 @@ def test_a_dropped_slot_ring_is_kept_until_its_last_call_has_run():
     event.done = True
     exchange.CallSlots(RoutingMessage(4, 2), torch.device("cpu"), num_slots=2)   # a new ring frees the old one
     assert exchange._RETIRED == []
+
+
+STATUS_SCRIPT = textwrap.dedent(
+    r"""
+    import torch
+    from weave_moe.backends.weave.exchange import copy_status
+    for words in (1, 8, 13):
+        status = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32)
+        host = torch.full((words + 3,), 7, dtype=torch.int32)
+        copy_status(status, host[:words])
+        assert torch.equal(host[:words], status) and (host[words:] == 7).all(), (status, host)
+    try:
+        copy_status(torch.zeros(8, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+    except ValueError as error:
+        assert "copy_status" in str(error)
+    else:
+        raise AssertionError("a shape mismatch was accepted")
+    print("STATUS-COPY-OK")
+    """)
+
+
+def test_copy_status_copies_every_word_and_nothing_past_it():
+    """The resident call's last node (exchange.copy_status): the status words bitwise, no word past them written."""
+    run_interpreted(STATUS_SCRIPT, "STATUS-COPY-OK", timeout=120)

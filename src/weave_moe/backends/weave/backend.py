@@ -27,7 +27,7 @@ from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordina
 from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelConfig, decode_block_h,
                                              timeout_s_from_env)
-from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage
+from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
@@ -470,7 +470,7 @@ class WeaveBackend:
         self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode)
         # the status word to the host, read at the next call once the event recorded after the call has passed
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
-        self.status_host.copy_(self.status, non_blocking=True)
+        copy_status(self.status, self.status_host)
 
     def _resident_tables(self, decode: bool):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the

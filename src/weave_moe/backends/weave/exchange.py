@@ -34,7 +34,8 @@ import triton.language as tl
 from weave_moe.backends.coordination import HEADER_CALL_WORD, HEADER_CODE_WORD, HEADER_WORDS
 from weave_moe.backends.weave.kernels import sync
 
-__all__ = ["RoutingMessage", "CallSlots", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing"]
+__all__ = ["RoutingMessage", "CallSlots", "CountsFormat", "LayoutCounts", "hit_matrix", "count_routing",
+           "copy_status"]
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,27 @@ def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, status_p
     _pack_words(pid, offs, ids, weights, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr, flags_ptr,
                 num_tokens, x_address, out_address, error_code, words, control_words, flag_words, num_experts,
                 HEADER, CALL_WORD, BLOCK)
+
+
+def copy_status(status: torch.Tensor, host: torch.Tensor) -> None:
+    """host[:] = status[:] (int32 words; `host` in pinned memory, which the GPU writes through its device address)
+    by a one-CTA kernel launched with programmatic dependent launch, the resident call's last node: it starts as its
+    predecessor finishes (~1 us), where a copy-engine transfer after a kernel began ~6 us after it (H200, in a CUDA
+    graph). The stores reach host memory by the time the kernel has completed, i.e. by an event recorded after it.
+    Under the interpreter both are CPU tensors."""
+    if status.shape != host.shape or status.dtype != torch.int32 or host.dtype != torch.int32:
+        raise ValueError(f"copy_status: expected two int32 tensors of one shape, given {status.dtype} "
+                         f"{tuple(status.shape)} and {host.dtype} {tuple(host.shape)}")
+    words = status.numel()
+    _status_copy_kernel[(1,)](status, host, words, BLOCK=triton.next_power_of_2(words), num_warps=1, **sync.LAUNCH)
+
+
+@triton.jit
+def _status_copy_kernel(status_ptr, host_ptr, words, BLOCK: tl.constexpr):
+    """copy_status."""
+    sync.pdl_enter()
+    offs = tl.arange(0, BLOCK)
+    tl.store(host_ptr + offs, tl.load(status_ptr + offs, mask=offs < words), mask=offs < words)
 
 
 @triton.jit
