@@ -404,8 +404,10 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     warmed, prologues = [], []
 
     def gemm(index):
-        def run(a, w, out, tiles, config):
+        def run(a, w, out, tiles, config, early_release):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
+            # the variant the calls launch (a compile per value of the constexpr)
+            assert early_release is backend.config.gemm_early_release
             warmed.append((index, config))
         return run
 
