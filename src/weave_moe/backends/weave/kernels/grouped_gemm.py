@@ -27,10 +27,12 @@ How the kernels are built (Hopper, Triton 3.6):
   `warp_specialize` compiles on sm_90 with Triton 3.6 but yields the same code as without (no producer/consumer
   split on Hopper in this Triton); it is kept for newer Tritons and measured, not used by default.
 - Programmatic dependent launch: a CTA waits for the previous launch first (sync.pdl_wait) and lets the next
-  launch's CTAs be scheduled only after its tiles (sync.pdl_release), so they are not resident beside the tiles: on
-  an H200, DeepSeek-V3's GEMM0 at 128 tokens (per-rank work of EP=2, 16x128x128 tiles, 147 KB of shared memory,
-  leaving room for a GEMM1 CTA) took 2439 us with GEMM1's CTAs resident from its start and 1679 us alone
-  (bench/results/h200-4d666c5). `early_release` keeps the early release, for the A/B.
+  launch's CTAs be scheduled only after its tiles (sync.pdl_release), so they do not sit beside the tiles for the
+  whole GEMM. Seen on an H200: DeepSeek-V3's GEMM0 at 128 tokens (per-rank work of EP=2, 16x128x128 tiles, 147 KB
+  of shared memory, room for a GEMM1 CTA) took 2439 us in a call with GEMM1's CTAs resident from its start, 1679 us
+  alone (bench/results/h200-4d666c5); the A/B of the two releases in calls was neutral (0.97-1.03x on three models,
+  1-2048 tokens, bench/results/h200-185e40c), so the slowdown had another cause too (that config was dropped from
+  the table). `early_release` keeps the early release, for A/B runs.
 - Work order: GROUP_M consecutive M tiles (mostly one expert's rows) sweep the N tiles together, so a weight block
   is read from HBM about once and reused from L2 by the group.
 
