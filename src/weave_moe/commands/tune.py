@@ -259,16 +259,16 @@ class _Work:
         ids, _ = routing.uniform(shape["tokens"], E, shape["k"], seed=seed)
         counts = torch.bincount(ids.long().flatten(), minlength=E)
         self.rows = int(counts.sum())
-        self.offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
-        self.offsets[1:] = torch.cumsum(counts, 0).cuda()
         active = int((counts > 0).sum())
         self.rotations = {g: 1 if l2_bytes is None else cold_rotations(active * per_expert * 2, l2_bytes, E)
                           for g, per_expert in ((0, 2 * I * H), (1, H * I))}
-        self.rotated_offsets = [self.offsets]
-        for r in range(1, max(self.rotations.values())):
+        most = max(self.rotations.values())
+        self.rotated_offsets = []   # rotation 0 = the unrotated counts, the ones checked
+        for r in range(most):
             offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
-            offsets[1:] = torch.cumsum(rotated_counts(counts, r, max(self.rotations.values())), 0).cuda()
+            offsets[1:] = torch.cumsum(rotated_counts(counts, r, most), 0).cuda()
             self.rotated_offsets.append(offsets)
+        self.offsets = self.rotated_offsets[0]
         self.alloc = (self.rows + 127) // 128 * 128  # the backend's buffers are sized by a bound, not the count
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.a = torch.randn(self.alloc, H, device="cuda", generator=gen).bfloat16()

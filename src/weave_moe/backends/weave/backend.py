@@ -784,13 +784,13 @@ class WeaveBackend:
             h, y = self.workspace.h(), self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
-            early = self.config.gemm_early_release
+            release = self.config.gemm_early_release
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(y, self.w13, h, table, config, early_release=early)
+                grouped_gemm.grouped_gemm0(y, self.w13, h, table, config, early_release=release)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, early_release=early)
+                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, early_release=release)
             done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
