@@ -98,6 +98,10 @@ class KernelConfig:
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
+        one_program_tables: a decode call's task tables (`decode_stages`, at most DECODE_TOKENS tokens on this
+            rank) as ONE launch of one program walking only the token blocks that hold tokens
+            (kernels/tables.py `_one_program_kernel`) instead of the three kernels, whose grids cover T_max. Its time
+            grows with the largest rank's tokens: a peer with many more tokens than this rank makes it slower.
     """
 
     block_m: int = 128
@@ -125,6 +129,7 @@ class KernelConfig:
     wide_gemm0: bool = True
     fork_prologue: bool = True
     gemm_early_release: bool = False
+    one_program_tables: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
