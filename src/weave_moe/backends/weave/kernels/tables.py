@@ -571,7 +571,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
-                        counters: torch.Tensor | None = None, one_program: bool = False) -> Layout:
+                        counters: torch.Tensor | None = None, one_program: bool = False,
+                        num_warps: int = 4) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
@@ -579,7 +580,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call.
     `one_program`: the three kernels' work as one launch of one program (`_one_program_kernel`) that walks only the
     token blocks holding tokens: for calls of few tokens (its time grows with the largest rank's tokens, the
-    kernels' with T_max / 128 per program)."""
+    kernels' with T_max / 128 per program). `num_warps`: of every launch (a program's code shrinks with more warps:
+    each thread holds fewer elements of the kernels' [tokens, slots] and [slots, segments] tensors)."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -670,19 +672,20 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
             max_dispatch, max_combine, max_pairs,
             K=K, KP=KP, MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64,
             BLOCK_C=block_c, BLOCK_T=_BLOCK_T, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-            BLOCK_N=_pow2(max(n0, n1)), CLEAR_COUNTS=counters is not None, **sync.LAUNCH)
+            BLOCK_N=_pow2(max(n0, n1)), CLEAR_COUNTS=counters is not None, num_warps=num_warps, **sync.LAUNCH)
     else:
         _scan_kernel[(P * NB + NB,)](
             all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
             recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP,
-            MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, **sync.LAUNCH)
+            MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, num_warps=num_warps, **sync.LAUNCH)
         _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
             pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
             expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta,
             gemm1_expected, arrival_expected, combine_expected, pair_hist, pair_block_base, recv_hist,
-            recv_block_base, send_hist, send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
+            recv_block_base, send_hist, send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows,
+            reduce_rows,
             MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
-            CLEAR_COUNTS=counters is not None, **sync.LAUNCH)
+            CLEAR_COUNTS=counters is not None, num_warps=num_warps, **sync.LAUNCH)
         grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
         _emit_kernel[(grid,)](
             all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
@@ -693,7 +696,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
             rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
             max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BT=BT,
             BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-            BLOCK_N=_pow2(max(n0, n1)), **sync.LAUNCH)
+            BLOCK_N=_pow2(max(n0, n1)), num_warps=num_warps, **sync.LAUNCH)
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
                   gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
