@@ -208,7 +208,8 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
     g_chunk = g % MC
     g_kind = g // MC
     g_rank = 2 * g_chunk + 3 * g_kind
-    g_tiles = tl.load(chunk_mtiles_ptr + g_chunk)
+    # from registers: chunk_mtiles was stored above by other threads of this program (no barrier since)
+    g_tiles = tl.sum(tl.where(mc[None, :] == g_chunk[:, None], chunk_tiles[None, :], 0), axis=1)
     g_size = g_tiles * tl.where(g_kind == 0, n0, n1)
     before_g = tl.sum(tl.where(g_rank[None, :] < g_rank[:, None], g_size[None, :], 0), axis=1)
     tl.store(group_base_ptr + g, before_g)
