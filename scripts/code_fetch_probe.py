@@ -11,7 +11,9 @@ each timed by torch.profiler's GPU timestamps inside a CUDA graph, median of `--
      cold - warm is the cost of fetching N * 16 bytes of code;
   2. the task-table builders (kernels/tables.py) at 1 and 32 tokens of a Qwen3-30B-A3B and a DeepSeek-V3 rank's
      work of EP=2: the three kernels and the one program, at 4, 8 and 16 warps, cold and warm (span from the first
-     kernel's start to the last one's end).
+     kernel's start to the last one's end);
+  3. the SASS size of every kernel a resident weave:serial call compiled (Qwen3-30B-A3B, one rank's work of EP=2,
+     calls of 1 and 32 tokens), from `nvdisasm` of each compiled cubin.
 """
 
 from __future__ import annotations
@@ -134,6 +136,62 @@ def tables(rows, reps):
                     print(json.dumps(row), flush=True)
 
 
+def _sass_instructions(cubin: bytes) -> int:
+    import os
+    import subprocess
+    import tempfile
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, timeout=60).stdout
+    finally:
+        os.unlink(f.name)
+    return sum(1 for line in text.splitlines() if line.strip().startswith("/*") and ";" in line)
+
+
+def call_kernels(rows):
+    """Part 3: every compiled Triton kernel of the package after resident calls of 1 and 32 tokens."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import weave_moe
+    from weave_moe import ExpertParallelMoE
+    from weave_moe.models import MoESpec
+    from weave_moe.routing import uniform
+    from weave_moe.testing import make_experts
+
+    spec = MoESpec(64, 8, 2048, 768, name="qwen3-30b-a3b/ep2-emulated")
+    layer = ExpertParallelMoE(spec, backend="weave", policy="serial", max_tokens_per_rank=2048, device="cuda")
+    layer.load_experts(*make_experts(spec, seed=1, device="cuda"))
+    for T in (1, 32):
+        x = torch.randn(T, spec.hidden_size, device="cuda").bfloat16()
+        ids, w = uniform(T, spec.num_experts, spec.top_k, seed=T, device="cuda")
+        for _ in range(3):
+            layer(x, ids, w)
+        layer.synchronize()
+    for info in pkgutil.walk_packages(weave_moe.__path__, "weave_moe."):
+        if info.name == "weave_moe.hf":
+            continue
+        module = importlib.import_module(info.name)
+        for name, fn in vars(module).items():
+            if not (isinstance(fn, JITFunction) and fn.__module__ == module.__name__):
+                continue
+            for caches in fn.device_caches.values():
+                for compiled in caches[0].values():
+                    cubin = compiled.asm.get("cubin")
+                    if cubin:
+                        n = _sass_instructions(cubin)
+                        row = dict(part="call_kernels", kernel=f"{info.name}.{name}", sass_instructions=n,
+                                   sass_kb=round(n * 16 / 1024, 1), num_warps=compiled.metadata.num_warps,
+                                   shared=compiled.metadata.shared)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -142,6 +200,7 @@ def main():
     rows = []
     straight_line(rows, args.reps)
     tables(rows, args.reps)
+    call_kernels(rows)
     record = dict(date=__import__("datetime").date.today().isoformat(), device=torch.cuda.get_device_name(),
                   commit=git_commit(), command="python scripts/code_fetch_probe.py", torch=torch.__version__,
                   triton=triton.__version__, rows=rows)

@@ -119,14 +119,15 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
                 if name.endswith("_ptr") else "i32" for name in fn.arg_names}
 
     for fn, constants, fp32 in [
-        (tables._scan_kernel, dict(K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2), ()),
-        (tables._bases_kernel, dict(MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64,
+        (tables._scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2), ()),
+        (tables._bases_kernel, dict(L=128, MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64,
                                     CLEAR_COUNTS=True), ()),
-        (tables._emit_kernel, dict(K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16, BLOCK_SEG=1024,
-                                   BLOCK_J=64, BLOCK_N=16), ("weights_ptr", "combine_weight_ptr")),
-        (tables._one_program_kernel, dict(K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16,
-                                          BLOCK_B=64, BLOCK_C=64, BLOCK_T=256, BLOCK_SEG=1024, BLOCK_J=64,
-                                          BLOCK_N=16, CLEAR_COUNTS=True), ("weights_ptr", "combine_weight_ptr")),
+        (tables._emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
+                                   BLOCK_SEG=1024, BLOCK_J=64, BLOCK_N=16), ("weights_ptr", "combine_weight_ptr")),
+        (tables._one_program_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
+                                          BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64, BLOCK_T=256, BLOCK_SEG=1024,
+                                          BLOCK_J=64, BLOCK_N=16, CLEAR_COUNTS=True),
+         ("weights_ptr", "combine_weight_ptr")),
     ]:
         source = ASTSource(fn=fn, signature=signature(fn, constants, fp32), constexprs=constants)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]

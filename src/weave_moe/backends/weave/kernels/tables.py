@@ -146,8 +146,8 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
 @triton.jit(do_not_specialize=["rank"])
 def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr, pair_counts_ptr,
                  recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr, send_hist_ptr, key_counts_ptr, mask_ptr,
-                 rank, P, T, L, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr,
-                 SUB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
+                 rank, P, T, L: tl.constexpr, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
+                 BT: tl.constexpr, SUB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
     sync.pdl_enter()
     pid = tl.program_id(0)
     if pid < P * NB:
@@ -282,7 +282,7 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, toke
                   gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
                   pair_hist_ptr, pair_block_base_ptr, recv_hist_ptr, recv_block_base_ptr, send_hist_ptr,
                   send_block_base_ptr,
-                  rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
+                  rank, P, L: tl.constexpr, NB, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
                   MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
                   BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, CLEAR_COUNTS: tl.constexpr = False):
     """Program 0: the group bases and `meta` from the scan's counts. The others: the token blocks' bases, one
@@ -310,11 +310,16 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, toke
 @triton.jit
 def _segment_of(end_ptr, j, S, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr):
     """For task slots j [BLOCK_J]: the segment whose blocks hold j (searchsorted(block_end, j, right=True), clamped
-    to S - 1, as layout._segment_blocks)."""
-    ss = tl.arange(0, BLOCK_S)
-    ends = tl.load(end_ptr + ss, mask=ss < S, other=2 ** 30)
-    seg = tl.sum((ends[None, :] <= j[:, None]).to(tl.int32), axis=1)
-    return tl.minimum(seg, S - 1)
+    to S - 1, as layout._segment_blocks), by a binary search over the non-decreasing block ends: log2(BLOCK_S)
+    dependent loads (cached in L1) instead of a [BLOCK_J, BLOCK_S] comparison, whose unrolled code (~1000
+    instructions at 4 warps and 512 segments) a decode call's kernel fetches cold."""
+    count = tl.zeros([BLOCK_J], dtype=tl.int32)   # ends <= j among the first `count`: grows by halving steps
+    for i in tl.static_range(20):
+        if (BLOCK_S >> (i + 1)) > 0:
+            probe = count + (BLOCK_S >> (i + 1))
+            end = tl.load(end_ptr + probe - 1, mask=probe <= S, other=2 ** 30)
+            count = tl.where(end <= j, probe, count)
+    return tl.minimum(count, S - 1)
 
 
 @triton.jit
@@ -459,7 +464,7 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
                  group_base_ptr, combine_seg_ptr, dispatch_seg_ptr, meta_ptr,
                  gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, send_token_ptr, send_out_ptr,
                  dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
-                 rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
+                 rank, P, T, L: tl.constexpr, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
                  max_dispatch, max_combine, max_pairs, recv_programs, send_programs,
                  K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
@@ -493,8 +498,8 @@ def _one_program_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_str
                         pair_block_base_ptr, recv_block_base_ptr, send_block_base_ptr,
                         gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, send_token_ptr,
                         send_out_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
-                        rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
-                        reduce_rows, max_dispatch, max_combine, max_pairs,
+                        rank, P, T, L: tl.constexpr, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows,
+                        combine_rows, reduce_rows, max_dispatch, max_combine, max_pairs,
                         K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
                         BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_B: tl.constexpr,
                         BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
