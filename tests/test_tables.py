@@ -14,7 +14,7 @@ from weave_moe.backends.weave.layout import build_layout, META_FIELDS
 from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
 
 def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None,
-         counters=None, one_program=False):
+         counters=None, one_program=False, emit_tokens=None):
     P = len(tokens); T = T_max or max(max(tokens), 1) + 2
     g = torch.Generator().manual_seed(seed)
     msg = RoutingMessage(T, k)
@@ -37,7 +37,7 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     kw = dict(hidden_size=20, intermediate_size=12, **b)
     ref = build_layout(ids, wts, toks, plans[:, 1], rank, E, **kw)
     got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, counters=counters,
-                              one_program=one_program, **kw)
+                              one_program=one_program, emit_tokens=emit_tokens, **kw)
     if counters is not None:   # the caller's counters are zero again for its next call
         assert not counters.any(), counters
     meta = ref.meta.tolist()
@@ -89,6 +89,8 @@ case((0, 0), 16, 4, (1, 1), 0, seed=21, T_max=300, blocks=prod, one_program=True
 case((600,), 64, 8, (8,), 0, seed=15, blocks=prod, block_tokens=8)
 case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8)
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8)
+case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8, emit_tokens=16)   # many emit programs
+case((600,), 64, 8, (3,), 0, seed=22, blocks=prod, emit_tokens=32)
 case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8, one_program=True)
 # a decode call's tables (KernelConfig.decode_stages): one row per dispatch, combine and reduce task
 decode = dict(prod, dispatch_rows=1, combine_rows=1, reduce_rows=1)

@@ -578,7 +578,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
                         counters: torch.Tensor | None = None, one_program: bool = False,
-                        num_warps: int = 4) -> Layout:
+                        num_warps: int = 4, emit_tokens: int | None = None) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
@@ -587,7 +587,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     `one_program`: the three kernels' work as one launch of one program (`_one_program_kernel`) that walks only the
     token blocks holding tokens: for calls of few tokens (its time grows with the largest rank's tokens, the
     kernels' with T_max / 128 per program). `num_warps`: of every launch (a program's code shrinks with more warps:
-    each thread holds fewer elements of the kernels' [tokens, slots] and [slots, segments] tensors)."""
+    each thread holds fewer elements of the kernels' [tokens, slots] and [slots, segments] tensors). `emit_tokens`
+    (a power of two): tokens per emit program instead of 256 (fewer: more programs, each a smaller one)."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -662,7 +663,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     combine_tasks = torch.empty(max_combine, 4, **i32)
     gemm_tasks = torch.empty(max_mtiles * (n0 + n1), 8, **i32)
 
-    per_block = triton.cdiv(T, _BLOCK_T)
+    emit_tokens = emit_tokens or _BLOCK_T
+    per_block = triton.cdiv(T, emit_tokens)
     task_slots = max(max_dispatch, max_combine, max_mtiles)
     block_c, block_j = min(BLOCK_L, 64), 64
     if one_program:
@@ -677,7 +679,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
             rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, reduce_rows,
             max_dispatch, max_combine, max_pairs,
             K=K, KP=KP, MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64,
-            BLOCK_C=block_c, BLOCK_T=_BLOCK_T, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
+            BLOCK_C=block_c, BLOCK_T=emit_tokens, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
             BLOCK_N=_pow2(max(n0, n1)), CLEAR_COUNTS=counters is not None, num_warps=num_warps, **sync.LAUNCH)
     else:
         _scan_kernel[(P * NB + NB,)](
@@ -700,7 +702,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
             gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks,
             combine_tasks, gemm_tasks,
             rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
-            max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=_BLOCK_T, BT=BT,
+            max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=emit_tokens, BT=BT,
             BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
             BLOCK_N=_pow2(max(n0, n1)), num_warps=num_warps, **sync.LAUNCH)
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
