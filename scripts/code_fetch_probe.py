@@ -10,8 +10,9 @@ each timed by torch.profiler's GPU timestamps inside a CUDA graph, median of `--
      after a 64 MB memset (code evicted from L2: "cold") and run a second time right after the first ("warm");
      cold - warm is the cost of fetching N * 16 bytes of code;
   2. the task-table builders (kernels/tables.py) at 1 and 32 tokens of a Qwen3-30B-A3B and a DeepSeek-V3 rank's
-     work of EP=2: the three kernels and the one program at 4-16 warps and 256 or 32 tokens per emit program
-     (`VARIANTS`), cold and warm (span from the first kernel's start to the last one's end);
+     work of EP=2 at 4-16 warps and 256 or 32 tokens per emit program (`VARIANTS`), cold and warm (span from the
+     first kernel's start to the last one's end; "warm" runs the builder twice and times the second, whose first
+     kernel starts early under programmatic dependent launch and waits for the first: an upper bound);
   3. the SASS size of every kernel a resident weave:serial call compiled (Qwen3-30B-A3B, one rank's work of EP=2,
      calls of 1 and 32 tokens), from `nvdisasm` of each compiled cubin.
 """
@@ -101,9 +102,8 @@ def straight_line(rows, reps):
         print(json.dumps(row), flush=True)
 
 
-#: (one program, warps, emit tokens) of the table builders timed in part 2
-VARIANTS = [(False, 4, None), (False, 4, 32), (False, 8, 32), (False, 16, None), (False, 16, 32), (True, 4, None),
-            (True, 16, 32)]
+#: (warps, emit tokens) of the table builders timed in part 2
+VARIANTS = [(4, None), (4, 32), (8, 32), (16, None), (16, 32)]
 
 
 def tables(rows, reps):
@@ -126,16 +126,14 @@ def tables(rows, reps):
             counters = torch.zeros(counter_words(1, E_local), dtype=torch.int32, device="cuda")
             kw = dict(hidden_size=H, intermediate_size=I, block_m=16, block_n0=128, block_n1=256, dispatch_rows=1,
                       combine_rows=1, reduce_rows=1, counters=counters)
-            for one_program, warps, emit_tokens in VARIANTS:
+            for warps, emit_tokens in VARIANTS:
                 def build():
-                    return build_layout_triton(all_ids, all_w, tokens, plans[:, 1], 0, E_local,
-                                               one_program=one_program, num_warps=warps, emit_tokens=emit_tokens,
-                                               **kw)
-                names = ("_one_program",) if one_program else ("_scan_kernel", "_bases_kernel", "_emit_kernel")
+                    return build_layout_triton(all_ids, all_w, tokens, plans[:, 1], 0, E_local, num_warps=warps,
+                                               emit_tokens=emit_tokens, **kw)
+                names = ("_scan_kernel", "_bases_kernel", "_emit_kernel")
                 cold = _capture(lambda: (flush.zero_(), build()))
                 warm = _capture(lambda: (build(), build()))
-                row = dict(part="tables", model=model, tokens=T, T_max=T_max, one_program=one_program,
-                           num_warps=warps, emit_tokens=emit_tokens or 256,
+                row = dict(part="tables", model=model, tokens=T, T_max=T_max, num_warps=warps, emit_tokens=emit_tokens or 256,
                            cold_us=_spans(cold, reps, names, "first"), warm_us=_spans(warm, reps, names, "last"))
                 rows.append(row)
                 print(json.dumps(row), flush=True)

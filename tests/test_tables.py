@@ -14,7 +14,7 @@ from weave_moe.backends.weave.layout import build_layout, META_FIELDS
 from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
 
 def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None,
-         counters=None, one_program=False, emit_tokens=None):
+         counters=None, emit_tokens=None):
     P = len(tokens); T = T_max or max(max(tokens), 1) + 2
     g = torch.Generator().manual_seed(seed)
     msg = RoutingMessage(T, k)
@@ -37,7 +37,7 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     kw = dict(hidden_size=20, intermediate_size=12, **b)
     ref = build_layout(ids, wts, toks, plans[:, 1], rank, E, **kw)
     got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, counters=counters,
-                              one_program=one_program, emit_tokens=emit_tokens, **kw)
+                              emit_tokens=emit_tokens, **kw)
     if counters is not None:   # the caller's counters are zero again for its next call
         assert not counters.any(), counters
     meta = ref.meta.tolist()
@@ -73,34 +73,30 @@ cases = [((7, 5), 8, 2, (1, 1), 0), ((7, 5), 8, 2, (2, 3), 1), ((9, 4), 8, 3, (8
          ((8, 8), 4, 4, (2, 2), 1), ((30, 17, 22), 12, 4, (4, 8, 2), 1)]
 for i, c in enumerate(cases):
     for mode in ("uniform", "dups", "one") if c[2] <= c[1] // len(c[0]) else ("uniform",):
-        for one_program in (False, True):
-            case(*c, seed=i, mode=mode, one_program=one_program)
+        case(*c, seed=i, mode=mode)
 print("TABLES OK")
 prod = dict(block_m=128, block_n0=128, block_n1=256, dispatch_rows=16, combine_rows=16, reduce_rows=16)
 case((300, 280), 16, 4, (3, 5), 0, seed=11, blocks=dict(block_m=16, block_n0=8, block_n1=8, dispatch_rows=16, combine_rows=16, reduce_rows=16))
 case((300, 280), 16, 4, (3, 5), 1, seed=12, mode="dups", blocks=prod)
 case((600,), 64, 8, (2,), 0, seed=13, blocks=prod)
 case((600,), 64, 8, (1,), 0, seed=14, T_max=700, blocks=prod)
-case((600,), 64, 8, (1,), 0, seed=14, T_max=700, blocks=prod, one_program=True)
-# one program: a few tokens in a large T_max (its scan walks the live blocks only; the masks past them are zeroed)
-case((1, 3), 16, 4, (1, 2), 1, seed=20, T_max=2100, blocks=prod, one_program=True)
-case((0, 0), 16, 4, (1, 1), 0, seed=21, T_max=300, blocks=prod, one_program=True)
+# a few tokens in a large T_max (most programs find no token), no token at all
+case((1, 3), 16, 4, (1, 2), 1, seed=20, T_max=2100, blocks=prod)
+case((0, 0), 16, 4, (1, 1), 0, seed=21, T_max=300, blocks=prod)
 # many scan blocks (8 tokens each, steps of 8 or 4 tokens), chunk boundaries inside steps, 1-3 ranks
 case((600,), 64, 8, (8,), 0, seed=15, blocks=prod, block_tokens=8)
 case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8)
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8)
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8, emit_tokens=16)   # many emit programs
 case((600,), 64, 8, (3,), 0, seed=22, blocks=prod, emit_tokens=32)
-case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8, one_program=True)
 # a decode call's tables (KernelConfig.decode_stages): one row per dispatch, combine and reduce task
 decode = dict(prod, dispatch_rows=1, combine_rows=1, reduce_rows=1)
-for one_program in (False, True):
-    case((5, 3), 16, 4, (1, 1), 0, seed=18, blocks=decode, one_program=one_program)
-    case((60, 0, 7), 12, 4, (3, 8, 5), 1, seed=19, mode="dups", blocks=decode, one_program=one_program)
+case((5, 3), 16, 4, (1, 1), 0, seed=18, blocks=decode)
+case((60, 0, 7), 12, 4, (3, 8, 5), 1, seed=19, mode="dups", blocks=decode)
 # a caller's persistent counters (the resident call's), reused by calls of other routings, ranks and chunk counts
 counters = torch.zeros(counter_words(2, 16), dtype=torch.int32)
 for seed, (tokens, chunks, rank) in enumerate([((7, 5), (1, 2), 0), ((30, 2), (3, 1), 1), ((0, 9), (8, 8), 0)]):
-    case(tokens, 16, 4, chunks, rank, seed=30 + seed, mode="dups", counters=counters, one_program=seed % 2 == 1)
+    case(tokens, 16, 4, chunks, rank, seed=30 + seed, mode="dups", counters=counters)
 print("TABLES BIG OK")
 '''
 
@@ -126,10 +122,6 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
                                     CLEAR_COUNTS=True), ()),
         (tables._emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
                                    BLOCK_SEG=1024, BLOCK_J=64, BLOCK_N=16), ("weights_ptr", "combine_weight_ptr")),
-        (tables._one_program_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
-                                          BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64, BLOCK_T=256, BLOCK_SEG=1024,
-                                          BLOCK_J=64, BLOCK_N=16, CLEAR_COUNTS=True),
-         ("weights_ptr", "combine_weight_ptr")),
     ]:
         source = ASTSource(fn=fn, signature=signature(fn, constants, fp32), constexprs=constants)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
@@ -160,6 +152,6 @@ def test_rank_is_never_specialised_in_a_launched_kernel():
                 if "rank" in params:
                     launched.append(name)
                     assert params["rank"].do_not_specialize, f"{info.name}.{name}: rank is specialised"
-    assert {"_scan_kernel", "_bases_kernel", "_emit_kernel", "_one_program_kernel", "counts_kernel", "moe_megakernel",
+    assert {"_scan_kernel", "_bases_kernel", "_emit_kernel", "counts_kernel", "moe_megakernel",
             "routing_exchange_kernel"} <= set(launched)
 

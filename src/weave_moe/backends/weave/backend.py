@@ -486,9 +486,7 @@ class WeaveBackend:
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         # the Triton tables count into the layer's persistent counters, which their bases kernel zeroes again
-        build = (functools.partial(build_layout_triton, counters=self.table_counters,
-                                   one_program=decode and cfg.one_program_tables, num_warps=cfg.table_warps)
-                 if cfg.triton_tables
+        build = (functools.partial(build_layout_triton, counters=self.table_counters) if cfg.triton_tables
                  else self.layout_builder)
         return build(
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,

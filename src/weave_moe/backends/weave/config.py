@@ -98,14 +98,6 @@ class KernelConfig:
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
-        one_program_tables: a decode call's task tables (`decode_stages`, at most DECODE_TOKENS tokens on this
-            rank) as ONE launch of one program walking only the token blocks that hold tokens
-            (kernels/tables.py `_one_program_kernel`) instead of the three kernels, whose grids cover T_max. Its time
-            grows with the largest rank's tokens: a peer with many more tokens than this rank makes it slower. Off:
-            on an H200 the one program took 36 us at 1 token where the three kernels' chain took 12.6 (a 135 KB
-            program on one SM; bench/results/h200-73b6dae).
-        table_warps: warps of every task-table launch (Triton unrolls the elements a thread holds, so more warps
-            make each program's code smaller).
     """
 
     block_m: int = 128
@@ -133,8 +125,6 @@ class KernelConfig:
     wide_gemm0: bool = True
     fork_prologue: bool = True
     gemm_early_release: bool = False
-    one_program_tables: bool = False
-    table_warps: int = 4
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -148,8 +138,6 @@ class KernelConfig:
                                      f"got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")
-        if self.table_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"KernelConfig.table_warps must be a power of two <= 32, got {self.table_warps!r}")
 
     @classmethod
     def from_env(cls) -> "KernelConfig":

@@ -1,5 +1,5 @@
 """The task tables of `layout.build_layout` as three Triton kernels (and a memset, unless the caller keeps the
-counters: `build_layout_triton`) instead of ~40 torch kernels, or as one program (`one_program`, for few tokens).
+counters: `build_layout_triton`) instead of ~40 torch kernels.
 
 Same inputs, same `layout.Layout`, the same values in every entry the megakernel reads (the first `meta` entries of each
 task table, the first rows of each list; tests/test_tables.py checks them bitwise against `build_layout` under the
@@ -34,11 +34,6 @@ base) + the count within the block.
     3. `_emit_kernel`, many programs: every entry at its position (group base + block base + rank within the block):
        the pairs' gather rows, the received tokens' combine rows (their pair positions and weights), the rows this
        rank sends, and the task rows (dispatch blocks, combine blocks, M tiles -> GEMM0 / GEMM1 tasks).
-
-One program (`_one_program_kernel`, a decode call's tables: KernelConfig.one_program_tables) runs the same three
-phases in one CTA, a barrier between them, each over the token blocks that hold a token of some rank only (the
-grids above cover T_max, the layer's bound): the same entries, one launch instead of three. At one token per rank
-the three launches' starts are ~2-5 us apart under programmatic dependent launch on an H200 (perf notes).
 """
 
 from __future__ import annotations
@@ -488,73 +483,6 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
 
 
 
-@triton.jit(do_not_specialize=["rank"])
-def _one_program_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr,
-                        pair_hist_ptr, pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr,
-                        send_hist_ptr, key_counts_ptr, mask_ptr,
-                        pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
-                        group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
-                        gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
-                        pair_block_base_ptr, recv_block_base_ptr, send_block_base_ptr,
-                        gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, send_token_ptr,
-                        send_out_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
-                        rank, P, T, L: tl.constexpr, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows,
-                        combine_rows, reduce_rows, max_dispatch, max_combine, max_pairs,
-                        K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-                        BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_B: tl.constexpr,
-                        BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
-                        BLOCK_N: tl.constexpr, CLEAR_COUNTS: tl.constexpr):
-    """The three kernels' programs in ONE program (`build_layout_triton(one_program=True)`), phase after phase with a
-    CTA barrier between them (the barrier orders the CTA's global stores and atomics before its later loads), and
-    only over the token blocks that hold a token: a decode call's tables cost one launch and a few load round trips
-    instead of three launches, and a program per block of T_max that finds no token."""
-    sync.pdl_enter()
-    pp = tl.arange(0, BLOCK_P)
-    most = tl.max(tl.load(tokens_ptr + pp * tokens_stride, mask=pp < P, other=0), axis=0)
-    live_blocks = tl.cdiv(most, BT)
-    for b in range(0, live_blocks):
-        for s in range(0, P):   # (a tensor, as a program id is: the interpreter's loop variables are ints)
-            _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
-                           pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, tl.cast(s, tl.int32), b, rank,
-                           T, L, NB, K, KP, MC, BT, SUB, BLOCK_L)
-        _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
-                   key_counts_ptr, mask_ptr, b, rank, P, T, L, NB, K, KP, MC, BT, BLOCK_P)
-    # the destination masks past the live blocks: zero, as the scan kernel's programs there write them
-    zero = tl.arange(0, 1024)
-    for t0 in range(live_blocks * BT, T, 1024):
-        tl.store(mask_ptr + t0 + zero, tl.zeros([1024], dtype=tl.int32), mask=t0 + zero < T)
-    tl.debug_barrier()
-    _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stride,
-           pair_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr, expert_offsets_ptr, chunk_mtiles_ptr,
-           group_base_ptr, recv_base_ptr, combine_seg_ptr, dispatch_seg_ptr, send_base_ptr, meta_ptr,
-           gemm1_expected_ptr, arrival_out_ptr, combine_expected_ptr,
-           rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows, MC, BLOCK_L, BLOCK_P,
-           BLOCK_PMC, CLEAR_COUNTS)
-    for s in range(0, P):
-        for column0 in range(0, L, BLOCK_C):
-            _block_bases(pair_hist_ptr + s * NB * L, pair_block_base_ptr + s * NB * L, column0, L, L, 1,
-                         live_blocks, BLOCK_B, BLOCK_C)
-    _block_bases(recv_hist_ptr, recv_block_base_ptr, 0, P, 1, NB, live_blocks, BLOCK_B, BLOCK_P)
-    _block_bases(send_hist_ptr, send_block_base_ptr, 0, P, 1, NB, live_blocks, BLOCK_B, BLOCK_P)
-    tl.debug_barrier()
-    per_rank = tl.cdiv(T, BLOCK_T)
-    for s in range(0, P):
-        for block in range(0, tl.cdiv(most, BLOCK_T)):
-            _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr,
-                           recv_local_ptr, pair_base_ptr, recv_base_ptr, pair_block_base_ptr, recv_block_base_ptr,
-                           gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, s * per_rank + block,
-                           rank, T, L, NB, max_pairs, K, KP, MC, BLOCK_T, BT)
-            _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, send_block_base_ptr,
-                       send_base_ptr, send_token_ptr, send_out_ptr, s * per_rank + block, rank, T, L, NB, K, KP,
-                       BLOCK_T, BT)
-    # task slots: up to the last table's count (the kernels' programs also zero the slots up to each table's bound)
-    slots = tl.maximum(tl.maximum(tl.load(meta_ptr + 0), tl.load(meta_ptr + 2)), tl.load(meta_ptr + 4))
-    for block_index in range(0, tl.cdiv(slots, BLOCK_J)):
-        _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
-                    dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, block_index, P,
-                    L, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch, max_combine,
-                    max_pairs, MC, BLOCK_P, BLOCK_PMC, BLOCK_SEG, BLOCK_J, BLOCK_N)
-
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -577,16 +505,14 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
-                        counters: torch.Tensor | None = None, one_program: bool = False,
-                        num_warps: int = 4, emit_tokens: int | None = None) -> Layout:
+                        counters: torch.Tensor | None = None, num_warps: int = 4,
+                        emit_tokens: int | None = None) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
     the scan's atomic counters as a caller's buffer (`counter_words` int32, all zero), which the bases kernel zeroes
     again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call.
-    `one_program`: the three kernels' work as one launch of one program (`_one_program_kernel`) that walks only the
-    token blocks holding tokens: for calls of few tokens (its time grows with the largest rank's tokens, the
-    kernels' with T_max / 128 per program). `num_warps`: of every launch (a program's code shrinks with more warps:
+    `num_warps`: of every launch (a program's code shrinks with more warps:
     each thread holds fewer elements of the kernels' [tokens, slots] and [slots, segments] tensors). `emit_tokens`
     (a power of two): tokens per emit program instead of 256 (fewer: more programs, each a smaller one)."""
     device = all_ids.device
@@ -667,44 +593,29 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     per_block = triton.cdiv(T, emit_tokens)
     task_slots = max(max_dispatch, max_combine, max_mtiles)
     block_c, block_j = min(BLOCK_L, 64), 64
-    if one_program:
-        _one_program_kernel[(1,)](
-            all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, pair_hist, pair_counts,
-            recv_local, recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask,
-            pair_base, seg_rows, seg_mtiles_end, expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg,
-            dispatch_seg, send_base, meta, gemm1_expected, arrival_expected, combine_expected,
-            pair_block_base, recv_block_base, send_block_base,
-            gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks,
-            combine_tasks, gemm_tasks,
-            rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, reduce_rows,
-            max_dispatch, max_combine, max_pairs,
-            K=K, KP=KP, MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64,
-            BLOCK_C=block_c, BLOCK_T=emit_tokens, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-            BLOCK_N=_pow2(max(n0, n1)), CLEAR_COUNTS=counters is not None, num_warps=num_warps, **sync.LAUNCH)
-    else:
-        _scan_kernel[(P * NB + NB,)](
-            all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
-            recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP,
-            MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, num_warps=num_warps, **sync.LAUNCH)
-        _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
-            pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
-            expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta,
-            gemm1_expected, arrival_expected, combine_expected, pair_hist, pair_block_base, recv_hist,
-            recv_block_base, send_hist, send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows,
-            reduce_rows,
-            MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
-            CLEAR_COUNTS=counters is not None, num_warps=num_warps, **sync.LAUNCH)
-        grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
-        _emit_kernel[(grid,)](
-            all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
-            pair_base, recv_base, send_base, pair_block_base, recv_block_base, send_block_base, seg_rows,
-            seg_mtiles_end, group_base, combine_seg, dispatch_seg, meta,
-            gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks,
-            combine_tasks, gemm_tasks,
-            rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
-            max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=emit_tokens, BT=BT,
-            BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-            BLOCK_N=_pow2(max(n0, n1)), num_warps=num_warps, **sync.LAUNCH)
+    _scan_kernel[(P * NB + NB,)](
+        all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
+        recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP,
+        MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, num_warps=num_warps, **sync.LAUNCH)
+    _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
+        pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
+        expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta,
+        gemm1_expected, arrival_expected, combine_expected, pair_hist, pair_block_base, recv_hist,
+        recv_block_base, send_hist, send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows,
+        reduce_rows,
+        MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
+        CLEAR_COUNTS=counters is not None, num_warps=num_warps, **sync.LAUNCH)
+    grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
+    _emit_kernel[(grid,)](
+        all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
+        pair_base, recv_base, send_base, pair_block_base, recv_block_base, send_block_base, seg_rows,
+        seg_mtiles_end, group_base, combine_seg, dispatch_seg, meta,
+        gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks,
+        combine_tasks, gemm_tasks,
+        rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
+        max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=emit_tokens, BT=BT,
+        BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
+        BLOCK_N=_pow2(max(n0, n1)), num_warps=num_warps, **sync.LAUNCH)
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
                   gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
