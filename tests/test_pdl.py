@@ -1,7 +1,8 @@
 """Programmatic dependent launch (kernels/sync.py, `LAUNCH` and `pdl_enter`): a kernel launched with `**sync.LAUNCH`
 may start while its predecessor still runs, so its first statement must be `sync.pdl_enter()` or `sync.pdl_wait()`
 (both wait for the predecessor; one that begins with `pdl_wait` must also call `sync.pdl_release()`, or the next
-launch waits for its CTAs to exit). Checked on the source: every launch with `**sync.LAUNCH` in the package names a
+launch waits for its CTAs to exit), or `sync.pdl_start(X)` with `sync.pdl_finish(X)` as its last statement (a kernel
+that reads nothing its predecessor writes waits for it at its end). Checked on the source: every launch with `**sync.LAUNCH` in the package names a
 kernel whose body begins with such a call (after its docstring), and every kernel that calls it is launched that way
 somewhere."""
 
@@ -37,8 +38,14 @@ def _enters(function: ast.FunctionDef) -> bool:
     if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)):
         return False
     name = ast.unparse(first.value.func)
+    calls = {ast.unparse(n.func) for n in ast.walk(function) if isinstance(n, ast.Call)}
     if name == "sync.pdl_wait":
-        return any(isinstance(n, ast.Call) and ast.unparse(n.func) == "sync.pdl_release" for n in ast.walk(function))
+        return "sync.pdl_release" in calls
+    if name == "sync.pdl_start":   # waits first unless INDEPENDENT; then it must wait last
+        last = body[-1]
+        return (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
+                and ast.unparse(last.value.func) == "sync.pdl_finish"
+                and [ast.unparse(a) for a in last.value.args] == [ast.unparse(a) for a in first.value.args])
     return name == "sync.pdl_enter"
 
 

@@ -486,7 +486,10 @@ class WeaveBackend:
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         # the Triton tables count into the layer's persistent counters, which their bases kernel zeroes again
-        build = (functools.partial(build_layout_triton, counters=self.table_counters) if cfg.triton_tables
+        # a fixed plan: the counts kernel just launched writes nothing the tables read, which then run beside it
+        build = (functools.partial(build_layout_triton, counters=self.table_counters,
+                                   independent=cfg.independent_scan and self.device_planner is None)
+                 if cfg.triton_tables
                  else self.layout_builder)
         return build(
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,

@@ -98,6 +98,9 @@ class KernelConfig:
         triton_tables: the resident call builds its task tables with three Triton kernels (kernels/tables.py)
             instead of the torch op chain of layout.py (~40 kernels); both give the same entries
             (tests/test_tables.py). The host-driven call always uses layout.py.
+        independent_scan: under a fixed plan (no device planner), the first table kernel runs beside the counts
+            kernel launched just before it, which writes nothing it reads (`build_layout_triton(independent=)`),
+            instead of after it.
     """
 
     block_m: int = 128
@@ -125,6 +128,7 @@ class KernelConfig:
     wide_gemm0: bool = True
     fork_prologue: bool = True
     gemm_early_release: bool = False
+    independent_scan: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

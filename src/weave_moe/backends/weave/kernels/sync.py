@@ -121,6 +121,25 @@ def pdl_release():
 
 
 @triton.jit
+def pdl_start(INDEPENDENT: tl.constexpr):
+    """`pdl_enter`, or with INDEPENDENT only its release: for a kernel that reads nothing the previous kernel of the
+    stream writes (what it reads was complete before that one started), which then runs beside it. Such a kernel
+    must end with `pdl_finish(INDEPENDENT)`."""
+    if not INDEPENDENT:
+        pdl_wait()
+    pdl_release()
+
+
+@triton.jit
+def pdl_finish(INDEPENDENT: tl.constexpr):
+    """Last statement of a kernel that began with `pdl_start`: with INDEPENDENT, wait for the previous kernel here,
+    so that this kernel's end still implies that one's (the next kernel, which waits for this one, may read what
+    either wrote)."""
+    if INDEPENDENT:
+        pdl_wait()
+
+
+@triton.jit
 def global_time_ns():
     """%globaltimer (ns). Coarse (about 1 µs ticks on Hopper) but enough for deadlines and timelines."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)

@@ -120,7 +120,7 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
     pp = tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
                   mask=(t < n_tok)[:, None] & (jj[None, :] < K), other=-1)
-    owner = tl.where(ids >= 0, ids // L, -1)
+    owner = tl.where((ids >= 0) & (ids < P * L), ids // L, -1)   # ids >= E: none (the counts reject the call)
     goes = tl.sum((owner[:, :, None] == pp[None, None, :]).to(tl.int32), axis=1) > 0      # [BT, P]
     hit = goes.to(tl.int32)
     tl.store(send_local_ptr + pp[None, :] * T + t[:, None], tl.cumsum(hit, axis=0) - hit, mask=goes)
@@ -142,8 +142,12 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
 def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr, pair_counts_ptr,
                  recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr, send_hist_ptr, key_counts_ptr, mask_ptr,
                  rank, P, T, L: tl.constexpr, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
-                 BT: tl.constexpr, SUB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr):
-    sync.pdl_enter()
+                 BT: tl.constexpr, SUB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+                 INDEPENDENT: tl.constexpr):
+    """INDEPENDENT: the launch before this one (a fixed plan's counts kernel) writes nothing the scan reads (the
+    routing was complete before it started, the plan is the layer's; the ids outside [-1, E) it replaces by -1 in
+    place count as -1 here either way), so the scan runs beside it (`sync.pdl_start`)."""
+    sync.pdl_start(INDEPENDENT)
     pid = tl.program_id(0)
     if pid < P * NB:
         _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
@@ -152,6 +156,7 @@ def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_p
     else:
         _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
                    key_counts_ptr, mask_ptr, pid - P * NB, rank, P, T, L, NB, K, KP, MC, BT, BLOCK_P)
+    sync.pdl_finish(INDEPENDENT)
 
 
 @triton.jit
@@ -506,7 +511,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
                         counters: torch.Tensor | None = None, num_warps: int = 4,
-                        emit_tokens: int | None = None) -> Layout:
+                        emit_tokens: int | None = None, independent: bool = False) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
@@ -514,7 +519,11 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call.
     `num_warps`: of every launch (a program's code shrinks with more warps:
     each thread holds fewer elements of the kernels' [tokens, slots] and [slots, segments] tensors). `emit_tokens`
-    (a power of two): tokens per emit program instead of 256 (fewer: more programs, each a smaller one)."""
+    (a power of two): tokens per emit program instead of 256 (fewer: more programs, each a smaller one).
+    `independent`: the kernel launched just before writes nothing the tables read (the resident call's counts
+    kernel under a fixed plan: the routing was complete before it, the chunks are the layer's): the scan then runs
+    beside it instead of after it (`_scan_kernel`). With an adaptive policy the planner writes the chunks just
+    before: False."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -596,7 +605,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     _scan_kernel[(P * NB + NB,)](
         all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
         recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP,
-        MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, num_warps=num_warps, **sync.LAUNCH)
+        MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, INDEPENDENT=independent, num_warps=num_warps,
+        **sync.LAUNCH)
     _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
         pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
         expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta,
