@@ -136,6 +136,34 @@ def test_variant_names():
             parse_variants(bad)
 
 
+def test_variants_with_kernel_settings(monkeypatch):
+    """`weave...@key=value`: one run A/Bs kernel configurations side by side; the settings reach the layer's
+    KernelConfig on top of WEAVE_MOE_KERNEL_CONFIG, and a typo fails at parse time, naming the variant."""
+    from weave_moe.backends.weave.config import KERNEL_CONFIG_ENV, KernelConfig
+
+    monkeypatch.setenv(KERNEL_CONFIG_ENV, "decode_stages=off,block_h=256")
+    names = [v.name for v in parse_variants("nccl,weave:serial@independent_scan=off@block_h=128,weave:static:20,4@"
+                                            "fork_prologue=0,weave")]
+    assert names == ["nccl", "weave:serial@independent_scan=off@block_h=128", "weave:static:20,4@fork_prologue=0",
+                     "weave"]
+    variant = parse_variant("weave:serial@independent_scan=off@block_h=128")
+    assert (variant.backend, variant.policy, variant.kernel_config) == ("weave", "serial",
+                                                                        "independent_scan=off,block_h=128")
+    options = variant.layer_options()
+    assert options["policy"] == "serial"
+    config = options["config"]
+    assert (config.independent_scan, config.block_h, config.decode_stages) == (False, 128, False)   # env, then ours
+    assert config == KernelConfig(independent_scan=False, block_h=128, decode_stages=False)
+    assert parse_variant("weave:static:20,4@fork_prologue=0").policy == "static:20,4"
+    assert parse_variant("weave:serial").layer_options() == dict(policy="serial")   # no config: the layer's default
+    assert parse_variant("nccl").layer_options() == {}
+    for bad, message in (("nccl@tma=0", "only the weave backend"), ("weave@", "empty @ setting"),
+                         ("weave:serial@independnt_scan=off", "variant 'weave:serial@independnt_scan=off'"),
+                         ("weave@block_h=wide", "must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            parse_variants(bad)
+
+
 def test_validate_uses_the_same_parser():
     import inspect
 

@@ -103,9 +103,9 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
                         device=device).to(torch.bfloat16)
         ref = reference_moe(x, ids, weights, w13, w2)
         for variant in map(parse_variant, variants):
-            name, backend, policy = variant.name, variant.backend, variant.policy
+            name, backend = variant.name, variant.backend
             options = dict(debug_poison=True) if backend == "weave" else {}
-            kwargs = dict(policy=policy) if policy else {}
+            kwargs = variant.layer_options()
             row = dict(case=asdict(case), variant=name, rank=rank)
             log(f"{case} {name}")
             try:

@@ -4,6 +4,9 @@
     "weave"               -> Variant("weave", backend="weave", policy="weave")       (the backend's default policy)
     "weave:static:20,4"   -> Variant("weave:static:20,4", backend="weave", policy="static:20,4")
     "nccl,weave:static:20,4,weave" (a list) -> three variants: a part that is only digits belongs to the one before
+    "weave:serial@independent_scan=off@table_rows=1"
+                          -> the weave backend with KernelConfig overrides (`key=value` after each "@", on top of
+                             WEAVE_MOE_KERNEL_CONFIG): A/B of kernel configurations side by side in one run
 
 A backend name must be registered in `weave_moe.layer.BACKENDS`; a policy is allowed on the weave backend only and is
 checked by `weave_moe.plan.parse_policy`, so a typo fails before any rank starts, with the valid names in the message.
@@ -31,15 +34,25 @@ class Variant:
         name: the text it was parsed from ("weave:static:20"); the row's `variant`.
         backend: a key of `weave_moe.layer.BACKENDS`.
         policy: the weave policy ("weave" when none was given); None for the other backends.
+        kernel_config: KernelConfig overrides of a weave variant, "key=value,..." ("" = none).
     """
 
     name: str
     backend: str
     policy: str | None = None
+    kernel_config: str = ""
 
     @property
     def is_baseline(self) -> bool:
         return self.backend in BASELINES
+
+    def layer_options(self) -> dict:
+        """The `ExpertParallelMoE` keyword arguments this variant sets: its policy, and with overrides its
+        KernelConfig (WEAVE_MOE_KERNEL_CONFIG's, then the variant's: a key in both takes the variant's value)."""
+        options = {} if self.policy is None else dict(policy=self.policy)
+        if self.kernel_config:
+            options["config"] = _kernel_config(self.name, self.kernel_config)
+        return options
 
 
 def _known_backends() -> tuple[str, ...]:
@@ -48,13 +61,32 @@ def _known_backends() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
+def _kernel_config(name: str, overrides: str):
+    import os
+
+    from weave_moe.backends.weave.config import KERNEL_CONFIG_ENV, KernelConfig
+
+    return KernelConfig.from_text(os.environ.get(KERNEL_CONFIG_ENV, "") + "," + overrides,
+                                  f"variant {name!r} (with {KERNEL_CONFIG_ENV})")
+
+
 def parse_variant(text: str) -> Variant:
-    """One `backend[:policy]` name -> Variant; ValueError naming what is allowed."""
+    """One `backend[:policy][@key=value...]` name -> Variant; ValueError naming what is allowed."""
     from weave_moe.plan import parse_policy
 
     text = text.strip()
     if not text:
         raise ValueError("empty variant name; expected backend[:policy], e.g. nccl or weave:static:20")
+    head, *overrides = text.split("@")
+    if overrides:
+        if not head.startswith("weave"):
+            raise ValueError(f"variant {text!r}: only the weave backend takes @key=value kernel settings")
+        if not all(overrides):
+            raise ValueError(f"variant {text!r}: an empty @ setting; expected e.g. weave:serial@decode_stages=off")
+        settings = ",".join(overrides)
+        _kernel_config(text, settings)   # a typo fails here, before any rank starts
+        variant = parse_variant(head)
+        return Variant(name=text, backend=variant.backend, policy=variant.policy, kernel_config=settings)
     backend, _, policy = text.partition(":")
     known = _known_backends()
     if backend not in known:
@@ -78,7 +110,7 @@ def parse_variants(text: str) -> list[Variant]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if names and part.isdigit():
+        if names and part.partition("@")[0].isdigit():
             names[-1] += "," + part
         else:
             names.append(part)

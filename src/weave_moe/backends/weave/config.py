@@ -147,28 +147,33 @@ class KernelConfig:
     def from_env(cls) -> "KernelConfig":
         """Defaults, overridden by WEAVE_MOE_KERNEL_CONFIG="key=value,..." (ints; booleans as 1/0, true/false,
         yes/no, on/off). Raises ValueError naming the variable on an unknown key or a malformed value."""
-        text = os.environ.get(KERNEL_CONFIG_ENV, "").strip()
+        return cls.from_text(os.environ.get(KERNEL_CONFIG_ENV, ""), KERNEL_CONFIG_ENV)
+
+    @classmethod
+    def from_text(cls, text: str, source: str) -> "KernelConfig":
+        """Defaults, overridden by "key=value,..." (the format of WEAVE_MOE_KERNEL_CONFIG; a later key wins); errors
+        name `source` (where the text came from)."""
         fields = {field.name: field.type for field in dataclasses.fields(cls)}
         values = {}
-        for item in filter(None, (part.strip() for part in text.split(","))):
+        for item in filter(None, (part.strip() for part in text.strip().split(","))):
             key, sep, value = (part.strip() for part in item.partition("="))
             if not sep or key not in fields:
-                raise ValueError(f"{KERNEL_CONFIG_ENV}: {item!r} is not key=value with a key of "
+                raise ValueError(f"{source}: {item!r} is not key=value with a key of "
                                  f"{', '.join(fields)}")
             if fields[key] == "str":
                 if value.lower() not in _CHOICES[key]:
-                    raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be one of {'/'.join(_CHOICES[key])}")
+                    raise ValueError(f"{source}: {key}={value!r} must be one of {'/'.join(_CHOICES[key])}")
                 values[key] = value.lower()
             elif fields[key] == "bool":
                 if value.lower() not in _TRUE + _FALSE:
-                    raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be one of {'/'.join(_TRUE)} or "
+                    raise ValueError(f"{source}: {key}={value!r} must be one of {'/'.join(_TRUE)} or "
                                      f"{'/'.join(_FALSE)}")
                 values[key] = value.lower() in _TRUE
             else:
                 try:
                     values[key] = int(value)
                 except ValueError:
-                    raise ValueError(f"{KERNEL_CONFIG_ENV}: {key}={value!r} must be an integer") from None
+                    raise ValueError(f"{source}: {key}={value!r} must be an integer") from None
         return cls(**values)
 
     def resident_at(self, world_size: int) -> bool:
