@@ -288,3 +288,35 @@ def test_rotated_counts_keep_the_rows_and_move_them_to_other_experts():
         assert int(rolled.sum()) == 8 and sorted(rolled[rolled > 0].tolist()) == [1, 2, 5]
         assert set(torch.nonzero(rolled).flatten().tolist()) == {(e + 8 * r) % 64 for e in (3, 17, 40)}
     assert torch.equal(tune.rotated_counts(counts, 0, 8), counts)
+
+
+def test_tune_pairs_write_the_fastest_pair_by_its_gain_over_the_default_pair(tmp_path):
+    """--pairs: GEMM0 -> GEMM1 timed back to back; the configs of the fastest pair are written (each GEMM's entry
+    records the pair), even where one of them is not the fastest alone, and only by the pair's gain."""
+    out = tmp_path / "nvidia-h200.json"
+    table = tune._start_table(out, replace=False)
+    table["meta"] = dict(date="2026-12-03T00:00:00+00:00", commit="abc")
+    shape = dict(model="qwen3-30b-a3b", tokens=2048, rows=16384, rows_bucket=16384, **SHAPE)
+    default0, default1 = gg.analytical_config(0, 16384, 64), gg.analytical_config(1, 16384, 64)
+    alone0 = [(1.0, default0, 1e-3), (0.8, TUNED0, 1e-3)]
+    alone1 = [(1.0, default1, 1e-3), (0.9, TUNED1, 1e-3)]   # TUNED1 fastest alone ...
+    timed = {(TUNED0, TUNED1): 1.9, (TUNED0, default1): 1.6, (default0, TUNED1): 1.95, (default0, default1): 2.0}
+    chosen = tune.pair_choice(timed, timed[default0, default1])   # ... but TUNED0 -> default1 is the fastest pair
+    assert chosen[0]["config"] == TUNED0 and chosen[1]["config"] == default1 and chosen[0]["pairs_measured"] == 4
+    r0 = tune._record(table, shape, 0, default0, alone0, 0.05, 2, pair=chosen[0])
+    r1 = tune._record(table, shape, 1, default1, alone1, 0.05, 2, pair=chosen[1])
+    assert r0["written"] and not r1["written"]   # GEMM1's pair config is its default: nothing to write
+    assert abs(r0["gain"] - 0.25) < 1e-9 and r0["pair"] == [tune.config_name(TUNED0), tune.config_name(default1)]
+    assert r0["ms"] == 0.8 and r0["pair_ms"] == 1.6
+    tune._write_table(out, table)
+    gg.clear_tuned_cache()
+    try:
+        assert gg.default_config(0, 16384, 64, 2048, 768, table=out) == TUNED0
+        assert gg.default_config(1, 16384, 64, 2048, 768, table=out) == default1
+    finally:
+        gg.clear_tuned_cache()
+
+
+def test_tune_pairs_need_both_gemms(capsys):
+    assert cli.main(["tune", "--gemms", "0", "--pairs", "3", "--list"]) == 2
+    assert "--pairs" in capsys.readouterr().err

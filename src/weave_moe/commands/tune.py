@@ -54,6 +54,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--min-gain", type=float, default=0.05,
                         help="write an entry only where the best candidate is at least this fraction faster than the "
                              "analytical default (run-to-run noise of one config is a few points)")
+    parser.add_argument("--pairs", type=int, default=0, metavar="N",
+                        help="then time GEMM0 -> GEMM1 back to back in one graph (as a call runs them, GEMM1 reading "
+                             "GEMM0's h) for the N fastest configs of each alone (N x N pairs and the default pair), "
+                             "and write the fastest pair's configs (default 0: each GEMM's fastest alone)")
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
     parser.add_argument("--warm-l2", action="store_true",
                         help="time every launch on the same experts, so weights that fit in the L2 cache stay there "
@@ -167,6 +171,9 @@ def run(args) -> int:
             raise ValueError(f"--emulate-ep: expected an int >= 1, given {args.emulate_ep}")
         if args.reps < 1:
             raise ValueError(f"--reps: expected an int >= 1, given {args.reps}")
+        if args.pairs < 0 or (args.pairs and sorted(set(gemms)) != [0, 1]):
+            raise ValueError(f"--pairs: expected an int >= 0, and both GEMMs (--gemms 0,1), given --pairs "
+                             f"{args.pairs} --gemms {args.gemms}")
         shapes = tune_shapes(specs, tokens, args.emulate_ep)
     except (KeyError, ValueError) as error:
         return refuse(str(error).strip("'\""))
@@ -306,13 +313,16 @@ class _Work:
             self.tables[key] = gg.build_tile_table(self.rotated_offsets[rotation], block_m, self.alloc, split_tail)
         return self.tables[key]
 
-    def launcher(self, gemm: int, config, rotation: int = 0):
+    def launcher(self, gemm: int, config, rotation: int = 0, after_gemm0: bool = False):
+        """One launch of `gemm` with `config` on rotation `rotation`'s rows; `after_gemm0`: GEMM1 reads GEMM0's
+        output `h` (a pair, as in a call) instead of the checked input `h_in`."""
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
         tiles = self.table(config.block_m, config.split_tail, rotation)
         if gemm == 0:
             return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config)
-        return lambda: gg.grouped_gemm1(self.h_in, self.w2, self.y, tiles, config)
+        h = self.h if after_gemm0 else self.h_in
+        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config)
 
     def error(self, gemm: int, launch) -> float:
         """Relative Frobenius error of one poisoned run on the checked rows (inf when any row holds NaN)."""
@@ -397,6 +407,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
             traceback.print_exc()
             failed += 1
             continue
+        alone = {}
         for gemm in gemms:
             default = gg.analytical_config(gemm, work.rows, shape["E_local"])
             measured = []
@@ -417,8 +428,17 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                 measured.append((ms, config, err))
                 print(f"  GEMM{gemm} {name}: {ms:.4f} ms, error {err:.1e}{'  (default)' if config == default else ''}",
                       flush=True)
+            alone[gemm] = (default, measured)
+        chosen = {}
+        if args.pairs and all(alone.get(g, (None, []))[1] for g in (0, 1)):
+            try:
+                chosen = _tune_pairs(work, alone, args.pairs, args.reps)
+            except Exception as error:  # the GEMMs alone still stand
+                print(f"  pairs: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
+                torch.cuda.synchronize()
+        for gemm, (default, measured) in alone.items():
             result = _record(table, shape, gemm, default, measured, args.min_gain, args.emulate_ep,
-                             work.rotations[gemm])
+                             work.rotations[gemm], pair=chosen.get(gemm))
             if result is not None:
                 result.pop("run")
             if result is None:
@@ -439,9 +459,46 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     return 1 if failed else 0
 
 
-def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotations: int = 1) -> dict | None:
+def _tune_pairs(work, alone: dict, top: int, reps: int) -> dict:
+    """Time GEMM0 -> GEMM1 pairs back to back (GEMM1 reading GEMM0's h) in one graph, on the cold rotations of both:
+    the `top` fastest configs of each GEMM alone, crossed, and the analytical default pair; `pair_choice` of them."""
+    import statistics
+
+    from weave_moe.bench.anchor import graph_replay_ms
+
+    rotations = len(work.rotated_offsets)
+
+    def pair_ms(first, second):
+        launches = [launch for r in range(rotations)
+                    for launch in (work.launcher(0, first, r), work.launcher(1, second, r, after_gemm0=True))]
+        return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches], reps)) / rotations
+
+    fastest = {g: [config for _, config, _ in sorted(alone[g][1], key=lambda m: m[0])[:top]] for g in (0, 1)}
+    timed = {}
+    for first in fastest[0]:
+        for second in fastest[1]:
+            timed[first, second] = pair_ms(first, second)
+            print(f"  pair {config_name(first)} -> {config_name(second)}: {timed[first, second]:.4f} ms", flush=True)
+    default = (alone[0][0], alone[1][0])
+    default_ms = timed[default] if default in timed else pair_ms(*default)
+    print(f"  pair (default) {config_name(default[0])} -> {config_name(default[1])}: {default_ms:.4f} ms", flush=True)
+    return pair_choice(timed, default_ms)
+
+
+def pair_choice(timed: dict, default_ms: float) -> dict:
+    """The fastest of the timed pairs {(GEMM0 config, GEMM1 config): ms}: {gemm: {"config", "pair_ms",
+    "pair_default_ms", "pair", "pairs_measured"}} for GEMM0 and GEMM1 (what `_record` writes with `pair=`)."""
+    (first, second), best_ms = min(timed.items(), key=lambda item: item[1])
+    info = dict(pair_ms=best_ms, pair_default_ms=default_ms, pair=[config_name(first), config_name(second)],
+                pairs_measured=len(timed))
+    return {0: dict(info, config=first), 1: dict(info, config=second)}
+
+
+def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotations: int = 1,
+            pair: dict | None = None) -> dict | None:
     """Put one measured (shape, gemm) into the table (replacing older records of its key); a result row for the
-    printout, or None when no candidate passed."""
+    printout, or None when no candidate passed. `pair` (`pair_choice`): write the fastest pair's config of this
+    GEMM, by the pair's gain over the default pair, instead of this GEMM's fastest alone."""
     import dataclasses
 
     if not measured:
@@ -449,6 +506,10 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotatio
     best_ms, best, best_err = min(measured, key=lambda m: m[0])
     default_ms = next((ms for ms, config, _ in measured if config == default), None)
     gain = default_ms / best_ms - 1 if default_ms else float("inf")
+    if pair is not None:
+        best = pair["config"]
+        best_ms, best_err = next((ms, err) for ms, config, err in measured if config == best)
+        gain = pair["pair_default_ms"] / pair["pair_ms"] - 1
     written = best != default and gain >= min_gain
     key = dict(gemm=gemm, E_local=shape["E_local"], H=shape["H"], I=shape["I"], rows_bucket=shape["rows_bucket"])
     meta = table["meta"]
@@ -456,6 +517,9 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotatio
                   ms=round(best_ms, 5), default_ms=None if default_ms is None else round(default_ms, 5),
                   default=config_name(default), best=config_name(best), error=float(f"{best_err:.3g}"),
                   candidates_measured=len(measured), rotations=rotations, run=f"{meta['date']} {meta['commit']}")
+    if pair is not None:
+        record.update(pair_ms=round(pair["pair_ms"], 5), pair_default_ms=round(pair["pair_default_ms"], 5),
+                      pair=pair["pair"], pairs_measured=pair["pairs_measured"])
     for section in ("entries", "measured_default"):
         table[section] = [e for e in table[section] if any(e.get(k) != v for k, v in key.items())]
     if written:
