@@ -311,8 +311,8 @@ def _bases_kernel(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, toke
 def _segment_of(end_ptr, j, S, BLOCK_J: tl.constexpr, BLOCK_S: tl.constexpr):
     """For task slots j [BLOCK_J]: the segment whose blocks hold j (searchsorted(block_end, j, right=True), clamped
     to S - 1, as layout._segment_blocks), by a binary search over the non-decreasing block ends: log2(BLOCK_S)
-    dependent loads (cached in L1) instead of a [BLOCK_J, BLOCK_S] comparison, whose unrolled code (~1000
-    instructions at 4 warps and 512 segments) a decode call's kernel fetches cold."""
+    dependent loads (cached in L1) instead of a [BLOCK_J, BLOCK_S] comparison, ~1000 unrolled instructions at 4
+    warps and 512 segments (measured neutral in the call on an H200: bench/results/h200-0586e60)."""
     count = tl.zeros([BLOCK_J], dtype=tl.int32)   # ends <= j among the first `count`: grows by halving steps
     for i in tl.static_range(20):
         if (BLOCK_S >> (i + 1)) > 0:
@@ -487,7 +487,6 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
                     BLOCK_N)
 
 
-
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
@@ -517,9 +516,10 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
     the scan's atomic counters as a caller's buffer (`counter_words` int32, all zero), which the bases kernel zeroes
     again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call.
-    `num_warps`: of every launch (a program's code shrinks with more warps:
-    each thread holds fewer elements of the kernels' [tokens, slots] and [slots, segments] tensors). `emit_tokens`
-    (a power of two): tokens per emit program instead of 256 (fewer: more programs, each a smaller one).
+    `num_warps`: of every launch (more warps, less code per program: each thread holds fewer elements of the
+    kernels' block tensors). `emit_tokens` (a power of two): tokens per emit program instead of 256 (fewer: more
+    programs, each a smaller one). Both for probes and tests (on an H200, bench/results/h200-0586e60: 16 warps
+    neutral in the call; 32 emit tokens 1.8 us faster alone on one shape at 1 token, not tried in a call).
     `independent`: the kernel launched just before writes nothing the tables read (the resident call's counts
     kernel under a fixed plan: the routing was complete before it, the chunks are the layer's): the scan then runs
     beside it instead of after it (`_scan_kernel`). With an adaptive policy the planner writes the chunks just
