@@ -140,8 +140,6 @@ for stage in "$@"; do
             timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${mt%%:*}" --tokens "${mt##*:}" --variants weave:serial --rows 30 > "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt" 2>&1; echo "profile $i $mt rc=$?"; grep -E "^#####.*span" "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt"
           done
         done; unset WEAVE_MOE_TUNED_TABLE;;
-    # how much of a small kernel's time is fetching its own code (straight-line kernels, the table builders)
-    code-fetch) timeout "${CF_TIMEOUT:-240}" python3 scripts/code_fetch_probe.py --out "$W/code_fetch_probe.json" > "$W/code_fetch_probe.log" 2>&1; echo "rc=$?"; tail -40 "$W/code_fetch_probe.log" | cut -c1-260;;
     host-primitives) timeout 120 python3 scripts/host_primitives.py --out "$W/host_primitives.json" > "$W/host_primitives.log" 2>&1; echo "rc=$?"; tail -25 "$W/host_primitives.log";;
     # host time of a resident call, piece by piece (scripts/host_cost.py)
     host-cost) timeout "${HC_TIMEOUT:-200}" python3 scripts/host_cost.py --model "${HC_MODEL:-qwen3-30b-a3b}" --tokens "${HC_TOKENS:-1,2048}" ${HC_ARGS:-} --out "$W/host_cost.json" > "$W/host_cost.log" 2>&1; echo "rc=$?"; grep "^{" "$W/host_cost.log" | cut -c1-600;;

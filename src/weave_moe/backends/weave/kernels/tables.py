@@ -509,17 +509,16 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
-                        counters: torch.Tensor | None = None, num_warps: int = 4,
-                        emit_tokens: int | None = None, independent: bool = False) -> Layout:
+                        counters: torch.Tensor | None = None, emit_tokens: int | None = None,
+                        independent: bool = False) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
     the scan's atomic counters as a caller's buffer (`counter_words` int32, all zero), which the bases kernel zeroes
     again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call.
-    `num_warps`: of every launch (more warps, less code per program: each thread holds fewer elements of the
-    kernels' block tensors). `emit_tokens` (a power of two): tokens per emit program instead of 256 (fewer: more
-    programs, each a smaller one). Both for probes and tests (on an H200, bench/results/h200-0586e60: 16 warps
-    neutral in the call; 32 emit tokens 1.8 us faster alone on one shape at 1 token, not tried in a call).
+    `emit_tokens` (a power of two, tests): tokens per emit program instead of 256 (fewer: more programs, each a
+    smaller one; on an H200 32 were 1.8 us faster alone on one shape at 1 token and neutral on another,
+    bench/results/h200-0586e60).
     `independent`: the kernel launched just before writes nothing the tables read (the resident call's counts
     kernel under a fixed plan: the routing was complete before it, the chunks are the layer's): the scan then runs
     beside it instead of after it (`_scan_kernel`). With an adaptive policy the planner writes the chunks just
@@ -605,8 +604,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     _scan_kernel[(P * NB + NB,)](
         all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
         recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP,
-        MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, INDEPENDENT=independent, num_warps=num_warps,
-        **sync.LAUNCH)
+        MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, INDEPENDENT=independent, **sync.LAUNCH)
     _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
         pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
         expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta,
@@ -614,7 +612,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         recv_block_base, send_hist, send_block_base, rank, P, L, NB, n0, n1, block_m, dispatch_rows, combine_rows,
         reduce_rows,
         MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
-        CLEAR_COUNTS=counters is not None, num_warps=num_warps, **sync.LAUNCH)
+        CLEAR_COUNTS=counters is not None, **sync.LAUNCH)
     grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
     _emit_kernel[(grid,)](
         all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
@@ -625,7 +623,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
         max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=emit_tokens, BT=BT,
         BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-        BLOCK_N=_pow2(max(n0, n1)), num_warps=num_warps, **sync.LAUNCH)
+        BLOCK_N=_pow2(max(n0, n1)), **sync.LAUNCH)
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
                   gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
