@@ -121,9 +121,8 @@ for stage in "$@"; do
         timeout 90 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model qwen3-30b-a3b --tokens 1 --variants weave:serial,weave --rows 30 > "$W/profile-pdl1.txt" 2>&1; echo "profile rc=$?";;
     # A/B of KernelConfig settings (KA_CONFIGS, space-separated: "none" = the defaults, else key=value,...; results
     # are numbered in that order, config-ab.txt names them): the bench with --check for each, side by side with
-    # nccl, then one profiled call per config and KA_PROFILE_TOKENS (its GPU timeline: kernel_timeline)
-    # A/B of kernel configs in separate runs (KA_CONFIGS); for side by side in one run, name variants with settings:
-    # KA_VARIANTS="nccl,weave:serial,weave:serial@independent_scan=off" (docs/benchmarking.md)
+    # nccl, then one profiled call per config and KA_PROFILE_TOKENS (its GPU timeline: kernel_timeline). Separate
+    # runs drift with the host's load; side by side in one run: KA_VARIANTS="nccl,weave:serial,weave:serial@key=value"
     config-ab) i=0; : > "$W/config-ab.txt"; for cfg in ${KA_CONFIGS:-none}; do i=$((i + 1)); echo "$i $cfg" >> "$W/config-ab.txt"
           kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
           WEAVE_MOE_KERNEL_CONFIG=$kc timeout "${KA_TIMEOUT:-150}" python3 -m weave_moe.bench --emulate-ep 2 --models "${KA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${KA_TOKENS:-1,8,32,2048}" --routing uniform --variants "${KA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${KA_TIMEOUT:-150} - 10 )) --name "config-ab$i" --out "$W" > "$W/bench-config-ab$i.log" 2>&1; echo "bench $i ($cfg) rc=$?"; tail -14 "$W/bench-config-ab$i.log" | cut -c1-220

@@ -4,7 +4,7 @@
     "weave"               -> Variant("weave", backend="weave", policy="weave")       (the backend's default policy)
     "weave:static:20,4"   -> Variant("weave:static:20,4", backend="weave", policy="static:20,4")
     "nccl,weave:static:20,4,weave" (a list) -> three variants: a part that is only digits belongs to the one before
-    "weave:serial@independent_scan=off@table_rows=1"
+    "weave:serial@independent_scan=off@decode_stages=off"
                           -> the weave backend with KernelConfig overrides (`key=value` after each "@", on top of
                              WEAVE_MOE_KERNEL_CONFIG): A/B of kernel configurations side by side in one run
 
@@ -79,13 +79,13 @@ def parse_variant(text: str) -> Variant:
         raise ValueError("empty variant name; expected backend[:policy], e.g. nccl or weave:static:20")
     head, *overrides = text.split("@")
     if overrides:
-        if not head.startswith("weave"):
+        variant = parse_variant(head)
+        if variant.backend != "weave":
             raise ValueError(f"variant {text!r}: only the weave backend takes @key=value kernel settings")
         if not all(overrides):
             raise ValueError(f"variant {text!r}: an empty @ setting; expected e.g. weave:serial@decode_stages=off")
         settings = ",".join(overrides)
         _kernel_config(text, settings)   # a typo fails here, before any rank starts
-        variant = parse_variant(head)
         return Variant(name=text, backend=variant.backend, policy=variant.policy, kernel_config=settings)
     backend, _, policy = text.partition(":")
     known = _known_backends()
