@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
     CASES = [([5, 0, 21], 48, 40), ([1], 40, 16), ([17, 33, 16], 32, 24), ([0, 0], 32, 16), ([40, 3], 24, 56),
              ([64, 65, 80, 96, 97], 32, 16)]
 
-    def check(counts, H, I, cfg, seed):
+    def check(counts, H, I, cfg, seed, gathered=False):
         torch.manual_seed(seed)
         E = len(counts)
         offsets = torch.zeros(E + 1, dtype=torch.int32)
@@ -40,6 +40,10 @@ SCRIPT = textwrap.dedent(
         rows = int(offsets[-1])
         P = rows + 7  # the buffers are sized by a bound; rows past the last expert must stay untouched
         a = torch.randn(P, H).bfloat16()
+        if gathered:  # GEMM0 reads row m as source[gather[m]] (the source rows in another order, more of them)
+            source = torch.randn(P + 5, H).bfloat16()
+            gather = torch.randperm(P + 5)[:P].int()
+            a = source[gather.long()]
         w13 = (torch.randn(E, 2 * I, H) / H ** 0.5).bfloat16()
         w2 = (torch.randn(E, H, I) / I ** 0.5).bfloat16()
         scale = torch.rand(P) + 0.5
@@ -60,7 +64,10 @@ SCRIPT = textwrap.dedent(
         h = torch.full((P, I), float("nan")).bfloat16()
         y = torch.full((P, H), float("nan")).bfloat16()
         w = gg.interleave_w13(w13) if cfg.interleaved else w13
-        gg.grouped_gemm0(a, w, h, tiles, cfg, dot_fp32=True)
+        if gathered:
+            gg.grouped_gemm0(source, w, h, tiles, cfg, dot_fp32=True, gather=gather)
+        else:
+            gg.grouped_gemm0(a, w, h, tiles, cfg, dot_fp32=True)
         gg.grouped_gemm1(h, w2, y, tiles, cfg, scale=scale, dot_fp32=True)
         assert h[rows:].isnan().all() and y[rows:].isnan().all(), "rows past the last expert were written"
         assert not h[:rows].isnan().any() and not y[:rows].isnan().any(), "unwritten rows"
@@ -78,6 +85,8 @@ SCRIPT = textwrap.dedent(
     for i, (counts, H, I) in enumerate(CASES):
         for j, cfg in enumerate(CONFIGS):
             check(counts, H, I, cfg, seed=10 * i + j)
+        for j in (1, 3, 6):  # the gathered A rows: interleaved, gate and up apart, split tails
+            check(counts, H, I, CONFIGS[j], seed=100 + 10 * i + j, gathered=True)
     print("GROUPED GEMM INTERPRETER OK")
     """
 )
@@ -120,6 +129,9 @@ def test_bad_arguments_name_what_was_expected():
     with pytest.raises(ValueError, match="tiles.block_m"):
         gg.grouped_gemm0(a, torch.zeros(1, 32, 32, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16),
                          tiles, cfg.with_(block_m=32))
+    with pytest.raises(ValueError, match="gather: expected contiguous int32"):
+        gg.grouped_gemm0(a, torch.zeros(1, 32, 32, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16),
+                         tiles, cfg, gather=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ValueError, match="expert_offsets"):
         gg.build_tile_table(offsets.long(), 16, 4)
 
@@ -167,7 +179,7 @@ def _runtime_compile_cases():
     return cases
 
 
-def _runtime_launch(gemm, cfg, hidden, inter, sms, scale=False):
+def _runtime_launch(gemm, cfg, hidden, inter, sms, scale=False, gathered=False):
     """The launch the weave backend makes (backend._grouped_gemms: workspace h / y of max_pairs rows, a tile table
     with the config's split tails, GEMM1 without routing weights), on CPU tensors of 16-byte aligned storage like the
     GPU's."""
@@ -180,7 +192,9 @@ def _runtime_launch(gemm, cfg, hidden, inter, sms, scale=False):
     if gemm == 0:
         a = torch.empty(rows, hidden, dtype=torch.bfloat16)
         w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
-        return gg._gemm0_launch(a, w13, h, tiles, cfg, num_sms=sms)
+        # gathered: the receive buffer and the layout's gather rows (KernelConfig.gemm0_gather)
+        gather = torch.empty(rows, dtype=torch.int32) if gathered else None
+        return gg._gemm0_launch(a, w13, h, tiles, cfg, num_sms=sms, gather=gather)
     w2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
     y = torch.empty(rows, hidden, dtype=torch.bfloat16)
     return gg._gemm1_launch(h, w2, y, tiles, cfg, scale=torch.empty(rows) if scale else None, num_sms=sms)
@@ -227,6 +241,17 @@ def test_runtime_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidd
     assert {"H", "I"} <= divisible, ("H / I not specialised divisible by 16", divisible)
     assert "max_tiles" not in divisible  # do_not_specialize: one compile for every buffer size
     assert all(source.signature[n].startswith("tensordesc<bf16[") for n in names if n.endswith("_desc"))
+    _check_hopper_ptx(cfg, sm90.compile_for_sm90(kernel, args, kwargs), tmp_path)
+
+
+# GEMM0 reading its A rows through the gather index (KernelConfig.gemm0_gather): every GEMM0 configuration the runtime
+# may launch, weights still through TMA, no local memory
+@pytest.mark.parametrize("gemm,cfg,hidden,inter,sms", [case for case in _runtime_compile_cases() if case[0] == 0],
+                         ids=lambda v: repr(v) if not isinstance(v, gg.GemmConfig) else
+                         f"{v.block_m}x{v.block_n}x{v.block_k}w{v.num_warps}s{v.num_stages}e{v.epilogue}")
+def test_gathered_gemm0_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidden, inter, sms, tmp_path):
+    kernel, _, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms, gathered=True)
+    assert kwargs["GATHER_A"]
     _check_hopper_ptx(cfg, sm90.compile_for_sm90(kernel, args, kwargs), tmp_path)
 
 

@@ -404,8 +404,9 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     warmed, prologues = [], []
 
     def gemm(index):
-        def run(a, w, out, tiles, config, early_release):
+        def run(a, w, out, tiles, config, early_release, gather=None):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
+            assert gather is None   # the default KernelConfig: GEMM0 reads y, which the gather launch fills
             # the variant the calls launch (a compile per value of the constexpr)
             assert early_release is backend.config.gemm_early_release
             warmed.append((index, config))
@@ -420,6 +421,43 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
     g1 = (configs[1][0].block_m, False)
     assert sorted(prologues) == sorted({tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))})
+
+
+@pytest.mark.parametrize("gemm0_gather", [False, True])
+def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_gather):
+    """The grouped GEMM stage: by default a gather launch copies the received rows into y in expert order and GEMM0
+    reads y; with KernelConfig.gemm0_gather no gather launch, GEMM0 reads the receive buffer through the layout's
+    gather rows. GEMM1 reads h and writes y either way."""
+    import types
+
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.plan import Plan
+
+    backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
+    backend.config = dataclasses.replace(backend.config, gemm0_gather=gemm0_gather)
+    calls = []
+    backend._gather_rows = lambda index, rows: calls.append(("gather", index, rows))
+    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", lambda a, w, out, tiles, config, early_release,
+                        gather=None: calls.append(("gemm0", a, gather)))
+    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", lambda a, w, out, tiles, config, early_release:
+                        calls.append(("gemm1", a, out)))
+    layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
+    keys = ((16, False),)
+    rows = torch.ones(1, dtype=torch.int32)
+    configs = (types.SimpleNamespace(block_m=16, split_tail=False),) * 2
+    WeaveBackend._grouped_gemms(backend, layout, configs, early=({keys[0]: "table"}, rows, None))
+    ws = backend.workspace
+    names = [call[0] for call in calls]
+    if gemm0_gather:
+        assert names == ["gemm0", "gemm1"]
+        assert calls[0][1].data_ptr() == ws.recv().data_ptr()
+        assert calls[0][2] is layout.gather_rows
+    else:
+        assert names == ["gather", "gemm0", "gemm1"]
+        assert calls[0][1] is layout.gather_rows and calls[0][2] is rows
+        assert calls[1][1].data_ptr() == ws.y().data_ptr() and calls[1][2] is None
+    assert calls[-1][1].data_ptr() == ws.h().data_ptr() and calls[-1][2].data_ptr() == ws.y().data_ptr()
 
 
 def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatch):

@@ -725,7 +725,8 @@ class WeaveBackend:
 
     def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
-        overwrites afterwards), GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
+        overwrites afterwards; with KernelConfig.gemm0_gather GEMM0 reads them through the gather rows instead),
+        GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
         combine phase, which waits on those counters. `device_serial`: only if this rank's device plan is serial;
         under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
         the GEMMs), all without a host sync. `early`: the side-stream prologue `_launch` enqueued before the
@@ -735,10 +736,14 @@ class WeaveBackend:
                                                                device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        self._gather_rows(layout.gather_rows, rows)
         release = self.config.gemm_early_release
-        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                   early_release=release)
+        if self.config.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
+            grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
+                                       configs[0], early_release=release, gather=layout.gather_rows)
+        else:
+            self._gather_rows(layout.gather_rows, rows)
+            grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
+                                       early_release=release)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    early_release=release)
 
@@ -788,9 +793,11 @@ class WeaveBackend:
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
             release = self.config.gemm_early_release
+            # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
+            a, gather = (self.workspace.recv(), self.ctrl) if self.config.gemm0_gather else (y, None)
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(y, self.w13, h, table, config, early_release=release)
+                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, early_release=release, gather=gather)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, early_release=release)

@@ -101,6 +101,9 @@ class KernelConfig:
         independent_scan: under a fixed plan (no device planner), the first table kernel runs beside the counts
             kernel launched just before it, which writes nothing it reads (`build_layout_triton(independent=)`),
             instead of after it.
+        gemm0_gather: the grouped GEMM0 reads its A rows from the receive buffer through the layout's gather rows
+            (pointer loads, `grouped_gemm0(gather=)`) instead of a gather launch first copying them into expert
+            order for TMA reads: one launch and the rows' copy (2 x rows x H x 2 bytes) fewer.
     """
 
     block_m: int = 128
@@ -129,6 +132,7 @@ class KernelConfig:
     fork_prologue: bool = True
     gemm_early_release: bool = False
     independent_scan: bool = True
+    gemm0_gather: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

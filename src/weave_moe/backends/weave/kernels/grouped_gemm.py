@@ -434,12 +434,35 @@ def _section_work(pid, work_before, NUM_SMS: tl.constexpr):
 
 
 @triton.jit
-def _desc_k_loop(a_desc, w_desc, m_start, w_row, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 = A rows [m_start, +BLOCK_M) @ W rows [w_row, +BLOCK_N)^T over K, both through TMA."""
+def _a_block(a_desc, a_ptr, rows, m_start, k, K, BLOCK_K: tl.constexpr, GATHER_A: tl.constexpr):
+    """The A block of a tile at K offset k: rows [m_start, +BLOCK_M) through TMA, or with GATHER_A rows `rows` (int64
+    [BLOCK_M] row indices of a [*, K]) by pointer loads, the K tail zero-filled."""
+    if GATHER_A:
+        offs_k = k + tl.arange(0, BLOCK_K)
+        block = tl.load(a_ptr + rows[:, None] * K + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    else:
+        block = a_desc.load([m_start, k])
+    return block
+
+
+@triton.jit
+def _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M: tl.constexpr, GATHER_A: tl.constexpr):
+    """With GATHER_A, the rows of a that tile rows [m_start, +BLOCK_M) read: gather[row], rows past the expert's end
+    clamped to its last (read, never stored); else unused."""
+    rows = m_start
+    if GATHER_A:
+        rows = tl.load(gather_ptr + tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)).to(tl.int64)
+    return rows
+
+
+@triton.jit
+def _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, w_row, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr, GATHER_A: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 = A rows [m_start, +BLOCK_M) @ W rows [w_row, +BLOCK_N)^T over K, both through TMA
+    (A: `_a_block`)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K, warp_specialize=WS_INNER):
-        a = a_desc.load([m_start, k])
+        a = _a_block(a_desc, a_ptr, rows, m_start, k, K, BLOCK_K, GATHER_A)
         w = w_desc.load([w_row, k])
         if DOT_FP32:
             a = a.to(tl.float32)
@@ -449,25 +472,27 @@ def _desc_k_loop(a_desc, w_desc, m_start, w_row, K, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_tiles, num_n, work, H, I,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
+def _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_tiles, num_n, work,
+                H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr,
+                GATHER_A: tl.constexpr):
     HALF_N: tl.constexpr = BLOCK_N // 2
     tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
     expert = tl.load(tiles_ptr + column0 + tile)
     m_start = tl.load(tiles_ptr + width + column0 + tile)
     m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
     n_start = n * HALF_N
+    rows = _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M, GATHER_A)
     if INTERLEAVED:
-        acc = _desc_k_loop(a_desc, w_desc, m_start, expert * 2 * I + 2 * n_start, H,
-                           BLOCK_M, BLOCK_N, BLOCK_K, WS_INNER, DOT_FP32)
+        acc = _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, expert * 2 * I + 2 * n_start, H,
+                           BLOCK_M, BLOCK_N, BLOCK_K, WS_INNER, DOT_FP32, GATHER_A)
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
     else:
         gate_row = expert * 2 * I + n_start
         gate = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
         for k in tl.range(0, H, BLOCK_K, warp_specialize=WS_INNER):
-            a = a_desc.load([m_start, k])
+            a = _a_block(a_desc, a_ptr, rows, m_start, k, H, BLOCK_K, GATHER_A)
             wg = w_desc.load([gate_row, k])
             wu = w_desc.load([gate_row + I, k])
             if DOT_FP32:
@@ -481,16 +506,17 @@ def _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_ti
 
 
 @triton.jit(do_not_specialize=["max_tiles"])
-def _gemm0_kernel(a_desc, a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def _gemm0_kernel(a_desc, a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, num_tiles_ptr, max_tiles,
+                  H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   NUM_SMS: tl.constexpr, INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr,
                   SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
-                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr):
+                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr, GATHER_A: tl.constexpr):
     """h[m, j] = silu(a[m] . gate_j) * (a[m] . up_j) over every tile of the table.
 
     a_desc: [P, H] block [BM, BK] (a_tail_desc: block [BM / 2, BK], section 1 of a split table); w_desc: w13 as
     [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK]; h: [P, I] bf16 (h_desc block [BM, BN / 2]);
-    tiles: int32 [3, 2 * max_tiles] (TileTable). EARLY_RELEASE: the next launch's CTAs may be scheduled from the
+    tiles: int32 [3, 2 * max_tiles] (TileTable). GATHER_A: row m is a_ptr's row gather_ptr[m] ([*, H], pointer
+    loads; the descriptors of a are then unused). EARLY_RELEASE: the next launch's CTAs may be scheduled from the
     start (sync.pdl_enter) instead of after this CTA's tiles.
     """
     sync.pdl_wait()
@@ -502,13 +528,14 @@ def _gemm0_kernel(a_desc, a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, num_til
     num_tiles = tl.load(num_tiles_ptr)
     num_work = num_tiles * num_n
     for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
-        _gemm0_tile(a_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, 0, num_tiles, num_n, work, H, I,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32)
+        _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, 0, num_tiles, num_n, work, H,
+                    I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32, GATHER_A)
     if SPLIT_TAIL:
         num_tails = tl.load(num_tiles_ptr + 1)
         for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
-            _gemm0_tile(a_tail_desc, w_desc, h_ptr, h_desc, tiles_ptr, width, max_tiles, num_tails, num_n, work,
-                        H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32)
+            _gemm0_tile(a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, max_tiles, num_tails,
+                        num_n, work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER,
+                        DOT_FP32, GATHER_A)
     if not EARLY_RELEASE:
         sync.pdl_release()
 
@@ -522,7 +549,8 @@ def _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, colu
     m_start = tl.load(tiles_ptr + width + column0 + tile)
     m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
     n_start = n * BLOCK_N
-    acc = _desc_k_loop(h_desc, w_desc, m_start, expert * H + n_start, I, BLOCK_M, BLOCK_N, BLOCK_K, WS_INNER, DOT_FP32)
+    acc = _desc_k_loop(h_desc, y_ptr, m_start, w_desc, m_start, expert * H + n_start, I, BLOCK_M, BLOCK_N, BLOCK_K,
+                       WS_INNER, DOT_FP32, False)
     if HAS_SCALE:
         rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
         acc = acc * tl.load(scale_ptr + rows)[:, None]
@@ -584,13 +612,17 @@ def _check_tiles(tiles: TileTable, config: GemmConfig):
 
 
 def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None,
-                  early_release: bool = False):
+                  early_release: bool = False, gather: torch.Tensor | None = None):
     """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0); `num_sms` overrides the grid (CTAs,
     also the NUM_SMS constexpr), which is otherwise the device's SM count (a compile-only test passes the GPU's)."""
-    rows, hidden = a.shape
+    hidden = a.shape[-1]
+    rows = a.shape[0] if gather is None else h.shape[0]   # with gather, a holds the source rows in any order
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
-    _check("a", a, (rows, hidden), a.dtype)
+    _check("a", a, (a.shape[0] if gather is not None else rows, hidden), a.dtype)
+    if gather is not None and (gather.dim() != 1 or gather.dtype != torch.int32 or not gather.is_contiguous()):
+        raise ValueError(f"gather: expected contiguous int32 [>= P rows read], given {gather.dtype} "
+                         f"{tuple(gather.shape)}")
     _check("w13", w13, (num_experts, two_i, hidden), a.dtype)
     _check("h", h, (rows, inter), a.dtype)
     _check_tiles(tiles, config)
@@ -601,12 +633,14 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
     w_desc = TensorDescriptor.from_tensor(w13.view(num_experts * two_i, hidden), w_block)
     h_desc = TensorDescriptor.from_tensor(h, [bm, bn // 2])
     num_sms = num_sms or _num_sms(a.device)
-    args = (a_desc, a_tail_desc, w_desc, h, h_desc, tiles.table, tiles.num_tiles, tiles.max_tiles, hidden, inter)
+    args = (a_desc, a_tail_desc, a, tiles.table if gather is None else gather, w_desc, h, h_desc, tiles.table,
+            tiles.num_tiles, tiles.max_tiles, hidden, inter)
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  EARLY_RELEASE=early_release, num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
+                  EARLY_RELEASE=early_release, GATHER_A=gather is not None, num_warps=config.num_warps,
+                  num_stages=config.num_stages, **sync.LAUNCH)
     return _gemm0_kernel, (num_sms,), args, kwargs
 
 
@@ -657,11 +691,15 @@ def _launch(kernel, grid, args, kwargs, needs_scratch: bool):
 
 
 def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
-                  dot_fp32: bool = False, early_release: bool = False) -> torch.Tensor:
+                  dot_fp32: bool = False, early_release: bool = False,
+                  gather: torch.Tensor | None = None) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert, one persistent launch.
 
     Args:
-        a: [P, H] bf16, rows in expert order (see the module docstring).
+        a: [P, H] bf16, rows in expert order (see the module docstring); with `gather`, [S, H] of any S, row m of
+            the expert-ordered rows being a[gather[m]].
+        gather: int32 rows of `a`, one per row below expert_offsets[-1] (`layout.Layout.gather_rows`): A is then
+            read with pointer loads (no TMA), instead of the caller first copying the rows into expert order.
         w13: [E_local, 2I, H] bf16: `interleave_w13(w13)` when config.interleaved, else gate rows then up rows.
         h: [P, I] bf16 output; rows outside every tile are left untouched.
         tiles: `build_tile_table(expert_offsets, config.block_m, P, config.split_tail)`.
@@ -670,7 +708,8 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
         early_release: let the next launch's CTAs onto the SMs from the start, not after the tiles (see the module
             docstring).
     """
-    kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32, early_release=early_release)
+    kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32, early_release=early_release,
+                                               gather=gather)
     _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and a.is_cuda)
     return h
 
