@@ -12,7 +12,8 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     env) nvidia-smi -L; nvidia-smi topo -m | head -4; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())";;
-    quick) timeout 400 python3 -m weave_moe.validate --suite quick --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-quick.json" --timeout 380 > "$W/validate-quick.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick.log" | tail -12;;
+    # QUICK_ARGS: more options, e.g. --variants weave:serial@gemm0_gather=on
+    quick) timeout "${QUICK_TIMEOUT:-400}" python3 -m weave_moe.validate --suite quick --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" ${QUICK_ARGS:-} --out "$W/validate-quick.json" --timeout $(( ${QUICK_TIMEOUT:-400} - 20 )) > "$W/validate-quick.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick.log" | tail -12;;
     quick-host) WEAVE_MOE_KERNEL_CONFIG=resident=off timeout 400 python3 -m weave_moe.validate --suite quick --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-quick-host.json" --timeout 380 > "$W/validate-quick-host.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick-host.log" | tail -12;;
     failures) timeout "${FAILURES_TIMEOUT:-400}" python3 -m weave_moe.validate --suite quick --failures --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-failures.json" --timeout 380 > "$W/validate-failures.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-failures.log" | tail -12;;
     edge) timeout 400 python3 -m weave_moe.validate --suite edge --stress-calls 300 --bad-ids --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-edge.json" --timeout 380 > "$W/validate-edge.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-edge.log" | tail -12;;
