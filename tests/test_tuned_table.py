@@ -243,9 +243,11 @@ def test_tune_records_round_trip_through_the_lookup(tmp_path):
     table["meta"] = dict(date="2026-12-01T00:00:00+00:00", commit="abc")
     shape = dict(model="qwen3-30b-a3b", tokens=2048, rows=16384, rows_bucket=16384, **SHAPE)
     default0, default1 = gg.analytical_config(0, 16384, 64), gg.analytical_config(1, 16384, 64)
-    r0 = tune._record(table, shape, 0, default0, [(1.0, default0, 1e-3), (0.8, TUNED0, 1e-3)], 0.05, 2)
+    r0 = tune._record(table, shape, 0, default0, [(1.0, default0, 1e-3), (0.8, TUNED0, 1e-3)], 0.05, 2,
+                      gathered=True)
     r1 = tune._record(table, shape, 1, default1, [(1.0, default1, 1e-3), (0.98, TUNED1, 1e-3)], 0.05, 2)
     assert r0["written"] and not r1["written"]
+    assert r0["gathered"] and "gathered" not in r1   # how GEMM0 was timed (KernelConfig.gemm0_gather)
     tune._write_table(out, table)
     gg.clear_tuned_cache()
     try:

@@ -1,7 +1,5 @@
 """Host-side pieces of the weave backend that run without a GPU: configuration, errors, measured timelines."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -26,6 +24,18 @@ def test_kernel_config_from_env(monkeypatch):
             KernelConfig.from_env()
     with pytest.raises(Exception):
         cfg.block_m = 64                                       # frozen
+
+
+def test_gemm0_gather_auto_follows_the_intermediate_size():
+    from weave_moe.backends.weave.config import GEMM0_GATHER_MAX_I
+
+    auto = KernelConfig()
+    assert auto.gemm0_gather == "auto"
+    assert auto.gathers_in_gemm0(GEMM0_GATHER_MAX_I) and not auto.gathers_in_gemm0(GEMM0_GATHER_MAX_I + 8)
+    on, off = (KernelConfig.from_text(f"gemm0_gather={v}", "test") for v in ("ON", "off"))
+    assert on.gathers_in_gemm0(6400) and not off.gathers_in_gemm0(512)
+    with pytest.raises(ValueError, match="gemm0_gather"):
+        KernelConfig.from_text("gemm0_gather=1", "test")
 
 
 def test_timeout_from_env_is_strict(monkeypatch):
@@ -288,6 +298,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.fixed_plan, backend.grouped, backend.resident = fixed_plan, grouped and fixed_plan is not None, resident
     backend.grouped_serial = grouped and resident and fixed_plan is None
     backend.interleaved = backend.grouped or backend.grouped_serial
+    backend.gemm0_gather = backend.config.gathers_in_gemm0(I)
     backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
     backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, H, I, 16)
     backend.ctrl, backend.status = torch.zeros(32, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
@@ -406,7 +417,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     def gemm(index):
         def run(a, w, out, tiles, config, early_release, gather=None):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
-            assert gather is None   # the default KernelConfig: GEMM0 reads y, which the gather launch fills
+            assert (gather is not None) is (index == 0 and backend.gemm0_gather)
             # the variant the calls launch (a compile per value of the constexpr)
             assert early_release is backend.config.gemm_early_release
             warmed.append((index, config))
@@ -435,7 +446,7 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
-    backend.config = dataclasses.replace(backend.config, gemm0_gather=gemm0_gather)
+    backend.gemm0_gather = gemm0_gather
     calls = []
     backend._gather_rows = lambda index, rows: calls.append(("gather", index, rows))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", lambda a, w, out, tiles, config, early_release,

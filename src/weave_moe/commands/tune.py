@@ -252,13 +252,16 @@ class _Work:
     """One shape's tensors on the GPU: inputs, weights, outputs, the fp32 reference on the checked experts.
 
     `l2_bytes` (None: warm timing) sets `rotations[gemm]` (`cold_rotations` of the weights one launch of that GEMM
-    reads); rotation r's launches run on `rotated_counts` (its own tile tables; only rotation 0 is checked)."""
+    reads); rotation r's launches run on `rotated_counts` (its own tile tables; only rotation 0 is checked).
+    Where the layer's GEMM0 reads its rows through the gather rows (KernelConfig.gathers_in_gemm0, from
+    WEAVE_MOE_KERNEL_CONFIG), GEMM0 is timed so: its rows scattered over a source buffer in a random order."""
 
     def __init__(self, shape: dict, seed: int, l2_bytes: int | None = None):
         import torch
         import torch.nn.functional as F
 
         from weave_moe import routing
+        from weave_moe.backends.weave.config import KernelConfig
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
         from weave_moe.reference import _ieee_fp32_matmul
 
@@ -301,6 +304,11 @@ class _Work:
                 at += f - s
         self.w13 = gg.interleave_w13(w13)
         del w13
+        self.gather = self.source = None
+        if KernelConfig.from_env().gathers_in_gemm0(I):   # source[gather[m]] = a[m]
+            self.gather = torch.randperm(self.alloc, device="cuda", generator=gen).int()
+            self.source = torch.empty_like(self.a)
+            self.source[self.gather.long()] = self.a
         self.h = torch.empty(self.alloc, I, device="cuda", dtype=torch.bfloat16)
         self.y = torch.empty(self.alloc, H, device="cuda", dtype=torch.bfloat16)
         self.tables: dict = {}
@@ -319,6 +327,8 @@ class _Work:
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
         tiles = self.table(config.block_m, config.split_tail, rotation)
+        if gemm == 0 and self.gather is not None:
+            return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather)
         if gemm == 0:
             return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config)
         h = self.h if after_gemm0 else self.h_in
@@ -438,7 +448,8 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                 torch.cuda.synchronize()
         for gemm, (default, measured) in alone.items():
             result = _record(table, shape, gemm, default, measured, args.min_gain, args.emulate_ep,
-                             work.rotations[gemm], pair=chosen.get(gemm))
+                             work.rotations[gemm], pair=chosen.get(gemm),
+                             gathered=gemm == 0 and work.gather is not None)
             if result is not None:
                 result.pop("run")
             if result is None:
@@ -495,10 +506,11 @@ def pair_choice(timed: dict, default_ms: float) -> dict:
 
 
 def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotations: int = 1,
-            pair: dict | None = None) -> dict | None:
+            pair: dict | None = None, gathered: bool = False) -> dict | None:
     """Put one measured (shape, gemm) into the table (replacing older records of its key); a result row for the
     printout, or None when no candidate passed. `pair` (`pair_choice`): write the fastest pair's config of this
-    GEMM, by the pair's gain over the default pair, instead of this GEMM's fastest alone."""
+    GEMM, by the pair's gain over the default pair, instead of this GEMM's fastest alone. `gathered`: GEMM0 was
+    timed reading its rows through gather rows (recorded)."""
     import dataclasses
 
     if not measured:
@@ -517,6 +529,8 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotatio
                   ms=round(best_ms, 5), default_ms=None if default_ms is None else round(default_ms, 5),
                   default=config_name(default), best=config_name(best), error=float(f"{best_err:.3g}"),
                   candidates_measured=len(measured), rotations=rotations, run=f"{meta['date']} {meta['commit']}")
+    if gathered:
+        record.update(gathered=True)
     if pair is not None:
         record.update(pair_ms=round(pair["pair_ms"], 5), pair_default_ms=round(pair["pair_default_ms"], 5),
                       pair=pair["pair"], pairs_measured=pair["pairs_measured"])

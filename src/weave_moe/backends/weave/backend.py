@@ -248,6 +248,7 @@ class WeaveBackend:
         self.grouped = grouped_capable and self.only_serial
         self.grouped_serial = grouped_capable and self.resident and self.fixed_plan is None
         self.interleaved = self.grouped or self.grouped_serial
+        self.gemm0_gather = cfg.gathers_in_gemm0(I)   # the grouped GEMM0 reads its rows itself (_grouped_gemms)
         # a layer whose serial plans run the grouped GEMMs plans with their measured speed (cost_model A8)
         self.device_planner = (DevicePlanner(spec, world_size, self.profile.with_grouped_serial()
                                              if self.grouped_serial else self.profile, policy)
@@ -737,7 +738,7 @@ class WeaveBackend:
         if filled is not None:
             self._current_stream().wait_event(filled)
         release = self.config.gemm_early_release
-        if self.config.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
+        if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
                                        configs[0], early_release=release, gather=layout.gather_rows)
         else:
@@ -794,7 +795,7 @@ class WeaveBackend:
             configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
             release = self.config.gemm_early_release
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
-            a, gather = (self.workspace.recv(), self.ctrl) if self.config.gemm0_gather else (y, None)
+            a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, early_release=release, gather=gather)

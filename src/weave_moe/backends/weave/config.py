@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV",
-           "DECODE_TOKENS", "DECODE_ROWS"]
+           "DECODE_TOKENS", "DECODE_ROWS", "GEMM0_GATHER_MAX_I"]
 
 KERNEL_CONFIG_ENV = "WEAVE_MOE_KERNEL_CONFIG"
 TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
@@ -33,7 +33,9 @@ def decode_block_h(hidden_size: int) -> int:
     return min(4096, 1 << max(hidden_size - 1, 1).bit_length())
 
 #: the values of the str fields
-_CHOICES = {"resident": ("auto", "on", "off")}
+_CHOICES = {"resident": ("auto", "on", "off"), "gemm0_gather": ("auto", "on", "off")}
+#: KernelConfig.gemm0_gather="auto": GEMM0 reads its rows through the gather rows for intermediate sizes up to this
+GEMM0_GATHER_MAX_I = 1024
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -101,9 +103,14 @@ class KernelConfig:
         independent_scan: under a fixed plan (no device planner), the first table kernel runs beside the counts
             kernel launched just before it, which writes nothing it reads (`build_layout_triton(independent=)`),
             instead of after it.
-        gemm0_gather: the grouped GEMM0 reads its A rows from the receive buffer through the layout's gather rows
-            (pointer loads, `grouped_gemm0(gather=)`) instead of a gather launch first copying them into expert
-            order for TMA reads: one launch and the rows' copy (2 x rows x H x 2 bytes) fewer.
+        gemm0_gather: "auto" (default), "on" or "off": the grouped GEMM0 reads its A rows from the receive buffer
+            through the layout's gather rows (pointer loads, `grouped_gemm0(gather=)`) instead of a gather launch
+            first copying them into expert order for TMA reads: one launch and the rows' copy (2 x rows x H x 2
+            bytes) fewer, but A without TMA in every K step. The copy's share of GEMM0 falls as 1 / I, so "auto"
+            turns it on for I <= GEMM0_GATHER_MAX_I (`gathers_in_gemm0`). Measured side by side on an H200 (one
+            rank's work of EP=2, six models x 1 / 32 / 2048 / 8192 tokens; bench/results/h200-46bbb84): on is
+            0.91-0.97x the time at 2048-8192 tokens for I = 512 and 768 (Qwen3.5-35B-A3B, Qwen3-30B-A3B), 1.02-1.12x
+            for I >= 1408 (DeepSeek-V2-Lite, -V2, -V3, Phi-3.5-MoE), neutral at 1-32 tokens.
     """
 
     block_m: int = 128
@@ -132,7 +139,7 @@ class KernelConfig:
     fork_prologue: bool = True
     gemm_early_release: bool = False
     independent_scan: bool = True
-    gemm0_gather: bool = False
+    gemm0_gather: str = "auto"
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -186,6 +193,13 @@ class KernelConfig:
         # that did not compile on rank 1, kernels/tables.py); since, validate passes at EP = 2 (two ranks sharing one
         # GPU, bench/results/shared-gpu-ep2-e9a5fca)
         return self.resident in ("on", "auto")
+
+    def gathers_in_gemm0(self, intermediate_size: int) -> bool:
+        """Whether the grouped GEMM0 of a layer of this intermediate size reads its rows through the gather rows
+        (`gemm0_gather`)."""
+        if self.gemm0_gather == "auto":
+            return intermediate_size <= GEMM0_GATHER_MAX_I
+        return self.gemm0_gather == "on"
 
     def check_profile(self, profile) -> None:
         """Raise ValueError unless the planner's HardwareProfile counts tiles of this config's shape: the cost model
