@@ -17,6 +17,9 @@ How the kernels are built (Hopper, Triton 3.6):
   the expert's end read the next expert's rows (or zeros past P); they land in accumulator rows that are never
   stored. K tails are zero-filled by the descriptor bounds. GEMM1 reads `h` through TMA: it must have been written
   by an earlier launch (a separate launch orders the generic-proxy stores before the copy engine's reads).
+  `grouped_gemm0(gather=)`: A's rows come from any rows of a source buffer (row m = a[gather[m]], rows past the
+  expert's end clamped to its last), by pointer loads that the pipeliner turns into cp.async, so the caller need not
+  copy them into expert order first (KernelConfig.gemm0_gather; the weights stay on TMA).
 - GEMM0 multiplies gate and up columns in ONE wide MMA: w13 is re-laid once at load time (`interleave_w13`) so that
   gate row j and up row j are neighbours; a [BN, BK] block of it is BN/2 gate-up pairs, the fp32 accumulator's
   column pairs are in the same thread, and `tl.split` separates them for the SiLU-mul epilogue for free.
