@@ -108,9 +108,10 @@ class KernelConfig:
             first copying them into expert order for TMA reads: one launch and the rows' copy (2 x rows x H x 2
             bytes) fewer, but A without TMA in every K step. The copy's share of GEMM0 falls as 1 / I, so "auto"
             turns it on for I <= GEMM0_GATHER_MAX_I (`gathers_in_gemm0`). Measured side by side on an H200 (one
-            rank's work of EP=2, six models x 1 / 32 / 2048 / 8192 tokens; bench/results/h200-46bbb84): on is
-            0.91-0.97x the time at 2048-8192 tokens for I = 512 and 768 (Qwen3.5-35B-A3B, Qwen3-30B-A3B), 1.02-1.12x
-            for I >= 1408 (DeepSeek-V2-Lite, -V2, -V3, Phi-3.5-MoE), neutral at 1-32 tokens.
+            rank's work of EP=2, six models x 1 / 32 / 2048 / 8192 tokens; bench/results/h200-46bbb84, h200-84f1b8b):
+            on is 0.91-0.95x the time for I = 512 (Qwen3.5-35B-A3B) at 2048-8192 tokens; for I = 768 (Qwen3-30B-A3B)
+            0.95-0.98x at 8192 and 0.94-1.02x at 2048 (mixed between runs); 1.02-1.12x for I >= 1408
+            (DeepSeek-V2-Lite, -V2, -V3, Phi-3.5-MoE); within noise at 1-32 tokens.
     """
 
     block_m: int = 128
