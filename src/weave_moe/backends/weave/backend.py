@@ -806,7 +806,8 @@ class WeaveBackend:
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, done.clone(), self.grouped_serial)
-                self._gather_rows(self.ctrl, rows)
+                if not self.gemm0_gather:   # otherwise a call makes no gather launch
+                    self._gather_rows(self.ctrl, rows)
         torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             work = torch.distributed.barrier(group=self.group, async_op=True)

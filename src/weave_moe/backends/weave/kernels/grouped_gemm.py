@@ -622,7 +622,7 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
     rows = a.shape[0] if gather is None else h.shape[0]   # with gather, a holds the source rows in any order
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
-    _check("a", a, (a.shape[0] if gather is not None else rows, hidden), a.dtype)
+    _check("a", a, (a.shape[0], hidden), a.dtype)
     if gather is not None and (gather.dim() != 1 or gather.dtype != torch.int32 or not gather.is_contiguous()):
         raise ValueError(f"gather: expected contiguous int32 [>= P rows read], given {gather.dtype} "
                          f"{tuple(gather.shape)}")
