@@ -3,7 +3,7 @@ may start while its predecessor still runs, so its first statement must be `sync
 (both wait for the predecessor; one that begins with `pdl_wait` must also call `sync.pdl_release()`, or the next
 launch waits for its CTAs to exit), or `sync.pdl_start(X)` with `sync.pdl_finish(X)` as its last statement (a kernel
 that reads nothing its predecessor writes waits for it at its end). Checked on the source: every launch with
-`**sync.LAUNCH` in the package names a kernel whose body begins with such a call (after its docstring), and every
+`**sync.LAUNCH` (or `**sync.launch_options(...)`) in the package names a kernel whose body begins with such a call (after its docstring), and every
 kernel that calls it is launched that way somewhere."""
 
 import ast
@@ -15,8 +15,13 @@ PACKAGE = Path(weave_moe.__file__).parent
 
 
 def _is_launch_option(keyword: ast.keyword) -> bool:
+    """`**sync.LAUNCH` or `**sync.launch_options(...)`."""
     value = keyword.value
-    return (keyword.arg is None and isinstance(value, ast.Attribute) and value.attr == "LAUNCH"
+    if keyword.arg is not None:
+        return False
+    if isinstance(value, ast.Call):
+        return ast.unparse(value.func) == "sync.launch_options"
+    return (isinstance(value, ast.Attribute) and value.attr == "LAUNCH"
             and isinstance(value.value, ast.Name) and value.value.id == "sync")
 
 

@@ -415,11 +415,12 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     warmed, prologues = [], []
 
     def gemm(index):
-        def run(a, w, out, tiles, config, early_release, gather=None):
+        def run(a, w, out, tiles, config, early_release, pdl, gather=None):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
             assert (gather is not None) is (index == 0 and backend.gemm0_gather)
-            # the variant the calls launch (a compile per value of the constexpr)
+            # the variant the calls launch (a compile per value of the constexpr and of the launch option)
             assert early_release is backend.config.gemm_early_release
+            assert pdl is backend.config.grouped_pdl
             warmed.append((index, config))
         return run
 
@@ -450,9 +451,9 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     calls = []
     backend._gather_rows = lambda index, rows: calls.append(("gather", index, rows))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", lambda a, w, out, tiles, config, early_release,
-                        gather=None: calls.append(("gemm0", a, gather)))
-    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", lambda a, w, out, tiles, config, early_release:
-                        calls.append(("gemm1", a, out)))
+                        pdl, gather=None: calls.append(("gemm0", a, gather)))
+    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", lambda a, w, out, tiles, config, early_release,
+                        pdl: calls.append(("gemm1", a, out)))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
     keys = ((16, False),)
     rows = torch.ones(1, dtype=torch.int32)

@@ -737,16 +737,16 @@ class WeaveBackend:
                                                                device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        release = self.config.gemm_early_release
+        launch = dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl)
         if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
-                                       configs[0], early_release=release, gather=layout.gather_rows)
+                                       configs[0], gather=layout.gather_rows, **launch)
         else:
             self._gather_rows(layout.gather_rows, rows)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                       early_release=release)
+                                       **launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
-                                   early_release=release)
+                                   **launch)
 
     def _grouped_prologue(self, offsets, keys, gemm1_expected, device_serial: bool, side: bool = False) -> tuple:
         """The grouped GEMMs' tile tables and done counters (`grouped_tiles.fill_tile_tables`, one launch) for the
@@ -793,15 +793,15 @@ class WeaveBackend:
             h, y = self.workspace.h(), self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
-            release = self.config.gemm_early_release
+            launch = dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl)
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, early_release=release, gather=gather)
+                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, early_release=release)
+                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
             done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:

@@ -112,6 +112,8 @@ class KernelConfig:
             on is 0.91-0.95x the time for I = 512 (Qwen3.5-35B-A3B) at 2048-8192 tokens; for I = 768 (Qwen3-30B-A3B)
             0.95-0.98x at 8192 and 0.94-1.02x at 2048 (mixed between runs); 1.02-1.12x for I >= 1408
             (DeepSeek-V2-Lite, -V2, -V3, Phi-3.5-MoE); within noise at 1-32 tokens.
+        grouped_pdl: the grouped GEMM launches use programmatic dependent launch, as every other kernel does
+            (sync.PDL); off: ordinary launches, whose CTAs reach the SMs only after the kernel before has ended.
     """
 
     block_m: int = 128
@@ -141,6 +143,7 @@ class KernelConfig:
     gemm_early_release: bool = False
     independent_scan: bool = True
     gemm0_gather: str = "auto"
+    grouped_pdl: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

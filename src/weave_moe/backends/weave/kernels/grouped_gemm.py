@@ -615,7 +615,7 @@ def _check_tiles(tiles: TileTable, config: GemmConfig):
 
 
 def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None,
-                  early_release: bool = False, gather: torch.Tensor | None = None):
+                  early_release: bool = False, gather: torch.Tensor | None = None, pdl: bool = True):
     """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0); `num_sms` overrides the grid (CTAs,
     also the NUM_SMS constexpr), which is otherwise the device's SM count (a compile-only test passes the GPU's)."""
     hidden = a.shape[-1]
@@ -643,12 +643,12 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
                   EARLY_RELEASE=early_release, GATHER_A=gather is not None, num_warps=config.num_warps,
-                  num_stages=config.num_stages, **sync.LAUNCH)
+                  num_stages=config.num_stages, **sync.launch_options(pdl))
     return _gemm0_kernel, (num_sms,), args, kwargs
 
 
 def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, dot_fp32: bool = False,
-                  num_sms: int | None = None, early_release: bool = False):
+                  num_sms: int | None = None, early_release: bool = False, pdl: bool = True):
     """(kernel, grid, args, kwargs) of one GEMM1 launch (see grouped_gemm1; `num_sms` as in _gemm0_launch)."""
     rows, inter = h.shape
     num_experts, hidden, _ = w2.shape
@@ -670,7 +670,8 @@ def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, do
                   HAS_SCALE=scale is not None, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  EARLY_RELEASE=early_release, num_warps=config.num_warps, num_stages=config.num_stages, **sync.LAUNCH)
+                  EARLY_RELEASE=early_release, num_warps=config.num_warps, num_stages=config.num_stages,
+                  **sync.launch_options(pdl))
     return _gemm1_kernel, (num_sms,), args, kwargs
 
 
@@ -695,7 +696,7 @@ def _launch(kernel, grid, args, kwargs, needs_scratch: bool):
 
 def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
                   dot_fp32: bool = False, early_release: bool = False,
-                  gather: torch.Tensor | None = None) -> torch.Tensor:
+                  gather: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert, one persistent launch.
 
     Args:
@@ -710,15 +711,18 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
         dot_fp32: multiply in fp32 (interpreter tests only).
         early_release: let the next launch's CTAs onto the SMs from the start, not after the tiles (see the module
             docstring).
+        pdl: launch with programmatic dependent launch (where sync.PDL allows it); False: an ordinary launch, whose
+            CTAs reach the SMs only once the previous kernel of the stream has ended (see the module docstring).
     """
     kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32, early_release=early_release,
-                                               gather=gather)
+                                               gather=gather, pdl=pdl)
     _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and a.is_cuda)
     return h
 
 
 def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable, config: GemmConfig,
-                  scale: torch.Tensor | None = None, dot_fp32: bool = False, early_release: bool = False) -> torch.Tensor:
+                  scale: torch.Tensor | None = None, dot_fp32: bool = False, early_release: bool = False,
+                  pdl: bool = True) -> torch.Tensor:
     """y = scale * (h @ w2[expert]^T) per expert, one persistent launch.
 
     Args:
@@ -729,8 +733,9 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
         config: tile shape and schedule (`interleaved` is ignored).
         scale: optional fp32 [P], multiplied into each row in fp32 before the bf16 rounding (routing weights).
         dot_fp32: multiply in fp32 (interpreter tests only).
-        early_release: as in grouped_gemm0.
+        early_release, pdl: as in grouped_gemm0.
     """
-    kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32, early_release=early_release)
+    kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32, early_release=early_release,
+                                               pdl=pdl)
     _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and h.is_cuda)
     return y

@@ -94,6 +94,11 @@ PDL = os.environ.get("WEAVE_MOE_PDL", "1").strip().lower() not in ("0", "false",
 LAUNCH = {"launch_pdl": PDL}
 
 
+def launch_options(pdl: bool = True) -> dict:
+    """`LAUNCH`, or with `pdl` False an ordinary launch (the kernel's `pdl_wait` / `pdl_release` are then no-ops)."""
+    return {"launch_pdl": PDL and pdl}
+
+
 @triton.jit
 def pdl_enter():
     """First statement of every kernel launched with `LAUNCH`: wait until the previous kernel of the stream has
