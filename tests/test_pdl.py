@@ -80,3 +80,29 @@ def test_every_kernel_launched_with_pdl_waits_for_its_predecessor_first():
                          f"with a sync.pdl_release()): {missing}")
     assert all(name in kernels for name in launched), set(launched) - set(kernels)
     assert entering <= set(launched), f"call sync.pdl_enter() but are never launched with it: {entering - set(launched)}"
+
+
+def test_grouped_gemms_launch_plainly_when_asked():
+    """`pdl=False` (KernelConfig.grouped_pdl, the layer's default) launches a grouped GEMM without programmatic
+    dependent launch; `pdl=True` as every other kernel (sync.LAUNCH)."""
+    import torch
+
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import sync
+
+    offsets = torch.tensor([0, 8, 16], dtype=torch.int32)
+    for gemm in (0, 1):
+        cfg = gg.analytical_configs(gemm)[0]
+        tiles = gg.build_tile_table_torch(offsets, cfg.block_m, 128, cfg.split_tail)
+        h = torch.empty(128, 64, dtype=torch.bfloat16)
+        for pdl in (False, True):
+            if gemm == 0:
+                w13 = torch.empty(2, 128, 32, dtype=torch.bfloat16)
+                _, _, _, kwargs = gg._gemm0_launch(torch.empty(128, 32, dtype=torch.bfloat16), w13, h, tiles, cfg,
+                                                   num_sms=4, pdl=pdl)
+            else:
+                w2 = torch.empty(2, 32, 64, dtype=torch.bfloat16)
+                _, _, _, kwargs = gg._gemm1_launch(h, w2, torch.empty(128, 32, dtype=torch.bfloat16), tiles, cfg,
+                                                   num_sms=4, pdl=pdl)
+            assert kwargs["launch_pdl"] is (sync.PDL and pdl), (gemm, pdl)
+    assert sync.launch_options() == sync.LAUNCH

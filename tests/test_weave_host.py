@@ -448,12 +448,12 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     backend.gemm0_gather = gemm0_gather
-    calls = []
+    calls, launched_pdl = [], []
     backend._gather_rows = lambda index, rows: calls.append(("gather", index, rows))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", lambda a, w, out, tiles, config, early_release,
-                        pdl, gather=None: calls.append(("gemm0", a, gather)))
+                        pdl, gather=None: calls.append(("gemm0", a, gather)) or launched_pdl.append(pdl))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", lambda a, w, out, tiles, config, early_release,
-                        pdl: calls.append(("gemm1", a, out)))
+                        pdl: calls.append(("gemm1", a, out)) or launched_pdl.append(pdl))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
     keys = ((16, False),)
     rows = torch.ones(1, dtype=torch.int32)
@@ -470,6 +470,8 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
         assert calls[0][1] is layout.gather_rows and calls[0][2] is rows
         assert calls[1][1].data_ptr() == ws.y().data_ptr() and calls[1][2] is None
     assert calls[-1][1].data_ptr() == ws.h().data_ptr() and calls[-1][2].data_ptr() == ws.y().data_ptr()
+    # both GEMMs launched plainly by default (KernelConfig.grouped_pdl)
+    assert launched_pdl == [backend.config.grouped_pdl] * 2 and backend.config.grouped_pdl is False
 
 
 def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatch):

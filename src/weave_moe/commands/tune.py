@@ -254,7 +254,8 @@ class _Work:
     `l2_bytes` (None: warm timing) sets `rotations[gemm]` (`cold_rotations` of the weights one launch of that GEMM
     reads); rotation r's launches run on `rotated_counts` (its own tile tables; only rotation 0 is checked).
     Where the layer's GEMM0 reads its rows through the gather rows (KernelConfig.gathers_in_gemm0, from
-    WEAVE_MOE_KERNEL_CONFIG), GEMM0 is timed so: its rows scattered over a source buffer in a random order."""
+    WEAVE_MOE_KERNEL_CONFIG), GEMM0 is timed so: its rows scattered over a source buffer in a random order. The
+    launches use programmatic dependent launch where the layer's do (KernelConfig.grouped_pdl)."""
 
     def __init__(self, shape: dict, seed: int, l2_bytes: int | None = None):
         import torch
@@ -305,7 +306,9 @@ class _Work:
         self.w13 = gg.interleave_w13(w13)
         del w13
         self.gather = self.source = None
-        if KernelConfig.from_env().gathers_in_gemm0(I):   # source[gather[m]] = a[m]
+        kernel_config = KernelConfig.from_env()
+        self.pdl = kernel_config.grouped_pdl   # launched as the layer launches them
+        if kernel_config.gathers_in_gemm0(I):   # source[gather[m]] = a[m]
             self.gather = torch.randperm(self.alloc, device="cuda", generator=gen).int()
             self.source = torch.empty_like(self.a)
             self.source[self.gather.long()] = self.a
@@ -327,12 +330,13 @@ class _Work:
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
         tiles = self.table(config.block_m, config.split_tail, rotation)
+        pdl = self.pdl
         if gemm == 0 and self.gather is not None:
-            return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather)
+            return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather, pdl=pdl)
         if gemm == 0:
-            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config)
+            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config, pdl=pdl)
         h = self.h if after_gemm0 else self.h_in
-        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config)
+        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config, pdl=pdl)
 
     def error(self, gemm: int, launch) -> float:
         """Relative Frobenius error of one poisoned run on the checked rows (inf when any row holds NaN)."""

@@ -112,8 +112,14 @@ class KernelConfig:
             on is 0.91-0.95x the time for I = 512 (Qwen3.5-35B-A3B) at 2048-8192 tokens; for I = 768 (Qwen3-30B-A3B)
             0.95-0.98x at 8192 and 0.94-1.02x at 2048 (mixed between runs); 1.02-1.12x for I >= 1408
             (DeepSeek-V2-Lite, -V2, -V3, Phi-3.5-MoE); within noise at 1-32 tokens.
-        grouped_pdl: the grouped GEMM launches use programmatic dependent launch, as every other kernel does
-            (sync.PDL); off: ordinary launches, whose CTAs reach the SMs only after the kernel before has ended.
+        grouped_pdl: the grouped GEMMs are launched with programmatic dependent launch, as every other kernel of a
+            call is (sync.PDL). Off by default: an ordinary launch, whose CTAs reach the SMs only once the kernel
+            before it has ended. Launched programmatically after the gather, a prefill GEMM0 ran 1.4-1.6x its time
+            alone (DeepSeek-V2 at 2048 tokens, one rank's work of EP=2: 1432 us in the call, 920 alone or with
+            this off; DeepSeek-V3 2570 -> 2331 us; the GEMM1 after it unchanged), for a cause not pinned down (its
+            one CTA per SM is placed beside the gather's). Side by side on an H200 (six models x 1 / 32 / 2048 /
+            8192 tokens, bench/results/h200-de378c8): off is 0.963x the serial policy's time in geomean at
+            2048-8192 tokens (DeepSeek-V2 2048 0.84x, -V3 2048 0.90x, none slower than 1.001x) and 1.001x at 1-32.
     """
 
     block_m: int = 128
@@ -143,7 +149,7 @@ class KernelConfig:
     gemm_early_release: bool = False
     independent_scan: bool = True
     gemm0_gather: str = "auto"
-    grouped_pdl: bool = True
+    grouped_pdl: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -35,7 +35,9 @@ How the kernels are built (Hopper, Triton 3.6):
   of shared memory, room for a GEMM1 CTA) took 2439 us in a call with GEMM1's CTAs resident from its start, 1679 us
   alone (bench/results/h200-4d666c5); the A/B of the two releases in calls was neutral (0.97-1.03x on three models,
   1-2048 tokens, bench/results/h200-185e40c), so the slowdown had another cause too (that config was dropped from
-  the table). `early_release` keeps the early release, for A/B runs.
+  the table). `early_release` keeps the early release, for A/B runs. The layer launches both GEMMs without PDL
+  (`pdl=False`, KernelConfig.grouped_pdl): a GEMM0 launched programmatically after the gather launch ran 1.4-1.6x
+  its time alone at prefill sizes, and 1.0x launched plainly (bench/results/h200-de378c8).
 - Work order: GROUP_M consecutive M tiles (mostly one expert's rows) sweep the N tiles together, so a weight block
   is read from HBM about once and reused from L2 by the group.
 
