@@ -116,8 +116,8 @@ class KernelConfig:
             call is (sync.PDL). Off by default: an ordinary launch, whose CTAs reach the SMs only once the kernel
             before it has ended. Launched programmatically after the gather, a prefill GEMM0 ran 1.4-1.6x its time
             alone (DeepSeek-V2 at 2048 tokens, one rank's work of EP=2: 1432 us in the call, 920 alone or with
-            this off; DeepSeek-V3 2570 -> 2331 us; the GEMM1 after it unchanged), for a cause not pinned down (its
-            one CTA per SM is placed beside the gather's). Side by side on an H200 (six models x 1 / 32 / 2048 /
+            this off; DeepSeek-V3 2570 -> 2331 us; the GEMM1 after it unchanged), for a cause not pinned down (not two
+            of its CTAs on one SM: 176 KB of shared memory each). Side by side on an H200 (six models x 1 / 32 / 2048 /
             8192 tokens, bench/results/h200-de378c8): off is 0.963x the serial policy's time in geomean at
             2048-8192 tokens (DeepSeek-V2 2048 0.84x, -V3 2048 0.90x, none slower than 1.001x) and 1.001x at 1-32.
     """
