@@ -382,7 +382,9 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     import torch
     import triton
 
+    from weave_moe.backends.weave.config import KernelConfig
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import sync
     from weave_moe.bench.anchor import graph_replay_ms
     from weave_moe.bench.metadata import git_commit
     from weave_moe.reference import DEFAULT_TOLERANCE
@@ -404,7 +406,9 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                 else "median of CUDA-event-timed CUDA-graph replays (3 warm-ups); a replay runs `rotations` launches "
                      "on rotated expert sets (cold_rotations: >= COLD_L2_FACTOR x L2 of distinct weights), time per "
                      "launch = replay / rotations"),
-        l2_bytes=props.L2_cache_size, cold_l2_factor=None if args.warm_l2 else COLD_L2_FACTOR))
+        l2_bytes=props.L2_cache_size, cold_l2_factor=None if args.warm_l2 else COLD_L2_FACTOR,
+        # how the GEMMs were launched (as the layer launches them: KernelConfig.grouped_pdl, sync.PDL)
+        pdl=bool(sync.PDL and KernelConfig.from_env().grouped_pdl)))
     table.setdefault("measured_default", [])
     print(f"tuning on {device} ({props.multi_processor_count} SMs), {len(shapes)} shapes, "
           f"{', '.join(f'GEMM{g}: {len(candidates[g][0])} candidates' for g in gemms)}; writing {out}", flush=True)
