@@ -330,13 +330,13 @@ class _Work:
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
         tiles = self.table(config.block_m, config.split_tail, rotation)
-        pdl = self.pdl
         if gemm == 0 and self.gather is not None:
-            return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather, pdl=pdl)
+            return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather,
+                                            pdl=self.pdl)
         if gemm == 0:
-            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config, pdl=pdl)
+            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config, pdl=self.pdl)
         h = self.h if after_gemm0 else self.h_in
-        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config, pdl=pdl)
+        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config, pdl=self.pdl)
 
     def error(self, gemm: int, launch) -> float:
         """Relative Frobenius error of one poisoned run on the checked rows (inf when any row holds NaN)."""
@@ -407,8 +407,8 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                      "on rotated expert sets (cold_rotations: >= COLD_L2_FACTOR x L2 of distinct weights), time per "
                      "launch = replay / rotations"),
         l2_bytes=props.L2_cache_size, cold_l2_factor=None if args.warm_l2 else COLD_L2_FACTOR,
-        # how the GEMMs were launched (as the layer launches them: KernelConfig.grouped_pdl, sync.PDL)
-        pdl=bool(sync.PDL and KernelConfig.from_env().grouped_pdl)))
+        # whether the GEMMs were launched with programmatic dependent launch (as the layer launches them)
+        pdl=sync.launch_options(KernelConfig.from_env().grouped_pdl)["launch_pdl"]))
     table.setdefault("measured_default", [])
     print(f"tuning on {device} ({props.multi_processor_count} SMs), {len(shapes)} shapes, "
           f"{', '.join(f'GEMM{g}: {len(candidates[g][0])} candidates' for g in gemms)}; writing {out}", flush=True)

@@ -724,6 +724,11 @@ class WeaveBackend:
             self.grouped_configs[rows] = configs
         return configs
 
+    @property
+    def gemm_launch(self) -> dict:
+        """The grouped GEMMs' launch options, for the calls and the first call's warm-up alike (a compile per value)."""
+        return dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl)
+
     def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
         overwrites afterwards; with KernelConfig.gemm0_gather GEMM0 reads them through the gather rows instead),
@@ -737,7 +742,7 @@ class WeaveBackend:
                                                                device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        launch = dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl)
+        launch = self.gemm_launch
         if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
                                        configs[0], gather=layout.gather_rows, **launch)
@@ -793,7 +798,7 @@ class WeaveBackend:
             h, y = self.workspace.h(), self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
-            launch = dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl)
+            launch = self.gemm_launch
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             for config in configs[0]:
