@@ -37,7 +37,7 @@ def ms_of(fn, reps):
 
 def variants(gemm: int, base: gg.GemmConfig, few: bool = False) -> dict:
     out = {"default": base}
-    for epilogue in (0, 1, 2):
+    for epilogue in (0, 1, 2, 3):
         if epilogue != base.epilogue and not (epilogue == 1 and base.split_tail):
             stages = min(base.num_stages, 3) if epilogue == 1 and base.block_m * base.block_n >= 128 * 256 else \
                 base.num_stages

@@ -26,7 +26,9 @@ SCRIPT = textwrap.dedent(
                C(**small, epilogue=gg.EPILOGUE_TMA_CLIPPED), C(**small, interleaved=False, flatten=False),
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA),
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_MASKED, split_tail=True),
-               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_CLIPPED, split_tail=True, interleaved=False)]
+               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_CLIPPED, split_tail=True, interleaved=False),
+               C(**small, epilogue=gg.EPILOGUE_TMA_HALVES),
+               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_HALVES, split_tail=True)]
     # (rows per local expert, H, I): empty experts, a single row, a tail of one row past a full tile, no rows at all,
     # I not a multiple of BN/2 (a tile reads into the next expert's weights), H not a multiple of BK (K tail)
     CASES = [([5, 0, 21], 48, 40), ([1], 40, 16), ([17, 33, 16], 32, 24), ([0, 0], 32, 16), ([40, 3], 24, 56),
@@ -253,6 +255,27 @@ def test_gathered_gemm0_configs_compile_for_hopper_without_local_memory(gemm, cf
     kernel, _, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms, gathered=True)
     assert kwargs["GATHER_A"]
     _check_hopper_ptx(cfg, sm90.compile_for_sm90(kernel, args, kwargs), tmp_path)
+
+
+# The clipped TMA epilogue in column halves (EPILOGUE_TMA_HALVES): GEMM1's 128x256 tiles with 4 pipeline stages fit
+# Hopper's shared memory only this way (one 128x128 buffer; the whole-tile clipped store needs 262 KB), and compile
+# without local memory, both GEMMs, split tails too.
+@pytest.mark.parametrize("gemm,split_tail", [(0, False), (1, False), (1, True)])
+def test_halves_epilogue_fits_four_stages_of_wide_tiles(gemm, split_tail, tmp_path):
+    cfg = gg.analytical_configs(gemm)[1].with_(epilogue=gg.EPILOGUE_TMA_HALVES, num_stages=4, split_tail=split_tail)
+    kernel, _, args, kwargs = _runtime_launch(gemm, cfg, 7168, 2048, H200_SMS)
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    assert compiled.metadata.shared <= 232448, compiled.metadata.shared
+    _check_hopper_ptx(cfg, compiled, tmp_path)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor.2d.global.shared") >= 2 * (1 + split_tail)  # two stores per tile
+
+
+def test_halves_epilogue_needs_16_byte_halves():
+    gg.check_config(0, gg.GemmConfig(block_n=32, epilogue=gg.EPILOGUE_TMA_HALVES))
+    with pytest.raises(ValueError, match="TMA halves"):
+        gg.check_config(0, gg.GemmConfig(block_n=16, epilogue=gg.EPILOGUE_TMA_HALVES))
+    gg.check_config(1, gg.GemmConfig(block_n=16, epilogue=gg.EPILOGUE_TMA_HALVES))
 
 
 # GEMM1 with routing weights in its epilogue (scripts/gemm_bench.py's pipeline; not the backend's call).

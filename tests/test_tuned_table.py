@@ -235,6 +235,14 @@ def test_tune_split_tail_candidates_only_where_the_epilogue_allows():
         gg.check_config(1, TUNED1.with_(split_tail=True, epilogue=gg.EPILOGUE_TMA, flatten=False))
 
 
+def test_tune_epilogue_candidates():
+    """--epilogue 0,3: each combination with each epilogue (the analytical defaults kept as they are)."""
+    candidates, skipped = tune.candidate_configs(1, [128], [256], [64], [8], [4], epilogue=[0, 3])
+    assert {c.epilogue for c in candidates if c.block_m == 128} == {0, 3}
+    assert candidates[:2] == list(gg.analytical_configs(1))
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--epilogue", "5"]) == 2
+
+
 def test_tune_records_round_trip_through_the_lookup(tmp_path):
     """What the command writes (its _record / _write_table, fed made-up timings here) is what default_config reads:
     an entry only where the best beats the default by --min-gain, older records of a re-measured key replaced."""

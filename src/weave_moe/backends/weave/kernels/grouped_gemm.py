@@ -24,8 +24,10 @@ How the kernels are built (Hopper, Triton 3.6):
   gate row j and up row j are neighbours; a [BN, BK] block of it is BN/2 gate-up pairs, the fp32 accumulator's
   column pairs are in the same thread, and `tl.split` separates them for the SiLU-mul epilogue for free.
 - The epilogue (GemmConfig.epilogue) stores through masked pointer stores, or through TMA from a descriptor made on
-  the device per tile whose row bound is the expert's end (TMA clips the rows past it), or TMA for full tiles and
-  masked stores for tails (not with `flatten`: Triton 3.6 fails to compile that branch inside a flattened loop).
+  the device per tile whose row bound is the expert's end (TMA clips the rows past it; EPILOGUE_TMA_HALVES: in two
+  column halves through one half-size shared buffer, so GEMM1's 128x256 tiles keep 4 pipeline stages within the
+  227 KB of shared memory), or TMA for full tiles and masked stores for tails (not with `flatten`: Triton 3.6 fails
+  to compile that branch inside a flattened loop).
 - `flatten` pipelines the tile loop and the K loop as one, so the next tile's loads overlap this tile's epilogue.
   `warp_specialize` compiles on sm_90 with Triton 3.6 but yields the same code as without (no producer/consumer
   split on Hopper in this Triton); it is kept for newer Tritons and measured, not used by default.
@@ -77,6 +79,9 @@ EPILOGUE_MASKED = 0  # every tile through masked pointer stores
 EPILOGUE_TMA = 1     # full tiles through TMA, tail tiles through masked stores
 EPILOGUE_TMA_CLIPPED = 2  # every tile through TMA, from a descriptor made on the device that ends at the expert's
 #                           last row (needs triton.set_allocator for the descriptors' global scratch)
+EPILOGUE_TMA_HALVES = 3   # as EPILOGUE_TMA_CLIPPED, in two column halves through one half-size shared buffer: half
+#                           the epilogue's shared memory (GEMM1 at 128x256 keeps 4 stages: 229 KB against 262 KB)
+_CLIPPED_EPILOGUES = (EPILOGUE_TMA_CLIPPED, EPILOGUE_TMA_HALVES)
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ class GemmConfig:
         group_m: M tiles that sweep the N tiles together (L2 reuse of weight blocks).
         num_stages: software pipeline depth (shared-memory stages).
         num_warps: 4 (one warpgroup) or 8 (two).
-        epilogue: EPILOGUE_MASKED, EPILOGUE_TMA or EPILOGUE_TMA_CLIPPED.
+        epilogue: EPILOGUE_MASKED, EPILOGUE_TMA, EPILOGUE_TMA_CLIPPED or EPILOGUE_TMA_HALVES.
         warp_specialize: 0 none, 1 on the persistent tile loop, 2 on the K loop.
         flatten: flatten the tile loop and the K loop into one pipelined loop (the next tile's loads overlap the
             epilogue).
@@ -271,8 +276,11 @@ def check_config(gemm: int, config: GemmConfig) -> None:
         problems.append(f"num_stages={config.num_stages!r} is not an int >= 1")
     if not (isinstance(config.group_m, int) and config.group_m >= 1):
         problems.append(f"group_m={config.group_m!r} is not an int >= 1")
-    if config.epilogue not in (EPILOGUE_MASKED, EPILOGUE_TMA, EPILOGUE_TMA_CLIPPED):
-        problems.append(f"epilogue={config.epilogue!r} is not 0, 1 or 2")
+    if config.epilogue not in (EPILOGUE_MASKED, EPILOGUE_TMA, *_CLIPPED_EPILOGUES):
+        problems.append(f"epilogue={config.epilogue!r} is not 0, 1, 2 or 3")
+    elif config.epilogue == EPILOGUE_TMA_HALVES and config.block_n // (4 if gemm == 0 else 2) < 8:
+        problems.append(f"epilogue=3 (TMA halves): a half of the output tile is block_n / {4 if gemm == 0 else 2} "
+                        f"columns, under TMA's 16 bytes")
     elif config.epilogue == EPILOGUE_TMA and config.flatten:
         problems.append("epilogue=1 (TMA) with flatten does not compile in Triton 3.6")
     if config.warp_specialize not in (0, 1, 2):
@@ -416,9 +424,16 @@ def _masked_store(out_ptr, values, m_start, m_end, n_start, num_cols, BLOCK_M: t
 @triton.jit
 def _store_tile(out_ptr, out_desc, values, m_start, m_end, n_start, num_cols,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr):
-    """out[m_start + m, n_start + n] = values[m, n] for rows < m_end and columns < num_cols."""
+    """out[m_start + m, n_start + n] = values[m, n] for rows < m_end and columns < num_cols (EPILOGUE: GemmConfig)."""
     values = values.to(out_ptr.dtype.element_ty)
-    if EPILOGUE == 2:
+    if EPILOGUE == 3:
+        HALF: tl.constexpr = BLOCK_N // 2
+        clipped = tl.make_tensor_descriptor(out_ptr, shape=[m_end, num_cols], strides=[num_cols, 1],
+                                            block_shape=[BLOCK_M, HALF])
+        low, high = tl.split(tl.permute(tl.reshape(values, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        clipped.store([m_start, n_start], low)
+        clipped.store([m_start, n_start + HALF], high)
+    elif EPILOGUE == 2:
         clipped = tl.make_tensor_descriptor(out_ptr, shape=[m_end, num_cols], strides=[num_cols, 1],
                                             block_shape=[BLOCK_M, BLOCK_N])
         clipped.store([m_start, n_start], values)
@@ -613,7 +628,7 @@ def _check_tiles(tiles: TileTable, config: GemmConfig):
         raise ValueError(f"tiles.split_tail: expected config.split_tail={config.split_tail}, given {tiles.split_tail}")
     if config.split_tail and config.epilogue == EPILOGUE_TMA:
         raise ValueError("config.epilogue: EPILOGUE_TMA has one store descriptor, of full tiles; split_tail needs "
-                         "EPILOGUE_MASKED or EPILOGUE_TMA_CLIPPED")
+                         "EPILOGUE_MASKED, EPILOGUE_TMA_CLIPPED or EPILOGUE_TMA_HALVES")
 
 
 def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None,
@@ -718,7 +733,7 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
     """
     kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32, early_release=early_release,
                                                gather=gather, pdl=pdl)
-    _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and a.is_cuda)
+    _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and a.is_cuda)
     return h
 
 
@@ -739,5 +754,5 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
     """
     kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32, early_release=early_release,
                                                pdl=pdl)
-    _launch(kernel, grid, args, kwargs, config.epilogue == EPILOGUE_TMA_CLIPPED and h.is_cuda)
+    _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and h.is_cuda)
     return y
