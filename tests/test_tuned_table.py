@@ -243,6 +243,15 @@ def test_tune_epilogue_candidates():
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--epilogue", "5"]) == 2
 
 
+def test_tune_flatten_candidates():
+    """--flatten 0,1: each combination with the loops pipelined as one and apart ("noflat" in the name)."""
+    candidates, _ = tune.candidate_configs(1, [128], [256], [64], [8], [4], flatten=[0, 1], epilogue=[0, 3])
+    wide = [c for c in candidates if c.block_m == 128]
+    assert {(c.flatten, c.epilogue) for c in wide} == {(True, 0), (False, 0), (True, 3), (False, 3)}
+    assert all(tune.config_name(c).endswith("noflat") == (not c.flatten) for c in candidates)
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--flatten", "2"]) == 2
+
+
 def test_tune_records_round_trip_through_the_lookup(tmp_path):
     """What the command writes (its _record / _write_table, fed made-up timings here) is what default_config reads:
     an entry only where the best beats the default by --min-gain, older records of a re-measured key replaced."""
