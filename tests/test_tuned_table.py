@@ -252,6 +252,13 @@ def test_tune_flatten_candidates():
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--flatten", "2"]) == 2
 
 
+def test_tune_group_m_candidates():
+    candidates, _ = tune.candidate_configs(0, [128], [256], [64], [8], [4], group_m=[8, 16])
+    assert {c.group_m for c in candidates if c.block_m == 128} == {8, 16}
+    assert any(tune.config_name(c).endswith(" g16") for c in candidates)
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--group-m", "0"]) == 2
+
+
 def test_tune_records_round_trip_through_the_lookup(tmp_path):
     """What the command writes (its _record / _write_table, fed made-up timings here) is what default_config reads:
     an entry only where the best beats the default by --min-gain, older records of a re-measured key replaced."""

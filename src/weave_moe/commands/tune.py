@@ -48,6 +48,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stages", default="3,4,5", help="candidate num_stages values")
     parser.add_argument("--epilogue", default="", help="candidate epilogue values (0 masked stores, 2 clipped TMA, "
                         "3 clipped TMA in column halves; default: the analytical default's)")
+    parser.add_argument("--group-m", default="", help="candidate group_m values (M tiles that sweep the N tiles "
+                        "together; default: the analytical default's)")
     parser.add_argument("--flatten", default="", help="candidate flatten values (1: the tile loop and the K loop "
                         "pipelined as one; default: the analytical default's)")
     parser.add_argument("--split-tail", default="0", help="candidate split_tail values (1: tails of at most "
@@ -102,9 +104,9 @@ def config_name(config) -> str:
 
 
 def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split_tail=(0,), epilogue=(), flatten=(),
-                      smem_bytes: int = HOPPER_SMEM_BYTES):
+                      group_m=(), smem_bytes: int = HOPPER_SMEM_BYTES):
     """(candidates, skipped) for `gemm`: every combination as a variant of the analytical 128-row default (its
-    group_m, and its epilogue and flatten unless `epilogue` / `flatten` list some), plus both analytical defaults;
+    epilogue, flatten and group_m unless `epilogue` / `flatten` / `group_m` list some), plus both analytical defaults;
     skipped = [(config, reason)] for combinations that cannot work: an accumulator over MAX_ACC_REGS fp32 registers
     per thread (spills), pipeline buffers over `smem_bytes`, or a config `grouped_gemm.check_config` refuses."""
     import itertools
@@ -114,10 +116,11 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
     base = gg.analytical_configs(gemm)[1]
     candidates, skipped = list(gg.analytical_configs(gemm)), []
     epilogues, flattens = tuple(epilogue) or (base.epilogue,), tuple(flatten) or (int(base.flatten),)
-    for bm, bn, bk, nw, ns, tail, ep, flat in itertools.product(block_m, block_n, block_k, warps, stages, split_tail,
-                                                                epilogues, flattens):
+    groups = tuple(group_m) or (base.group_m,)
+    for bm, bn, bk, nw, ns, tail, ep, flat, group in itertools.product(block_m, block_n, block_k, warps, stages,
+                                                                       split_tail, epilogues, flattens, groups):
         config = base.with_(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_tail=bool(tail),
-                            epilogue=ep, flatten=bool(flat))
+                            epilogue=ep, flatten=bool(flat), group_m=group)
         if config in candidates:
             continue
         try:
@@ -173,13 +176,16 @@ def run(args) -> int:
                     block_k=_ints(args.block_k, "--block-k"), warps=_ints(args.warps, "--warps"),
                     stages=_ints(args.stages, "--stages"), split_tail=_ints(args.split_tail, "--split-tail"),
                     epilogue=_ints(args.epilogue, "--epilogue") if args.epilogue.strip() else (),
-                    flatten=_ints(args.flatten, "--flatten") if args.flatten.strip() else ())
+                    flatten=_ints(args.flatten, "--flatten") if args.flatten.strip() else (),
+                    group_m=_ints(args.group_m, "--group-m") if args.group_m.strip() else ())
         if set(grid["split_tail"]) - {0, 1}:
             raise ValueError(f"--split-tail: expected 0 and/or 1, given {args.split_tail!r}")
         if set(grid["epilogue"]) - {0, 1, 2, 3}:
             raise ValueError(f"--epilogue: expected values of 0, 1, 2, 3, given {args.epilogue!r}")
         if set(grid["flatten"]) - {0, 1}:
             raise ValueError(f"--flatten: expected 0 and/or 1, given {args.flatten!r}")
+        if any(group < 1 for group in grid["group_m"]):
+            raise ValueError(f"--group-m: expected ints >= 1, given {args.group_m!r}")
         if args.emulate_ep < 1:
             raise ValueError(f"--emulate-ep: expected an int >= 1, given {args.emulate_ep}")
         if args.reps < 1:
