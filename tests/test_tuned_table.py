@@ -346,3 +346,31 @@ def test_tune_pairs_write_the_fastest_pair_by_its_gain_over_the_default_pair(tmp
 def test_tune_pairs_need_both_gemms(capsys):
     assert cli.main(["tune", "--gemms", "0", "--pairs", "3", "--list"]) == 2
     assert "--pairs" in capsys.readouterr().err
+
+
+def test_tune_confirmation_rounds_alternate_and_decide_by_the_median():
+    """--confirm: the default and the fastest candidates of the first pass re-timed in rounds of alternating order;
+    the entry is decided by the medians over the rounds, not by the one pass (a candidate that was fast once, e.g.
+    timed right after an idle GPU's pause, loses its place)."""
+    assert tune.confirm_order(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    base = gg.GemmConfig()
+    lucky, steady, slow, default = (base.with_(num_stages=n) for n in (2, 3, 5, 4))
+    measured = [(1.0, lucky, 1e-3), (1.2, steady, 1e-3), (1.3, slow, 1e-3), (1.4, default, 1e-3),
+                (1.9, base.with_(group_m=4), 1e-3)]
+    truth = {lucky: [1.5, 1.6, 1.5], steady: [1.2, 1.1, 1.2], slow: [1.3, 1.3, 1.3], default: [1.4, 1.35, 1.45]}
+    calls = []
+
+    def time_ms(config):
+        calls.append(config)
+        return truth[config][sum(c == config for c in calls) - 1]
+
+    confirmed = tune.confirm_measured(measured, default, 3, time_ms)
+    assert calls == tune.confirm_order([lucky, steady, slow, default], 3)
+    assert [c for _, c, _ in confirmed] == [steady, slow, default, lucky]   # only the re-timed ones
+    assert confirmed[0][0] == 1.2 and confirmed[3][0] == 1.5
+    # the default is re-timed even when it is not among the fastest
+    calls.clear()
+    tune.confirm_measured([(0.9, lucky, 0), (1.0, steady, 0), (1.1, slow, 0), (1.2, base.with_(group_m=4), 0),
+                           (2.0, default, 0)], default, 1, lambda config: calls.append(config) or 1.0)
+    assert default in calls and base.with_(group_m=4) not in calls
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--confirm", "-1"]) == 2

@@ -64,6 +64,11 @@ def add_arguments(parser) -> None:
                         help="then time GEMM0 -> GEMM1 back to back in one graph (as a call runs them, GEMM1 reading "
                              "GEMM0's h) for the N fastest configs of each alone (N x N pairs and the default pair), "
                              "and write the fastest pair's configs (default 0: each GEMM's fastest alone)")
+    parser.add_argument("--confirm", type=int, default=3, metavar="ROUNDS",
+                        help="then re-time the analytical default and the 3 fastest candidates of each GEMM in ROUNDS "
+                             "rounds of alternating order (A B C D, D C B A, ...) and decide by the median over the "
+                             "rounds: one pass times each candidate once, in one GPU state (a candidate timed right "
+                             "after seconds of compiling runs at the higher clocks of an idle GPU); 0: one pass only")
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
     parser.add_argument("--warm-l2", action="store_true",
                         help="time every launch on the same experts, so weights that fit in the L2 cache stay there "
@@ -190,6 +195,8 @@ def run(args) -> int:
             raise ValueError(f"--emulate-ep: expected an int >= 1, given {args.emulate_ep}")
         if args.reps < 1:
             raise ValueError(f"--reps: expected an int >= 1, given {args.reps}")
+        if args.confirm < 0:
+            raise ValueError(f"--confirm: expected an int >= 0, given {args.confirm}")
         if args.pairs < 0 or (args.pairs and sorted(set(gemms)) != [0, 1]):
             raise ValueError(f"--pairs: expected an int >= 0, and both GEMMs (--gemms 0,1), given --pairs "
                              f"{args.pairs} --gemms {args.gemms}")
@@ -372,6 +379,33 @@ class _Work:
         return moe_error(out[self.check_rows], ref)[0]
 
 
+#: Candidates re-timed by the confirmation rounds besides the analytical default: the fastest of the first pass.
+CONFIRM_TOP = 3
+
+
+def confirm_order(configs: list, rounds: int) -> list:
+    """The order of the confirmation rounds: `configs` forwards, then backwards, and so on, so that a drift of the
+    GPU's clocks over the rounds falls on every config alike."""
+    return [config for r in range(rounds) for config in (configs if r % 2 == 0 else configs[::-1])]
+
+
+def confirm_measured(measured: list, default, rounds: int, time_ms) -> list:
+    """The analytical `default` and the CONFIRM_TOP fastest of `measured` [(ms, config, err)] re-timed by
+    `time_ms(config)` in `rounds` rounds of `confirm_order`: [(median ms over the rounds, config, err)], fastest
+    first. Only these are returned: the others' single times are not comparable with them."""
+    import statistics
+
+    ranked = sorted(measured, key=lambda m: m[0])
+    chosen = [m[1] for m in ranked[:CONFIRM_TOP]]
+    if default not in chosen and any(config == default for _, config, _ in measured):
+        chosen.append(default)
+    samples = {config: [] for config in chosen}
+    for config in confirm_order(chosen, rounds):
+        samples[config].append(time_ms(config))
+    errors = {config: err for _, config, err in measured}
+    return sorted(((statistics.median(samples[c]), c, errors[c]) for c in chosen), key=lambda m: m[0])
+
+
 def cold_rotations(launch_bytes: int, l2_bytes: int, num_experts: int) -> int:
     """How many launches a cold-L2 timing rotates through: the smallest R with R * `launch_bytes` (the weights one
     launch reads) >= COLD_L2_FACTOR * `l2_bytes`, at most `num_experts` (rotation r moves every expert's rows r * E/R
@@ -419,7 +453,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
         commit=args.git_commit or git_commit(), command=shlex.join(["weave-moe", "tune"] + sys.argv[2:]
                                                                    if sys.argv[1:2] == ["tune"] else sys.argv),
         emulate_ep=args.emulate_ep, models=[s.name for s in specs], tokens=sorted({s["tokens"] for s in shapes}),
-        reps=args.reps, min_gain=args.min_gain, tolerance=DEFAULT_TOLERANCE,
+        reps=args.reps, min_gain=args.min_gain, tolerance=DEFAULT_TOLERANCE, confirm_rounds=args.confirm,
         candidates={f"gemm{g}": [config_name(c) for c in candidates[g][0]] for g in gemms},
         timing=("median of CUDA-event-timed CUDA-graph replays (3 warm-ups), one launch per replay" if args.warm_l2
                 else "median of CUDA-event-timed CUDA-graph replays (3 warm-ups); a replay runs `rotations` launches "
@@ -434,6 +468,11 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     for g in gemms:
         for config, reason in candidates[g][1]:
             print(f"  GEMM{g} skipped {config_name(config)}: {reason}")
+    def time_alone(work, gemm, config) -> float:
+        """ms of one launch of `config` alone: the median of --reps replays, each over the cold rotations."""
+        launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
+        return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches], args.reps)) / len(launches)
+
     results, failed, started = [], 0, time.time()
     for shape in shapes:
         print(f"{shape['model']} T={shape['tokens']}: {shape['E_local']} x {shape['H']} x {shape['I']}, "
@@ -444,7 +483,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
             traceback.print_exc()
             failed += 1
             continue
-        alone = {}
+        alone, counts = {}, {}
         for gemm in gemms:
             default = gg.analytical_config(gemm, work.rows, shape["E_local"])
             measured = []
@@ -455,9 +494,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                     if not err <= DEFAULT_TOLERANCE:
                         print(f"  GEMM{gemm} {name}: WRONG, error {err:.2e} > {DEFAULT_TOLERANCE:g}", flush=True)
                         continue
-                    launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
-                    ms = statistics.median(graph_replay_ms(lambda: [launch() for launch in launches], args.reps))
-                    ms /= len(launches)
+                    ms = time_alone(work, gemm, config)
                 except Exception as error:  # a config that does not compile or launch must not stop the sweep
                     print(f"  GEMM{gemm} {name}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
                     torch.cuda.synchronize()
@@ -465,6 +502,13 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
                 measured.append((ms, config, err))
                 print(f"  GEMM{gemm} {name}: {ms:.4f} ms, error {err:.1e}{'  (default)' if config == default else ''}",
                       flush=True)
+            counts[gemm] = len(measured)
+            if args.confirm and measured:
+                measured = confirm_measured(measured, default, args.confirm,
+                                            lambda config, gemm=gemm, work=work: time_alone(work, gemm, config))
+                for ms, config, _ in measured:
+                    print(f"  GEMM{gemm} {config_name(config)}: {ms:.4f} ms over {args.confirm} rounds "
+                          f"(confirmed)", flush=True)
             alone[gemm] = (default, measured)
         chosen = {}
         if args.pairs and all(alone.get(g, (None, []))[1] for g in (0, 1)):
@@ -476,7 +520,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
         for gemm, (default, measured) in alone.items():
             result = _record(table, shape, gemm, default, measured, args.min_gain, args.emulate_ep,
                              work.rotations[gemm], pair=chosen.get(gemm),
-                             gathered=gemm == 0 and work.gather is not None)
+                             gathered=gemm == 0 and work.gather is not None, candidates=counts[gemm])
             if result is not None:
                 result.pop("run")
             if result is None:
@@ -533,11 +577,12 @@ def pair_choice(timed: dict, default_ms: float) -> dict:
 
 
 def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotations: int = 1,
-            pair: dict | None = None, gathered: bool = False) -> dict | None:
+            pair: dict | None = None, gathered: bool = False, candidates: int | None = None) -> dict | None:
     """Put one measured (shape, gemm) into the table (replacing older records of its key); a result row for the
     printout, or None when no candidate passed. `pair` (`pair_choice`): write the fastest pair's config of this
     GEMM, by the pair's gain over the default pair, instead of this GEMM's fastest alone. `gathered`: GEMM0 was
-    timed reading its rows through gather rows (recorded)."""
+    timed reading its rows through gather rows (recorded). `candidates`: how many passed the first pass when
+    `measured` holds only the confirmed ones (default: len(measured))."""
     import dataclasses
 
     if not measured:
@@ -555,7 +600,7 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotatio
     record = dict(key, model=shape["model"], tokens=shape["tokens"], emulate_ep=emulate_ep, rows=shape["rows"],
                   ms=round(best_ms, 5), default_ms=None if default_ms is None else round(default_ms, 5),
                   default=config_name(default), best=config_name(best), error=float(f"{best_err:.3g}"),
-                  candidates_measured=len(measured), rotations=rotations, run=f"{meta['date']} {meta['commit']}")
+                  candidates_measured=len(measured) if candidates is None else candidates, rotations=rotations, run=f"{meta['date']} {meta['commit']}")
     if gathered:
         record.update(gathered=True)
     if pair is not None:
