@@ -95,6 +95,11 @@ def _ints(text: str, name: str) -> list[int]:
     return values
 
 
+def _optional_ints(text: str, name: str) -> list[int]:
+    """`_ints`, or [] for an empty option (a field the candidates take from the analytical default)."""
+    return _ints(text, name) if text.strip() else []
+
+
 def config_name(config) -> str:
     """A short name of a GemmConfig, e.g. "128x256x64 w8 s4 e2" (tile, warps, stages, epilogue)."""
     name = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} " \
@@ -162,6 +167,7 @@ def tune_shapes(specs, tokens: list[int], emulate_ep: int) -> list[dict]:
 def run(args) -> int:
     import sys
 
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
     from weave_moe.models import PAPER_MODELS, MoESpec
 
     def refuse(message: str) -> int:
@@ -180,13 +186,13 @@ def run(args) -> int:
         grid = dict(block_m=_ints(args.block_m, "--block-m"), block_n=_ints(args.block_n, "--block-n"),
                     block_k=_ints(args.block_k, "--block-k"), warps=_ints(args.warps, "--warps"),
                     stages=_ints(args.stages, "--stages"), split_tail=_ints(args.split_tail, "--split-tail"),
-                    epilogue=_ints(args.epilogue, "--epilogue") if args.epilogue.strip() else (),
-                    flatten=_ints(args.flatten, "--flatten") if args.flatten.strip() else (),
-                    group_m=_ints(args.group_m, "--group-m") if args.group_m.strip() else ())
+                    epilogue=_optional_ints(args.epilogue, "--epilogue"),
+                    flatten=_optional_ints(args.flatten, "--flatten"),
+                    group_m=_optional_ints(args.group_m, "--group-m"))
         if set(grid["split_tail"]) - {0, 1}:
             raise ValueError(f"--split-tail: expected 0 and/or 1, given {args.split_tail!r}")
-        if set(grid["epilogue"]) - {0, 1, 2, 3}:
-            raise ValueError(f"--epilogue: expected values of 0, 1, 2, 3, given {args.epilogue!r}")
+        if set(grid["epilogue"]) - set(gg.EPILOGUES):
+            raise ValueError(f"--epilogue: expected values of {gg.EPILOGUES}, given {args.epilogue!r}")
         if set(grid["flatten"]) - {0, 1}:
             raise ValueError(f"--flatten: expected 0 and/or 1, given {args.flatten!r}")
         if any(group < 1 for group in grid["group_m"]):
@@ -468,6 +474,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     for g in gemms:
         for config, reason in candidates[g][1]:
             print(f"  GEMM{g} skipped {config_name(config)}: {reason}")
+
     def time_alone(work, gemm, config) -> float:
         """ms of one launch of `config` alone: the median of --reps replays, each over the cold rotations."""
         launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
@@ -600,7 +607,8 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotatio
     record = dict(key, model=shape["model"], tokens=shape["tokens"], emulate_ep=emulate_ep, rows=shape["rows"],
                   ms=round(best_ms, 5), default_ms=None if default_ms is None else round(default_ms, 5),
                   default=config_name(default), best=config_name(best), error=float(f"{best_err:.3g}"),
-                  candidates_measured=len(measured) if candidates is None else candidates, rotations=rotations, run=f"{meta['date']} {meta['commit']}")
+                  candidates_measured=len(measured) if candidates is None else candidates, rotations=rotations,
+                  run=f"{meta['date']} {meta['commit']}")
     if gathered:
         record.update(gathered=True)
     if pair is not None:

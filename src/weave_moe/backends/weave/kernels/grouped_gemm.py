@@ -82,6 +82,8 @@ EPILOGUE_TMA_CLIPPED = 2  # every tile through TMA, from a descriptor made on th
 EPILOGUE_TMA_HALVES = 3   # as EPILOGUE_TMA_CLIPPED, in two column halves through one half-size shared buffer: half
 #                           the epilogue's shared memory (GEMM1 at 128x256 keeps 4 stages: 229 KB against 262 KB)
 _CLIPPED_EPILOGUES = (EPILOGUE_TMA_CLIPPED, EPILOGUE_TMA_HALVES)
+#: Every GemmConfig.epilogue value.
+EPILOGUES = (EPILOGUE_MASKED, EPILOGUE_TMA, *_CLIPPED_EPILOGUES)
 
 
 @dataclass(frozen=True)
@@ -276,8 +278,8 @@ def check_config(gemm: int, config: GemmConfig) -> None:
         problems.append(f"num_stages={config.num_stages!r} is not an int >= 1")
     if not (isinstance(config.group_m, int) and config.group_m >= 1):
         problems.append(f"group_m={config.group_m!r} is not an int >= 1")
-    if config.epilogue not in (EPILOGUE_MASKED, EPILOGUE_TMA, *_CLIPPED_EPILOGUES):
-        problems.append(f"epilogue={config.epilogue!r} is not 0, 1, 2 or 3")
+    if config.epilogue not in EPILOGUES:
+        problems.append(f"epilogue={config.epilogue!r} is not one of {EPILOGUES}")
     elif config.epilogue == EPILOGUE_TMA_HALVES and config.block_n // (4 if gemm == 0 else 2) < 8:
         problems.append(f"epilogue=3 (TMA halves): a half of the output tile is block_n / {4 if gemm == 0 else 2} "
                         f"columns, under TMA's 16 bytes")
