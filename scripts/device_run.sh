@@ -131,13 +131,15 @@ for stage in "$@"; do
             WEAVE_MOE_KERNEL_CONFIG=$kc timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model qwen3-30b-a3b --tokens $t --variants weave:serial --rows 30 > "$W/profile-config-ab$i-$t.txt" 2>&1; echo "profile $i $t rc=$?"; grep -E "^#####.*span" "$W/profile-config-ab$i-$t.txt"
           done
         done;;
-    # kernel timelines of one weave:serial call (scripts/profile_layer.py) for each KernelConfig of KP_CONFIGS
+    # the task-table kernels alone, per kernel, with and without the serial skip of GEMM task rows (one-off probe)
+    tables-probe) timeout "${TP_TIMEOUT:-240}" python3 scripts/tables_probe.py --out "$W/tables_probe.json" > "$W/tables_probe.log" 2>&1; echo "rc=$?"; tail -30 "$W/tables_probe.log" | cut -c1-420;;
+    # kernel timelines of one call (scripts/profile_layer.py; KP_VARIANTS, default weave:serial) for each KernelConfig of KP_CONFIGS
     # ("none" = the defaults), model of KP_MODELS and token count of KP_TOKENS; results profile-<i>-<model>-<tokens>.txt,
     # numbered as listed in profile-configs.txt (config names with "=" would come back renamed)
     profile-configs) i=0; : > "$W/profile-configs.txt"; for cfg in ${KP_CONFIGS:-none}; do i=$((i + 1)); echo "$i $cfg" >> "$W/profile-configs.txt"
           kc=$([ "$cfg" = none ] && echo "" || echo "$cfg")
           for model in ${KP_MODELS:-qwen3-30b-a3b}; do for t in ${KP_TOKENS:-1 2048}; do
-            WEAVE_MOE_KERNEL_CONFIG=$kc timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "$model" --tokens $t --variants weave:serial --rows 30 > "$W/profile-$i-$model-$t.txt" 2>&1; echo "profile $i ($cfg) $model $t rc=$?"; grep -E "^#####.*span" "$W/profile-$i-$model-$t.txt"
+            WEAVE_MOE_KERNEL_CONFIG=$kc timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "$model" --tokens $t --variants "${KP_VARIANTS:-weave:serial}" --rows 30 > "$W/profile-$i-$model-$t.txt" 2>&1; echo "profile $i ($cfg) $model $t rc=$?"; grep -E "^#####.*span" "$W/profile-$i-$model-$t.txt"
           done; done
         done;;
     # the bench with each grouped-GEMM table of TA_TABLES (space-separated: "shipped" = the package's table of this

@@ -14,7 +14,7 @@ from weave_moe.backends.weave.layout import build_layout, META_FIELDS
 from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
 
 def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None,
-         counters=None, emit_tokens=None, independent=False):
+         counters=None, emit_tokens=None, independent=False, serial_c=None):
     P = len(tokens); T = T_max or max(max(tokens), 1) + 2
     g = torch.Generator().manual_seed(seed)
     msg = RoutingMessage(T, k)
@@ -36,8 +36,10 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     b = blocks or dict(block_m=4, block_n0=8, block_n1=8, dispatch_rows=2, combine_rows=3, reduce_rows=2)
     kw = dict(hidden_size=20, intermediate_size=12, **b)
     ref = build_layout(ids, wts, toks, plans[:, 1], rank, E, **kw)
+    # serial_c: this rank's c of a layer that runs serial plans (c >= 4 SMs here) through the grouped GEMMs
+    serial = {} if serial_c is None else dict(serial_plan=torch.tensor([serial_c], dtype=torch.int32), num_sms=4)
     got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, counters=counters,
-                              emit_tokens=emit_tokens, independent=independent, **kw)
+                              emit_tokens=emit_tokens, independent=independent, **serial, **kw)
     if counters is not None:   # the caller's counters are zero again for its next call
         assert not counters.any(), counters
     meta = ref.meta.tolist()
@@ -51,7 +53,8 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     eq("send_slot", got.send_slot[:nsend], ref.send_slot[:nsend])
     npairs = int((ids >= rank * (E // P)).logical_and(ids < (rank + 1) * (E // P)).sum())
     eq("gather", got.gather_rows[:npairs], ref.gather_rows[:npairs])
-    eq("gemm", got.gemm_tasks[:ng], ref.gemm_tasks[:ng])
+    if serial_c is None or serial_c < 4:   # under a serial plan the GEMM task rows are not written
+        eq("gemm", got.gemm_tasks[:ng], ref.gemm_tasks[:ng])
     eq("arrival", got.arrival_expected, ref.arrival_expected)
     eq("gemm1_expected", got.gemm1_expected, ref.gemm1_expected)
     eq("combine_tasks", got.combine_tasks[:nc], ref.combine_tasks[:nc])
@@ -89,6 +92,9 @@ case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8)
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8)
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8, emit_tokens=16)   # many emit programs
 case((600,), 64, 8, (3,), 0, seed=22, blocks=prod, emit_tokens=32)
+# a layer that runs serial plans through the grouped GEMMs: every other table under a serial plan, all under another
+case((300, 280), 16, 4, (1, 1), 0, seed=23, blocks=prod, serial_c=4)
+case((300, 280), 16, 4, (3, 5), 1, seed=24, blocks=prod, serial_c=3)
 # a decode call's tables (KernelConfig.decode_stages): one row per dispatch, combine and reduce task
 decode = dict(prod, dispatch_rows=1, combine_rows=1, reduce_rows=1)
 case((5, 3), 16, 4, (1, 1), 0, seed=18, blocks=decode)
@@ -148,7 +154,11 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
         (tables._bases_kernel, dict(L=128, MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64,
                                     CLEAR_COUNTS=True), ()),
         (tables._emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
-                                   BLOCK_SEG=1024, BLOCK_J=64, BLOCK_N=16), ("weights_ptr", "combine_weight_ptr")),
+                                   BLOCK_SEG=1024, BLOCK_J=64, BLOCK_N=16, SERIAL_GROUPED=False),
+         ("weights_ptr", "combine_weight_ptr")),
+        (tables._emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
+                                   BLOCK_SEG=1024, BLOCK_J=64, BLOCK_N=64, SERIAL_GROUPED=True),
+         ("weights_ptr", "combine_weight_ptr")),
     ]:
         source = ASTSource(fn=fn, signature=signature(fn, constants, fp32), constexprs=constants)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]

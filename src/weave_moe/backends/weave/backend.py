@@ -248,6 +248,7 @@ class WeaveBackend:
         self.grouped = grouped_capable and self.only_serial
         self.grouped_serial = grouped_capable and self.resident and self.fixed_plan is None
         self.interleaved = self.grouped or self.grouped_serial
+        self.grid_c = torch.full((1,), self.num_sms, dtype=torch.int32, device=device)   # c of a serial plan
         self.gemm0_gather = cfg.gathers_in_gemm0(I)   # the grouped GEMM0 reads its rows itself (_grouped_gemms)
         # a layer whose serial plans run the grouped GEMMs plans with their measured speed (cost_model A8)
         self.device_planner = (DevicePlanner(spec, world_size, self.profile.with_grouped_serial()
@@ -488,8 +489,13 @@ class WeaveBackend:
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         # the Triton tables count into the layer's persistent counters, which their bases kernel zeroes again
         # a fixed plan: the counts kernel just launched writes nothing the tables read, which then run beside it
+        # a layer whose serial plans run the grouped GEMMs: no GEMM task rows under a serial plan (nothing reads them);
+        # a fixed serial policy's plan is serial whatever its c (Plan.is_serial), the device plan's by its c
+        serial = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
+                       num_sms=self.num_sms)
+                  if self.grouped or self.grouped_serial else {})
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
-                                   independent=cfg.independent_scan and self.device_planner is None)
+                                   independent=cfg.independent_scan and self.device_planner is None, **serial)
                  if cfg.triton_tables
                  else self.layout_builder)
         return build(

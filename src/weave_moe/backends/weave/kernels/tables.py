@@ -411,10 +411,10 @@ def _emit_blocks(seg_ptr, S, num, block_rows, tasks_ptr, max_tasks, j, DIV, MINO
 
 @triton.jit
 def _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
-                dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, block_index, P, L,
-                n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch, max_combine,
-                max_pairs, MC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
-                BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+                dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, plan_ptr, num_sms,
+                block_index, P, L, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
+                max_combine, max_pairs, MC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
+                BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr, SERIAL_GROUPED: tl.constexpr):
     # task rows: slots j of the dispatch, combine and M-tile tables
     j = block_index * BLOCK_J + tl.arange(0, BLOCK_J)
     PMC = P * MC
@@ -424,7 +424,23 @@ def _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_pt
     # combine blocks: segments (chunk, source) -> rows (source, chunk, start, count)
     _emit_blocks(combine_seg_ptr, BLOCK_PMC, tl.load(meta_ptr + 2), combine_rows, combine_tasks_ptr, max_combine, j,
                  BLOCK_P, True, BLOCK_J, BLOCK_PMC)
-    # M tiles -> GEMM0 and GEMM1 task rows in DAG order
+    # M tiles -> GEMM0 and GEMM1 task rows in DAG order; none under a serial plan (c >= num_sms) of a layer that runs
+    # serial plans through the grouped GEMMs (SERIAL_GROUPED: they read their own tile tables, grouped_tiles)
+    if SERIAL_GROUPED:
+        if tl.load(plan_ptr) < num_sms:
+            _emit_gemm_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, meta_ptr, gemm_tasks_ptr, block_index,
+                             L, n0, n1, block_m, block_n0, block_n1, max_pairs, MC, BLOCK_SEG, BLOCK_J, BLOCK_N)
+    else:
+        _emit_gemm_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, meta_ptr, gemm_tasks_ptr, block_index, L,
+                         n0, n1, block_m, block_n0, block_n1, max_pairs, MC, BLOCK_SEG, BLOCK_J, BLOCK_N)
+
+
+@triton.jit
+def _emit_gemm_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, meta_ptr, gemm_tasks_ptr, block_index, L, n0,
+                     n1, block_m, block_n0, block_n1, max_pairs, MC: tl.constexpr, BLOCK_SEG: tl.constexpr,
+                     BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Task slots [block_index * BLOCK_J, +BLOCK_J) of the GEMM task table: M tiles -> GEMM0 and GEMM1 rows."""
+    j = block_index * BLOCK_J + tl.arange(0, BLOCK_J)
     num_mtiles = tl.load(meta_ptr + 4)
     S = MC * L
     mseg = _segment_of(seg_mtiles_end_ptr, j, S, BLOCK_J, BLOCK_SEG)
@@ -463,12 +479,12 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
                  recv_block_base_ptr, send_block_base_ptr, seg_rows_ptr, seg_mtiles_end_ptr,
                  group_base_ptr, combine_seg_ptr, dispatch_seg_ptr, meta_ptr,
                  gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, send_token_ptr, send_out_ptr,
-                 dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
+                 dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, plan_ptr,
                  rank, P, T, L: tl.constexpr, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
-                 max_dispatch, max_combine, max_pairs, recv_programs, send_programs,
+                 max_dispatch, max_combine, max_pairs, recv_programs, send_programs, num_sms,
                  K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr,
                  BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 BLOCK_N: tl.constexpr, SERIAL_GROUPED: tl.constexpr):
     sync.pdl_enter()
     pid = tl.program_id(0)
     if pid < recv_programs:
@@ -481,10 +497,10 @@ def _emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, ch
                    send_token_ptr, send_out_ptr, pid - recv_programs, rank, T, L, NB, K, KP, BLOCK_T, BT)
     else:
         _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
-                    dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr,
-                    pid - recv_programs - send_programs, P, L, n0, n1, block_m, block_n0, block_n1, dispatch_rows,
-                    combine_rows, max_dispatch, max_combine, max_pairs, MC, BLOCK_P, BLOCK_PMC, BLOCK_SEG, BLOCK_J,
-                    BLOCK_N)
+                    dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, plan_ptr,
+                    num_sms, pid - recv_programs - send_programs, P, L, n0, n1, block_m, block_n0, block_n1,
+                    dispatch_rows, combine_rows, max_dispatch, max_combine, max_pairs, MC, BLOCK_P, BLOCK_PMC,
+                    BLOCK_SEG, BLOCK_J, BLOCK_N, SERIAL_GROUPED)
 
 
 def _pow2(n: int) -> int:
@@ -510,7 +526,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
                         counters: torch.Tensor | None = None, emit_tokens: int | None = None,
-                        independent: bool = False) -> Layout:
+                        independent: bool = False, serial_plan: torch.Tensor | None = None,
+                        num_sms: int = 0) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
@@ -522,7 +539,12 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     `independent`: the kernel launched just before writes nothing the tables read (the resident call's counts
     kernel under a fixed plan: the routing was complete before it, the chunks are the layer's): the scan then runs
     beside it instead of after it (`_scan_kernel`). With an adaptive policy the planner writes the chunks just
-    before: False."""
+    before: False.
+    `serial_plan` (int32 device scalar: this rank's c) with `num_sms`: for a layer that runs serial plans through
+    the grouped GEMMs, which read their own tile tables (grouped_tiles): under a serial plan (c >= num_sms) no GEMM
+    task row is written (`gemm_tasks` holds whatever was there; `meta` still counts them), under another plan
+    every one is. Those rows are most of the emit's stores at prefill sizes (72 per M tile at DeepSeek-V3's
+    shape)."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -534,6 +556,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
     if tokens.dtype != torch.int32 or tokens.numel() != P:
         raise ValueError("tokens must be int32 [EP]")
+    if serial_plan is not None and (serial_plan.dtype != torch.int32 or serial_plan.numel() != 1 or num_sms < 1):
+        raise ValueError("serial_plan must be an int32 device scalar (this rank's c) and num_sms >= 1")
     i32 = dict(dtype=torch.int32, device=device)
     ep_tokens = P * T
     max_pairs = ep_tokens * min(K, L)
@@ -619,11 +643,11 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         pair_base, recv_base, send_base, pair_block_base, recv_block_base, send_block_base, seg_rows,
         seg_mtiles_end, group_base, combine_seg, dispatch_seg, meta,
         gather_rows, combine_token, combine_pos, combine_weight, send_token, send_slot, dispatch_tasks,
-        combine_tasks, gemm_tasks,
+        combine_tasks, gemm_tasks, meta if serial_plan is None else serial_plan,
         rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
-        max_combine, max_pairs, P * per_block, P * per_block, K=K, KP=KP, MC=MC, BLOCK_T=emit_tokens, BT=BT,
-        BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-        BLOCK_N=_pow2(max(n0, n1)), **sync.LAUNCH)
+        max_combine, max_pairs, P * per_block, P * per_block, max(num_sms, 1), K=K, KP=KP, MC=MC,
+        BLOCK_T=emit_tokens, BT=BT, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
+        BLOCK_N=_pow2(max(n0, n1)), SERIAL_GROUPED=serial_plan is not None, **sync.LAUNCH)
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
                   gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
