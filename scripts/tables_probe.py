@@ -28,8 +28,8 @@ from weave_moe.routing import uniform
 SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, (1, 2048)), ("deepseek-v2", 160, 6, 5120, 1536, (2048,)),
           ("deepseek-v3", 256, 8, 7168, 2048, (32, 2048))]
 #: (name, emit_tokens, serial)
-VARIANTS = [("default", None, False), ("serial", None, True), ("emit64", 64, False), ("serial-emit64", 64, True),
-            ("serial-emit32", 32, True)]
+VARIANTS = [("default", None, False), ("serial", None, True), ("emit256", 256, False), ("serial-emit256", 256, True),
+            ("serial-emit64", 64, True)]
 KERNELS = ("_scan_kernel", "_bases_kernel", "_emit_kernel")
 
 
@@ -117,7 +117,7 @@ def main() -> None:
                         and torch.equal(layout.gather_rows[:pairs], reference.gather_rows[:pairs])
                         and (serial or torch.equal(layout.gemm_tasks[:tasks], reference.gemm_tasks[:tasks])))
                 graph = _capture(lambda: (flush.zero_(), build()))
-                row = dict(model=model, tokens=T, T_max=T_max, variant=name, emit_tokens=emit_tokens or 256,
+                row = dict(model=model, tokens=T, T_max=T_max, variant=name, emit_tokens=emit_tokens or 32,
                            serial=serial, same_tables=same, **_timings(graph, args.reps))
                 rows.append(row)
                 print(json.dumps(row), flush=True)

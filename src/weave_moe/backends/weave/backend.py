@@ -467,17 +467,22 @@ class WeaveBackend:
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
-        layout = self._resident_tables(decode)
+        early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
+        layout = self._resident_tables(decode, grouped_configs, early)
         dummy = self.workspace.y()[:1]
-        self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode)
+        self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode,
+                     early=early[0] if early else None)
         # the status word to the host, read at the next call once the event recorded after the call has passed
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_tables(self, decode: bool):
+    def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the
         planned chunk counts (the pack launch before them zeroed the control block and the flags, the resident call
-        always using parity 0, and advanced the call number)."""
+        always using parity 0, and advanced the call number). A fixed serial plan's grouped-GEMM tile tables
+        (`_grouped_prologue` on the side stream, appended to `early`) are forked off after the bases kernel, so they
+        run beside the emit: after it, beside the dispatch launch, they waited for its CTAs to leave the SMs (ending
+        4-7 us after it at 2048 tokens on an H200, bench/results/h200-42828c2)."""
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
@@ -494,6 +499,10 @@ class WeaveBackend:
         serial = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
                        num_sms=self.num_sms)
                   if self.grouped or self.grouped_serial else {})
+        if self.grouped and grouped_configs is not None and early is not None and self.fork_prologue:
+            def beside_emit(offsets, expected):
+                early.append(self._grouped_prologue(offsets, _tile_keys(grouped_configs), expected, False, side=True))
+            serial["beside_emit"] = beside_emit
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
                                    independent=cfg.independent_scan and self.device_planner is None, **serial)
                  if cfg.triton_tables
@@ -624,11 +633,12 @@ class WeaveBackend:
             "weave_moe.backends.weave.workspace.retire_shared(group), then rebuilds the group's layers.")
 
     def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None,
-                decode: bool = False) -> None:
+                decode: bool = False, early=None) -> None:
         """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
         kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
         layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
-        the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`)."""
+        the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`). `early`: the grouped
+        GEMMs' tile tables already forked off (`_grouped_prologue(side=True)`; None: forked here, when they are)."""
         ws, spec, grid = self.workspace, self.spec, self.num_sms
         if self.timeline_events:
             self.timeline_buf.zero_()
@@ -665,9 +675,9 @@ class WeaveBackend:
         # a fixed serial plan's first launch is the dispatch alone, which the tile tables do not wait for: they are
         # built beside it, on a side stream (an adaptive plan's first launch may run every phase, counting on the
         # done counters the prologue sets, so its prologue stays after it)
-        early = (self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), layout.gemm1_expected, False,
-                                        side=True)
-                 if configs is not None and not device_serial and self.fork_prologue else None)
+        if early is None and configs is not None and not device_serial and self.fork_prologue:
+            early = self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), layout.gemm1_expected, False,
+                                           side=True)
         for stage in stages:
             if stage == "grouped":
                 self._grouped_gemms(layout, configs, device_serial, early)

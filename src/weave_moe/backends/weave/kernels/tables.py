@@ -48,7 +48,7 @@ from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["build_layout_triton", "counter_words"]
 
-_BLOCK_T = 256         # tokens per emit program
+_BLOCK_T = 32          # tokens per emit program
 
 
 @triton.jit
@@ -401,12 +401,14 @@ def _emit_blocks(seg_ptr, S, num, block_rows, tasks_ptr, max_tasks, j, DIV, MINO
     real = j < num
     major = seg // DIV
     minor = seg % DIV
-    row = tasks_ptr + j.to(tl.int64) * 4
-    live = j < max_tasks
-    tl.store(row + 0, tl.where(real, minor if MINOR_FIRST else major, 0), mask=live)
-    tl.store(row + 1, tl.where(real, major if MINOR_FIRST else minor, 0), mask=live)
-    tl.store(row + 2, tl.where(real, first + within * block_rows, 0), mask=live)
-    tl.store(row + 3, tl.where(real, tl.minimum(tl.maximum(rows - within * block_rows, 0), block_rows), 0), mask=live)
+    start = first + within * block_rows
+    count = tl.minimum(tl.maximum(rows - within * block_rows, 0), block_rows)
+    # the row's 4 words stored whole (one vector store per row, as the GEMM task rows)
+    f = tl.arange(0, 4)[None, :]
+    fields = tl.where(f == 0, (minor if MINOR_FIRST else major)[:, None], tl.where(
+        f == 1, (major if MINOR_FIRST else minor)[:, None], tl.where(f == 2, start[:, None], count[:, None])))
+    tl.store(tasks_ptr + j.to(tl.int64)[:, None] * 4 + f, tl.where(real[:, None], fields, 0),
+             mask=(j < max_tasks)[:, None])
 
 
 @triton.jit
@@ -454,23 +456,24 @@ def _emit_gemm_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, meta_ptr,
     m_chunk = mseg // L
     m_expert = mseg % L
     first_of_chunk = tl.load(seg_mtiles_end_ptr + m_chunk * L - 1, mask=m_chunk > 0, other=0)
-    nn = tl.arange(0, BLOCK_N)
     is_tile = (j < num_mtiles)[:, None]
+    # a task row is 8 consecutive words, stored whole (a thread's words are neighbours: vector stores, where one
+    # store per field writes 4 bytes every 32); BLOCK_N N tiles at a time keep the [BLOCK_J, BLOCK_N, 8] rows small
+    f = tl.arange(0, 8)[None, None, :]
+    nc = tl.arange(0, BLOCK_N)
     for kind in tl.static_range(2):
         num_n = n0 if kind == 0 else n1
         block_n = block_n0 if kind == 0 else block_n1
-        base = tl.load(group_base_ptr + kind * MC + m_chunk)
-        index = base[:, None] + (j - first_of_chunk)[:, None] * num_n + nn[None, :]
-        ok = is_tile & (nn[None, :] < num_n)
-        task = gemm_tasks_ptr + index.to(tl.int64) * 8
-        tl.store(task + 0, tl.full([BLOCK_J, BLOCK_N], kind, tl.int32), mask=ok)
-        tl.store(task + 1, m_chunk[:, None] + 0 * nn[None, :], mask=ok)
-        tl.store(task + 2, m_expert[:, None] + 0 * nn[None, :], mask=ok)
-        tl.store(task + 3, m_start[:, None] + 0 * nn[None, :], mask=ok)
-        tl.store(task + 4, m_rows[:, None] + 0 * nn[None, :], mask=ok)
-        tl.store(task + 5, nn[None, :] * block_n + 0 * j[:, None], mask=ok)
-        tl.store(task + 6, j[:, None] + 0 * nn[None, :], mask=ok)
-        tl.store(task + 7, tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.int32), mask=ok)
+        first = tl.load(group_base_ptr + kind * MC + m_chunk) + (j - first_of_chunk) * num_n   # the tile's N = 0 task
+        fields = tl.where(f == 0, kind, tl.where(f == 1, m_chunk[:, None, None], tl.where(
+            f == 2, m_expert[:, None, None], tl.where(f == 3, m_start[:, None, None], tl.where(
+                f == 4, m_rows[:, None, None], tl.where(f == 6, j[:, None, None], 0))))))   # [BLOCK_J, 1, 8]
+        for n_first in range(0, num_n, BLOCK_N):
+            nn = n_first + nc
+            ok = is_tile & (nn[None, :] < num_n)
+            row = tl.where(f == 5, nn[None, :, None] * block_n, fields)
+            index = (first[:, None] + nn[None, :]).to(tl.int64)
+            tl.store(gemm_tasks_ptr + index[:, :, None] * 8 + f, row, mask=ok[:, :, None])
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -527,15 +530,15 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
                         counters: torch.Tensor | None = None, emit_tokens: int | None = None,
                         independent: bool = False, serial_plan: torch.Tensor | None = None,
-                        num_sms: int = 0) -> Layout:
+                        num_sms: int = 0, beside_emit=None) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
     the scan's atomic counters as a caller's buffer (`counter_words` int32, all zero), which the bases kernel zeroes
     again after reading them: no memset in the call (a node less in its graph); None: a zeroed buffer per call.
-    `emit_tokens` (a power of two, tests): tokens per emit program instead of 256 (fewer: more programs, each a
-    smaller one; on an H200 32 were 1.8 us faster alone on one shape at 1 token and neutral on another,
-    bench/results/h200-0586e60).
+    `emit_tokens` (a power of two, tests): tokens per emit program instead of 32 (more: fewer programs, each a
+    larger one; on an H200 32 were 0.2-0.6 us faster than 64 and up to 4 us faster than 256 with the serial skip
+    below, 1 to 2048 tokens, bench/results/h200-42828c2).
     `independent`: the kernel launched just before writes nothing the tables read (the resident call's counts
     kernel under a fixed plan: the routing was complete before it, the chunks are the layer's): the scan then runs
     beside it instead of after it (`_scan_kernel`). With an adaptive policy the planner writes the chunks just
@@ -544,7 +547,10 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     the grouped GEMMs, which read their own tile tables (grouped_tiles): under a serial plan (c >= num_sms) no GEMM
     task row is written (`gemm_tasks` holds whatever was there; `meta` still counts them), under another plan
     every one is. Those rows are most of the emit's stores at prefill sizes (72 per M tile at DeepSeek-V3's
-    shape)."""
+    shape).
+    `beside_emit`: called between the bases and the emit launches with (expert_offsets, gemm1_expected), final by
+    then: what needs only those can be enqueued on another stream, beside the emit (the weave backend's grouped-GEMM
+    tile tables)."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -637,6 +643,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         reduce_rows,
         MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
         CLEAR_COUNTS=counters is not None, **sync.LAUNCH)
+    if beside_emit is not None:
+        beside_emit(expert_offsets, gemm1_expected)
     grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
     _emit_kernel[(grid,)](
         all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
@@ -647,7 +655,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         rank, P, T, L, NB, n0, n1, block_m, block_n0, block_n1, dispatch_rows, combine_rows, max_dispatch,
         max_combine, max_pairs, P * per_block, P * per_block, max(num_sms, 1), K=K, KP=KP, MC=MC,
         BLOCK_T=emit_tokens, BT=BT, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
-        BLOCK_N=_pow2(max(n0, n1)), SERIAL_GROUPED=serial_plan is not None, **sync.LAUNCH)
+        BLOCK_N=min(16, _pow2(max(n0, n1))), SERIAL_GROUPED=serial_plan is not None, **sync.LAUNCH)
     return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
                   gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
                   gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
