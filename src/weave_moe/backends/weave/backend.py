@@ -479,10 +479,11 @@ class WeaveBackend:
     def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the
         planned chunk counts (the pack launch before them zeroed the control block and the flags, the resident call
-        always using parity 0, and advanced the call number). A fixed serial plan's grouped-GEMM tile tables
-        (`_grouped_prologue` on the side stream, appended to `early`) are forked off after the bases kernel, so they
-        run beside the emit: after it, beside the dispatch launch, they waited for its CTAs to leave the SMs (ending
-        4-7 us after it at 2048 tokens on an H200, bench/results/h200-42828c2)."""
+        always using parity 0, and advanced the call number). The grouped-GEMM tile tables of a layer whose serial
+        plans run the grouped GEMMs (`_grouped_prologue` on the side stream, appended to `early`) are forked off
+        after the bases kernel, so they run beside the emit: beside the dispatch launch they waited for its CTAs to
+        leave the SMs (ending 4-7 us after it at 2048 tokens on an H200, bench/results/h200-42828c2), and an
+        adaptive policy's ran after its first launch (under a split plan they now leave the done counters to it)."""
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
@@ -499,9 +500,10 @@ class WeaveBackend:
         serial = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
                        num_sms=self.num_sms)
                   if self.grouped or self.grouped_serial else {})
-        if self.grouped and grouped_configs is not None and early is not None and self.fork_prologue:
+        if serial and grouped_configs is not None and early is not None and self.fork_prologue:
             def beside_emit(offsets, expected):
-                early.append(self._grouped_prologue(offsets, _tile_keys(grouped_configs), expected, False, side=True))
+                early.append(self._grouped_prologue(offsets, _tile_keys(grouped_configs), expected,
+                                                    self.grouped_serial, side=True))
             serial["beside_emit"] = beside_emit
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
                                    independent=cfg.independent_scan and self.device_planner is None, **serial)
@@ -673,8 +675,8 @@ class WeaveBackend:
         stages = self._stages(serial, device_serial, decode)
         configs = (grouped_configs or self._grouped_configs(self.local_rows)) if "grouped" in stages else None
         # a fixed serial plan's first launch is the dispatch alone, which the tile tables do not wait for: they are
-        # built beside it, on a side stream (an adaptive plan's first launch may run every phase, counting on the
-        # done counters the prologue sets, so its prologue stays after it)
+        # built beside it, on a side stream, unless the resident call built them beside its emit already (`early`;
+        # an adaptive plan's are built there or after its first launch)
         if early is None and configs is not None and not device_serial and self.fork_prologue:
             early = self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), layout.gemm1_expected, False,
                                            side=True)
@@ -751,8 +753,8 @@ class WeaveBackend:
         GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
         combine phase, which waits on those counters. `device_serial`: only if this rank's device plan is serial;
         under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
-        the GEMMs), all without a host sync. `early`: the side-stream prologue `_launch` enqueued before the
-        dispatch launch (the stage then waits for it)."""
+        the GEMMs), all without a host sync. `early`: the side-stream prologue enqueued before the dispatch launch
+        (`_resident_tables` or `_launch`; the stage then waits for it)."""
         keys = _tile_keys(configs)
         tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, layout.gemm1_expected,
                                                                device_serial)

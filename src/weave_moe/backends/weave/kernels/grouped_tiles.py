@@ -208,8 +208,9 @@ def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_t
         scale = (tl.load(plan_ptr) >= num_sms).to(tl.int32)
     if pid == 0:
         tl.store(rows_ptr, tl.load(offsets_ptr + num_experts) * scale)
-        offs = tl.arange(0, NUM_DONE)
-        tl.store(done_ptr + offs, tl.load(expected_ptr + offs))
+        if scale != 0:  # under another plan the call's first launch counts them itself: left untouched
+            offs = tl.arange(0, NUM_DONE)
+            tl.store(done_ptr + offs, tl.load(expected_ptr + offs))
     if pid < TABLE0_PROGRAMS:
         _tile_table_block(pid, offsets_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0,
                           BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T)
@@ -236,7 +237,8 @@ def fill_tile_tables(built: dict[tuple[int, bool], TileTable], expert_offsets: t
                      done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
                      num_sms: int = 0) -> None:
     """`grouped_prologue`'s first launch: every table of `built` (`empty_tile_tables`), `rows[0]` = the rows to
-    gather (expert_offsets[-1], or 0 under `plan` when it is not serial) and `done[:] = expected`."""
+    gather (expert_offsets[-1], or 0 under `plan` when it is not serial) and `done[:] = expected` (not under `plan`
+    when it is not serial: that plan's kernel counts them itself, so this launch may run before or beside it)."""
     num_done = done.numel()
     if num_done != expected.numel() or num_done & (num_done - 1) or done.dtype != torch.int32:
         raise ValueError(f"grouped_prologue: done / expected must be int32 of one power-of-two length, given "
@@ -263,7 +265,7 @@ def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool]
     fused into the first it compiled to 178 registers per thread instead of 64 (sm_90), a quarter of the CTAs per SM
     for a copy bound by loads in flight, and serial calls at 8192 tokens measured 4-8% slower on an H200
     (bench/results/h200-3114d5b). With `plan` (int32 device scalar: this rank's c), the offsets count only under a
-    serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty. The first launch needs
+    serial plan (c >= num_sms): otherwise no tile, no row and no done counter, as if every expert were empty. The first launch needs
     only the offsets, so a caller may run it on another stream, beside other work (the weave backend's
     `fork_prologue`), and the gather after both.
 
