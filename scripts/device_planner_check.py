@@ -13,7 +13,12 @@
      the SM clock the driver reports, and %globaltimer (ns, ~1 us ticks); median of 200 launches;
    - standalone: CUDA events around each launch (launch overhead included), median of 200;
    - per kernel in a CUDA graph of 100 back-to-back launches (the launch overhead a graph leaves), median of 20.
-3. The layer with KernelConfig.device_plan off and on (EP = 1, two layers sharing one workspace, which the second
+3. The planner inside the counts launch (`DeviceCounts(planner=)`, KernelConfig.fused_planner): on routing
+   messages of DeepSeek-V3 / Qwen3-30B-A3B at EP 2 and 8 (1 and 2048 tokens per rank, uniform and skewed), its plans
+   must equal the mirror's on its own counts bit for bit and its counts the plain kernel's; timed per call in a CUDA
+   graph of 100 calls (programmatic dependent launch as in a layer call): counts then the planner's launch, against
+   the one launch.
+4. The layer with KernelConfig.device_plan off and on (EP = 1, two layers sharing one workspace, which the second
    grows): error against the reference, the plan, and the synchronised call time at 1..2048 tokens.
 Writes one JSON; prints a summary. Exit code 1 when a check fails.
 """
@@ -119,6 +124,74 @@ def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.rand
                 event_us_median=_median(events), graph_per_kernel_us_median=_median(graph_us))
 
 
+def _graph_us_per_call(enqueue, calls: int = 100, replays: int = 20) -> float:
+    """Median time per `enqueue()` of a CUDA graph holding `calls` of them back to back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        enqueue()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            enqueue()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return _median(times)
+
+
+def fused_check() -> dict:
+    """Section 3 of the module docstring."""
+    from weave_moe import routing
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts
+
+    device = torch.device("cuda", 0)
+    profile = HardwareProfile.default().with_grouped_serial()
+    rows = []
+    for name in ("deepseek-v3", "qwen3-30b-a3b"):
+        spec = MoESpec.from_name(name)
+        for ep in (2, 8):
+            for tokens, kind in ((1, "uniform"), (2048, "uniform"), (2048, "skewed")):
+                message, fmt = RoutingMessage(max(tokens, 2048), spec.top_k), CountsFormat(ep, spec.num_experts, 4)
+                messages = torch.empty(ep, message.words, dtype=torch.int32, device=device)
+                token_counts = torch.arange(message.max_tokens + 1, dtype=torch.int32, device=device)
+                header = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=device)
+                for r in range(ep):
+                    if kind == "uniform":
+                        ids, weights = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=r, device=device)
+                    else:   # every token on the first experts of rank 0
+                        ids = torch.arange(spec.top_k, device=device).repeat(tokens, 1)
+                        weights = torch.full((tokens, spec.top_k), 1.0 / spec.top_k, device=device)
+                    message.pack(messages[r], ids.int(), weights.float(), message.pad(device), token_counts, header)
+                planner = DevicePlanner(spec, ep, profile, "weave")
+                plain = DeviceCounts(fmt, message, device)
+                fused = DeviceCounts(fmt, message, device, planner=planner)
+                status = torch.zeros(4, dtype=torch.int32, device=device)
+                plans, alone = (torch.full((ep, 4), -7, dtype=torch.int32, device=device) for _ in range(2))
+                got = fused.build(messages, status, 0, True, plans=plans).clone()
+                ref = plain.build(messages, status, 0, True).clone()
+                planner.launch(ref, alone)
+                mirror = planner.mirror(ref[:planner.counts_words].cpu().numpy()[None])[0]
+                same = (torch.equal(got, ref) and np.array_equal(plans.cpu().numpy(), mirror)
+                        and torch.equal(plans, alone))
+                two = _graph_us_per_call(lambda: planner.launch(plain.build(messages, status, 0, True), alone))
+                one = _graph_us_per_call(lambda: fused.build(messages, status, 0, True, plans=plans))
+                counts_only = _graph_us_per_call(lambda: plain.build(messages, status, 0, True))
+                rows.append(dict(spec=name, ep=ep, tokens=tokens, routing=kind, same=same,
+                                 plans=[p.__dict__ for p in planner.decode(plans.cpu())],
+                                 counts_us=counts_only, counts_then_planner_us=two, counts_with_planner_us=one,
+                                 pdl=sync.PDL))
+    return dict(rows=rows, ok=all(r["same"] for r in rows))
+
+
 def layer_check(num_calls: int = 30) -> dict:
     """KernelConfig.device_plan off and on, EP = 1 (group None): two Qwen3-30B-A3B layers that share one workspace
     (T_max 2048 and 4096: the second grows it), each call checked against the reference; plans compared with the
@@ -193,12 +266,16 @@ def main() -> int:
     timings = [time_planner(MoESpec.from_name(name), ep, programs, rng, clock_khz)
                for name in ("deepseek-v3", "qwen3-30b-a3b") for ep in (2, 8) for programs in (ep, 1)]
     try:
+        fused = fused_check()
+    except Exception as error:  # noqa: BLE001 - recorded; the planner's own results stand
+        fused = dict(ok=False, error=f"{type(error).__name__}: {error}"[:2000])
+    try:
         layers = layer_check()
     except Exception as error:  # noqa: BLE001 - recorded; the planner's own results stand
         layers = dict(ok=False, error=f"{type(error).__name__}: {error}"[:2000])
     result = dict(device=props.name, sm_clock_khz=clock_khz, torch=torch.__version__,
                   triton=__import__("triton").__version__, seconds=time.time() - started, choices=choices,
-                  timings=timings, layers=layers)
+                  timings=timings, fused=fused, layers=layers)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     summary = {k: choices[k] for k in ("vectors", "rank_plans", "exact", "within_tolerance", "num_failures",
@@ -210,12 +287,18 @@ def main() -> int:
               f"{row['in_kernel_cycles_median']} cycles ({row['in_kernel_us_median']} us), globaltimer "
               f"{row['in_kernel_globaltimer_ns_median']} ns; events {row['event_us_median']:.2f} us; in a graph "
               f"{row['graph_per_kernel_us_median']:.2f} us per kernel")
+    for row in fused.get("rows", []):
+        print(f"counts + plan {row['spec']:>15} EP={row['ep']} T={row['tokens']:>5} {row['routing']:>7}: same "
+              f"{row['same']}; per call in a graph: counts {row['counts_us']:.2f} us, then the planner "
+              f"{row['counts_then_planner_us']:.2f}, planning inside {row['counts_with_planner_us']:.2f}")
+    if "error" in fused:
+        print("fused check failed:", fused["error"])
     for row in layers.get("rows", []):
         print(f"layer T={row['tokens']:>5} device_plan={row['device_plan']!s:>5}: rel error {row['rel_error']:.2e}, "
               f"plan {row['plan']}, call {row['call_ms_median']:.3f} ms")
     if "error" in layers:
         print("layer check failed:", layers["error"])
-    return 0 if choices["ok"] and layers["ok"] else 1
+    return 0 if choices["ok"] and fused["ok"] and layers["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ on one scratch (each launch leaves it zero for the next).
 """
 
 import re
+from pathlib import Path
 
 import pytest
 
 from interpreter import run_interpreted
 
-SCRIPT = r'''
+HELPERS = r'''
 import torch
 from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
@@ -74,7 +75,9 @@ def check(ep, E, k, T_max, tokens, mode="uniform", seed=0, headers=None, bad=0, 
     if headers is None:  # every rank refuses the call, or none does (with headers that differ, each rank names
         assert all(w[0] == words[0][0] for w in words), words   # the others)
     return words[0]
+'''
 
+SCRIPT = HELPERS + r'''
 
 # routing: EP 1-4, empty ranks, one token, k 1..16, several blocks per rank, one or many programs
 for i, (ep, E, k, T_max, tokens) in enumerate([
@@ -131,6 +134,66 @@ def test_counts_kernel_equals_build_and_verdict_under_the_interpreter():
     assert "ROUTING OK" in out and "VERDICT OK" in out
 
 
+FUSED_SCRIPT = HELPERS + r'''
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import planner_cases as cases
+from weave_moe.backends.weave.kernels.planner import DevicePlanner
+from weave_moe.models import MoESpec
+
+plans_checked = 0
+for i, (E, k, H, I, T_max, tokens, mode, profile_name, policy, bad, max_programs) in enumerate([
+        (16, 8, 2048, 768, 3000, (3000, 2999), "uniform", "h200_measured", "weave", 0, None),
+        (256, 8, 7168, 2048, 64, (64, 1), "uniform", "h200_grouped_serial", "weave", 0, None),
+        (32, 4, 4096, 1408, 300, (300, 1, 0, 257), "skewed", "odd20", "weave", 0, 3),
+        (8, 2, 72, 40, 5, (5,), "holes", "h200_grouped_serial", "weave", 0, 1),
+        (12, 3, 1000, 300, 40, (40, 0, 22), "uniform", "h200_default", "spatial", 0, None),
+        (8, 2, 2048, 1408, 9, (0, 0), "uniform", "odd20", "static:5,2", 0, None),
+        (16, 2, 5120, 1536, 64, (64, 64, 64, 64), "holes", "h200_measured", "per_iteration", 0, 2),
+        (16, 1, 2048, 768, 16, (16, 3), "uniform", "h200_measured", "serial", 0, None),
+        (8, 3, 2048, 512, 40, (40, 37), "holes", "h200_measured", "weave", 5, None)]):
+    ep = len(tokens)
+    spec = MoESpec(E, k, H, I)
+    planner = DevicePlanner(spec, ep, cases.PROFILES[profile_name](), policy)
+    message, messages = gathered(ep, E, k, T_max, tokens, mode, torch.Generator().manual_seed(i), bad=bad)
+    fmt = CountsFormat(ep, E, 4)
+    options = {} if max_programs is None else dict(max_programs=max_programs)
+    fused = DeviceCounts(fmt, message, "cpu", planner=planner, **options)
+    plain = DeviceCounts(fmt, message, "cpu", **options)
+    for rank in range(ep):
+        what = (E, k, T_max, tokens, mode, profile_name, policy, rank)
+        ref_messages, ref_status = messages.clone(), torch.zeros(4, dtype=torch.int32)
+        ref = plain.build(ref_messages, ref_status, rank, verdict=True).clone()
+        got_messages, got_status = messages.clone(), torch.zeros(4, dtype=torch.int32)
+        plans = torch.full((ep, 4), -7, dtype=torch.int32)
+        got = fused.build(got_messages, got_status, rank, verdict=True, plans=plans)
+        # the counts, the messages and the verdict as without the planner
+        assert torch.equal(got, ref) and torch.equal(got_messages, ref_messages), what
+        assert torch.equal(got_status, ref_status), (what, got_status.tolist())
+        assert (got_status[0] != 0) == (bad > 0), what
+        assert not fused.scratch.any(), what
+        # the plans: the mirror's bit for bit, the planner's own launch on the same counts, the Python planner's
+        vector = got[:planner.counts_words].numpy()[None]
+        mirror = planner.mirror(vector)[0]
+        assert np.array_equal(plans.numpy(), mirror), (what, plans.tolist(), mirror.tolist())
+        alone = planner.launch(got, torch.full((ep, 4), -7, dtype=torch.int32))
+        assert torch.equal(plans, alone), what
+        stats = cases.compare([cases.Group(spec, ep, profile_name, policy, vector.astype(np.int64))], [plans.numpy()[None]])
+        assert not stats["failures"], (what, stats["failures"])
+        plans_checked += ep
+print("FUSED PLANS OK", plans_checked)
+'''
+
+
+def test_counts_kernel_with_the_planner_writes_the_planners_plans_under_the_interpreter():
+    """`DeviceCounts(planner=)`: the same counts, messages and verdict as without it, and every rank's plan equal to
+    the mirror's bit for bit, to the planner's own launch on the same counts, and within the Python planner's
+    tolerance (tests/planner_cases.py); EP 1-4, five policies, four profiles, bad ids, one to three programs."""
+    out = run_interpreted(FUSED_SCRIPT, "FUSED PLANS OK", str(Path(__file__).parent), timeout=900)
+    print(out.strip().splitlines()[-1])
+
+
 def test_counts_kernel_refuses_wrong_buffers():
     import torch
 
@@ -164,3 +227,49 @@ def test_counts_kernel_compiles_for_sm90_without_local_memory(ep, experts, top_k
     ticket = re.search(r"bar\.sync[^\n]*\n(?:[^\n]*\n){0,8}?[^\n]*atom\.global\.gpu\.acq_rel\.add", ptx)
     assert ticket and len(re.findall(r"atom\.global\.gpu\.acq_rel", ptx)) == 1
     assert "atom.global.gpu.relaxed.add" in ptx and "atom.global.gpu.relaxed.exch" in ptx
+
+
+@pytest.mark.parametrize("model,ep,max_tokens,policy", [("deepseek-v3", 2, 8192, "weave"), ("qwen3-30b-a3b", 8, 64, "weave"),
+                                                        ("phi-3.5-moe", 4, 4096, "per_iteration")])
+def test_counts_kernel_with_the_planner_compiles_for_sm90_as_the_planner_does(model, ep, max_tokens, policy):
+    """The planning launch: no local memory, and the planner's arithmetic as in its own launch (IEEE division, no
+    fused multiply-add: `DevicePlanner.mirror` reproduces it bit for bit); the counts' ticket protocol unchanged."""
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts, compile_counts_ptx
+    from weave_moe.backends.weave.kernels.planner import DevicePlanner
+    from weave_moe.models import MoESpec
+    from weave_moe.plan import HardwareProfile
+
+    spec = MoESpec.from_name(model)
+    planner = DevicePlanner(spec, ep, HardwareProfile.default().with_grouped_serial(), policy)
+    kernel = DeviceCounts(CountsFormat(ep, spec.num_experts, 4), RoutingMessage(max_tokens, spec.top_k), "cpu",
+                          planner=planner)
+    ptx = compile_counts_ptx(kernel, verdict=True)
+    assert ".local" not in ptx
+    assert re.search(r"div\.rn\.f32", ptx)
+    assert not re.search(r"fma\.rn\.f32|mad\.[a-z.]*f32", ptx)
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel", ptx)) == 1
+
+
+def test_counts_kernel_refuses_plans_it_was_not_built_for():
+    import torch
+
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts
+    from weave_moe.backends.weave.kernels.planner import DevicePlanner
+    from weave_moe.models import MoESpec
+    from weave_moe.plan import HardwareProfile
+
+    message, spec = RoutingMessage(4, 2), MoESpec(8, 2, 64, 32)
+    messages, status = torch.zeros(2, message.words, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="plans must be given exactly"):
+        DeviceCounts(CountsFormat(2, 8, 4), message, "cpu").build(messages, status, 0, True,
+                                                                  plans=torch.zeros(2, 4, dtype=torch.int32))
+    planning = DeviceCounts(CountsFormat(2, 8, 4), message, "cpu",
+                            planner=DevicePlanner(spec, 2, HardwareProfile.default()))
+    with pytest.raises(ValueError, match="plans must be given exactly"):
+        planning.build(messages, status, 0, True)
+    with pytest.raises(ValueError, match=r"plans must be a contiguous int32 \[2, 4\]"):
+        planning.build(messages, status, 0, True, plans=torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="the planner plans EP=4"):
+        DeviceCounts(CountsFormat(2, 8, 4), message, "cpu", planner=DevicePlanner(spec, 4, HardwareProfile.default()))

@@ -569,3 +569,44 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     assert backend.slots.written == 3 and backend.broken and "enqueued" in backend.broken
     with pytest.raises(WeaveError, match="failed earlier"):
         backend.forward(x, ids, w)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_resident_tables_plan_in_the_counts_launch_or_after_it(monkeypatch, fused):
+    """KernelConfig.fused_planner: an adaptive policy's resident call plans inside the counts launch (the counts get
+    the layer's plans buffer, no planner launch follows), else the planner is its own launch on the counts; the task
+    tables read the chunk counts from the same plans buffer either way, and wait for it (no independent scan)."""
+    import dataclasses
+
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.exchange import RoutingMessage
+
+    backend, launched, _ = _host_backend(monkeypatch, None, resident=True)
+    backend.config = dataclasses.replace(backend.config, fused_planner=fused)
+    backend.message = RoutingMessage(8, 2)
+    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
+    backend.plans_device = torch.zeros(1, 4, dtype=torch.int32)
+    backend.table_counters = None
+
+    class Counts:
+        planner = "the layer's planner" if fused else None
+
+        def build(self, messages, status, rank, verdict, plans=None):
+            assert verdict and messages is backend.all_routing
+            launched.append(("counts", plans is backend.plans_device if fused else plans))
+            return "counts vector"
+
+    class Planner:
+        def launch(self, counts, out):
+            assert counts == "counts vector" and out is backend.plans_device
+            launched.append("planner")
+
+    backend.device_counts, backend.device_planner = Counts(), Planner()
+
+    def tables(ids, weights, tokens, chunks, rank, num_experts, independent, **options):
+        assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr() and not independent
+        launched.append("tables")
+
+    monkeypatch.setattr(backend_module, "build_layout_triton", tables)
+    backend._resident_tables(decode=False)
+    assert launched == ([("counts", True), "tables"] if fused else [("counts", None), "planner", "tables"])

@@ -199,7 +199,6 @@ class WeaveBackend:
                           torch.empty(0, spec.top_k, dtype=torch.float32, device=device))
         self.token_counts = torch.arange(max_tokens_per_rank + 1, dtype=torch.int32, device=device)
         self.counts_format = CountsFormat(world_size, spec.num_experts, STATUS_WORDS)
-        self.device_counts = DeviceCounts(self.counts_format, self.message, device)
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
         # KernelConfig.fork_prologue (CUDA streams); the side stream is made at its first use
@@ -254,6 +253,9 @@ class WeaveBackend:
         self.device_planner = (DevicePlanner(spec, world_size, self.profile.with_grouped_serial()
                                              if self.grouped_serial else self.profile, policy)
                                if (cfg.device_plan or self.resident) and self.fixed_plan is None else None)
+        # KernelConfig.fused_planner: the counts kernel's last program plans too (no planner launch after it)
+        self.device_counts = DeviceCounts(self.counts_format, self.message, device,
+                                          planner=self.device_planner if cfg.fused_planner else None)
         self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
         self.resident_graph_names: dict[tuple, str] = {}   # (workspace generation, rows) -> the call's graph name
         self.max_pairs = max_pairs
@@ -332,11 +334,12 @@ class WeaveBackend:
         # 2. counts to the host (the one sync), with the previous call's status word. While the host waits, the GPU
         #    already builds this call's task tables with the previous call's chunk counts (a pure function of the
         #    routing and the counts, so it is simply built again below in the rare call whose plan changes K).
-        counts_device = self.graphs.run("counts", lambda: self.device_counts.build(self.all_routing, self.live_status,
-                                                                                   self.rank, verdict=False))
+        counts_device = self.graphs.run("counts", lambda: self._counts(verdict=False))
         self.counts_host.copy_(counts_device, non_blocking=True)
         if self.device_planner is not None:
-            self.plans_host.copy_(self.device_planner.launch(counts_device, self.plans_device), non_blocking=True)
+            plans = (self.plans_device if self.device_counts.planner is not None
+                     else self.device_planner.launch(counts_device, self.plans_device))
+            self.plans_host.copy_(plans, non_blocking=True)
         self.counts_ready.record(torch.cuda.current_stream(self.device))
         parity = self.workspace.parity  # of the group's call sequence, shared by its layers
         layout = self._layout(parity) if self.last_chunks is not None else None
@@ -488,8 +491,8 @@ class WeaveBackend:
             #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
                              self.timeout_ns)
-        counts = self.device_counts.build(self.all_routing, self.live_status, self.rank, verdict=True)
-        if self.device_planner is not None:
+        counts = self._counts(verdict=True)
+        if self.device_planner is not None and self.device_counts.planner is None:
             self.device_planner.launch(counts, self.plans_device)
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
@@ -513,6 +516,12 @@ class WeaveBackend:
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, **self._table_rows(decode))
+
+    def _counts(self, verdict: bool) -> torch.Tensor:
+        """Enqueue the counts kernel on the gathered routing (kernels/counts.py); returns the counts vector. With
+        `KernelConfig.fused_planner` it also writes every rank's plan into `plans_device`."""
+        return self.device_counts.build(self.all_routing, self.live_status, self.rank, verdict=verdict,
+                                        plans=self.plans_device if self.device_counts.planner is not None else None)
 
     def _raise_deferred(self) -> None:
         """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no

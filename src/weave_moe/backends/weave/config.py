@@ -71,6 +71,15 @@ class KernelConfig:
             after the counts, read back with them) instead of by the Python planner on the host. Off until measured
             on the GPU (scripts/device_planner_check.py); its choices match the Python planner's up to fp32 near-ties
             (tests/test_device_planner.py).
+        fused_planner: the device planner (an adaptive policy's plan, `device_plan` or a resident call) is
+            evaluated by the counts kernel's last program, right after it has written the counts vector
+            (kernels/counts.py, "Planning in the same launch"), instead of by its own launch after the counts: one
+            dependent launch fewer before the task tables. Where that link stood, a resident call of the default
+            policy measured ~11 us more than the serial policy's at 1 token (Qwen3-30B-A3B, one rank's work of EP=2,
+            81.8 vs 70.7 us; bench/results/h200-de378c8). The counts' last program then plans the EP ranks one after
+            another. Off until measured on the GPU (`scripts/device_run.sh resident-bench` with
+            RB_CONFIG=fused_planner=on); the plans are the planner launch's, bit for bit, under the interpreter
+            (tests/test_counts.py).
         resident: "auto" (default: on at every EP size), "on" or "off" (the host-driven call, kept for A/B).
             The device-resident call: the host never waits for the GPU. The counts, the checks of every
             rank's header and expert ids, the plan (the device planner, for the adaptive policies) and the task
@@ -141,6 +150,7 @@ class KernelConfig:
     compile_layout: bool = True
     grouped_gemm: bool = True
     device_plan: bool = False
+    fused_planner: bool = False
     resident: str = "auto"
     triton_tables: bool = True
     decode_stages: bool = True

@@ -26,6 +26,14 @@ resets the ticket, and writes the whole counts vector: tokens and headers copied
 status word as it was before this launch. Integer sums do not depend on the order of the atomics, so the result is
 deterministic. With VERDICT it then writes the rejection into the status word (first error stays).
 
+Planning in the same launch (`DeviceCounts(planner=...)`, KernelConfig.fused_planner). The last program, having
+written the counts vector, evaluates the device planner (kernels/planner.py, `plan_rank`) for every rank from it, after
+a CTA barrier that makes its threads' stores visible to each other: the plans land where the planner's own launch
+would write them, one kernel earlier in the call's chain. Its ranks are planned one after another in that program
+(the planner's own launch plans them side by side, one program each). Compiled without fused multiply-adds, as the
+planner's launch is (the counts are integers: nothing else changes), so the plans equal `DevicePlanner.mirror`'s bit
+for bit.
+
 Why a grid: one program looping over EP * T_max * k ids (up to 2 M at EP 8, T_max 16384, k 16) would run one load
 round trip per block in series; P programs run them side by side and the last program adds ~1 round trip of
 atomics. No program waits for another, so the grid need not be resident at once.
@@ -42,6 +50,7 @@ import triton.language as tl
 
 from weave_moe.backends.coordination import HEADER_CALL_WORD, HEADER_CODE_WORD, HEADER_WORDS
 from weave_moe.backends.weave.kernels import sync
+from weave_moe.backends.weave.kernels.planner import POLICY_ARGS, DevicePlanner, plan_rank
 
 __all__ = ["DeviceCounts", "counts_kernel", "compile_counts_ptx", "MAX_PROGRAMS"]
 
@@ -118,13 +127,16 @@ def _verdict(messages_ptr, status_ptr, headers, status, bad, rank, words, header
 
 
 @triton.jit(do_not_specialize=["rank"])
-def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, rank, world_size, words, max_tokens, num_experts,
-                  num_local_experts, blocks_per_rank, tokens_word, header_word, tokens_offset, send_rows_offset,
-                  expert_pairs_offset, bad_ids_offset, headers_offset, status_offset, status_words,
-                  K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, model_ptr, per_iteration_ptr, rank,
+                  world_size, words, max_tokens, num_experts, num_local_experts, blocks_per_rank, tokens_word,
+                  header_word, tokens_offset, send_rows_offset, expert_pairs_offset, bad_ids_offset, headers_offset,
+                  status_offset, status_words, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c,
+                  static_k, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_P: tl.constexpr, HEADER_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_STATUS: tl.constexpr, VERDICT: tl.constexpr):
-    """The counts vector (module docstring).
+                  BLOCK_STATUS: tl.constexpr, VERDICT: tl.constexpr, PLAN: tl.constexpr, POLICY: tl.constexpr,
+                  BLOCK_LOCAL_E: tl.constexpr, BLOCK_C: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """The counts vector (module docstring), and with PLAN every rank's plan.
 
     Args:
         messages_ptr: int32 [EP, words] gathered routing messages (`RoutingMessage`); bad ids become -1 in place.
@@ -136,6 +148,9 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, rank, world
         rank: this rank (whose header the others must match).
         blocks_per_rank: ceil(T_max / BLOCK_T).
         tokens_word, header_word: `RoutingMessage` positions; *_offset: `CountsFormat` offsets.
+        plans_ptr, model_ptr, per_iteration_ptr: with PLAN, the planner's output (int32 [EP, 4]) and tables
+            (`DevicePlanner.tables`); num_sms .. static_k and POLICY .. BLOCK_M: its `policy_args()` and
+            `constants()`. Not read without PLAN.
     """
     sync.pdl_enter()
     pid = tl.program_id(0)
@@ -186,6 +201,13 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, rank, world
         if VERDICT:
             _verdict(messages_ptr, status_ptr, headers, status, bad, rank, words, header_word, world_size,
                      HEADER_WORDS, BLOCK_P, BLOCK_H, BLOCK_STATUS)
+        if PLAN:
+            tl.debug_barrier()   # the counts vector this program's threads stored, visible to all of them
+            for d in range(0, world_size):
+                plan_rank(counts_ptr, model_ptr, per_iteration_ptr, plans_ptr, d, tokens_offset, send_rows_offset,
+                          expert_pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile,
+                          n1_per_mtile, static_c, static_k, POLICY, BLOCK_P, BLOCK_LOCAL_E, BLOCK_C, MAX_CHUNKS,
+                          BLOCK_M)
 
 
 def _pow2(n: int) -> int:
@@ -201,11 +223,14 @@ class DeviceCounts:
         message: `exchange.RoutingMessage` (T_max, k; its word positions).
         device: where the scratch and the counts vector live.
         max_programs: programs of the grid at most (MAX_PROGRAMS).
+        planner: `DevicePlanner` of the same EP and E: every launch also writes every rank's plan into `build`'s
+            `plans` (module docstring, "Planning in the same launch"); None: counts only.
 
     One instance per layer: its scratch must not be shared by launches that may run at the same time.
     """
 
-    def __init__(self, counts_format, message, device, max_programs: int = MAX_PROGRAMS):
+    def __init__(self, counts_format, message, device, max_programs: int = MAX_PROGRAMS,
+                 planner: DevicePlanner | None = None):
         if counts_format.num_experts % counts_format.world_size:
             raise ValueError(f"num_experts={counts_format.num_experts} is not divisible by EP="
                              f"{counts_format.world_size}")
@@ -213,7 +238,11 @@ class DeviceCounts:
             raise ValueError(f"EP={counts_format.world_size}: a token's destinations are one int32 bit mask (EP <= 31)")
         if counts_format.status_words < _REJECTION_WORDS.value:
             raise ValueError(f"the status word needs >= {_REJECTION_WORDS.value} words for a rejection")
-        self.counts_format, self.message = counts_format, message
+        if planner is not None and (planner.world_size, planner.spec.num_experts) != (
+                counts_format.world_size, counts_format.num_experts):
+            raise ValueError(f"the planner plans EP={planner.world_size}, E={planner.spec.num_experts}; the counts "
+                             f"are for EP={counts_format.world_size}, E={counts_format.num_experts}")
+        self.counts_format, self.message, self.planner = counts_format, message, planner
         i32 = dict(dtype=torch.int32, device=device)
         self.scratch = torch.zeros(counts_format.headers_offset + 1, **i32)   # zero between launches
         self.counts = torch.empty(counts_format.size, **i32)
@@ -233,8 +262,22 @@ class DeviceCounts:
         self.constants = dict(K=message.top_k, KP=kp, BLOCK_T=block_t, BLOCK_E=_pow2(counts_format.num_experts),
                               BLOCK_P=_pow2(counts_format.world_size), HEADER_WORDS=HEADER_WORDS,
                               BLOCK_H=_pow2(HEADER_WORDS), BLOCK_STATUS=_pow2(counts_format.status_words))
+        # the planner's arguments (placeholders that the kernel does not read without PLAN); its BLOCK_P is the
+        # counts' (both cover EP ranks)
+        if planner is not None:
+            self.plan_tables = planner.tables(device)
+            self.scalar_args.update(planner.policy_args())
+            self.constants.update(planner.constants(), PLAN=True)
+        else:
+            self.plan_tables = (torch.zeros(1, dtype=torch.float32, device=device),
+                                torch.zeros(1, dtype=torch.int32, device=device))
+            self.scalar_args.update(dict.fromkeys(POLICY_ARGS, 0))
+            self.constants.update(PLAN=False, POLICY=0, BLOCK_LOCAL_E=1, BLOCK_C=1, MAX_CHUNKS=1, BLOCK_M=1)
+        # with the planner, no fused multiply-adds: its fp32 arithmetic is the mirror's (kernels/planner.py)
+        self.options = dict(enable_fp_fusion=False) if planner is not None and not sync.INTERPRETER.value else {}
 
-    def build(self, messages: torch.Tensor, status: torch.Tensor, rank: int, verdict: bool) -> torch.Tensor:
+    def build(self, messages: torch.Tensor, status: torch.Tensor, rank: int, verdict: bool,
+              plans: torch.Tensor | None = None) -> torch.Tensor:
         """Enqueue the kernel; returns the counts vector (int32 [CountsFormat.size], this object's buffer, rewritten
         by every launch).
 
@@ -245,6 +288,8 @@ class DeviceCounts:
             rank: this rank.
             verdict: write the rejection (the device-resident call); False: `CountsFormat.build` only (the
                 host-driven call, which checks the counts on the host).
+            plans: int32 [EP, 4] contiguous, every rank's plan (`DevicePlanner.launch`'s output), given exactly
+                when this object was built with a planner.
         """
         fmt, message = self.counts_format, self.message
         shape = (fmt.world_size, message.words)
@@ -253,8 +298,16 @@ class DeviceCounts:
                              f"{tuple(messages.shape)}")
         if status.dtype != torch.int32 or tuple(status.shape) != (fmt.status_words,):
             raise ValueError(f"status must be int32 [{fmt.status_words}], got {status.dtype} {tuple(status.shape)}")
-        counts_kernel[self.grid](messages, status, self.scratch, self.counts, rank, **self.scalar_args,
-                                 **self.constants, VERDICT=verdict, num_warps=NUM_WARPS, **sync.LAUNCH)
+        if (plans is None) != (self.planner is None):
+            raise ValueError("plans must be given exactly when the counts kernel plans (DeviceCounts(planner=))")
+        if plans is not None and (plans.dtype != torch.int32 or tuple(plans.shape) != (fmt.world_size, 4)
+                                  or not plans.is_contiguous()):
+            raise ValueError(f"plans must be a contiguous int32 [{fmt.world_size}, 4] tensor, got {plans.dtype} "
+                             f"{tuple(plans.shape)}")
+        counts_kernel[self.grid](messages, status, self.scratch, self.counts,
+                                 self.counts if plans is None else plans, *self.plan_tables, rank, **self.scalar_args,
+                                 **self.constants, VERDICT=verdict, num_warps=NUM_WARPS, **self.options,
+                                 **sync.LAUNCH)
         return self.counts
 
 
@@ -265,10 +318,14 @@ def compile_counts_ptx(device_counts: DeviceCounts, verdict: bool = True, capabi
     from triton.compiler import ASTSource
 
     signature = {"messages_ptr": "*i32", "status_ptr": "*i32", "scratch_ptr": "*i32", "counts_ptr": "*i32",
-                 "rank": "i32"}
+                 "plans_ptr": "*i32", "model_ptr": "*fp32", "per_iteration_ptr": "*i32", "rank": "i32"}
     signature.update({name: "i32" for name in device_counts.scalar_args})
     constants = dict(device_counts.constants, VERDICT=verdict)
     signature.update({name: "constexpr" for name in constants})
     source = ASTSource(fn=counts_kernel, signature=signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": NUM_WARPS})
+    options = {"num_warps": NUM_WARPS}
+    if device_counts.planner is not None:
+        options["enable_fp_fusion"] = False
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
     return compiled.asm["ptx"]
+

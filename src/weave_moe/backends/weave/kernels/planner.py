@@ -36,10 +36,15 @@ from weave_moe.models import BYTES_PER_ELEMENT, MoESpec
 from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, parse_policy
 from weave_moe.plan.cost_model import _per_iteration_c
 
-__all__ = ["DevicePlanner", "plan_kernel", "POLICY_CODES", "PER_ITERATION_BUCKETS", "compile_planner_ptx"]
+__all__ = ["DevicePlanner", "plan_kernel", "plan_rank", "POLICY_CODES", "POLICY_ARGS", "PER_ITERATION_BUCKETS",
+           "compile_planner_ptx"]
 
 #: Policy name -> the kernel's POLICY constexpr.
 POLICY_CODES = {"weave": 0, "spatial": 1, "static": 2, "per_iteration": 3, "serial": 4}
+
+#: `plan_rank`'s integer arguments that come from the profile and the policy (`DevicePlanner.policy_args`), in
+#: its order
+POLICY_ARGS = ("num_sms", "comm_sms_limit", "n0_per_mtile", "n1_per_mtile", "static_c", "static_k")
 
 #: Token buckets 2^0 .. 2^31 of the per_iteration policy (T is an int32 in the counts vector).
 PER_ITERATION_BUCKETS = 32
@@ -61,12 +66,12 @@ _BIG = tl.constexpr(1 << 30)
 
 # ---- the kernel ---------------------------------------------------------------------------------------------------
 @triton.jit
-def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offset, send_rows_offset, pairs_offset,
+def plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offset, send_rows_offset, pairs_offset,
                world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
-               POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+               POLICY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_LOCAL_E: tl.constexpr, BLOCK_C: tl.constexpr,
                MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
     # -- rank d's workload (Workload.from_counts) --
-    offs_ep = tl.arange(0, BLOCK_EP)
+    offs_ep = tl.arange(0, BLOCK_P)
     ep_mask = offs_ep < world_size
     send_base = counts_ptr + send_rows_offset
     sent = tl.sum(tl.load(send_base + d * world_size + offs_ep, mask=ep_mask, other=0), axis=0)
@@ -74,7 +79,7 @@ def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offs
     local = tl.load(send_base + d * world_size + d)
     num_tokens = tl.load(counts_ptr + tokens_offset + d)
     remote_rows = tl.maximum(sent - local, received - local)
-    offs_e = tl.arange(0, BLOCK_E)
+    offs_e = tl.arange(0, BLOCK_LOCAL_E)
     pairs_base = counts_ptr + pairs_offset + d * num_local_experts
     expert_rows = tl.load(pairs_base + offs_e, mask=offs_e < num_local_experts, other=0)
     num_pairs = tl.sum(expert_rows, axis=0)
@@ -83,8 +88,8 @@ def _plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offs
     ks = tl.arange(0, MAX_CHUNKS) + 1
     rows_2d = expert_rows[:, None]
     ks_2d = ks[None, :]
-    mtiles_2d = tl.zeros([BLOCK_E, MAX_CHUNKS], dtype=tl.int32)
-    chunk_start = tl.zeros([BLOCK_E, MAX_CHUNKS], dtype=tl.int32)
+    mtiles_2d = tl.zeros([BLOCK_LOCAL_E, MAX_CHUNKS], dtype=tl.int32)
+    chunk_start = tl.zeros([BLOCK_LOCAL_E, MAX_CHUNKS], dtype=tl.int32)
     for j in tl.static_range(MAX_CHUNKS):
         chunk_end = ((j + 1) * rows_2d) // ks_2d
         mtiles_2d += tl.where(j < ks_2d, (chunk_end - chunk_start + BLOCK_M - 1) // BLOCK_M, 0)
@@ -229,7 +234,7 @@ def _clock_cycles():
 def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, num_batches, counts_stride,
                 tokens_offset, send_rows_offset, pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit,
                 n0_per_mtile, n1_per_mtile, static_c, static_k,
-                POLICY: tl.constexpr, BLOCK_EP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                POLICY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_LOCAL_E: tl.constexpr, BLOCK_C: tl.constexpr,
                 MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, TIMING: tl.constexpr = False):
     """Every rank's plan from the global counts (module docstring), for `num_batches` counts vectors.
 
@@ -250,10 +255,10 @@ def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, n
         start_ns = sync.global_time_ns()
     for item in range(pid, num_batches * world_size, tl.num_programs(0)):
         batch = item // world_size
-        _plan_rank(counts_ptr + batch.to(tl.int64) * counts_stride, model_ptr, per_iteration_ptr,
+        plan_rank(counts_ptr + batch.to(tl.int64) * counts_stride, model_ptr, per_iteration_ptr,
                    out_ptr + batch.to(tl.int64) * world_size * 4, item % world_size, tokens_offset, send_rows_offset,
                    pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k, POLICY,
-                   BLOCK_EP, BLOCK_E, BLOCK_C, MAX_CHUNKS, BLOCK_M)
+                   BLOCK_P, BLOCK_LOCAL_E, BLOCK_C, MAX_CHUNKS, BLOCK_M)
     if TIMING:
         tl.debug_barrier()
         end_cycles = _clock_cycles()
@@ -335,26 +340,32 @@ class DevicePlanner:
         return self.counts_format.expert_pairs_offset + self.spec.num_experts
 
     def scalar_args(self) -> dict:
+        """`plan_kernel`'s integer arguments: where the counts vector's fields start, EP, E_local, then
+        `policy_args()`."""
+        fmt = self.counts_format
+        return dict(tokens_offset=fmt.tokens_offset, send_rows_offset=fmt.send_rows_offset,
+                    pairs_offset=fmt.expert_pairs_offset, world_size=self.world_size,
+                    num_local_experts=self.num_local_experts, **self.policy_args())
+
+    def policy_args(self) -> dict:
+        """The integer arguments of `plan_rank` that come from the profile and the policy, not from the counts
+        vector (a kernel that plans after building the counts, kernels/counts.py, has the others already)."""
         profile, spec = self.profile, self.spec
         name, args = parse_policy(self.policy)
         static_c, static_k = args if name == "static" else (1, 1)
-        fmt = self.counts_format
-        return dict(tokens_offset=fmt.tokens_offset, send_rows_offset=fmt.send_rows_offset,
-                    pairs_offset=fmt.expert_pairs_offset,
-                    world_size=self.world_size, num_local_experts=self.num_local_experts, num_sms=profile.num_sms,
-                    comm_sms_limit=profile.comm_sms_limit,
-                    n0_per_mtile=-(-spec.intermediate_size // profile.block_n0),
-                    n1_per_mtile=-(-spec.hidden_size // profile.block_n1),
-                    static_c=static_c, static_k=static_k)
+        return dict(zip(POLICY_ARGS, (profile.num_sms, profile.comm_sms_limit,
+                                      -(-spec.intermediate_size // profile.block_n0),
+                                      -(-spec.hidden_size // profile.block_n1), static_c, static_k)))
 
     def constants(self) -> dict:
         """Compile-time sizes: the candidate grid spans c = 1..BLOCK_C, the largest c the policy can pick (the
-        profile's cap on c for the searching policies, e.g. 48 of 131 on the calibrated H200: a 4x smaller grid)."""
+        profile's cap on c for the searching policies, e.g. 48 of 131 on the calibrated H200: a 4x smaller grid).
+        BLOCK_P covers the ranks, BLOCK_LOCAL_E one rank's experts."""
         name, args = parse_policy(self.policy)
         largest_c = args[0] if name == "static" else self.profile.comm_sms_limit
-        return dict(POLICY=POLICY_CODES[name], BLOCK_EP=_next_pow2(self.world_size),
-                    BLOCK_E=_next_pow2(self.num_local_experts), BLOCK_C=_next_pow2(largest_c), MAX_CHUNKS=MAX_CHUNKS,
-                    BLOCK_M=self.profile.block_m)
+        return dict(POLICY=POLICY_CODES[name], BLOCK_P=_next_pow2(self.world_size),
+                    BLOCK_LOCAL_E=_next_pow2(self.num_local_experts), BLOCK_C=_next_pow2(largest_c),
+                    MAX_CHUNKS=MAX_CHUNKS, BLOCK_M=self.profile.block_m)
 
     def tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(model [fp32], per_iteration_c [int32]) on `device`, copied once per device."""
@@ -389,7 +400,7 @@ class DevicePlanner:
         grid = (num_programs or num_batches * self.world_size,)
         if timing is not None and (timing.dtype != torch.int64 or tuple(timing.shape) != (grid[0], 4)):
             raise ValueError(f"timing must be int64 [{grid[0]}, 4], got {timing.dtype} {tuple(timing.shape)}")
-        options = {} if _interpreting() else dict(enable_fp_fusion=False)
+        options = {} if sync.INTERPRETER.value else dict(enable_fp_fusion=False)
         plan_kernel[grid](counts, model, per_iteration, out, out if timing is None else timing, num_batches,
                           counts.stride(0) if batched else 0, **self._launch_args, TIMING=timing is not None,
                           num_warps=4, **options, **sync.LAUNCH)
@@ -422,11 +433,6 @@ class DevicePlanner:
         out = mirror_rows(self, {k: v.reshape((batch * ep,) + v.shape[2:]) for k, v in inputs.items()})
         return out.reshape(batch, ep, 4)
 
-
-def _interpreting() -> bool:
-    from triton import knobs
-
-    return bool(knobs.runtime.interpret)
 
 
 def compile_planner_ptx(planner: DevicePlanner, capability: int = 90, timing: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""The device planner's CPU mirror: `_plan_rank` of kernels/planner.py in numpy float32, bit for bit.
+"""The device planner's CPU mirror: `plan_rank` of kernels/planner.py in numpy float32, bit for bit.
 
 Every operation of the kernel, in the same order and precision (fp32 values; integer tile counts, exact in both), vectorised over R
 rank-workloads and the [K, c] candidate grid: `DevicePlanner.mirror` is its entry point. Change the kernel and this
@@ -30,7 +30,7 @@ __all__ = ["mirror_rows", "mirror_block"]
 
 
 def mirror_rows(planner: DevicePlanner, x: dict, block: int = 512) -> np.ndarray:
-    """`_plan_rank` over R rank-workloads (arrays [R] and expert_rows [R, E_local]), `block` at a time."""
+    """`plan_rank` over R rank-workloads (arrays [R] and expert_rows [R, E_local]), `block` at a time."""
     total = x["sent"].shape[0]
     out = np.zeros((total, 4), dtype=np.int32)
     for start in range(0, total, block):
