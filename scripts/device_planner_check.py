@@ -6,9 +6,9 @@
    three profiles, every policy) planned in one batched launch per group; the GPU output must equal
    `DevicePlanner.mirror` bit for bit (the CPU parity test's premise: IEEE fp32, no fused multiply-adds), and each
    rank's plan must equal the Python planner's or predict within 0.5 % of its optimum. The same with one program
-   planning every vector (the prologue layout) must give the same bits.
-2. Time of one layer call's planning (one counts vector, every rank) for DeepSeek-V3 / Qwen3-30B-A3B at EP 2 and 8,
-   grid = EP programs and grid = 1 program:
+   of one warp planning every vector (the prologue layout) must give the same bits.
+2. Time of one layer call's planning (one counts vector, every rank) for DeepSeek-V3 / Qwen3-30B-A3B at EP 1, 2 and
+   8, grid = EP programs and grid = 1 program, at 1, 2 and 4 warps per program:
    - in-kernel: %clock64 cycles from a program's first instruction to its stores (max over programs), converted at
      the SM clock the driver reports, and %globaltimer (ns, ~1 us ticks); median of 200 launches;
    - standalone: CUDA events around each launch (launch overhead included), median of 200;
@@ -52,7 +52,7 @@ def check_choices(num_vectors: int, seed: int, device: str = "cuda", num_groups:
         out = torch.full((len(group.counts), group.world_size, 4), -7, dtype=torch.int32, device=device)
         planner.launch(counts, out)
         single = torch.full_like(out, -7)
-        planner.launch(counts, single, num_programs=1)
+        planner.launch(counts, single, num_programs=1, num_warps=1)
         got, got_single = out.cpu().numpy(), single.cpu().numpy()
         mirror = planner.mirror(group.counts)
         if not (np.array_equal(got, mirror) and np.array_equal(got_single, got)):
@@ -73,7 +73,8 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.random.Generator, clock_khz: int) -> dict:
+def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.random.Generator, clock_khz: int,
+                 num_warps: int = 4) -> dict:
     profile = HardwareProfile.default()
     planner = DevicePlanner(spec, world_size, profile, "weave")
     vector = cases.random_counts(spec, world_size, "uniform", rng)
@@ -81,12 +82,12 @@ def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.rand
     out = torch.zeros(world_size, 4, dtype=torch.int32, device="cuda")
     timing = torch.zeros(num_programs, 4, dtype=torch.int64, device="cuda")
     for _ in range(20):  # compile and warm up both variants
-        planner.launch(counts, out, num_programs=num_programs)
-        planner.launch(counts, out, num_programs=num_programs, timing=timing)
+        planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps)
+        planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps, timing=timing)
     torch.cuda.synchronize()
     cycles, globaltimer_ns = [], []
     for _ in range(200):
-        planner.launch(counts, out, num_programs=num_programs, timing=timing)
+        planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps, timing=timing)
         t = timing.cpu()
         cycles.append(int((t[:, 1] - t[:, 0]).max()))
         globaltimer_ns.append(int(t[:, 3].max() - t[:, 2].min()))
@@ -94,7 +95,7 @@ def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.rand
     for _ in range(200):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        planner.launch(counts, out, num_programs=num_programs)
+        planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps)
         end.record()
         end.synchronize()
         events.append(start.elapsed_time(end) * 1e3)
@@ -102,11 +103,11 @@ def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.rand
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        planner.launch(counts, out, num_programs=num_programs)
+        planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         for _ in range(100):
-            planner.launch(counts, out, num_programs=num_programs)
+            planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps)
     graph_us = []
     for _ in range(20):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -117,7 +118,7 @@ def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.rand
         graph_us.append(start.elapsed_time(end) * 1e3 / 100)
     plans = planner.decode(out.cpu())
     median_cycles = _median(cycles)
-    return dict(spec=spec.name, ep=world_size, programs=num_programs, counts=vector.tolist(),
+    return dict(spec=spec.name, ep=world_size, programs=num_programs, num_warps=num_warps, counts=vector.tolist(),
                 plans=[p.__dict__ for p in plans], in_kernel_cycles_median=median_cycles,
                 in_kernel_us_median=median_cycles / clock_khz * 1e3 if clock_khz else None,
                 in_kernel_globaltimer_ns_median=_median(globaltimer_ns),
@@ -263,8 +264,9 @@ def main() -> int:
     started = time.time()
     choices = check_choices(args.vectors, args.seed)
     rng = np.random.default_rng(args.seed)
-    timings = [time_planner(MoESpec.from_name(name), ep, programs, rng, clock_khz)
-               for name in ("deepseek-v3", "qwen3-30b-a3b") for ep in (2, 8) for programs in (ep, 1)]
+    timings = [time_planner(MoESpec.from_name(name), ep, programs, rng, clock_khz, warps)
+               for name in ("deepseek-v3", "qwen3-30b-a3b") for ep in (1, 2, 8) for programs in sorted({ep, 1})
+               for warps in (1, 2, 4)]
     try:
         fused = fused_check()
     except Exception as error:  # noqa: BLE001 - recorded; the planner's own results stand
@@ -283,7 +285,7 @@ def main() -> int:
     summary["mirror_mismatches"] = len(choices["mirror_mismatches"])
     print(json.dumps(summary))
     for row in timings:
-        print(f"{row['spec']:>15} EP={row['ep']} programs={row['programs']}: in-kernel "
+        print(f"{row['spec']:>15} EP={row['ep']} programs={row['programs']} warps={row['num_warps']}: in-kernel "
               f"{row['in_kernel_cycles_median']} cycles ({row['in_kernel_us_median']} us), globaltimer "
               f"{row['in_kernel_globaltimer_ns_median']} ns; events {row['event_us_median']:.2f} us; in a graph "
               f"{row['graph_per_kernel_us_median']:.2f} us per kernel")

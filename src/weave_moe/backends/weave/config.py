@@ -77,9 +77,11 @@ class KernelConfig:
             dependent launch fewer before the task tables. Where that link stood, a resident call of the default
             policy measured ~11 us more than the serial policy's at 1 token (Qwen3-30B-A3B, one rank's work of EP=2,
             81.8 vs 70.7 us; bench/results/h200-de378c8). The counts' last program then plans the EP ranks one after
-            another. Off until measured on the GPU (`scripts/device_run.sh resident-bench` with
-            RB_CONFIG=fused_planner=on); the plans are the planner launch's, bit for bit, under the interpreter
-            (tests/test_counts.py).
+            another: the planner measured 3.15 us per rank in-kernel and ~4.0 us per launch in a graph (one program
+            per rank; 5.6 us for one program planning EP=2; bench/results/eval6-emu-h200-2b24350), so this should
+            save ~1 us at EP = 1 and may cost ~1.5 us at EP = 2. Off until measured on the GPU
+            (`scripts/device_run.sh fused-planner planner`); the plans are the planner launch's, bit for bit, under
+            the interpreter (tests/test_counts.py).
         resident: "auto" (default: on at every EP size), "on" or "off" (the host-driven call, kept for A/B).
             The device-resident call: the host never waits for the GPU. The counts, the checks of every
             rank's header and expert ids, the plan (the device planner, for the adaptive policies) and the task

@@ -46,6 +46,13 @@ POLICY_CODES = {"weave": 0, "spatial": 1, "static": 2, "per_iteration": 3, "seri
 #: its order
 POLICY_ARGS = ("num_sms", "comm_sms_limit", "n0_per_mtile", "n1_per_mtile", "static_c", "static_k")
 
+#: Warps of the planner's launch. Its time is a chain of block-wide reductions (~13 per rank, each through shared
+#: memory and a CTA barrier across warps: 29 bar.sync in the sm_90 PTX at 4 warps, 5 at 1 warp, which runs 2.5x the
+#: instructions per thread instead): measured at 4 warps, 3.15 us per rank on an H200 (one program per rank,
+#: bench/results/eval6-emu-h200-2b24350); fewer warps untimed (`launch(num_warps=)`, device_planner_check.py sweeps
+#: them). The plans do not depend on it: its sums are of integers, its minima exact.
+NUM_WARPS = 4
+
 #: Token buckets 2^0 .. 2^31 of the per_iteration policy (T is an int32 in the counts vector).
 PER_ITERATION_BUCKETS = 32
 
@@ -376,7 +383,7 @@ class DevicePlanner:
         return self._device_tables[key]
 
     def launch(self, counts: torch.Tensor, out: torch.Tensor, num_programs: int | None = None,
-               timing: torch.Tensor | None = None) -> torch.Tensor:
+               timing: torch.Tensor | None = None, num_warps: int = NUM_WARPS) -> torch.Tensor:
         """Enqueue the planner on `counts`' device: `out` gets every rank's (c, K, n_steal, predicted_us bits).
 
         Args:
@@ -385,6 +392,7 @@ class DevicePlanner:
             out: int32 [EP, 4] (or [B, EP, 4] for a batch), contiguous, on the same device.
             num_programs: programs of the grid (default: one per rank and vector; 1: one program plans them all).
             timing: int64 [programs, 4] to record each program's (start, end) SM clock and %globaltimer (GPU only).
+            num_warps: warps per program (NUM_WARPS).
         """
         batched = counts.dim() == 2
         if counts.dtype != torch.int32 or counts.dim() not in (1, 2) or counts.shape[-1] < self.counts_words \
@@ -403,7 +411,7 @@ class DevicePlanner:
         options = {} if sync.INTERPRETER.value else dict(enable_fp_fusion=False)
         plan_kernel[grid](counts, model, per_iteration, out, out if timing is None else timing, num_batches,
                           counts.stride(0) if batched else 0, **self._launch_args, TIMING=timing is not None,
-                          num_warps=4, **options, **sync.LAUNCH)
+                          num_warps=num_warps, **options, **sync.LAUNCH)
         return out
 
     def decode(self, rows) -> list[Plan]:
@@ -435,7 +443,8 @@ class DevicePlanner:
 
 
 
-def compile_planner_ptx(planner: DevicePlanner, capability: int = 90, timing: bool = False) -> str:
+def compile_planner_ptx(planner: DevicePlanner, capability: int = 90, timing: bool = False,
+                        num_warps: int = NUM_WARPS) -> str:
     """The planner kernel's PTX for `sm_<capability>`, compiled without a GPU with the launch's options."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -447,6 +456,6 @@ def compile_planner_ptx(planner: DevicePlanner, capability: int = 90, timing: bo
     signature.update({name: "constexpr" for name in constants})
     source = ASTSource(fn=plan_kernel, signature=signature, constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": 4, "enable_fp_fusion": False})
+                              options={"num_warps": num_warps, "enable_fp_fusion": False})
     return compiled.asm["ptx"]
 
