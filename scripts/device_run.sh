@@ -26,10 +26,11 @@ for stage in "$@"; do
     # update in place, e.g. the shipped one, instead of a new one); the table comes back as $W/tuned/<device key>.json (to commit as
     # src/weave_moe/backends/weave/kernels/tuned/<device key>.json), written after every shape, so a timeout keeps what ran
     tune) timeout "${TUNE_TIMEOUT:-300}" python3 -m weave_moe.cli tune --models "${TUNE_MODELS:-deepseek-v3,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v2}" --emulate-ep 2 --tokens "${TUNE_TOKENS:-2048,8192}" --out "${TUNE_OUT:-$W/tuned}" ${TUNE_ARGS:-} > "$W/tune.log" 2>&1; echo "rc=$?"; grep -vE "^  GEMM" "$W/tune.log" | tail -45; if [ -n "${TUNE_OUT:-}" ]; then mkdir -p "$W/tuned"; cp "$TUNE_OUT" "$W/tuned/"; fi;;
-    # KernelConfig.fused_planner (the device planner inside the counts launch) side by side with the planner's own
-    # launch, the default policy at decode and prefill sizes (one GPU, one rank's work of EP=2), --check on every row;
-    # then its bitwise and timing checks (device_planner_check.py, section 3)
-    fused-planner) timeout "${FP_TIMEOUT:-400}" python3 -m weave_moe.bench --emulate-ep 2 --models "${FP_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${FP_TOKENS:-1,8,32,128,2048}" --routing uniform --variants nccl,weave:serial,weave,weave@fused_planner=on --check --iters 30 --no-progress --timeout $(( ${FP_TIMEOUT:-400} - 10 )) --name fused-planner --out "$W" > "$W/fused-planner.log" 2>&1; echo "rc=$?"; tail -30 "$W/fused-planner.log";;
+    # the default (adaptive) policy's planning link: KernelConfig.fused_planner (the device planner inside the counts
+    # launch) and early_scan (the first table kernel beside the planning launch) side by side with the defaults, at
+    # decode and prefill sizes (one GPU, one rank's work of EP=2), --check on every row; the planner's own timings
+    # and the planning counts launch's bitwise check are the `planner` stage (device_planner_check.py)
+    fused-planner) timeout "${FP_TIMEOUT:-400}" python3 -m weave_moe.bench --emulate-ep 2 --models "${FP_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${FP_TOKENS:-1,8,32,128,2048}" --routing uniform --variants nccl,weave:serial,weave,weave@fused_planner=on,weave@early_scan=on,weave@fused_planner=on@early_scan=on --check --iters 30 --no-progress --timeout $(( ${FP_TIMEOUT:-400} - 10 )) --name fused-planner --out "$W" > "$W/fused-planner.log" 2>&1; echo "rc=$?"; tail -30 "$W/fused-planner.log";;
     planner) timeout "${PLANNER_TIMEOUT:-300}" python3 scripts/device_planner_check.py --vectors 1000 --out "$W/device_planner_check.json" > "$W/device_planner_check.log" 2>&1; echo "rc=$?"; tail -20 "$W/device_planner_check.log";;
     baselines) timeout "${BASELINES_TIMEOUT:-300}" torchrun --standalone --nproc-per-node 1 scripts/baselines_check.py --iters 20 --out "$W/baselines_check.json" > "$W/baselines_check.log" 2>&1; echo "rc=$?"; tail -30 "$W/baselines_check.log";;
     # eval6 on one GPU: every paper model, the per-rank work of EP=2, every baseline that runs at EP=1 and the weave

@@ -97,7 +97,7 @@ def main() -> None:
             kw = dict(hidden_size=H, intermediate_size=I, block_m=cfg.block_m, block_n0=cfg.block_n0,
                       block_n1=cfg.block_n1, dispatch_rows=task_rows or cfg.dispatch_rows,
                       combine_rows=task_rows or cfg.combine_rows, reduce_rows=task_rows or cfg.reduce_rows,
-                      counters=counters, independent=True)
+                      counters=counters, previous_writes="none")
             reference = None
             for name, emit_tokens, serial in VARIANTS:
                 extra = dict(serial_plan=serial_c, num_sms=sms) if serial else {}

@@ -14,7 +14,7 @@ from weave_moe.backends.weave.layout import build_layout, META_FIELDS
 from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
 
 def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None,
-         counters=None, emit_tokens=None, independent=False, serial_c=None):
+         counters=None, emit_tokens=None, previous_writes="any", serial_c=None):
     P = len(tokens); T = T_max or max(max(tokens), 1) + 2
     g = torch.Generator().manual_seed(seed)
     msg = RoutingMessage(T, k)
@@ -39,7 +39,7 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     # serial_c: this rank's c of a layer that runs serial plans (c >= 4 SMs here) through the grouped GEMMs
     serial = {} if serial_c is None else dict(serial_plan=torch.tensor([serial_c], dtype=torch.int32), num_sms=4)
     got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, counters=counters,
-                              emit_tokens=emit_tokens, independent=independent, **serial, **kw)
+                              emit_tokens=emit_tokens, previous_writes=previous_writes, **serial, **kw)
     if counters is not None:   # the caller's counters are zero again for its next call
         assert not counters.any(), counters
     meta = ref.meta.tolist()
@@ -76,7 +76,7 @@ cases = [((7, 5), 8, 2, (1, 1), 0), ((7, 5), 8, 2, (2, 3), 1), ((9, 4), 8, 3, (8
          ((8, 8), 4, 4, (2, 2), 1), ((30, 17, 22), 12, 4, (4, 8, 2), 1)]
 for i, c in enumerate(cases):
     for mode in ("uniform", "dups", "one") if c[2] <= c[1] // len(c[0]) else ("uniform",):
-        case(*c, seed=i, mode=mode, independent=i % 2 == 1)
+        case(*c, seed=i, mode=mode, previous_writes=("any", "none", "chunks")[i % 3])
 print("TABLES OK")
 prod = dict(block_m=128, block_n0=128, block_n1=256, dispatch_rows=16, combine_rows=16, reduce_rows=16)
 case((300, 280), 16, 4, (3, 5), 0, seed=11, blocks=dict(block_m=16, block_n0=8, block_n1=8, dispatch_rows=16, combine_rows=16, reduce_rows=16))
@@ -90,6 +90,10 @@ case((0, 0), 16, 4, (1, 1), 0, seed=21, T_max=300, blocks=prod)
 case((600,), 64, 8, (8,), 0, seed=15, blocks=prod, block_tokens=8)
 case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8)
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8)
+# the scan's pairs per (expert, chunk) in its second pass, after the wait for the chunk counts (early_scan)
+case((600,), 64, 8, (8,), 0, seed=15, blocks=prod, block_tokens=8, previous_writes="chunks")
+case((70, 0, 53), 12, 4, (3, 8, 5), 2, seed=16, mode="dups", block_tokens=8, previous_writes="chunks")
+case((300, 280), 16, 4, (3, 5), 1, seed=24, blocks=prod, serial_c=3, previous_writes="chunks")
 case((70, 41), 16, 16, (7, 2), 1, seed=17, mode="dups", block_tokens=8, emit_tokens=16)   # many emit programs
 case((600,), 64, 8, (3,), 0, seed=22, blocks=prod, emit_tokens=32)
 # a layer that runs serial plans through the grouped GEMMs: every other table under a serial plan, all under another
@@ -102,7 +106,8 @@ case((60, 0, 7), 12, 4, (3, 8, 5), 1, seed=19, mode="dups", blocks=decode)
 # a caller's persistent counters (the resident call's), reused by calls of other routings, ranks and chunk counts
 counters = torch.zeros(counter_words(2, 16), dtype=torch.int32)
 for seed, (tokens, chunks, rank) in enumerate([((7, 5), (1, 2), 0), ((30, 2), (3, 1), 1), ((0, 9), (8, 8), 0)]):
-    case(tokens, 16, 4, chunks, rank, seed=30 + seed, mode="dups", counters=counters)
+    case(tokens, 16, 4, chunks, rank, seed=30 + seed, mode="dups", counters=counters,
+         previous_writes=("any", "chunks")[seed % 2])
 # ids outside [-1, E) as the independent scan can see them (the counts kernel beside it replaces them by -1 in
 # place, maybe after the scan read them): they count as -1; 3 ranks, so an id >= E would name "rank 3" of BLOCK_P = 4
 P, T, k, E = 3, 9, 2, 12
@@ -121,12 +126,14 @@ for s in range(P):
 plans = torch.zeros(P, 4, dtype=torch.int32); plans[:, 1] = torch.tensor([2, 1, 3])
 kw = dict(hidden_size=20, intermediate_size=12, block_m=4, block_n0=8, block_n1=8, dispatch_rows=2, combine_rows=3,
           reduce_rows=2)
-got = build_layout_triton(*msg.unpack(torch.stack(rows)), plans[:, 1], 1, E, independent=True, **kw)
 ref = build_layout(*msg.unpack(torch.stack(clean)), plans[:, 1], 1, E, **kw)
-assert got.meta.tolist() == ref.meta.tolist(), (got.meta.tolist(), ref.meta.tolist())
-assert torch.equal(got.token_dest_mask, ref.token_dest_mask)
-assert torch.equal(got.combine_expected, ref.combine_expected)
-assert torch.equal(got.arrival_expected, ref.arrival_expected)
+for previous_writes in ("none", "chunks"):   # the early scan reads them before the planning counts launch ends
+    got = build_layout_triton(*msg.unpack(torch.stack(rows)), plans[:, 1], 1, E, previous_writes=previous_writes,
+                              **kw)
+    assert got.meta.tolist() == ref.meta.tolist(), (got.meta.tolist(), ref.meta.tolist())
+    assert torch.equal(got.token_dest_mask, ref.token_dest_mask)
+    assert torch.equal(got.combine_expected, ref.combine_expected)
+    assert torch.equal(got.arrival_expected, ref.arrival_expected)
 print("TABLES BIG OK")
 '''
 
@@ -148,9 +155,11 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
 
     for fn, constants, fp32 in [
         (tables._scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
-                                   INDEPENDENT=False), ()),
+                                   WAIT=tables.WAIT_FIRST.value), ()),
         (tables._scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=4,
-                                   INDEPENDENT=True), ()),
+                                   WAIT=tables.WAIT_LAST.value), ()),
+        (tables._scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
+                                   WAIT=tables.WAIT_BEFORE_CHUNKS.value), ()),
         (tables._bases_kernel, dict(L=128, MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64,
                                     CLEAR_COUNTS=True), ()),
         (tables._emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,

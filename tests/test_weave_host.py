@@ -571,18 +571,20 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
         backend.forward(x, ids, w)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_resident_tables_plan_in_the_counts_launch_or_after_it(monkeypatch, fused):
+@pytest.mark.parametrize("fused, early", [(False, False), (True, False), (False, True), (True, True)])
+def test_resident_tables_plan_in_the_counts_launch_or_after_it(monkeypatch, fused, early):
     """KernelConfig.fused_planner: an adaptive policy's resident call plans inside the counts launch (the counts get
     the layer's plans buffer, no planner launch follows), else the planner is its own launch on the counts; the task
-    tables read the chunk counts from the same plans buffer either way, and wait for it (no independent scan)."""
+    tables read the chunk counts from the same plans buffer either way, and wait for that launch first, or with
+    KernelConfig.early_scan before they read the chunk counts (never at their end: the independent scan of a fixed
+    plan)."""
     import dataclasses
 
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import RoutingMessage
 
     backend, launched, _ = _host_backend(monkeypatch, None, resident=True)
-    backend.config = dataclasses.replace(backend.config, fused_planner=fused)
+    backend.config = dataclasses.replace(backend.config, fused_planner=fused, early_scan=early)
     backend.message = RoutingMessage(8, 2)
     backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
     backend.plans_device = torch.zeros(1, 4, dtype=torch.int32)
@@ -603,10 +605,42 @@ def test_resident_tables_plan_in_the_counts_launch_or_after_it(monkeypatch, fuse
 
     backend.device_counts, backend.device_planner = Counts(), Planner()
 
-    def tables(ids, weights, tokens, chunks, rank, num_experts, independent, **options):
-        assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr() and not independent
+    def tables(ids, weights, tokens, chunks, rank, num_experts, previous_writes, **options):
+        assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr()
+        assert previous_writes == ("chunks" if early else "any")
         launched.append("tables")
 
     monkeypatch.setattr(backend_module, "build_layout_triton", tables)
     backend._resident_tables(decode=False)
     assert launched == ([("counts", True), "tables"] if fused else [("counts", None), "planner", "tables"])
+
+
+@pytest.mark.parametrize("independent", [True, False])
+def test_resident_tables_of_a_fixed_plan_run_beside_the_counts(monkeypatch, independent):
+    """A fixed plan: no planner; the counts launch writes nothing the tables read, so the scan waits for it only at
+    its end (KernelConfig.independent_scan), or first without it; KernelConfig.early_scan changes nothing here."""
+    import dataclasses
+
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.exchange import RoutingMessage
+    from weave_moe.plan import Plan
+
+    backend, launched, _ = _host_backend(monkeypatch, Plan(2, 2, 0, 0.0, "static:2,2"), resident=True)
+    backend.config = dataclasses.replace(backend.config, independent_scan=independent, early_scan=True)
+    backend.message = RoutingMessage(8, 2)
+    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
+    backend.plans_device = torch.zeros(1, 4, dtype=torch.int32)
+    backend.table_counters, backend.device_planner = None, None
+
+    class Counts:
+        planner = None
+
+        def build(self, messages, status, rank, verdict, plans=None):
+            assert plans is None
+            launched.append("counts")
+
+    backend.device_counts = Counts()
+    monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, previous_writes, **options:
+                        launched.append(previous_writes))
+    backend._resident_tables(decode=False)
+    assert launched == ["counts", "none" if independent else "any"]

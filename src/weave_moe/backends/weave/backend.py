@@ -497,7 +497,12 @@ class WeaveBackend:
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         # the Triton tables count into the layer's persistent counters, which their bases kernel zeroes again
-        # a fixed plan: the counts kernel just launched writes nothing the tables read, which then run beside it
+        # a fixed plan: the counts kernel just launched writes nothing the tables read, which then run beside it;
+        # an adaptive plan: the launch just before (the planner, or the counts with it) writes only the chunk counts
+        if self.device_planner is None:
+            previous_writes = "none" if cfg.independent_scan else "any"
+        else:
+            previous_writes = "chunks" if cfg.early_scan else "any"
         # a layer whose serial plans run the grouped GEMMs: no GEMM task rows under a serial plan (nothing reads them);
         # a fixed serial policy's plan is serial whatever its c (Plan.is_serial), the device plan's by its c
         serial = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
@@ -509,7 +514,7 @@ class WeaveBackend:
                                                     self.grouped_serial, side=True))
             serial["beside_emit"] = beside_emit
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
-                                   independent=cfg.independent_scan and self.device_planner is None, **serial)
+                                   previous_writes=previous_writes, **serial)
                  if cfg.triton_tables
                  else self.layout_builder)
         return build(

@@ -114,6 +114,14 @@ class KernelConfig:
         independent_scan: under a fixed plan (no device planner), the first table kernel runs beside the counts
             kernel launched just before it, which writes nothing it reads (`build_layout_triton(independent=)`),
             instead of after it.
+        early_scan: with an adaptive policy, the first table kernel (`tables._scan_kernel`) does all its work that
+            does not need the chunk counts (the planner's K) beside the launch before it (the planner's, or the
+            counts launch with `fused_planner`), which writes nothing else it reads, and waits for it only before
+            it reads them (`build_layout_triton(previous_writes="chunks")`); its pairs per (expert, chunk) are then
+            counted in a second pass over its token block. Off: it waits first. The adaptive counterpart of
+            `independent_scan`, for the link by which the default policy's resident call was ~11 us slower than the
+            serial policy's at 1 token (see `fused_planner`). Off until measured on the GPU; the tables are the
+            same bit for bit under the interpreter (tests/test_tables.py).
         gemm0_gather: "auto" (default), "on" or "off": the grouped GEMM0 reads its A rows from the receive buffer
             through the layout's gather rows (pointer loads, `grouped_gemm0(gather=)`) instead of a gather launch
             first copying them into expert order for TMA reads: one launch and the rows' copy (2 x rows x H x 2
@@ -160,6 +168,7 @@ class KernelConfig:
     fork_prologue: bool = True
     gemm_early_release: bool = False
     independent_scan: bool = True
+    early_scan: bool = False
     gemm0_gather: str = "auto"
     grouped_pdl: bool = False
 

@@ -59,14 +59,63 @@ def _chunk_of(t, chunks_ptr, d, tokens_ptr, tokens_stride, s):
     return (t * K) // Ts
 
 
+#: `_scan_kernel`'s WAIT: where it waits for the kernel launched before it (`build_layout_triton(previous_writes=)`)
+WAIT_FIRST = tl.constexpr(0)            # before anything: the previous kernel may write anything the scan reads
+WAIT_BEFORE_CHUNKS = tl.constexpr(1)    # before the first read of the chunk counts, all the previous kernel writes
+WAIT_LAST = tl.constexpr(2)             # at its end: the previous kernel writes nothing the scan reads
+_WAIT_OF = {"any": WAIT_FIRST.value, "chunks": WAIT_BEFORE_CHUNKS.value, "none": WAIT_LAST.value}
+
+
+@triton.jit
+def _wait_for_chunks(WAIT: tl.constexpr):
+    """The scan's wait for the previous kernel when it writes the chunk counts (WAIT_BEFORE_CHUNKS): called before
+    the first read of `chunks_ptr`."""
+    if WAIT == WAIT_BEFORE_CHUNKS:
+        sync.pdl_wait()
+
+
+@triton.jit
+def _pair_chunk_counts(expert, pair_mine, tt, start, n_tok, K_rank, pair_counts_ptr, s, L,
+                       MC: tl.constexpr, SUB: tl.constexpr, BLOCK_L: tl.constexpr):
+    """Add the pairs of one step of SUB tokens [start, start + SUB) (local expert `expert` where `pair_mine`, token
+    `tt`) into pairs per (expert, chunk): chunks are monotone in the token, so a step spans chunks c_lo..c_hi."""
+    le = tl.arange(0, BLOCK_L)
+    Ts = tl.maximum(n_tok, 1)
+    chunk = (tt * K_rank) // Ts
+    c_hi = ((tl.minimum(start + SUB, n_tok) - 1) * K_rank) // Ts
+    for c in range((start * K_rank) // Ts, c_hi + 1):
+        per_expert = tl.histogram(expert, BLOCK_L, mask=pair_mine & (chunk == c))
+        tl.atomic_add(pair_counts_ptr + (s * L + le) * MC + c, per_expert, mask=(per_expert > 0) & (le < L),
+                      sem="relaxed")
+
+
+@triton.jit
+def _arrivals(t, hit, chunks_ptr, tokens_ptr, tokens_stride, arrival_ptr, s, rank, MC: tl.constexpr):
+    """Add the block's tokens that have an expert here (`hit`) into rows per (source s, chunk)."""
+    mc = tl.arange(0, MC)
+    arrived = tl.histogram(tl.minimum(_chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s), MC - 1), MC,
+                           mask=hit != 0)
+    tl.atomic_add(arrival_ptr + s * MC + mc, arrived, mask=arrived > 0, sem="relaxed")
+
+
+@triton.jit
+def _step_pairs(row, tt, j, n_tok, rank, L, K: tl.constexpr):
+    """The (token, slot) pairs of one step: (local expert or 0, whether the pair's expert is on this rank)."""
+    pair_ids = tl.load(row + tt * K + j, mask=(tt < n_tok) & (j < K), other=-1)
+    pair_mine = (pair_ids >= rank * L) & (pair_ids < (rank + 1) * L)
+    return tl.where(pair_mine, pair_ids - rank * L, 0), pair_mine
+
+
 @triton.jit
 def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
                    pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, s, b, rank, T, L, NB,
                    K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
-                   BLOCK_L: tl.constexpr):
+                   BLOCK_L: tl.constexpr, WAIT: tl.constexpr):
     """Token block b of source s: which tokens have an expert on this rank (their rank in the block, the block's
     count, rows per chunk), and each (token, expert) pair's rank among the block's pairs of its expert in (token,
-    slot) order (q), the block's pairs per local expert, pairs per (expert, chunk)."""
+    slot) order (q), the block's pairs per local expert, pairs per (expert, chunk). With WAIT_BEFORE_CHUNKS what
+    needs the chunk counts comes last, after the wait (the pairs per (expert, chunk) in a second pass over the
+    block's steps)."""
     n_tok = tl.load(tokens_ptr + s * tokens_stride)
     first = b * BT
     t = first + tl.arange(0, BT)
@@ -77,40 +126,40 @@ def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q
     hit = (tl.sum(mine.to(tl.int32), axis=1) > 0).to(tl.int32)
     tl.store(recv_local_ptr + s * T + t, tl.cumsum(hit, axis=0) - hit, mask=hit != 0)
     tl.store(recv_hist_ptr + s * NB + b, tl.sum(hit, axis=0))
-    mc = tl.arange(0, MC)
-    arrived = tl.histogram(tl.minimum(_chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s), MC - 1), MC,
-                           mask=hit != 0)
-    tl.atomic_add(arrival_ptr + s * MC + mc, arrived, mask=arrived > 0, sem="relaxed")
+    late: tl.constexpr = WAIT == WAIT_BEFORE_CHUNKS
+    if not late:
+        _arrivals(t, hit, chunks_ptr, tokens_ptr, tokens_stride, arrival_ptr, s, rank, MC)
     # pairs, SUB tokens at a time: rank among the step's earlier pairs of the same expert + the block's running count
     le = tl.arange(0, BLOCK_L)
     ii = tl.arange(0, SUB * KP)
     running = tl.zeros([BLOCK_L], dtype=tl.int32)
-    K_rank = tl.load(chunks_ptr + rank * 4)
-    Ts = tl.maximum(n_tok, 1)
+    if not late:
+        K_rank = tl.load(chunks_ptr + rank * 4)
     for start in range(first, tl.minimum(first + BT, n_tok), SUB):
         tt = start + ii // KP
         j = ii % KP
-        pair_ids = tl.load(row + tt * K + j, mask=(tt < n_tok) & (j < K), other=-1)
-        pair_mine = (pair_ids >= rank * L) & (pair_ids < (rank + 1) * L)
-        expert = tl.where(pair_mine, pair_ids - rank * L, 0)
+        expert, pair_mine = _step_pairs(row, tt, j, n_tok, rank, L, K)
         same = (expert[None, :] == expert[:, None]) & pair_mine[None, :] & (ii[None, :] < ii[:, None])
         q = tl.sum(same.to(tl.int32), axis=1) + tl.gather(running, expert, 0)
         tl.store(q_ptr + (s * T + tt).to(tl.int64) * K + j, q, mask=pair_mine)
         running += tl.histogram(expert, BLOCK_L, mask=pair_mine)
-        # pairs per (expert, chunk): chunks are monotone in the token, so a step spans chunks c_lo..c_hi
-        chunk = (tt * K_rank) // Ts
-        c_hi = ((tl.minimum(start + SUB, n_tok) - 1) * K_rank) // Ts
-        for c in range((start * K_rank) // Ts, c_hi + 1):
-            per_expert = tl.histogram(expert, BLOCK_L, mask=pair_mine & (chunk == c))
-            tl.atomic_add(pair_counts_ptr + (s * L + le) * MC + c, per_expert, mask=(per_expert > 0) & (le < L),
-                          sem="relaxed")
+        if not late:
+            _pair_chunk_counts(expert, pair_mine, tt, start, n_tok, K_rank, pair_counts_ptr, s, L, MC, SUB, BLOCK_L)
     tl.store(pair_hist_ptr + (s * NB + b) * L + le, running, mask=le < L)
+    if late:
+        _wait_for_chunks(WAIT)
+        _arrivals(t, hit, chunks_ptr, tokens_ptr, tokens_stride, arrival_ptr, s, rank, MC)
+        K_rank = tl.load(chunks_ptr + rank * 4)
+        for start in range(first, tl.minimum(first + BT, n_tok), SUB):
+            tt = start + ii // KP
+            expert, pair_mine = _step_pairs(row, tt, ii % KP, n_tok, rank, L, K)
+            _pair_chunk_counts(expert, pair_mine, tt, start, n_tok, K_rank, pair_counts_ptr, s, L, MC, SUB, BLOCK_L)
 
 
 @triton.jit
 def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
                key_counts_ptr, mask_ptr, b, rank, P, T, L, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
-               BT: tl.constexpr, BLOCK_P: tl.constexpr):
+               BT: tl.constexpr, BLOCK_P: tl.constexpr, WAIT: tl.constexpr):
     """Token block b of this rank: for every destination d, which tokens go to d (their rank in the block, the
     block's count, rows per chunk of d), and every token slot's destination bit mask (zeros past this rank's
     tokens)."""
@@ -126,6 +175,7 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
     tl.store(send_local_ptr + pp[None, :] * T + t[:, None], tl.cumsum(hit, axis=0) - hit, mask=goes)
     tl.store(send_hist_ptr + pp * NB + b, tl.sum(hit, axis=0), mask=pp < P)
     tl.store(mask_ptr + t, tl.sum(tl.where(goes, 1 << pp[None, :], 0), axis=1), mask=t < T)
+    _wait_for_chunks(WAIT)
     K_dest = tl.load(chunks_ptr + pp * 4, mask=pp < P, other=1)
     chunk = (t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1)
     f = tl.arange(0, BLOCK_P * MC)
@@ -143,20 +193,23 @@ def _scan_kernel(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_p
                  recv_local_ptr, recv_hist_ptr, arrival_ptr, send_local_ptr, send_hist_ptr, key_counts_ptr, mask_ptr,
                  rank, P, T, L: tl.constexpr, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
                  BT: tl.constexpr, SUB: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
-                 INDEPENDENT: tl.constexpr):
-    """INDEPENDENT: the launch before this one (a fixed plan's counts kernel) writes nothing the scan reads (the
-    routing was complete before it started, the plan is the layer's; the ids outside [-1, E) it replaces by -1 in
-    place count as -1 here either way), so the scan runs beside it (`sync.pdl_start`)."""
-    sync.pdl_start(INDEPENDENT)
+                 WAIT: tl.constexpr):
+    """WAIT: where the scan waits for the launch before it (WAIT_*). WAIT_LAST: that launch (a fixed plan's counts
+    kernel) writes nothing the scan reads (the routing was complete before it started, the plan is the layer's; the
+    ids outside [-1, E) it replaces by -1 in place count as -1 here either way), so the scan runs beside it.
+    WAIT_BEFORE_CHUNKS: it writes only the chunk counts (an adaptive policy's planner, on its own or inside the
+    counts launch: the same holds for the rest), so the scan does all that does not need them beside it, then waits
+    (its end waits again, which returns at once: `pdl_finish`)."""
+    sync.pdl_start(WAIT != WAIT_FIRST)
     pid = tl.program_id(0)
     if pid < P * NB:
         _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
                        pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, pid // NB, pid % NB, rank, T, L,
-                       NB, K, KP, MC, BT, SUB, BLOCK_L)
+                       NB, K, KP, MC, BT, SUB, BLOCK_L, WAIT)
     else:
         _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
-                   key_counts_ptr, mask_ptr, pid - P * NB, rank, P, T, L, NB, K, KP, MC, BT, BLOCK_P)
-    sync.pdl_finish(INDEPENDENT)
+                   key_counts_ptr, mask_ptr, pid - P * NB, rank, P, T, L, NB, K, KP, MC, BT, BLOCK_P, WAIT)
+    sync.pdl_finish(WAIT != WAIT_FIRST)
 
 
 @triton.jit
@@ -529,7 +582,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
                         counters: torch.Tensor | None = None, emit_tokens: int | None = None,
-                        independent: bool = False, serial_plan: torch.Tensor | None = None,
+                        previous_writes: str = "any", serial_plan: torch.Tensor | None = None,
                         num_sms: int = 0, beside_emit=None) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
@@ -539,10 +592,11 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     `emit_tokens` (a power of two, tests): tokens per emit program instead of 32 (more: fewer programs, each a
     larger one; on an H200 32 were 0.2-0.6 us faster than 64 and up to 4 us faster than 256 with the serial skip
     below, 1 to 2048 tokens, bench/results/h200-42828c2).
-    `independent`: the kernel launched just before writes nothing the tables read (the resident call's counts
-    kernel under a fixed plan: the routing was complete before it, the chunks are the layer's): the scan then runs
-    beside it instead of after it (`_scan_kernel`). With an adaptive policy the planner writes the chunks just
-    before: False.
+    `previous_writes`: what the kernel launched just before (programmatic dependent launch) writes that the tables
+    read, so where the scan waits for it (`_scan_kernel`): "any" (at its start), "chunks" (only the chunk counts:
+    an adaptive policy's planner, alone or inside the counts launch; the scan waits before it reads them) or "none"
+    (the resident call's counts kernel under a fixed plan: the routing was complete before it, the chunks are the
+    layer's; the scan runs beside it and waits at its end).
     `serial_plan` (int32 device scalar: this rank's c) with `num_sms`: for a layer that runs serial plans through
     the grouped GEMMs, which read their own tile tables (grouped_tiles): under a serial plan (c >= num_sms) no GEMM
     task row is written (`gemm_tasks` holds whatever was there; `meta` still counts them), under another plan
@@ -562,6 +616,8 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
     if tokens.dtype != torch.int32 or tokens.numel() != P:
         raise ValueError("tokens must be int32 [EP]")
+    if previous_writes not in _WAIT_OF:
+        raise ValueError(f"previous_writes must be one of {', '.join(_WAIT_OF)}, got {previous_writes!r}")
     if serial_plan is not None and (serial_plan.dtype != torch.int32 or serial_plan.numel() != 1 or num_sms < 1):
         raise ValueError("serial_plan must be an int32 device scalar (this rank's c) and num_sms >= 1")
     i32 = dict(dtype=torch.int32, device=device)
@@ -634,7 +690,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     _scan_kernel[(P * NB + NB,)](
         all_ids, all_ids.stride(0), chunks, tokens, tokens.stride(0), q, pair_hist, pair_counts, recv_local,
         recv_hist, arrival, send_local, send_hist, key_counts, token_dest_mask, rank, P, T, L, NB, K=K, KP=KP,
-        MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, INDEPENDENT=independent, **sync.LAUNCH)
+        MC=MC, BT=BT, SUB=step, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, WAIT=_WAIT_OF[previous_writes], **sync.LAUNCH)
     _bases_kernel[(1 + P * triton.cdiv(L, block_c) + 1,)](
         pair_counts, arrival, key_counts, tokens, tokens.stride(0), pair_base, seg_rows, seg_mtiles_end,
         expert_offsets, chunk_mtiles, group_base, recv_base, combine_seg, dispatch_seg, send_base, meta,
