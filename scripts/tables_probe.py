@@ -30,7 +30,7 @@ SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768, (1, 2048)), ("deepseek-v2", 160, 
 #: (name, emit_tokens, serial)
 VARIANTS = [("default", None, False), ("serial", None, True), ("emit256", 256, False), ("serial-emit256", 256, True),
             ("serial-emit64", 64, True)]
-KERNELS = ("_scan_kernel", "_bases_kernel", "_emit_kernel")
+KERNELS = ("scan_kernel", "bases_kernel", "emit_kernel")
 
 
 def _capture(fn):

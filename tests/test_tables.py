@@ -1,4 +1,4 @@
-"""The task tables as Triton kernels (kernels/tables.py) against `layout.build_layout`, bit for bit on every entry the
+"""The task tables as Triton kernels (kernels/tables.py and its stages) against `layout.build_layout`, bit for bit on every entry the
 megakernel reads, under the interpreter; and the three kernels compile for sm_90 without local memory.
 
 Cases: 1-4 ranks, empty ranks, one token, chunk counts 1-8 per rank, -1 holes, a token repeating an expert (within
@@ -147,25 +147,25 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from weave_moe.backends.weave.kernels import tables
+    from weave_moe.backends.weave.kernels import tables_bases, tables_emit, tables_scan
 
     def signature(fn, constants, fp32=()):
         return {name: "constexpr" if name in constants else ("*fp32" if name in fp32 else "*i32")
                 if name.endswith("_ptr") else "i32" for name in fn.arg_names}
 
     for fn, constants, fp32 in [
-        (tables._scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
-                                   WAIT=tables.WAIT_FIRST.value), ()),
-        (tables._scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=4,
-                                   WAIT=tables.WAIT_LAST.value), ()),
-        (tables._scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
-                                   WAIT=tables.WAIT_BEFORE_CHUNKS.value), ()),
-        (tables._bases_kernel, dict(L=128, MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64,
+        (tables_scan.scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
+                                   WAIT=tables_scan.WAIT_FIRST.value), ()),
+        (tables_scan.scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=4,
+                                   WAIT=tables_scan.WAIT_LAST.value), ()),
+        (tables_scan.scan_kernel, dict(L=128, K=8, KP=8, MC=8, BT=64, SUB=16, BLOCK_L=128, BLOCK_P=2,
+                                   WAIT=tables_scan.WAIT_BEFORE_CHUNKS.value), ()),
+        (tables_bases.bases_kernel, dict(L=128, MC=8, BLOCK_L=128, BLOCK_P=2, BLOCK_PMC=16, BLOCK_B=64, BLOCK_C=64,
                                     CLEAR_COUNTS=True), ()),
-        (tables._emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
+        (tables_emit.emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
                                    BLOCK_SEG=1024, BLOCK_J=64, BLOCK_N=16, SERIAL_GROUPED=False),
          ("weights_ptr", "combine_weight_ptr")),
-        (tables._emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
+        (tables_emit.emit_kernel, dict(L=128, K=8, KP=8, MC=8, BLOCK_T=256, BT=64, BLOCK_P=2, BLOCK_PMC=16,
                                    BLOCK_SEG=1024, BLOCK_J=64, BLOCK_N=64, SERIAL_GROUPED=True),
          ("weights_ptr", "combine_weight_ptr")),
     ]:
@@ -177,7 +177,7 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
 def test_rank_is_never_specialised_in_a_launched_kernel():
     """Triton compiles an int argument equal to 1 as a constant unless it is in `do_not_specialize`. A kernel whose
     `rank` is specialised runs another binary on rank 1 than on rank 0 (compiled while the peers already wait in the
-    call's exchange) and may not compile at all: `_scan_kernel` failed with CompilationError on rank 1 (`rank.to(...)`
+    call's exchange) and may not compile at all: the scan kernel failed with CompilationError on rank 1 (`rank.to(...)`
     on a constant), so the device-resident call at EP = 2 raised on rank 1 while rank 0 waited out its deadline for
     rank 1's rows. Every kernel the package launches with a `rank` argument keeps it a runtime value."""
     import importlib
@@ -198,6 +198,6 @@ def test_rank_is_never_specialised_in_a_launched_kernel():
                 if "rank" in params:
                     launched.append(name)
                     assert params["rank"].do_not_specialize, f"{info.name}.{name}: rank is specialised"
-    assert {"_scan_kernel", "_bases_kernel", "_emit_kernel", "counts_kernel", "moe_megakernel",
+    assert {"scan_kernel", "bases_kernel", "emit_kernel", "counts_kernel", "moe_megakernel",
             "routing_exchange_kernel"} <= set(launched)
 

@@ -114,7 +114,7 @@ class KernelConfig:
         independent_scan: under a fixed plan (no device planner), the first table kernel runs beside the counts
             kernel launched just before it, which writes nothing it reads (`build_layout_triton(independent=)`),
             instead of after it.
-        early_scan: with an adaptive policy, the first table kernel (`tables._scan_kernel`) does all its work that
+        early_scan: with an adaptive policy, the first table kernel (`tables_scan.scan_kernel`) does all its work that
             does not need the chunk counts (the planner's K) beside the launch before it (the planner's, or the
             counts launch with `fused_planner`), which writes nothing else it reads, and waits for it only before
             it reads them (`build_layout_triton(previous_writes="chunks")`); its pairs per (expert, chunk) are then
