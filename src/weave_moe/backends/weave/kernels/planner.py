@@ -46,11 +46,12 @@ POLICY_CODES = {"weave": 0, "spatial": 1, "static": 2, "per_iteration": 3, "seri
 #: its order
 POLICY_ARGS = ("num_sms", "comm_sms_limit", "n0_per_mtile", "n1_per_mtile", "static_c", "static_k")
 
-#: Warps of the planner's launch. Its time is a chain of block-wide reductions (~13 per rank, each through shared
-#: memory and a CTA barrier across warps: 29 bar.sync in the sm_90 PTX at 4 warps, 5 at 1 warp, which runs 2.5x the
-#: instructions per thread instead): measured at 4 warps, 3.15 us per rank on an H200 (one program per rank,
-#: bench/results/eval6-emu-h200-2b24350); fewer warps untimed (`launch(num_warps=)`, device_planner_check.py sweeps
-#: them). The plans do not depend on it: its sums are of integers, its minima exact.
+#: Warps of the planner's launch. Its time is mostly a chain of block-wide reductions (each through shared memory and
+#: a CTA barrier across warps): 13 per rank, 3.15 us per rank at 4 warps on an H200 (one program per rank,
+#: bench/results/eval6-emu-h200-2b24350); since cut to 9 (K = 1's tile counts from one, the choice by one key;
+#: 24-26 bar.sync in the sm_90 PTX at 4 warps, were 29-31), unmeasured. At 1 warp 5 bar.sync and 2.5x the
+#: instructions per thread; fewer warps untimed (`launch(num_warps=)`, device_planner_check.py sweeps them). The
+#: plans do not depend on it: its sums are of integers, its minima exact.
 NUM_WARPS = 4
 
 #: Token buckets 2^0 .. 2^31 of the per_iteration policy (T is an int32 in the counts vector).
@@ -69,6 +70,7 @@ _CALL_US = tl.constexpr(7)
 _SERIAL_GEMM_RATIO = tl.constexpr(8)
 _NUM_SCALARS = tl.constexpr(9)
 _BIG = tl.constexpr(1 << 30)
+_NO_KEY = tl.constexpr((1 << 63) - 1)
 
 
 # ---- the kernel ---------------------------------------------------------------------------------------------------
@@ -105,7 +107,9 @@ def plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offse
     n0_int = m_tiles * n0_per_mtile
     n1_int = m_tiles * n1_per_mtile
     tiles_int = n0_int + n1_int
-    tiles_k1 = tl.sum(tl.where(ks == 1, tiles_int, 0), axis=0)
+    # K = 1's tile counts from one reduction (each one a CTA-wide reduction: the kernel's time is mostly these)
+    m_tiles_k1 = tl.sum(tl.where(ks == 1, m_tiles, 0), axis=0)
+    tiles_k1 = m_tiles_k1 * (n0_per_mtile + n1_per_mtile)
     has_tiles = tiles_k1 > 0
 
     # -- scalars (cost_model._inputs) --
@@ -177,8 +181,8 @@ def plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offse
     # -- formula (13), the serial schedule --
     t0 = flops0 * inv_rate_all + tile_us
     t1 = flops1 * inv_rate_all + tile_us
-    n0_k1 = tl.sum(tl.where(ks == 1, n0_f, 0.0), axis=0)
-    n1_k1 = tl.sum(tl.where(ks == 1, n1_f, 0.0), axis=0)
+    n0_k1 = (m_tiles_k1 * n0_per_mtile).to(tl.float32)   # = n0_f at K = 1 (an integer, exact in fp32)
+    n1_k1 = (m_tiles_k1 * n1_per_mtile).to(tl.float32)
     serial_work = n0_k1 * t0 + n1_k1 * t1
     tau = tl.where(has_tiles, t1, 0.0)
     dispatch_all = remote_b * inv_bw_all + local_b * inv_lbw_all
@@ -208,9 +212,15 @@ def plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offse
     else:  # weave; serial evaluates the grid too but never picks from it
         valid = (cs <= comm_sms_limit) & (kk >= 1)
     masked = tl.where(valid, latency, float("inf"))
-    best = tl.min(tl.min(masked, axis=1), axis=0)
     flat = (kk - 1) * BLOCK_C + (cs - 1)
-    pick = tl.min(tl.min(tl.where(valid & (masked == best), flat, _BIG), axis=1), axis=0)
+    # the fastest valid candidate and, among equal latencies, the smallest K then c, by ONE reduction: a key with the
+    # latency's IEEE bits above the candidate's index (the bits of a non-negative float order as its value; every
+    # latency is a sum of non-negative terms); no valid candidate: best = inf, pick = _BIG
+    key = (masked.to(tl.int32, bitcast=True).to(tl.int64) << 32) | flat.to(tl.int64)
+    smallest = tl.min(tl.min(tl.where(valid, key, _NO_KEY), axis=1), axis=0)
+    found = smallest != _NO_KEY
+    best = tl.where(found, (smallest >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
+    pick = tl.where(found, (smallest & 0xFFFFFFFF).to(tl.int32), _BIG)
     best_c = pick % BLOCK_C + 1
     best_k = pick // BLOCK_C + 1
     steal_int = steal.to(tl.int32)
