@@ -73,6 +73,28 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def _graph_us_per_call(enqueue, calls: int = 100, replays: int = 20) -> float:
+    """Median time per `enqueue()` of a CUDA graph holding `calls` of them back to back."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        enqueue()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            enqueue()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return _median(times)
+
+
 def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.random.Generator, clock_khz: int,
                  num_warps: int = 4) -> dict:
     profile = HardwareProfile.default()
@@ -99,52 +121,14 @@ def time_planner(spec: MoESpec, world_size: int, num_programs: int, rng: np.rand
         end.record()
         end.synchronize()
         events.append(start.elapsed_time(end) * 1e3)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        for _ in range(100):
-            planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps)
-    graph_us = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        graph_us.append(start.elapsed_time(end) * 1e3 / 100)
+    graph_us = _graph_us_per_call(lambda: planner.launch(counts, out, num_programs=num_programs, num_warps=num_warps))
     plans = planner.decode(out.cpu())
     median_cycles = _median(cycles)
     return dict(spec=spec.name, ep=world_size, programs=num_programs, num_warps=num_warps, counts=vector.tolist(),
                 plans=[p.__dict__ for p in plans], in_kernel_cycles_median=median_cycles,
                 in_kernel_us_median=median_cycles / clock_khz * 1e3 if clock_khz else None,
                 in_kernel_globaltimer_ns_median=_median(globaltimer_ns),
-                event_us_median=_median(events), graph_per_kernel_us_median=_median(graph_us))
-
-
-def _graph_us_per_call(enqueue, calls: int = 100, replays: int = 20) -> float:
-    """Median time per `enqueue()` of a CUDA graph holding `calls` of them back to back."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        enqueue()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            enqueue()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return _median(times)
+                event_us_median=_median(events), graph_per_kernel_us_median=graph_us)
 
 
 def fused_check() -> dict:

@@ -96,3 +96,49 @@ def test_console_script_help():
     bare = subprocess.run([script], capture_output=True, text=True, env=env, timeout=120)
     assert bare.returncode == 2 and "Traceback" not in bare.stderr, bare.stderr
     assert bare.stdout.startswith("usage: weave-moe")
+
+
+def test_every_kernel_setting_is_documented():
+    """`KernelConfig.field_docs` (what `weave-moe kernel-config` prints) has a description for every field: a new
+    setting without one in the class docstring fails here."""
+    import dataclasses
+
+    from weave_moe.backends.weave.config import KernelConfig
+
+    docs = KernelConfig.field_docs()
+    fields = [field.name for field in dataclasses.fields(KernelConfig)]
+    assert sorted(docs) == sorted(fields)
+    assert all(len(docs[name]) > 10 for name in fields), {name: docs[name] for name in fields}
+    assert docs["block_k1"] == docs["block_k"] and docs["block_k"].startswith("K step of GEMM0")   # one line, two keys
+    assert "Off until measured" in docs["early_scan"]   # continuation lines joined
+
+
+def test_kernel_config_lists_every_setting_with_its_environment_value(capsys, monkeypatch):
+    import dataclasses
+    import json
+
+    from weave_moe.backends.weave.config import KERNEL_CONFIG_ENV, KernelConfig
+
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv(KERNEL_CONFIG_ENV, "early_scan=on,block_h=256")
+    assert _exit_code(["kernel-config"]) == 0
+    out = capsys.readouterr().out
+    for field in dataclasses.fields(KernelConfig):
+        assert field.name in out
+    assert _exit_code(["kernel-config", "--json"]) == 0
+    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)}
+    assert (rows["early_scan"]["default"], rows["early_scan"]["value"]) == (False, True)
+    assert (rows["block_h"]["default"], rows["block_h"]["value"]) == (512, 256)
+    assert rows["tma"]["value"] is True and rows["tma"]["description"].startswith("expert weights")
+    assert _exit_code(["kernel-config", "early_scan"]) == 0
+    assert capsys.readouterr().out.startswith("early_scan (bool, default off, here on):")
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["kernel-config", "early_scn"], "", "no setting early_scn"),
+    (["kernel-config"], "early_scan=maybe", "WEAVE_MOE_KERNEL_CONFIG: early_scan='maybe'"),
+])
+def test_kernel_config_refuses_unknown_keys_and_bad_settings(argv, env, message, capsys, monkeypatch):
+    monkeypatch.setenv("WEAVE_MOE_KERNEL_CONFIG", env)
+    assert _exit_code(argv) == 2
+    assert message in capsys.readouterr().err

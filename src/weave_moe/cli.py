@@ -21,6 +21,7 @@ COMMANDS = {
     "calibrate": "calibrate",
     "bench": "bench",
     "tune": "tune",
+    "kernel-config": "kernel_config",
 }
 
 

@@ -11,7 +11,9 @@
                   planner.py (the cost model and plan() on the GPU; planner_mirror.py, its numpy twin),
                   grouped_gemm.py / grouped_tiles.py (the serial policy's grouped GEMMs, their tile tables, row gather),
                   routing_exchange.py (the routing messages of every rank through the workspace, one launch),
-                  counts.py (the counts vector and the resident call's verdict, one launch)
+                  counts.py (the counts vector and the resident call's verdict, one launch; optionally the plan),
+                  tables.py (the resident call's task tables as three launches: tables_scan.py, tables_bases.py,
+                  tables_emit.py)
 
 Imports stay inside this package, plus weave_moe.models / plan / sim.measured / backends (raise_on_bad_ids,
 coordination).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 __all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV",
@@ -184,6 +185,25 @@ class KernelConfig:
                                      f"got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Each field's description, from this class's docstring ("Attributes:"; a line may document several
+        fields: "block_k, block_k1: ..."), whitespace joined. `weave-moe kernel-config` prints them."""
+        docs, names = {}, []
+        lines = (cls.__doc__ or "").split("Attributes:", 1)[-1].splitlines()
+        for line in lines:
+            head = re.match(r"^ {8}([a-z_0-9]+(?:, [a-z_0-9]+)*): (.*)$", line)
+            if head:
+                names = head.group(1).split(", ")
+                for name in names:
+                    docs[name] = head.group(2).strip()
+            elif line.startswith(" " * 12) and names:
+                for name in names:
+                    docs[name] += " " + line.strip()
+            elif line.strip():
+                names = []
+        return docs
 
     @classmethod
     def from_env(cls) -> "KernelConfig":
