@@ -14,7 +14,10 @@ What it checks (each a row with passed = True/False and the numbers behind it):
   6. 10^4 back-to-back calls (alternating routing sets), then synchronize and check the last outputs;
   7. the default policy's calls (every resident adaptive call has the grouped GEMMs in its graph) under both
      kinds of device plan: serial (the grouped GEMMs run) and split (the first launch does the whole call, the
-     grouped launches see no rows), alternating, each against the reference, with the plans the device made.
+     grouped launches see no rows), alternating, each against the reference, with the plans the device made;
+  8. memory per captured row count: the default policy's layer at T_max 8192 called at 12 row counts from 1 to 2048
+     tokens (a CUDA graph each), every call against the reference; the device memory the graphs reserved beyond the
+     first call's, per further row count (the task tables are the layer's, tables.TableBuffers, not each graph's).
 """
 
 from __future__ import annotations
@@ -235,6 +238,30 @@ def check_back_to_back(rows, device, calls):
                          passed=worst <= DEFAULT_TOLERANCE))
 
 
+def check_graph_memory(rows, device):
+    """Check 8. Before the tables were the layer's, each graph's memory pool held its own: for DeepSeek-V3's shape
+    the GEMM task table alone (2.9 MiB) takes a 20 MiB segment of the caching allocator."""
+    for spec, sizes in [(MoESpec(64, 8, 2048, 768, name="q3-emu"), [1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 512, 2048]),
+                        (MoESpec(128, 8, 7168, 2048, name="dsv3-emu"), [1, 2, 4, 8, 16, 32, 64, 128])]:
+        layer, w13, w2 = _layer(spec, "weave", 8192, device)
+        worst, reserved = 0.0, []
+        for seed, T in enumerate(sizes):
+            x = torch.randn(T, spec.hidden_size, device=device).bfloat16()
+            ids, w = uniform(T, spec.num_experts, spec.top_k, seed=seed, device=device)
+            out = layer(x, ids, w)
+            layer.synchronize()
+            worst = max(worst, _error(out, x, ids, w, w13, w2))
+            torch.cuda.synchronize(device)
+            reserved.append(torch.cuda.memory_reserved(device))
+        tables = sum(buffers.nbytes for buffers in layer.backend.table_buffers.values())
+        rows.append(dict(check="graph_memory", model=spec.name, row_counts=len(sizes), tokens=sizes,
+                         worst_rel_error=worst, reserved_mib=[round(r / 2**20, 1) for r in reserved],
+                         mib_per_further_row_count=round((reserved[-1] - reserved[0]) / 2**20 / (len(sizes) - 1), 2),
+                         layer_tables_mib=round(tables / 2**20, 2), passed=worst <= DEFAULT_TOLERANCE))
+        del layer, w13, w2
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -243,7 +270,7 @@ def main() -> None:
     device = torch.device("cuda", 0)
     rows: list[dict] = []
     for check in (check_policies, check_grouped_serial, check_no_sync_and_host_time, check_deferred_errors,
-                  check_graph_capture):
+                  check_graph_capture, check_graph_memory):
         try:
             check(rows, device)
         except Exception as e:  # noqa: BLE001 - one failing check must not hide the others

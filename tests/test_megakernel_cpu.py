@@ -586,7 +586,7 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.backends.weave.kernels.counts import DeviceCounts
     from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
-    from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
+    from weave_moe.backends.weave.kernels.tables import TableBuffers, build_layout_triton, counter_words
     from weave_moe.backends.weave.launch import NO_DESCRIPTORS, MegakernelArgs, MegakernelConstants, launch
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.plan import MAX_CHUNKS
@@ -620,6 +620,10 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     ring = CallSlots(message, torch.device("cpu"), num_slots=2)
     rows = 1 if decode else 4
     counters = torch.zeros(counter_words(world_size, E), dtype=torch.int32) if decode else None
+    # one set of tables rewritten by every call, as the backend keeps them (tables.TableBuffers)
+    buffers = TableBuffers.for_layer(world_size, max_tokens, k, E, hidden_size=H, intermediate_size=I, block_m=16,
+                                     block_n0=16, block_n1=16, dispatch_rows=rows, combine_rows=rows,
+                                     device=torch.device("cpu"))
     results = []
     dist.barrier()
     for call, (tokens, bad_rank) in enumerate(calls):
@@ -649,7 +653,7 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
         layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
                                      intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows,
-                                     combine_rows=rows, reduce_rows=rows, counters=counters)
+                                     combine_rows=rows, reduce_rows=rows, counters=counters, buffers=buffers)
         dummy = y[:1]
         args = MegakernelArgs(
             x_ptr=dummy, out_ptr=dummy, w13_ptr=w13[rank * local:(rank + 1) * local],

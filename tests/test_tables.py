@@ -14,7 +14,7 @@ from weave_moe.backends.weave.layout import build_layout, META_FIELDS
 from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
 
 def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=None, block_tokens=None,
-         counters=None, emit_tokens=None, previous_writes="any", serial_c=None):
+         counters=None, emit_tokens=None, previous_writes="any", serial_c=None, buffers=None):
     P = len(tokens); T = T_max or max(max(tokens), 1) + 2
     g = torch.Generator().manual_seed(seed)
     msg = RoutingMessage(T, k)
@@ -39,7 +39,8 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     # serial_c: this rank's c of a layer that runs serial plans (c >= 4 SMs here) through the grouped GEMMs
     serial = {} if serial_c is None else dict(serial_plan=torch.tensor([serial_c], dtype=torch.int32), num_sms=4)
     got = build_layout_triton(ids, wts, toks, plans[:, 1], rank, E, block_tokens=block_tokens, counters=counters,
-                              emit_tokens=emit_tokens, previous_writes=previous_writes, **serial, **kw)
+                              emit_tokens=emit_tokens, previous_writes=previous_writes, buffers=buffers, **serial,
+                              **kw)
     if counters is not None:   # the caller's counters are zero again for its next call
         assert not counters.any(), counters
     meta = ref.meta.tolist()
@@ -108,6 +109,21 @@ counters = torch.zeros(counter_words(2, 16), dtype=torch.int32)
 for seed, (tokens, chunks, rank) in enumerate([((7, 5), (1, 2), 0), ((30, 2), (3, 1), 1), ((0, 9), (8, 8), 0)]):
     case(tokens, 16, 4, chunks, rank, seed=30 + seed, mode="dups", counters=counters,
          previous_writes=("any", "chunks")[seed % 2])
+# one TableBuffers rewritten by calls of other routings, ranks, chunk counts and waits (a layer's resident calls at
+# every row count): each call's tables are the torch tables, whatever an earlier call left past its counts
+from weave_moe.backends.weave.kernels.tables import TableBuffers
+buffers = TableBuffers.for_layer(2, 40, 4, 16, hidden_size=20, intermediate_size=12, block_m=4, block_n0=8,
+                                 block_n1=8, dispatch_rows=2, combine_rows=3, device="cpu")
+for seed, (tokens, chunks, rank, mode) in enumerate([((40, 37), (8, 3), 0, "dups"), ((1, 0), (1, 1), 1, "uniform"),
+                                                     ((33, 40), (2, 5), 1, "one"), ((0, 0), (1, 1), 0, "uniform"),
+                                                     ((12, 5), (4, 8), 0, "dups")]):
+    case(tokens, 16, 4, chunks, rank, seed=60 + seed, mode=mode, T_max=40, buffers=buffers,
+         previous_writes=("any", "chunks", "none")[seed % 3])
+try:   # buffers of other shapes are refused
+    case((5, 5), 16, 4, (1, 1), 0, seed=70, T_max=41, buffers=buffers)
+    raise AssertionError("buffers of T_max 40 accepted for T_max 41")
+except ValueError as error:
+    assert "buffers are for" in str(error), error
 # ids outside [-1, E) as the independent scan can see them (the counts kernel beside it replaces them by -1 in
 # place, maybe after the scan read them): they count as -1; 3 ranks, so an id >= E would name "rank 3" of BLOCK_P = 4
 P, T, k, E = 3, 9, 2, 12

@@ -313,6 +313,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         USE_TMA=False, RESIDENT=resident)
     backend.stage_constants = backend_module.stage_constants(backend.constants, H)
     backend.decode_tokens = DECODE_TOKENS if decode else 0
+    backend.table_buffers = {False: "the layer's tables", True: "the layer's decode tables"}
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
     backend.fork_prologue = fork
@@ -605,9 +606,10 @@ def test_resident_tables_plan_in_the_counts_launch_or_after_it(monkeypatch, fuse
 
     backend.device_counts, backend.device_planner = Counts(), Planner()
 
-    def tables(ids, weights, tokens, chunks, rank, num_experts, previous_writes, **options):
+    def tables(ids, weights, tokens, chunks, rank, num_experts, previous_writes, buffers, **options):
         assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr()
         assert previous_writes == ("chunks" if early else "any")
+        assert buffers == "the layer's tables"   # not new tables per call (nor per captured row count)
         launched.append("tables")
 
     monkeypatch.setattr(backend_module, "build_layout_triton", tables)
@@ -640,7 +642,7 @@ def test_resident_tables_of_a_fixed_plan_run_beside_the_counts(monkeypatch, inde
             launched.append("counts")
 
     backend.device_counts = Counts()
-    monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, previous_writes, **options:
-                        launched.append(previous_writes))
-    backend._resident_tables(decode=False)
-    assert launched == ["counts", "none" if independent else "any"]
+    monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, previous_writes, buffers, **options:
+                        launched.append((previous_writes, buffers)))
+    backend._resident_tables(decode=True)
+    assert launched == ["counts", ("none" if independent else "any", "the layer's decode tables")]

@@ -35,7 +35,7 @@ from weave_moe.backends.weave.kernels.megakernel import (CTRL_GEMM1_DONE, CTRL_S
                                                         STAGE_COMBINE_REDUCE)
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
-from weave_moe.backends.weave.kernels.tables import build_layout_triton, counter_words
+from weave_moe.backends.weave.kernels.tables import TableBuffers, build_layout_triton, counter_words
 from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
@@ -267,6 +267,15 @@ class WeaveBackend:
         # KernelConfig.decode_stages: resident calls of at most DECODE_TOKENS tokens (the graph of a call is per row
         # count, so per T: its launches and tables are fixed at capture)
         self.decode_tokens = DECODE_TOKENS if cfg.decode_stages and self.resident else 0
+        # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
+        # every call, so that the CUDA graph captured for each row count holds no tables of its own
+        self.table_buffers = {}
+        for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
+            rows = self._table_rows(decode)
+            self.table_buffers[decode] = TableBuffers.for_layer(
+                world_size, max_tokens_per_rank, spec.top_k, spec.num_experts, hidden_size=H, intermediate_size=I,
+                block_m=cfg.block_m, block_n0=cfg.block_n0, block_n1=cfg.block_n1,
+                dispatch_rows=rows["dispatch_rows"], combine_rows=rows["combine_rows"], device=device)
         self.kernel_variants = self._kernel_variants()
         # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
         self.io = torch.zeros(2, dtype=torch.int64, device=device)
@@ -514,7 +523,7 @@ class WeaveBackend:
                                                     self.grouped_serial, side=True))
             serial["beside_emit"] = beside_emit
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
-                                   previous_writes=previous_writes, **serial)
+                                   previous_writes=previous_writes, buffers=self.table_buffers[decode], **serial)
                  if cfg.triton_tables
                  else self.layout_builder)
         return build(

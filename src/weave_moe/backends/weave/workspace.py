@@ -63,8 +63,10 @@ plus the exchange's control block, 4 * (EXCHANGE_CTRL_FIXED + EP) bytes (not cou
 DeepSeek-V3 (H 7168, I 2048, k 8, E_local 128) at T_max 8192, EP 2: R = 224 MiB, M = 131077 (routing: 2 MiB + 256 B),
 symmetric = 674 MiB + 1024 B, P = 131072, local = 512 MiB (h) + 1792 MiB (y): 2978 MiB per rank for the whole model,
 where one workspace per layer cost 58 x 2978 MiB (169 GiB, more than an H200 holds) for its 58 MoE layers.
-Per layer, outside the workspace: its experts, small device buffers (control block, status, tables: O(P) int32)
-and, for the device-resident call, 64 KiB of pinned host memory (exchange.CallSlots: 1024 slots of 64 bytes).
+Per layer, outside the workspace: its experts, small device buffers (control block, status), the device-resident
+call's task tables (kernels/tables.py `TableBuffers`, O(P) int32: one set, two with decode calls, shared by every row
+count the layer captures a CUDA graph for; 3.2 MiB per set for Qwen3-30B-A3B, 5.4 MiB for DeepSeek-V3 at EP 2,
+T_max 8192) and 64 KiB of pinned host memory (exchange.CallSlots: 1024 slots of 64 bytes).
 """
 
 from __future__ import annotations

@@ -41,6 +41,8 @@ base) + the count within the block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -51,7 +53,7 @@ from weave_moe.backends.weave.kernels.tables_scan import WAIT_BEFORE_CHUNKS, WAI
 from weave_moe.backends.weave.layout import Layout
 from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["build_layout_triton", "counter_words"]
+__all__ = ["build_layout_triton", "counter_words", "TableBuffers"]
 
 _BLOCK_T = 32          # tokens per emit program
 #: build_layout_triton(previous_writes=) -> the scan's WAIT
@@ -76,13 +78,110 @@ def counter_words(world_size: int, num_experts: int) -> int:
     return world_size * (num_experts // world_size) * MAX_CHUNKS + 2 * world_size * MAX_CHUNKS
 
 
+@dataclass(frozen=True)
+class _TableShapes:
+    """What the sizes of `build_layout_triton`'s tables depend on, and those sizes (P ranks, T = T_max, k, L local
+    experts; see the module docstring)."""
+
+    P: int
+    T: int
+    K: int
+    L: int
+    n0: int
+    n1: int
+    block_m: int
+    dispatch_rows: int
+    combine_rows: int
+    BT: int
+    step: int
+
+    @classmethod
+    def of(cls, P, T, K, L, intermediate_size, hidden_size, block_m, block_n0, block_n1, dispatch_rows, combine_rows,
+           block_tokens=None) -> "_TableShapes":
+        BT, step = _block_tokens(T, _pow2(K))
+        if block_tokens is not None:
+            BT, step = block_tokens, min(step, block_tokens)
+        return cls(P, T, K, L, -(-intermediate_size // block_n0), -(-hidden_size // block_n1), block_m,
+                   dispatch_rows, combine_rows, BT, step)
+
+    @property
+    def NB(self) -> int:
+        return triton.cdiv(self.T, self.BT)
+
+    @property
+    def max_pairs(self) -> int:
+        return self.P * self.T * min(self.K, self.L)
+
+    @property
+    def max_dispatch(self) -> int:
+        return self.P * self.T // self.dispatch_rows + self.P * MAX_CHUNKS + 1
+
+    @property
+    def max_combine(self) -> int:
+        return self.P * self.T // self.combine_rows + MAX_CHUNKS * self.P + 1
+
+    @property
+    def max_mtiles(self) -> int:
+        return self.max_pairs // self.block_m + MAX_CHUNKS * self.L + 1
+
+    def tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Every table: name -> (shape, dtype)."""
+        P, T, K, L, NB, MC = self.P, self.T, self.K, self.L, self.NB, MAX_CHUNKS
+        i32, block_pmc = torch.int32, _pow2(_pow2(P) * MC)
+        return dict(
+            # per token and per token block (the scan's)
+            q=((P, T, K), i32), recv_local=((P, T), i32), send_local=((P, T), i32),
+            pair_hist=((P, NB, L), i32), pair_block_base=((P, NB, L), i32), recv_hist=((P, NB), i32),
+            recv_block_base=((P, NB), i32), send_hist=((P, NB), i32), send_block_base=((P, NB), i32),
+            # the group bases (the bases kernel's)
+            pair_base=((P, L, MC), i32),
+            seg_rows=((2 * MC * L,), i32),           # [rows | first row] per segment (chunk, local expert)
+            seg_mtiles_end=((MC * L,), i32), chunk_mtiles=((MC,), i32), group_base=((2 * MC,), i32),
+            recv_base=((P, MC), i32),
+            combine_seg=((3 * block_pmc,), i32),     # [block end | row begin | rows] per segment (chunk, source)
+            dispatch_seg=((3 * block_pmc,), i32),    # the same per segment (destination, chunk)
+            send_base=((P,), i32),
+            # the Layout's tables (no fills: every entry the kernels read is written; padding holds whatever was
+            # there)
+            meta=((5,), i32), token_dest_mask=((T,), i32), expert_offsets=((L + 1,), i32),
+            gemm1_expected=((MC,), i32), arrival_expected=((P, MC), i32), combine_expected=((P,), i32),
+            gather_rows=((self.max_pairs,), i32), combine_token=((P * T,), i32), combine_pos=((P * T, K), i32),
+            combine_weight=((P * T, K), torch.float32), send_token=((P * T,), i32), send_slot=((P * T,), i32),
+            dispatch_tasks=((self.max_dispatch, 4), i32), combine_tasks=((self.max_combine, 4), i32),
+            gemm_tasks=((self.max_mtiles * (self.n0 + self.n1), 8), i32))
+
+
+class TableBuffers:
+    """The memory of `build_layout_triton`'s tables for one set of shapes (a layer's: EP, T_max, k, E, tile and
+    task sizes), allocated once and rewritten by every call that passes it (`build_layout_triton(buffers=)`).
+    Made by `for_layer`, whose arguments are build_layout_triton's of the same names (`world_size` = EP,
+    `max_tokens` = T_max). `nbytes`: what it holds (3.2 MiB for Qwen3-30B-A3B, 5.4 MiB for DeepSeek-V3 at EP 2, T_max 8192)."""
+
+    def __init__(self, shapes: _TableShapes, device):
+        self.shapes, self.device = shapes, torch.device(device)
+        self.tensors = {name: torch.empty(shape, dtype=dtype, device=device)
+                        for name, (shape, dtype) in shapes.tensors().items()}
+
+    @classmethod
+    def for_layer(cls, world_size: int, max_tokens: int, top_k: int, num_experts: int, *, hidden_size: int,
+                  intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
+                  combine_rows: int, device, block_tokens: int | None = None) -> "TableBuffers":
+        shapes = _TableShapes.of(world_size, max_tokens, top_k, num_experts // world_size, intermediate_size,
+                                 hidden_size, block_m, block_n0, block_n1, dispatch_rows, combine_rows, block_tokens)
+        return cls(shapes, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors.values())
+
+
 def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
                         intermediate_size: int, block_m: int, block_n0: int, block_n1: int, dispatch_rows: int,
                         combine_rows: int, reduce_rows: int, block_tokens: int | None = None,
                         counters: torch.Tensor | None = None, emit_tokens: int | None = None,
                         previous_writes: str = "any", serial_plan: torch.Tensor | None = None,
-                        num_sms: int = 0, beside_emit=None) -> Layout:
+                        num_sms: int = 0, beside_emit=None, buffers: "TableBuffers | None" = None) -> Layout:
     """`layout.build_layout` (same arguments) as three Triton launches (and one memset); `chunks` must be a column
     of the [EP, 4] int32 plans (stride 4), as the resident call passes it. No host sync, static shapes (capturable).
     `block_tokens` (a power of two, tests): tokens per scan block instead of `_block_tokens`' choice. `counters`:
@@ -103,7 +202,11 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     shape).
     `beside_emit`: called between the bases and the emit launches with (expert_offsets, gemm1_expected), final by
     then: what needs only those can be enqueued on another stream, beside the emit (the weave backend's grouped-GEMM
-    tile tables)."""
+    tile tables).
+    `buffers`: the tables' memory (`TableBuffers` for these shapes), kept by the caller and rewritten by every call
+    (the entries past each table's counts hold whatever an earlier call left, as in fresh memory); None: allocated
+    here. A layer's resident calls pass theirs, so that the CUDA graph of each row count it captures holds no
+    tables of its own."""
     device = all_ids.device
     P, T, K = all_ids.shape
     L = num_experts // P
@@ -120,21 +223,20 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     if serial_plan is not None and (serial_plan.dtype != torch.int32 or serial_plan.numel() != 1 or num_sms < 1):
         raise ValueError("serial_plan must be an int32 device scalar (this rank's c) and num_sms >= 1")
     i32 = dict(dtype=torch.int32, device=device)
-    ep_tokens = P * T
-    max_pairs = ep_tokens * min(K, L)
-    max_dispatch = ep_tokens // dispatch_rows + P * MC + 1
-    max_mtiles = max_pairs // block_m + MC * L + 1
-    max_combine = ep_tokens // combine_rows + MC * P + 1
-    n0 = -(-intermediate_size // block_n0)
-    n1 = -(-hidden_size // block_n1)
+    shapes = _TableShapes.of(P, T, K, L, intermediate_size, hidden_size, block_m, block_n0, block_n1,
+                             dispatch_rows, combine_rows, block_tokens)
+    if buffers is None:
+        buffers = TableBuffers(shapes, device)
+    elif buffers.shapes != shapes or buffers.device != device:
+        raise ValueError(f"buffers are for {buffers.shapes} on {buffers.device}, this call needs {shapes} on {device}")
+    t = buffers.tensors
+    max_dispatch, max_combine, max_mtiles, max_pairs = (shapes.max_dispatch, shapes.max_combine, shapes.max_mtiles,
+                                                        shapes.max_pairs)
+    n0, n1, NB, BT, step = shapes.n0, shapes.n1, shapes.NB, shapes.BT, shapes.step
     KP = _pow2(K)
     BLOCK_P = _pow2(P)
     BLOCK_PMC = _pow2(BLOCK_P * MC)
     BLOCK_L = _pow2(L)
-    BT, step = _block_tokens(T, KP)
-    if block_tokens is not None:
-        BT, step = block_tokens, min(step, block_tokens)
-    NB = triton.cdiv(T, BT)
     # scratch: what the scan counts with atomics (zeroed), then per token block
     if counters is None:
         counted = torch.zeros(counter_words(P, num_experts), **i32)
@@ -147,40 +249,19 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     pair_counts = counted[:P * L * MC].view(P, L, MC)
     arrival = counted[P * L * MC:P * L * MC + P * MC].view(P, MC)
     key_counts = counted[P * L * MC + P * MC:].view(P, MC)
-    q = torch.empty(P, T, K, **i32)
-    recv_local = torch.empty(P, T, **i32)
-    send_local = torch.empty(P, T, **i32)
-    pair_hist = torch.empty(P, NB, L, **i32)
-    pair_block_base = torch.empty(P, NB, L, **i32)
-    recv_hist = torch.empty(P, NB, **i32)
-    recv_block_base = torch.empty(P, NB, **i32)
-    send_hist = torch.empty(P, NB, **i32)
-    send_block_base = torch.empty(P, NB, **i32)
-    pair_base = torch.empty(P, L, MC, **i32)
-    seg_rows = torch.empty(2 * MC * L, **i32)        # [rows | first row] per segment (chunk, local expert)
-    seg_mtiles_end = torch.empty(MC * L, **i32)
-    chunk_mtiles = torch.empty(MC, **i32)
-    group_base = torch.empty(2 * MC, **i32)
-    recv_base = torch.empty(P, MC, **i32)
-    combine_seg = torch.empty(3 * BLOCK_PMC, **i32)   # [block end | row begin | rows] per segment (chunk, source)
-    dispatch_seg = torch.empty(3 * BLOCK_PMC, **i32)  # the same per segment (destination, chunk)
-    send_base = torch.empty(P, **i32)
-    # outputs (no fills: every entry the kernel reads is written below; padding holds whatever was there)
-    meta = torch.empty(5, **i32)
-    token_dest_mask = torch.empty(T, **i32)
-    expert_offsets = torch.empty(L + 1, **i32)
-    gemm1_expected = torch.empty(MC, **i32)
-    arrival_expected = torch.empty(P, MC, **i32)
-    combine_expected = torch.empty(P, **i32)
-    gather_rows = torch.empty(max_pairs, **i32)
-    combine_token = torch.empty(ep_tokens, **i32)
-    combine_pos = torch.empty(ep_tokens, K, **i32)
-    combine_weight = torch.empty(ep_tokens, K, dtype=torch.float32, device=device)
-    send_token = torch.empty(ep_tokens, **i32)
-    send_slot = torch.empty(ep_tokens, **i32)
-    dispatch_tasks = torch.empty(max_dispatch, 4, **i32)
-    combine_tasks = torch.empty(max_combine, 4, **i32)
-    gemm_tasks = torch.empty(max_mtiles * (n0 + n1), 8, **i32)
+    q, recv_local, send_local = t["q"], t["recv_local"], t["send_local"]
+    pair_hist, pair_block_base = t["pair_hist"], t["pair_block_base"]
+    recv_hist, recv_block_base = t["recv_hist"], t["recv_block_base"]
+    send_hist, send_block_base = t["send_hist"], t["send_block_base"]
+    pair_base, seg_rows, seg_mtiles_end = t["pair_base"], t["seg_rows"], t["seg_mtiles_end"]
+    chunk_mtiles, group_base, recv_base = t["chunk_mtiles"], t["group_base"], t["recv_base"]
+    combine_seg, dispatch_seg, send_base = t["combine_seg"], t["dispatch_seg"], t["send_base"]
+    meta, token_dest_mask, expert_offsets = t["meta"], t["token_dest_mask"], t["expert_offsets"]
+    gemm1_expected, arrival_expected, combine_expected = (t["gemm1_expected"], t["arrival_expected"],
+                                                          t["combine_expected"])
+    gather_rows, combine_token, combine_pos = t["gather_rows"], t["combine_token"], t["combine_pos"]
+    combine_weight, send_token, send_slot = t["combine_weight"], t["send_token"], t["send_slot"]
+    dispatch_tasks, combine_tasks, gemm_tasks = t["dispatch_tasks"], t["combine_tasks"], t["gemm_tasks"]
 
     emit_tokens = emit_tokens or _BLOCK_T
     per_block = triton.cdiv(T, emit_tokens)
