@@ -314,6 +314,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.stage_constants = backend_module.stage_constants(backend.constants, H)
     backend.decode_tokens = DECODE_TOKENS if decode else 0
     backend.table_buffers = {False: "the layer's tables", True: "the layer's decode tables"}
+    backend.tile_buffers, backend.gemm_scratch = {}, {}
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
     backend.fork_prologue = fork
@@ -416,12 +417,13 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     warmed, prologues = [], []
 
     def gemm(index):
-        def run(a, w, out, tiles, config, early_release, pdl, gather=None):
+        def run(a, w, out, tiles, config, early_release, pdl, scratch, gather=None):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
             assert (gather is not None) is (index == 0 and backend.gemm0_gather)
             # the variant the calls launch (a compile per value of the constexpr and of the launch option)
             assert early_release is backend.config.gemm_early_release
             assert pdl is backend.config.grouped_pdl
+            assert scratch == backend._gemm_scratch   # the layer's Triton scratch, as in the calls
             warmed.append((index, config))
         return run
 
@@ -452,9 +454,9 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     calls, launched_pdl = [], []
     backend._gather_rows = lambda index, rows: calls.append(("gather", index, rows))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", lambda a, w, out, tiles, config, early_release,
-                        pdl, gather=None: calls.append(("gemm0", a, gather)) or launched_pdl.append(pdl))
+                        pdl, scratch, gather=None: calls.append(("gemm0", a, gather)) or launched_pdl.append(pdl))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", lambda a, w, out, tiles, config, early_release,
-                        pdl: calls.append(("gemm1", a, out)) or launched_pdl.append(pdl))
+                        pdl, scratch: calls.append(("gemm1", a, out)) or launched_pdl.append(pdl))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
     keys = ((16, False),)
     rows = torch.ones(1, dtype=torch.int32)
@@ -646,3 +648,32 @@ def test_resident_tables_of_a_fixed_plan_run_beside_the_counts(monkeypatch, inde
                         launched.append((previous_writes, buffers)))
     backend._resident_tables(decode=True)
     assert launched == ["counts", ("none" if independent else "any", "the layer's decode tables")]
+
+
+def test_grouped_stage_buffers_are_the_layers_not_each_calls(monkeypatch):
+    """The grouped GEMMs' tile tables (per tile kinds) and Triton's scratch (per size) are allocated once per layer
+    and handed to every later call, so that the CUDA graph captured for a row count allocates none of its own."""
+    import functools
+
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.plan import Plan
+
+    backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
+    backend.ctrl = torch.zeros(64, dtype=torch.int32)
+    backend.max_pairs = 64
+    filled = []
+    monkeypatch.setattr(backend_module.grouped_tiles, "fill_tile_tables",
+                        lambda tables, offsets, rows, *args, **options: filled.append((tables, rows)))
+    offsets, expected = torch.zeros(9, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    prologue = functools.partial(WeaveBackend._grouped_prologue, backend)   # the real one (_host_backend stubs it)
+    first = prologue(offsets, ((16, False), (64, True)), expected, False)
+    again = prologue(offsets.clone(), ((64, True), (16, False), (16, False)), expected, False)
+    other = prologue(offsets, ((128, False),), expected, False)
+    assert first[0] is again[0] and first[1] is again[1]          # same kinds: the same tables and rows
+    assert other[0] is not first[0] and set(other[0]) == {(128, False)}
+    assert len(filled) == 3 and all(tables is result[0] for (tables, _), result in zip(filled, [first, again, other]))
+    scratch = backend._gemm_scratch(4096, 128, None)
+    assert backend._gemm_scratch(4096, 128, None) is scratch and scratch.numel() == 4096
+    assert backend._gemm_scratch(8192, 128, None) is not scratch
+    assert backend.gemm_launch["scratch"] == backend._gemm_scratch

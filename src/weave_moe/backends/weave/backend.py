@@ -270,6 +270,8 @@ class WeaveBackend:
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
+        self.tile_buffers: dict[tuple, tuple] = {}   # the grouped GEMMs' tile tables per tile kinds (_grouped_prologue)
+        self.gemm_scratch: dict[int, torch.Tensor] = {}   # Triton scratch per size (_gemm_scratch)
         for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
             rows = self._table_rows(decode)
             self.table_buffers[decode] = TableBuffers.for_layer(
@@ -767,8 +769,20 @@ class WeaveBackend:
 
     @property
     def gemm_launch(self) -> dict:
-        """The grouped GEMMs' launch options, for the calls and the first call's warm-up alike (a compile per value)."""
-        return dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl)
+        """The grouped GEMMs' launch options, for the calls and the first call's warm-up alike (a compile per value
+        of the first two; `scratch`: the layer's, `_gemm_scratch`)."""
+        return dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl,
+                    scratch=self._gemm_scratch)
+
+    def _gemm_scratch(self, size: int, alignment: int, stream) -> torch.Tensor:
+        """Triton's global scratch for the grouped GEMMs' device-made TMA descriptors: one buffer per size, the
+        layer's (not a tensor per launch, which inside a CUDA-graph capture would come from that graph's memory
+        pool). One launch at a time uses it: the GEMMs run one after another on the call's stream. Buffers from
+        torch's allocator are 512-byte aligned, more than Triton asks for."""
+        buffer = self.gemm_scratch.get(size)
+        if buffer is None:
+            buffer = self.gemm_scratch[size] = torch.empty(size, dtype=torch.int8, device=self.device)
+        return buffer
 
     def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
@@ -801,8 +815,13 @@ class WeaveBackend:
         what the current stream runs next (KernelConfig.fork_prologue); the buffers are allocated on the current
         stream, which reads them, and in a CUDA-graph capture the fork and the join are edges of the graph. Returns
         (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs."""
-        tables = grouped_tiles.empty_tile_tables(offsets, tuple(sorted(set(keys))), self.max_pairs)
-        rows = torch.empty(1, dtype=torch.int32, device=offsets.device)
+        # the layer's buffers for these tile kinds (rewritten by every call, as the task tables are: no allocation
+        # inside the CUDA graph of a row count); the side stream fills them after the work enqueued so far
+        kinds = tuple(sorted(set(keys)))
+        if kinds not in self.tile_buffers:
+            self.tile_buffers[kinds] = (grouped_tiles.empty_tile_tables(offsets, kinds, self.max_pairs),
+                                        torch.empty(1, dtype=torch.int32, device=offsets.device))
+        tables, rows = self.tile_buffers[kinds]
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
                                  self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS], gemm1_expected,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,

@@ -66,7 +66,8 @@ where one workspace per layer cost 58 x 2978 MiB (169 GiB, more than an H200 hol
 Per layer, outside the workspace: its experts, small device buffers (control block, status), the device-resident
 call's task tables (kernels/tables.py `TableBuffers`, O(P) int32: one set, two with decode calls, shared by every row
 count the layer captures a CUDA graph for; 3.2 MiB per set for Qwen3-30B-A3B, 5.4 MiB for DeepSeek-V3 at EP 2,
-T_max 8192) and 64 KiB of pinned host memory (exchange.CallSlots: 1024 slots of 64 bytes).
+T_max 8192), the grouped GEMMs' tile tables (O(P / BM) int32 per tile kinds) and Triton scratch, and 64 KiB of
+pinned host memory (exchange.CallSlots: 1024 slots of 64 bytes).
 """
 
 from __future__ import annotations

@@ -698,15 +698,16 @@ def _torch_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _launch(kernel, grid, args, kwargs, needs_scratch: bool):
-    """Launch; a kernel that makes descriptors on the device needs Triton's global scratch allocator: when the
-    caller has set none, a torch one is set for this launch only (Triton keeps it in a ContextVar)."""
+def _launch(kernel, grid, args, kwargs, needs_scratch: bool, scratch=None):
+    """Launch; a kernel that makes descriptors on the device needs Triton's global scratch allocator: `scratch`
+    when given, else the caller's (`triton.set_allocator`), else a torch one, for this launch only (Triton keeps it
+    in a ContextVar)."""
     from triton.runtime import _allocation
 
-    if not needs_scratch or _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR:
+    if not needs_scratch or (scratch is None and _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR):
         kernel[grid](*args, **kwargs)
         return
-    token = _allocation._allocator.set(_torch_scratch)
+    token = _allocation._allocator.set(scratch or _torch_scratch)
     try:
         kernel[grid](*args, **kwargs)
     finally:
@@ -715,7 +716,7 @@ def _launch(kernel, grid, args, kwargs, needs_scratch: bool):
 
 def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
                   dot_fp32: bool = False, early_release: bool = False,
-                  gather: torch.Tensor | None = None, pdl: bool = True) -> torch.Tensor:
+                  gather: torch.Tensor | None = None, pdl: bool = True, scratch=None) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert, one persistent launch.
 
     Args:
@@ -732,16 +733,19 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
             docstring).
         pdl: launch with programmatic dependent launch (where sync.PDL allows it); False: an ordinary launch, whose
             CTAs reach the SMs only once the previous kernel of the stream has ended (see the module docstring).
+        scratch: Triton's global-scratch allocator (`alloc(size, alignment, stream) -> tensor`) for the clipped
+            TMA epilogues' device-made descriptors; None: the caller's `triton.set_allocator`, else a torch tensor
+            per launch (inside a CUDA-graph capture: from the graph's memory pool).
     """
     kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32, early_release=early_release,
                                                gather=gather, pdl=pdl)
-    _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and a.is_cuda)
+    _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and a.is_cuda, scratch)
     return h
 
 
 def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable, config: GemmConfig,
                   scale: torch.Tensor | None = None, dot_fp32: bool = False, early_release: bool = False,
-                  pdl: bool = True) -> torch.Tensor:
+                  pdl: bool = True, scratch=None) -> torch.Tensor:
     """y = scale * (h @ w2[expert]^T) per expert, one persistent launch.
 
     Args:
@@ -752,9 +756,9 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
         config: tile shape and schedule (`interleaved` is ignored).
         scale: optional fp32 [P], multiplied into each row in fp32 before the bf16 rounding (routing weights).
         dot_fp32: multiply in fp32 (interpreter tests only).
-        early_release, pdl: as in grouped_gemm0.
+        early_release, pdl, scratch: as in grouped_gemm0.
     """
     kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32, early_release=early_release,
                                                pdl=pdl)
-    _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and h.is_cuda)
+    _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and h.is_cuda, scratch)
     return y
