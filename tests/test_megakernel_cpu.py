@@ -569,13 +569,16 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged,
 
 
 def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None,
-                     slots: bool = False, decode: bool = False) -> list:
+                     slots: bool = False, decode: bool = False, plan_in_counts: bool = False) -> list:
     """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph.
     `slots`: the pack as an eager call makes it (CallSlots: the arguments through a ring of two slots, which the
     calls wrap), else as a captured call makes it (`pack_call`, the arguments in the launch). `decode`: the tables
     of a decode call (one row per task, KernelConfig.decode_stages) into the layer's persistent counters, as the
-    backend builds them (`_resident_tables`), read by the one-launch kernel of 4-row blocks."""
+    backend builds them (`_resident_tables`), read by the one-launch kernel of 4-row blocks. `plan_in_counts`: the
+    plan is not the layer's but written by the counts launch (KernelConfig.fused_planner, with a device planner of
+    the serial policy on a profile of `grid` SMs), read by the tables after their early scan (`early_scan`) and by
+    the kernel."""
     import dataclasses
 
     import torch
@@ -598,7 +601,20 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
     message = RoutingMessage(max_tokens, k)
-    counts = DeviceCounts(CountsFormat(world_size, E, sync.STATUS_WORDS), message, torch.device("cpu"))
+    planner = None
+    if plan_in_counts:
+        from weave_moe.backends.weave.kernels.planner import DevicePlanner
+        from weave_moe.models import MoESpec
+        from weave_moe.plan import HardwareProfile
+
+        profile = HardwareProfile(name="tiny", source="test", num_sms=grid, comm_sms=[1, 2], comm_gbps=[9, 18],
+                                  local_sms=[1, grid], local_gbps=[30, 90], gemm_sms=[1, grid],
+                                  gemm_tflops=[4.0, 12.0], gemm_tile_efficiency=0.7, block_m=16, block_n0=16,
+                                  block_n1=16, launch_us=3.0, flag_round_trip_us=0.7, role_switch_us=0.4,
+                                  per_tile_overhead_us=0.3, call_overhead_us=0.0)
+        planner = DevicePlanner(MoESpec(E, k, H, I), world_size, profile, "serial")
+    counts = DeviceCounts(CountsFormat(world_size, E, sync.STATUS_WORDS), message, torch.device("cpu"),
+                          planner=planner)
     ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
         max_tokens, H, routing_words=message.words)
     send = torch.empty(message.words, dtype=torch.int32)
@@ -607,6 +623,8 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]   # identity, index, call, code
     io = torch.zeros(2, dtype=torch.int64)
     plans = torch.tensor([[grid, 1, 0, 0]] * world_size, dtype=torch.int32)   # serial, K = 1 (a fixed policy)
+    if plan_in_counts:
+        plans.fill_(-7)   # written by every call's counts launch before the tables and the kernel read it
     h = torch.empty(world_size * max_tokens * k, I).bfloat16()
     y = torch.empty(world_size * max_tokens * k, H).bfloat16()
     constants = MegakernelConstants(
@@ -649,11 +667,15 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
             message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
         exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=timeout_ns, parts=1,
                          block=8)
-        counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
+        counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True,
+                     plans=plans if plan_in_counts else None)
+        if plan_in_counts:
+            assert plans[:, :3].tolist() == [[grid, 1, 0]] * world_size, plans.tolist()
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
         layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
                                      intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows,
-                                     combine_rows=rows, reduce_rows=rows, counters=counters, buffers=buffers)
+                                     combine_rows=rows, reduce_rows=rows, counters=counters, buffers=buffers,
+                                     previous_writes="chunks" if plan_in_counts else "any")
         dummy = y[:1]
         args = MegakernelArgs(
             x_ptr=dummy, out_ptr=dummy, w13_ptr=w13[rank * local:(rank + 1) * local],
@@ -674,13 +696,14 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     return results
 
 
-@pytest.mark.parametrize("calls, slots, decode", [
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], False, False),
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False),
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, True),
-    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False, False)],
-    ids=["ep2", "ep2-slots", "ep2-slots-decode", "ep4"])
-def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, decode):
+@pytest.mark.parametrize("calls, slots, decode, plan_in_counts", [
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], False, False, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, True, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False, True),
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False, False, False)],
+    ids=["ep2", "ep2-slots", "ep2-slots-decode", "ep2-plan-in-counts", "ep4"])
+def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, decode, plan_in_counts):
     """The device-resident call's launches at EP 2 and 4 between real processes (ipc transport on the CPU, kernels
     under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call
     number), routing exchange, counts + verdict, task tables, the one-launch kernel reading its plan, T, x and out
@@ -689,14 +712,15 @@ def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, deco
     carried out of the live word by the next pack (without that, the refusing ranks' next call did no work). At EP 2
     once with the pack of a captured call (arguments in the launch) and once with an eager call's (CallSlots), and
     with the eager pack once more on a decode call's tables (one-row tasks in the layer's persistent counters, which
-    must be zero again after every call, the refused one included)."""
+    must be zero again after every call, the refused one included); and once with the plan written by each call's
+    counts launch (KernelConfig.fused_planner, a serial device plan) and the tables' early scan."""
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     world_size = len(calls[0][0])
-    results = run_distributed(_resident_worker, world_size, calls, None, slots, decode, backend="gloo", timeout_s=600,
-                              env=dict(TRITON_INTERPRET="1"), shared_device=True)
+    results = run_distributed(_resident_worker, world_size, calls, None, slots, decode, plan_in_counts,
+                              backend="gloo", timeout_s=600, env=dict(TRITON_INTERPRET="1"), shared_device=True)
     refused = [index for index, (_, bad_rank) in enumerate(calls) if bad_rank is not None]
     for rank in range(world_size):
         for index, ((tokens, bad_rank), got) in enumerate(zip(calls, results[rank])):
