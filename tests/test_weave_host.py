@@ -677,3 +677,13 @@ def test_grouped_stage_buffers_are_the_layers_not_each_calls(monkeypatch):
     assert backend._gemm_scratch(4096, 128, None) is scratch and scratch.numel() == 4096
     assert backend._gemm_scratch(8192, 128, None) is not scratch
     assert backend.gemm_launch["scratch"] == backend._gemm_scratch
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_decode_calls_only_where_the_layer_has_decode_compiles(monkeypatch, decode):
+    """A call of at most DECODE_TOKENS tokens (T = 0 included) runs the decode compiles and tables when the layer has
+    them (KernelConfig.decode_stages); without them every call, T = 0 too, runs the others (it once counted as a
+    decode call: a compile the layer never made, and tables it does not hold)."""
+    backend, _, _ = _host_backend(monkeypatch, None, resident=True, decode=decode)
+    assert [backend._decode_call(t) for t in (0, 1, DECODE_TOKENS, DECODE_TOKENS + 1)] == \
+        [decode, decode, decode, False]

@@ -744,8 +744,8 @@ class WeaveBackend:
 
     def _decode_call(self, tokens: int) -> bool:
         """Whether a resident call of `tokens` tokens runs the decode compiles (KernelConfig.decode_stages) and the
-        task tables cut for them (`_table_rows`)."""
-        return tokens <= self.decode_tokens
+        task tables cut for them (`_table_rows`); never without them (a call of T = 0 included)."""
+        return 0 < self.decode_tokens and tokens <= self.decode_tokens
 
     def _table_rows(self, decode: bool) -> dict:
         """Rows per dispatch / combine / reduce task of a call's tables: the compiles' (decode: DECODE_ROWS). A
