@@ -595,3 +595,43 @@ def test_merge_two_runs(tiny_run, tmp_path):
     # merging again under the same name keeps the first result
     assert main(["bench", "--merge", paths["json"], "--name", "both", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "both-2.json").exists() and len(report.load(str(tmp_path / "both.json"))[1]) == 24
+
+
+def test_round_orders_put_every_variant_first_and_last_alike():
+    from weave_moe.bench.harness import round_orders
+
+    assert round_orders(3, 1) == [[0, 1, 2]]
+    orders = round_orders(3, 6)
+    assert all(sorted(order) == [0, 1, 2] for order in orders)
+    assert sorted(order[0] for order in orders) == [0, 0, 1, 1, 2, 2]
+    assert sorted(order[-1] for order in orders) == [0, 0, 1, 1, 2, 2]
+    assert round_orders(1, 3) == [[0]] * 3
+
+
+def test_rounds_must_fit_the_timed_calls():
+    from weave_moe.bench.config import BenchConfig
+    from weave_moe.models import MoESpec
+
+    spec = MoESpec(8, 2, 64, 32, name="tiny")
+    assert BenchConfig(models=(spec,), iters=4, rounds=4).rounds == 4
+    for rounds in (0, 5):
+        with pytest.raises(ValueError, match="rounds"):
+            BenchConfig(models=(spec,), iters=4, rounds=rounds)
+
+
+def test_tiny_run_in_interleaved_rounds(tmp_path):
+    """`--rounds 2`: every variant's layer kept, each configuration timed in two rounds; the same rows (the config's
+    order, every check passed) and exactly --iters timed calls per row."""
+    code = main(["bench", "--model-dims", "8,2,64,32", "--tokens", "16", "--routing", "uniform,skewed",
+                 "--variants", "nccl,reference", "--own-process", "", "--iters", "5", "--rounds", "2", "--warmup",
+                 "1", "--rotate", "2", "--check", "--device", "cpu", "--nproc", "2", "--name", "rounds", "--out",
+                 str(tmp_path), "--no-progress", "--timeout", "120", "--no-breakdown", "--no-anchor"])
+    assert code == 0
+    with open(report.result_paths(str(tmp_path), "rounds")["json"]) as handle:
+        data = json.load(handle)
+    rows = data["rows"]
+    assert [(r["variant"], r["routing"]) for r in rows] == [("nccl", "uniform"), ("nccl", "skewed"),
+                                                            ("reference", "uniform"), ("reference", "skewed")]
+    for row in rows:
+        assert row["check_passed"] and row["error"] in (None, "") and row["iters"] == 5, row
+        assert row["median_ms"] > 0

@@ -24,6 +24,9 @@ class BenchConfig:
         skew: busiest-expert / mean target of skewed routing.
         variants: the variants (`weave_moe.bench.variants.Variant`), in order.
         iters, warmup: timed and warm-up calls per configuration.
+        rounds: 1: each variant timed in one block (its layer built, timed on every configuration, freed); N > 1:
+            every variant's layer kept, the timed calls of each configuration in N interleaved rounds (harness
+            module docstring).
         rotate: input sets per configuration (R >= 1; >= 4 by default so caches do not flatter).
         check: compare every variant with the reference before timing.
         check_rows: rows per rank compared (all when T is smaller).
@@ -54,6 +57,7 @@ class BenchConfig:
     variants: tuple = field(default_factory=lambda: tuple(parse_variants(default_variants())))
     iters: int = 20
     warmup: int = 3
+    rounds: int = 1
     rotate: int = 4
     check: bool = False
     check_rows: int = 256
@@ -74,9 +78,9 @@ class BenchConfig:
     cpu_limit_mib: float = 1024.0
 
     def __post_init__(self) -> None:
-        if self.iters < 1 or self.warmup < 0 or self.rotate < 1:
-            raise ValueError(f"iters >= 1, warmup >= 0, rotate >= 1 needed; got {self.iters}, {self.warmup}, "
-                             f"{self.rotate}")
+        if self.iters < 1 or self.warmup < 0 or self.rotate < 1 or not 1 <= self.rounds <= self.iters:
+            raise ValueError(f"iters >= 1, warmup >= 0, rotate >= 1 and 1 <= rounds <= iters needed; got "
+                             f"{self.iters}, {self.warmup}, {self.rotate}, {self.rounds}")
         for routing in self.routings:
             if routing not in ("uniform", "skewed"):
                 raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")

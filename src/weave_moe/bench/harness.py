@@ -12,6 +12,12 @@ each rank makes its experts' weights once; every variant loads the same weights 
                 warm-up              max(warmup, R) calls, every set seen once; records each set's plan
                 timed loop           iters calls, set i % R, each timed alone (CUDA events / perf_counter)
 
+Rounds (`config.rounds` = N > 1): every variant's layer of a model is built first and kept; per (tokens, routing)
+each is checked and warmed up, then the timed calls come in N rounds of about iters / N calls, the variants in
+another order each round (rotated, every other round reversed), so that a drift of the GPU's clocks or of the
+machine's load over the minutes a configuration takes reaches every variant alike instead of whichever ran last.
+It holds every variant's layer (and their copies of the weights) at once.
+
 Timing: `torch.cuda.synchronize()` + `dist.barrier()` before the timed loop only; inside it nothing but the layer
 call and two event records per call, so the loop holds no host sync beyond what the backend does itself. A call's
 latency is the max over ranks of that call's time (the layer waits for its slowest rank); the row reports the median
@@ -57,7 +63,7 @@ from weave_moe.bench.floor import layer_floor, rank_traffic
 from weave_moe.models import MoESpec
 
 __all__ = ["BenchConfig", "BenchRefused", "launch", "run_rank", "bench_routing", "cpu_bytes_per_rank",
-           "cpu_size_problem", "process_groups"]
+           "cpu_size_problem", "process_groups", "round_orders"]
 
 
 class BenchRefused(ValueError):
@@ -301,7 +307,12 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
             for routing in config.routings:
                 inputs[tokens, routing] = _make_inputs(config, spec, tokens, routing, rank, world_size, device,
                                                        w13, w2)
-        for variant in config.variants:
+        if config.rounds > 1:
+            model_rows = _bench_in_rounds(config, model, spec, inputs, rank, world_size, device, w13, w2, progress)
+            if rank == 0:
+                rows += model_rows
+                report.write_tables(rows, config, partial=True, world_size=world_size, attention=attention_rows)
+        for variant in config.variants if config.rounds == 1 else ():
             if progress is not None:
                 progress.set_description(f"{model.name} {variant.name}")
             outcome = _build_layer(spec, variant, config, device, w13, w2)
@@ -479,6 +490,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}".replace("\n", " ")[:500]
 
 
+def _failed_anywhere(message: str | None) -> bool:
+    """Whether any rank has a message (a collective, as `_agree`, that leaves the messages as they are)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return message is not None
+    flags = [False] * dist.get_world_size()
+    dist.all_gather_object(flags, message is not None)
+    return any(flags)
+
+
 def _agree(message: str | None) -> str | None:
     """Every rank's message, or None when no rank has one: a collective every rank reaches after each step."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -494,29 +514,107 @@ def _agree(message: str | None) -> str | None:
     return "; ".join(f"rank {r}: {text}" for r, text in found)
 
 
+@dataclass
+class _Run:
+    """One variant's configuration in progress: its result so far, its error (None: fine so far), this rank's
+    call times; `stopped`: some rank failed, so no rank times it further (their barriers stay in step)."""
+
+    result: dict
+    error: str | None
+    local_ms: list
+    stopped: bool = False
+
+
 def _bench_config(config, model, spec, variant, outcome, inputs, rank, world_size, device) -> dict:
-    result = dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[], stages_ms={})
-    error, layer = outcome.error, outcome.layer
-    if layer is not None:
+    run = _start(config, outcome, inputs, world_size)
+    _time_into(run, outcome, inputs, config.iters, device)
+    return _finish(config, model, spec, variant, outcome, inputs, rank, world_size, device, run)
+
+
+def _start(config, outcome, inputs, world_size) -> _Run:
+    """The check (config.check) and the warm-up of one variant on one configuration."""
+    run = _Run(dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[], stages_ms={}),
+               outcome.error, [])
+    if outcome.layer is not None:
         try:
             if config.check:
-                result.update(_check(layer, inputs, config, world_size))
-            result["plans"] = _warm_up(layer, inputs.sets, config.warmup)
-            local_ms = _timed_loop(layer, inputs.sets, config.iters, device)
-            layer.synchronize()  # a kernel error of the last timed call surfaces here, not in the next config
-            stages = _stage_times(layer, inputs.sets, device) if config.breakdown else {}
+                run.result.update(_check(outcome.layer, inputs, config, world_size))
+            run.result["plans"] = _warm_up(outcome.layer, inputs.sets, config.warmup)
         except Exception as exc:  # noqa: BLE001 - recorded in the row
-            error, local_ms = _describe(exc), None
+            run.error = _describe(exc)
+    return run
+
+
+def _time_into(run: _Run, outcome, inputs, iters: int, device) -> None:
+    """`iters` more timed calls of a variant that has not failed, appended to its times."""
+    if outcome.layer is None or run.error is not None or run.stopped:
+        return
+    try:
+        run.local_ms += _timed_loop(outcome.layer, inputs.sets, iters, device)
+    except Exception as exc:  # noqa: BLE001 - recorded in the row
+        run.error = _describe(exc)
+
+
+def _finish(config, model, spec, variant, outcome, inputs, rank, world_size, device, run: _Run) -> dict:
+    """The variant's row of this configuration (rank 0; {} elsewhere): its times gathered from every rank."""
+    error, stages = run.error, {}
+    if outcome.layer is not None:
+        if error is None:
+            try:
+                outcome.layer.synchronize()  # a kernel error of the last timed call surfaces here, not later
+                stages = _stage_times(outcome.layer, inputs.sets, device) if config.breakdown else {}
+            except Exception as exc:  # noqa: BLE001 - recorded in the row
+                error = _describe(exc)
         error = _agree(error)
         if error is None:
             # The layer waits for its slowest rank: per call, the max over ranks.
-            per_rank = _gather_rows(torch.tensor(local_ms, dtype=torch.float64, device=device)[None], world_size)
-            result["times_ms"] = per_rank.max(dim=0).values.tolist()
-            result["plans"] = _gather_plans(result["plans"], world_size)
-            result["stages_ms"] = _gather_stages(stages, world_size)
+            per_rank = _gather_rows(torch.tensor(run.local_ms, dtype=torch.float64, device=device)[None],
+                                    world_size)
+            run.result["times_ms"] = per_rank.max(dim=0).values.tolist()
+            run.result["plans"] = _gather_plans(run.result["plans"], world_size)
+            run.result["stages_ms"] = _gather_stages(stages, world_size)
     if rank != 0:
         return {}
-    return _make_row(config, model, spec, variant, inputs, world_size, error, outcome.skipped, result)
+    return _make_row(config, model, spec, variant, inputs, world_size, error, outcome.skipped, run.result)
+
+
+def round_orders(num_variants: int, rounds: int) -> list[list[int]]:
+    """The variants' order in each round of `config.rounds`: rotated by one per round, every other round reversed
+    (so each variant runs first, last and between the others about equally often)."""
+    orders = []
+    for r in range(rounds):
+        order = [(i + r) % num_variants for i in range(num_variants)]
+        orders.append(order[::-1] if r % 2 else order)
+    return orders
+
+
+def _bench_in_rounds(config, model, spec, inputs, rank, world_size, device, w13, w2, progress) -> list[dict]:
+    """Every variant of one model, timed in `config.rounds` interleaved rounds per configuration (module docstring);
+    rows in the config's order (variants, then tokens and routing), on rank 0."""
+    variants = config.variants
+    outcomes = [_build_layer(spec, variant, config, device, w13, w2) for variant in variants]
+    iters, rounds = config.iters, config.rounds
+    per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]   # config.iters calls in all
+    rows: dict[tuple, dict] = {}
+    for key, config_inputs in inputs.items():
+        runs = [_start(config, outcome, config_inputs, world_size) for outcome in outcomes]
+        for run in runs:
+            run.stopped = _failed_anywhere(run.error)
+        for calls, order in zip(per_round, round_orders(len(variants), rounds)):
+            for index in order:
+                if outcomes[index].layer is not None and not runs[index].stopped:
+                    _time_into(runs[index], outcomes[index], config_inputs, calls, device)
+                    runs[index].stopped = _failed_anywhere(runs[index].error)
+        for index, (variant, outcome) in enumerate(zip(variants, outcomes)):
+            rows[index, key] = _finish(config, model, spec, variant, outcome, config_inputs, rank, world_size,
+                                       device, runs[index])
+            if progress is not None:
+                progress.set_description(f"{model.name} {variant.name}")
+                progress.set_postfix_str(_short(rows[index, key]))
+                progress.update(1)
+    del outcomes
+    _free(device)
+    return [rows[index, key] for index in range(len(variants)) for key in inputs] if rank == 0 else []
 
 
 def _check(layer, inputs, config, world_size) -> dict:

@@ -38,6 +38,10 @@ def add_arguments(parser) -> None:
                         help="without CUDA, refuse models whose estimated memory per rank exceeds this (0: no limit)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls per configuration (median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up calls (at least one per rotating input set)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="N > 1: keep every variant's layer and time each configuration in N interleaved rounds "
+                             "of ~iters/N calls, the variants' order changing each round (A/Bs of a few percent); "
+                             "1: each variant in one block")
     parser.add_argument("--rotate", type=int, default=4, help="input sets cycled through (fresh routing each)")
     parser.add_argument("--check", action="store_true", help="compare every variant with the reference first")
     parser.add_argument("--check-rows", type=int, default=256, help="rows per rank compared by --check")
@@ -137,7 +141,7 @@ def _build_config(args, argv: list[str] | None):
         routings=tuple(_split(args.routing)),
         skew=args.skew,
         variants=tuple(parse_variants(args.variants or default_variants())),
-        iters=args.iters, warmup=args.warmup, rotate=args.rotate, check=args.check, check_rows=args.check_rows,
+        iters=args.iters, warmup=args.warmup, rounds=args.rounds, rotate=args.rotate, check=args.check, check_rows=args.check_rows,
         seed=args.seed, floor=floor, out_dir=args.out, name=name, metadata=metadata, timeout_s=args.timeout,
         show_progress=not args.no_progress, breakdown=not args.no_breakdown, attention=args.attention,
         attention_seq_len=args.attention_seq_len, anchor=not args.no_anchor, emulate_ep=args.emulate_ep,
