@@ -76,9 +76,9 @@ _NO_KEY = tl.constexpr((1 << 63) - 1)
 # ---- the kernel ---------------------------------------------------------------------------------------------------
 @triton.jit
 def plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offset, send_rows_offset, pairs_offset,
-               world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
-               POLICY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_LOCAL_E: tl.constexpr, BLOCK_C: tl.constexpr,
-               MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
+              world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k,
+              POLICY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_LOCAL_E: tl.constexpr, BLOCK_C: tl.constexpr,
+              MAX_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr):
     # -- rank d's workload (Workload.from_counts) --
     offs_ep = tl.arange(0, BLOCK_P)
     ep_mask = offs_ep < world_size
@@ -214,12 +214,15 @@ def plan_rank(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, d, tokens_offse
     masked = tl.where(valid, latency, float("inf"))
     flat = (kk - 1) * BLOCK_C + (cs - 1)
     # the fastest valid candidate and, among equal latencies, the smallest K then c, by ONE reduction: a key with the
-    # latency's IEEE bits above the candidate's index (the bits of a non-negative float order as its value; every
-    # latency is a sum of non-negative terms); no valid candidate: best = inf, pick = _BIG
-    key = (masked.to(tl.int32, bitcast=True).to(tl.int64) << 32) | flat.to(tl.int64)
+    # latency above the candidate's index, the latency's IEEE bits made to order as its value (a negative float's
+    # bits but the sign flipped: an involution); no valid candidate: best = inf, pick = _BIG
+    bits = masked.to(tl.int32, bitcast=True)
+    key = (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32) | flat.to(tl.int64)
     smallest = tl.min(tl.min(tl.where(valid, key, _NO_KEY), axis=1), axis=0)
     found = smallest != _NO_KEY
-    best = tl.where(found, (smallest >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("inf"))
+    best_bits = (smallest >> 32).to(tl.int32)
+    best_bits = tl.where(best_bits < 0, best_bits ^ 0x7FFFFFFF, best_bits)
+    best = tl.where(found, best_bits.to(tl.float32, bitcast=True), float("inf"))
     pick = tl.where(found, (smallest & 0xFFFFFFFF).to(tl.int32), _BIG)
     best_c = pick % BLOCK_C + 1
     best_k = pick // BLOCK_C + 1
@@ -273,9 +276,9 @@ def plan_kernel(counts_ptr, model_ptr, per_iteration_ptr, out_ptr, timing_ptr, n
     for item in range(pid, num_batches * world_size, tl.num_programs(0)):
         batch = item // world_size
         plan_rank(counts_ptr + batch.to(tl.int64) * counts_stride, model_ptr, per_iteration_ptr,
-                   out_ptr + batch.to(tl.int64) * world_size * 4, item % world_size, tokens_offset, send_rows_offset,
-                   pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c, static_k, POLICY,
-                   BLOCK_P, BLOCK_LOCAL_E, BLOCK_C, MAX_CHUNKS, BLOCK_M)
+                  out_ptr + batch.to(tl.int64) * world_size * 4, item % world_size, tokens_offset, send_rows_offset,
+                  pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile,
+                  static_c, static_k, POLICY, BLOCK_P, BLOCK_LOCAL_E, BLOCK_C, MAX_CHUNKS, BLOCK_M)
     if TIMING:
         tl.debug_barrier()
         end_cycles = _clock_cycles()
