@@ -155,7 +155,8 @@ class TableBuffers:
     """The memory of `build_layout_triton`'s tables for one set of shapes (a layer's: EP, T_max, k, E, tile and
     task sizes), allocated once and rewritten by every call that passes it (`build_layout_triton(buffers=)`).
     Made by `for_layer`, whose arguments are build_layout_triton's of the same names (`world_size` = EP,
-    `max_tokens` = T_max). `nbytes`: what it holds (3.2 MiB for Qwen3-30B-A3B, 5.4 MiB for DeepSeek-V3 at EP 2, T_max 8192)."""
+    `max_tokens` = T_max). `nbytes`: what it holds (3.2 MiB for Qwen3-30B-A3B, 5.4 MiB for DeepSeek-V3 at EP 2,
+    T_max 8192)."""
 
     def __init__(self, shapes: _TableShapes, device):
         self.shapes, self.device = shapes, torch.device(device)

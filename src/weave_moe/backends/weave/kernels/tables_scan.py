@@ -19,7 +19,8 @@ def chunk_of(t, chunks_ptr, d, tokens_ptr, tokens_stride, s):
     return (t * K) // Ts
 
 
-#: `scan_kernel`'s WAIT: where it waits for the kernel launched before it (`tables.build_layout_triton(previous_writes=)`)
+#: `scan_kernel`'s WAIT: where it waits for the kernel launched before it
+#: (`tables.build_layout_triton(previous_writes=)`)
 WAIT_FIRST = tl.constexpr(0)            # before anything: the previous kernel may write anything the scan reads
 WAIT_BEFORE_CHUNKS = tl.constexpr(1)    # before the first read of the chunk counts, all the previous kernel writes
 WAIT_LAST = tl.constexpr(2)             # at its end: the previous kernel writes nothing the scan reads
