@@ -312,23 +312,24 @@ def run_rank(config: BenchConfig, rank: int, world_size: int, device: torch.devi
             if rank == 0:
                 rows += model_rows
                 report.write_tables(rows, config, partial=True, world_size=world_size, attention=attention_rows)
-        for variant in config.variants if config.rounds == 1 else ():
-            if progress is not None:
-                progress.set_description(f"{model.name} {variant.name}")
-            outcome = _build_layer(spec, variant, config, device, w13, w2)
-            for tokens in config.tokens:
-                for routing in config.routings:
-                    row = _bench_config(config, model, spec, variant, outcome, inputs[tokens, routing], rank,
-                                        world_size, device)
-                    if rank == 0:
-                        rows.append(row)
-                        if progress is not None:
-                            progress.set_postfix_str(_short(row))
-                            progress.update(1)
-            del outcome
-            _free(device)
-            if rank == 0:
-                report.write_tables(rows, config, partial=True, world_size=world_size, attention=attention_rows)
+        else:
+            for variant in config.variants:
+                if progress is not None:
+                    progress.set_description(f"{model.name} {variant.name}")
+                outcome = _build_layer(spec, variant, config, device, w13, w2)
+                for tokens in config.tokens:
+                    for routing in config.routings:
+                        row = _bench_config(config, model, spec, variant, outcome, inputs[tokens, routing], rank,
+                                            world_size, device)
+                        if rank == 0:
+                            rows.append(row)
+                            if progress is not None:
+                                progress.set_postfix_str(_short(row))
+                                progress.update(1)
+                del outcome
+                _free(device)
+                if rank == 0:
+                    report.write_tables(rows, config, partial=True, world_size=world_size, attention=attention_rows)
         del w13, w2, inputs
         _free(device)
         if rank == 0 and model_index + 1 == len(config.models):  # the pictures once, at the end (or after a crash)
