@@ -34,6 +34,7 @@ from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.megakernel import (CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES,
                                                         STAGE_COMBINE_REDUCE)
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
+from weave_moe.backends.weave.kernels.prefetch import WeightPrefetch
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
 from weave_moe.backends.weave.kernels.tables import TableBuffers, build_layout_triton, counter_words
 from weave_moe.backends.weave.kernels import sync
@@ -256,6 +257,11 @@ class WeaveBackend:
         # KernelConfig.fused_planner: the counts kernel's last program plans too (no planner launch after it)
         self.device_counts = DeviceCounts(self.counts_format, self.message, device,
                                           planner=self.device_planner if cfg.fused_planner else None)
+        # KernelConfig.prefetch_mib: the resident call's L2 prefetch of its experts' weights, on its own side stream
+        self.prefetch = (WeightPrefetch(self.num_local_experts, H, I, cfg.prefetch_mib << 20,
+                                        self.counts_format.expert_pairs_offset + rank * self.num_local_experts)
+                         if cfg.prefetch_mib and self.resident and (H * I) % 8 == 0 else None)
+        self.prefetch_stream = None   # made at its first use
         self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
         self.resident_graph_names: dict[tuple, str] = {}   # (workspace generation, rows) -> the call's graph name
         self.max_pairs = max_pairs
@@ -482,27 +488,35 @@ class WeaveBackend:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
-        layout = self._resident_tables(decode, grouped_configs, early)
+        joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
+        layout = self._resident_tables(decode, grouped_configs, early, joins)
         dummy = self.workspace.y()[:1]
         self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode,
                      early=early[0] if early else None)
+        for event in joins:
+            self._current_stream().wait_event(event)
         # the status word to the host, read at the next call once the event recorded after the call has passed
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None):
+    def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None,
+                         joins: list | None = None):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the
         planned chunk counts (the pack launch before them zeroed the control block and the flags, the resident call
         always using parity 0, and advanced the call number). The grouped-GEMM tile tables of a layer whose serial
         plans run the grouped GEMMs (`_grouped_prologue` on the side stream, appended to `early`) are forked off
         after the bases kernel, so they run beside the emit: beside the dispatch launch they waited for its CTAs to
         leave the SMs (ending 4-7 us after it at 2048 tokens on an H200, bench/results/h200-42828c2), and an
-        adaptive policy's ran after its first launch (under a split plan they now leave the done counters to it)."""
+        adaptive policy's ran after its first launch (under a split plan they now leave the done counters to it).
+        With KernelConfig.prefetch_mib the weights' L2 prefetch is forked off after the counts (its event appended
+        to `joins`, which the caller joins at the end of the call)."""
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
                              self.timeout_ns)
         counts = self._counts(verdict=True)
+        if self.prefetch is not None and joins is not None:
+            joins.append(self._prefetch_weights(counts))
         if self.device_planner is not None and self.device_counts.planner is None:
             self.device_planner.launch(counts, self.plans_device)
         cfg, spec = self.config, self.spec
@@ -532,6 +546,20 @@ class WeaveBackend:
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, **self._table_rows(decode))
+
+    def _prefetch_weights(self, counts: torch.Tensor) -> torch.cuda.Event:
+        """Fork the L2 prefetch of this call's experts' weights (kernels/prefetch.py) off the current stream, after
+        the counts kernel just enqueued, onto the layer's prefetch stream; returns the event after it. Nothing waits
+        for it but the end of the call: a prefetch writes nothing (in a CUDA-graph capture the fork and the join are
+        edges of the graph)."""
+        if self.prefetch_stream is None:
+            self.prefetch_stream = torch.cuda.Stream(self.device)
+        self.prefetch_stream.wait_stream(self._current_stream())
+        with torch.cuda.stream(self.prefetch_stream):
+            self.prefetch.launch(counts, self.w13, self.w2)
+            done = torch.cuda.Event()
+            done.record(self.prefetch_stream)
+        return done
 
     def _counts(self, verdict: bool) -> torch.Tensor:
         """Enqueue the counts kernel on the gathered routing (kernels/counts.py); returns the counts vector. With

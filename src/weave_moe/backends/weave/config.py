@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV",
-           "DECODE_TOKENS", "DECODE_ROWS", "GEMM0_GATHER_MAX_I"]
+           "DECODE_TOKENS", "DECODE_ROWS", "GEMM0_GATHER_MAX_I", "PREFETCH_MIB_MAX"]
 
 KERNEL_CONFIG_ENV = "WEAVE_MOE_KERNEL_CONFIG"
 TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
@@ -37,6 +37,8 @@ def decode_block_h(hidden_size: int) -> int:
 _CHOICES = {"resident": ("auto", "on", "off"), "gemm0_gather": ("auto", "on", "off")}
 #: KernelConfig.gemm0_gather="auto": GEMM0 reads its rows through the gather rows for intermediate sizes up to this
 GEMM0_GATHER_MAX_I = 1024
+#: KernelConfig.prefetch_mib at most: the budget in bytes stays an int32 in the prefetch kernel
+PREFETCH_MIB_MAX = 2047
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -140,6 +142,13 @@ class KernelConfig:
             of its CTAs on one SM: 176 KB of shared memory each). Side by side on an H200 (six models x 1 / 32 / 2048 /
             8192 tokens, bench/results/h200-de378c8): off is 0.963x the serial policy's time in geomean at
             2048-8192 tokens (DeepSeek-V2 2048 0.84x, -V3 2048 0.90x, none slower than 1.001x) and 1.001x at 1-32.
+        prefetch_mib: 0 (default: off) or a budget in MiB (at most PREFETCH_MIB_MAX): a resident call, once its
+            counts are written, prefetches into L2 the weights of the local experts with rows, w13 then w2 in expert
+            order, up to this many MiB (kernels/prefetch.py: one launch on a side stream, beside the task tables and
+            the dispatch, which leave HBM idle). At decode sizes the GEMMs stream weights (Qwen3-30B-A3B at 1 token,
+            one rank's work of EP=2: GEMM0 reads 50 MB in 16.6 us, the ~17 us before it move almost no bytes;
+            bench/results/h200-39eda33); the H200's L2 holds 60 MiB. Layers whose H * I is not a multiple of 8 do
+            not prefetch. Off until measured on the GPU (`scripts/device_run.sh prefetch`).
     """
 
     block_m: int = 128
@@ -172,6 +181,7 @@ class KernelConfig:
     early_scan: bool = False
     gemm0_gather: str = "auto"
     grouped_pdl: bool = False
+    prefetch_mib: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -182,6 +192,10 @@ class KernelConfig:
             elif field.type == "str":
                 if value not in _CHOICES[field.name]:
                     raise ValueError(f"KernelConfig.{field.name} must be one of {', '.join(_CHOICES[field.name])}, "
+                                     f"got {value!r}")
+            elif field.name == "prefetch_mib":
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= PREFETCH_MIB_MAX:
+                    raise ValueError(f"KernelConfig.prefetch_mib must be an int in [0, {PREFETCH_MIB_MAX}] (0: off), "
                                      f"got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")
