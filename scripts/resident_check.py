@@ -18,19 +18,23 @@ What it checks (each a row with passed = True/False and the numbers behind it):
   8. memory per captured row count: the default policy's layer at T_max 8192 called at 12 row counts from 1 to 2048
      tokens (a CUDA graph each), every call against the reference; the device memory the graphs reserved beyond the
      first call's, per further row count (the task tables are the layer's, tables.TableBuffers, not each graph's).
+Every layer is made with WEAVE_MOE_KERNEL_CONFIG's settings and resident=on (e.g. prefetch_mib=48 checks the calls
+with the weights' L2 prefetch, its side stream inside each graph and inside the caller's capture).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import time
 
 import torch
 
 from weave_moe import ExpertParallelMoE
-from weave_moe.backends.weave.config import KernelConfig
+from weave_moe.backends.weave.config import KERNEL_CONFIG_ENV, KernelConfig
 from weave_moe.bench.metadata import git_commit
 from weave_moe.models import MoESpec
 from weave_moe.reference import DEFAULT_TOLERANCE, moe_error, reference_moe
@@ -42,7 +46,7 @@ POLICIES = ("serial", "weave", "spatial", "static:20,2", "per_iteration")
 
 def _layer(spec, policy, max_tokens, device):
     layer = ExpertParallelMoE(spec, backend="weave", policy=policy, max_tokens_per_rank=max_tokens, device=device,
-                              config=KernelConfig(resident="on"), debug_poison=True)
+                              config=dataclasses.replace(KernelConfig.from_env(), resident="on"), debug_poison=True)
     w13, w2 = make_experts(spec, seed=1, device=device)
     layer.load_experts(w13, w2)
     return layer, w13, w2
@@ -283,6 +287,7 @@ def main() -> None:
     commit = git_commit()
     record = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(device), commit=commit,
                   command="python scripts/resident_check.py", torch=torch.__version__,
+                  kernel_config=os.environ.get(KERNEL_CONFIG_ENV, ""),
                   passed=sum(r["passed"] for r in rows), total=len(rows), rows=rows)
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
