@@ -98,6 +98,73 @@ def test_grouped_gemms_under_interpreter():
     run_interpreted(SCRIPT, "GROUPED GEMM INTERPRETER OK", timeout=900)
 
 
+STREAM_K_SCRIPT = textwrap.dedent(
+    r"""
+    import torch
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import sync
+
+    def run(a, w, h, tiles, cfg, num_sms, gather=None, scratch=None, status=None):
+        kernel, grid, args, kwargs = gg._gemm0_launch(a, w, h, tiles, cfg, dot_fp32=True, num_sms=num_sms,
+                                                      gather=gather, stream_k_scratch=scratch, status=status)
+        kernel[grid](*args, **kwargs)
+
+    cases = 0
+    # (rows per local expert, H, I, block_k): K steps per tile 3, 1 (H = BK), 4 with a K tail, 6
+    for counts, H, I, bk in [([5, 0, 21], 48, 40, 16), ([1], 16, 16, 16), ([17, 33, 16], 56, 24, 16),
+                             ([0, 0], 32, 16, 16), ([40, 3, 1, 9], 96, 32, 16)]:
+        cfg = gg.GemmConfig(block_m=16, block_n=32, block_k=bk, group_m=2, epilogue=gg.EPILOGUE_MASKED,
+                            stream_k=True)
+        torch.manual_seed(len(counts) + H)
+        E = len(counts)
+        offsets = torch.zeros(E + 1, dtype=torch.int32)
+        offsets[1:] = torch.tensor(counts).cumsum(0)
+        rows = int(offsets[-1])
+        P = rows + 5
+        w13 = (torch.randn(E, 2 * I, H) / H ** 0.5).bfloat16()
+        w = gg.interleave_w13(w13)
+        source = torch.randn(P + 3, H).bfloat16()
+        gather = torch.randperm(P + 3)[:P].int()
+        a = source[gather.long()].contiguous()
+        tiles = gg.build_tile_table(offsets, cfg.block_m, P, False)
+        plain = torch.full((P, I), float("nan")).bfloat16()
+        gg.grouped_gemm0(a, w, plain, tiles, cfg.with_(stream_k=False), dot_fp32=True)
+        # 1 CTA (one range: no parts), ranges shorter than a tile (a tile over 3 CTAs), longer, more CTAs than steps
+        parts, flags = gg.stream_k_buffers(64, cfg.block_m * cfg.block_n, "cpu")
+        for num_sms in (1, 2, 3, 5, 7, 16, 64):
+            for gathered in (False, True):
+                status = torch.zeros(4, dtype=torch.int32)
+                h = torch.full((P, I), float("nan")).bfloat16()
+                run(source if gathered else a, w, h, tiles, cfg, num_sms, gather=gather if gathered else None,
+                    scratch=lambda slots, elements: (parts[:slots * elements], flags[:slots]), status=status)
+                assert not status.any() and not flags.any(), (status, flags)   # flags left zero for the next launch
+                assert h[rows:].isnan().all(), "rows past the last expert were written"
+                assert not h[:rows].isnan().any(), ("unwritten rows", counts, num_sms)
+                for e in range(E):
+                    s, f = int(offsets[e]), int(offsets[e + 1])
+                    if s == f:
+                        continue
+                    gate_up = a[s:f].float() @ w13[e].float().T
+                    ref = torch.nn.functional.silu(gate_up[:, :I]) * gate_up[:, I:]
+                    err = ((h[s:f].float() - ref).norm() / ref.norm()).item()
+                    assert err < 2e-2, (counts, H, num_sms, e, err)
+                # the same sums as whole tiles up to the fp32 order of the parts (bf16 outputs: a rounding apart)
+                assert ((h[:rows].float() - plain[:rows].float()).abs()
+                        <= 1e-2 * plain[:rows].float().abs() + 1e-3).all(), (counts, num_sms)
+                cases += 1
+    print("STREAM K OK", cases)
+    """
+)
+
+
+def test_stream_k_gemm0_under_interpreter():
+    """GemmConfig.stream_k: GEMM0's tiles split over CTAs by K steps (1-64 CTAs: ranges inside one tile, across
+    several, CTAs without steps), A through TMA or the gather rows, against torch and against whole tiles; every row
+    written once, rows past the experts untouched, the flags zero again after each launch, the status word clean."""
+    out = run_interpreted(STREAM_K_SCRIPT, "STREAM K OK", timeout=900)
+    assert int(out.split("STREAM K OK")[1].split()[0]) == 5 * 7 * 2
+
+
 def test_interleave_w13_pairs_gate_and_up_rows():
     import torch
 
@@ -271,6 +338,36 @@ def test_halves_epilogue_fits_four_stages_of_wide_tiles(gemm, split_tail, tmp_pa
     _check_hopper_ptx(cfg, compiled, tmp_path)
     ptx = compiled.asm["ptx"]
     assert ptx.count("cp.async.bulk.tensor.2d.global.shared") >= 2 * (1 + split_tail)  # two stores per tile
+
+
+# Stream-K GEMM0 (GemmConfig.stream_k) as the decode configurations would run it: 16-row tiles on the synchronous
+# MMA and 64-row ones on wgmma, A through TMA or the gather rows; no local memory, the parts read past L1 and
+# published with one release exchange per CTA, the waits acquire
+@pytest.mark.parametrize("cfg,hidden,inter,gathered", [
+    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=2, stream_k=True),
+     2048, 768, True),
+    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=2, stream_k=True),
+     7168, 2048, False),
+    (gg.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=2, stream_k=True),
+     2048, 1408, False)], ids=["qwen3-16-gather", "dsv3-16", "v2lite-64"])
+def test_stream_k_gemm0_compiles_for_hopper_without_local_memory(cfg, hidden, inter, gathered, tmp_path):
+    kernel, _, args, kwargs = _runtime_launch(0, cfg, hidden, inter, H200_SMS, gathered=gathered)
+    assert kwargs["STREAM_K"]
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    _check_hopper_ptx(cfg, compiled, tmp_path)
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.cg" in ptx, "the parts must be read past L1"
+    assert re.search(r"atom\.release\.gpu\.global\.exch|atom\.global\.gpu\.release\.exch", ptx), "no release"
+    # the acquire poll (an atomic add of 0) is emitted as an acquire load
+    assert re.search(r"(atom|ld)\.global\.gpu\.acquire", ptx), "no acquire"
+
+
+def test_stream_k_is_gemm0_only_and_not_with_split_tails():
+    gg.check_config(0, gg.GemmConfig(stream_k=True, epilogue=2))
+    for gemm, cfg in ((1, gg.GemmConfig(stream_k=True)), (0, gg.GemmConfig(stream_k=True, epilogue=2, split_tail=True)),
+                      (0, gg.GemmConfig(stream_k=True, warp_specialize=2))):
+        with pytest.raises(ValueError, match="stream_k"):
+            gg.check_config(gemm, cfg)
 
 
 def test_halves_epilogue_needs_16_byte_halves():

@@ -259,6 +259,15 @@ def test_tune_group_m_candidates():
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--group-m", "0"]) == 2
 
 
+def test_tune_stream_k_candidates_are_gemm0s():
+    candidates, _ = tune.candidate_configs(0, [16], [128], [128], [4], [4], epilogue=[2], stream_k=[0, 1])
+    assert {c.stream_k for c in candidates if c.block_m == 16} == {False, True}
+    assert any(tune.config_name(c).endswith(" sk") for c in candidates)
+    gemm1, skipped = tune.candidate_configs(1, [16], [128], [128], [4], [4], epilogue=[2], stream_k=[0, 1])
+    assert not any(c.stream_k for c in gemm1) and not any("stream_k" in reason for _, reason in skipped)
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--stream-k", "2"]) == 2
+
+
 def test_tune_records_round_trip_through_the_lookup(tmp_path):
     """What the command writes (its _record / _write_table, fed made-up timings here) is what default_config reads:
     an entry only where the best beats the default by --min-gain, older records of a re-measured key replaced."""

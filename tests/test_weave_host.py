@@ -417,9 +417,12 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     warmed, prologues = [], []
 
     def gemm(index):
-        def run(a, w, out, tiles, config, early_release, pdl, scratch, gather=None):
+        def run(a, w, out, tiles, config, early_release, pdl, scratch, gather=None, **gemm0_options):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
             assert (gather is not None) is (index == 0 and backend.gemm0_gather)
+            # GEMM0: a stream-K config's scratch (the layer's, per size), status word and deadline, as in the calls
+            assert gemm0_options == ({} if index else dict(stream_k_scratch=backend._stream_k_scratch,
+                                                          status=backend.live_status, timeout_ns=backend.timeout_ns))
             # the variant the calls launch (a compile per value of the constexpr and of the launch option)
             assert early_release is backend.config.gemm_early_release
             assert pdl is backend.config.grouped_pdl
@@ -454,7 +457,8 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     calls, launched_pdl = [], []
     backend._gather_rows = lambda index, rows: calls.append(("gather", index, rows))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", lambda a, w, out, tiles, config, early_release,
-                        pdl, scratch, gather=None: calls.append(("gemm0", a, gather)) or launched_pdl.append(pdl))
+                        pdl, scratch, stream_k_scratch, status, timeout_ns, gather=None:
+                        calls.append(("gemm0", a, gather)) or launched_pdl.append(pdl))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", lambda a, w, out, tiles, config, early_release,
                         pdl, scratch: calls.append(("gemm1", a, out)) or launched_pdl.append(pdl))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))

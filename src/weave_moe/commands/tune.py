@@ -55,6 +55,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--split-tail", default="0", help="candidate split_tail values (1: tails of at most "
                         "block_m / 2 rows as half-height tiles; measured a few percent faster on some large shapes, up "
                         "to 30%% slower where most experts end in a small tail)")
+    parser.add_argument("--stream-k", default="0", help="candidate stream_k values for GEMM0 (1: every CTA an equal "
+                        "range of the tiles' K steps, for launches with few tiles such as decode)")
     parser.add_argument("--gemms", default="0,1", help="which GEMMs to tune: 0 (GEMM0 + SiLU-mul) and/or 1")
     parser.add_argument("--reps", type=int, default=20, help="timed CUDA-graph replays per candidate (median)")
     parser.add_argument("--min-gain", type=float, default=0.05,
@@ -110,11 +112,13 @@ def config_name(config) -> str:
         name += " noflat"
     if config.split_tail:
         name += " tail"
+    if config.stream_k:
+        name += " sk"
     return name
 
 
 def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split_tail=(0,), epilogue=(), flatten=(),
-                      group_m=(), smem_bytes: int = HOPPER_SMEM_BYTES):
+                      group_m=(), stream_k=(0,), smem_bytes: int = HOPPER_SMEM_BYTES):
     """(candidates, skipped) for `gemm`: every combination as a variant of the analytical 128-row default (its
     epilogue, flatten and group_m unless `epilogue` / `flatten` / `group_m` list some), plus both analytical defaults;
     skipped = [(config, reason)] for combinations that cannot work: an accumulator over MAX_ACC_REGS fp32 registers
@@ -127,10 +131,11 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
     candidates, skipped = list(gg.analytical_configs(gemm)), []
     epilogues, flattens = tuple(epilogue) or (base.epilogue,), tuple(flatten) or (int(base.flatten),)
     groups = tuple(group_m) or (base.group_m,)
-    for bm, bn, bk, nw, ns, tail, ep, flat, group in itertools.product(block_m, block_n, block_k, warps, stages,
-                                                                       split_tail, epilogues, flattens, groups):
+    streams = tuple(stream_k) if gemm == 0 else (0,)   # stream-K is GEMM0's only
+    for bm, bn, bk, nw, ns, tail, ep, flat, group, sk in itertools.product(
+            block_m, block_n, block_k, warps, stages, split_tail, epilogues, flattens, groups, streams):
         config = base.with_(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_tail=bool(tail),
-                            epilogue=ep, flatten=bool(flat), group_m=group)
+                            epilogue=ep, flatten=bool(flat), group_m=group, stream_k=bool(sk))
         if config in candidates:
             continue
         try:
@@ -188,11 +193,14 @@ def run(args) -> int:
                     stages=_ints(args.stages, "--stages"), split_tail=_ints(args.split_tail, "--split-tail"),
                     epilogue=_optional_ints(args.epilogue, "--epilogue"),
                     flatten=_optional_ints(args.flatten, "--flatten"),
-                    group_m=_optional_ints(args.group_m, "--group-m"))
+                    group_m=_optional_ints(args.group_m, "--group-m"),
+                    stream_k=_ints(args.stream_k, "--stream-k"))
         if set(grid["split_tail"]) - {0, 1}:
             raise ValueError(f"--split-tail: expected 0 and/or 1, given {args.split_tail!r}")
         if set(grid["epilogue"]) - set(gg.EPILOGUES):
             raise ValueError(f"--epilogue: expected values of {gg.EPILOGUES}, given {args.epilogue!r}")
+        if set(grid["stream_k"]) - {0, 1}:
+            raise ValueError(f"--stream-k: expected 0 and/or 1, given {args.stream_k!r}")
         if set(grid["flatten"]) - {0, 1}:
             raise ValueError(f"--flatten: expected 0 and/or 1, given {args.flatten!r}")
         if any(group < 1 for group in grid["group_m"]):
@@ -347,6 +355,15 @@ class _Work:
         self.h = torch.empty(self.alloc, I, device="cuda", dtype=torch.bfloat16)
         self.y = torch.empty(self.alloc, H, device="cuda", dtype=torch.bfloat16)
         self.tables: dict = {}
+        self.stream_k_buffers: dict = {}
+        self.status = torch.zeros(4, dtype=torch.int32, device="cuda")   # a stream-K wait's timeout would land here
+
+    def stream_k_scratch(self, slots: int, elements: int):
+        from weave_moe.backends.weave.kernels import grouped_gemm as gg
+
+        if (slots, elements) not in self.stream_k_buffers:
+            self.stream_k_buffers[(slots, elements)] = gg.stream_k_buffers(slots, elements, "cuda")
+        return self.stream_k_buffers[(slots, elements)]
 
     def table(self, block_m: int, split_tail: bool = False, rotation: int = 0):
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
@@ -362,11 +379,13 @@ class _Work:
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
         tiles = self.table(config.block_m, config.split_tail, rotation)
+        # a stream-K config's scratch made once per size, as the layer does (not inside each timed graph)
+        stream_k = dict(stream_k_scratch=self.stream_k_scratch, status=self.status)
         if gemm == 0 and self.gather is not None:
             return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather,
-                                            pdl=self.pdl)
+                                            pdl=self.pdl, **stream_k)
         if gemm == 0:
-            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config, pdl=self.pdl)
+            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config, pdl=self.pdl, **stream_k)
         h = self.h if after_gemm0 else self.h_in
         return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config, pdl=self.pdl)
 
@@ -380,7 +399,7 @@ class _Work:
         out.fill_(float("nan"))
         launch()
         torch.cuda.synchronize()
-        if torch.isnan(out[:self.rows]).any():
+        if torch.isnan(out[:self.rows]).any() or self.status.any():   # unwritten rows, or a stream-K wait timed out
             return float("inf")
         return moe_error(out[self.check_rows], ref)[0]
 

@@ -278,6 +278,7 @@ class WeaveBackend:
         self.table_buffers = {}
         self.tile_buffers: dict[tuple, tuple] = {}   # the grouped GEMMs' tile tables per tile kinds (_grouped_prologue)
         self.gemm_scratch: dict[int, torch.Tensor] = {}   # Triton scratch per size (_gemm_scratch)
+        self.stream_k_scratch: dict[tuple, tuple] = {}   # a stream-K GEMM0's parts and flags per size (gemm0_launch)
         for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
             rows = self._table_rows(decode)
             self.table_buffers[decode] = TableBuffers.for_layer(
@@ -802,6 +803,20 @@ class WeaveBackend:
         return dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl,
                     scratch=self._gemm_scratch)
 
+    @property
+    def gemm0_launch(self) -> dict:
+        """GEMM0's launch options beyond `gemm_launch`, used by a stream-K config (GemmConfig.stream_k, which the
+        tuned table may pick): its parts and flags (the layer's, one pair per size, allocated when the first call
+        compiles every config, outside any CUDA-graph capture), the status word its bounded waits report into and
+        their deadline."""
+        return dict(stream_k_scratch=self._stream_k_scratch, status=self.live_status, timeout_ns=self.timeout_ns)
+
+    def _stream_k_scratch(self, slots: int, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (slots, elements)
+        if key not in self.stream_k_scratch:
+            self.stream_k_scratch[key] = grouped_gemm.stream_k_buffers(slots, elements, self.device)
+        return self.stream_k_scratch[key]
+
     def _gemm_scratch(self, size: int, alignment: int, stream) -> torch.Tensor:
         """Triton's global scratch for the grouped GEMMs' device-made TMA descriptors: one buffer per size, the
         layer's (not a tensor per launch, which inside a CUDA-graph capture would come from that graph's memory
@@ -828,11 +843,11 @@ class WeaveBackend:
         launch = self.gemm_launch
         if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
-                                       configs[0], gather=layout.gather_rows, **launch)
+                                       configs[0], gather=layout.gather_rows, **launch, **self.gemm0_launch)
         else:
             self._gather_rows(layout.gather_rows, rows)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                       **launch)
+                                       **launch, **self.gemm0_launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
 
@@ -891,7 +906,8 @@ class WeaveBackend:
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
+                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch,
+                                           **self.gemm0_launch)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)

@@ -42,6 +42,17 @@ How the kernels are built (Hopper, Triton 3.6):
   its time alone at prefill sizes, and 1.0x launched plainly (bench/results/h200-de378c8).
 - Work order: GROUP_M consecutive M tiles (mostly one expert's rows) sweep the N tiles together, so a weight block
   is read from HBM about once and reused from L2 by the group.
+- Stream-K (GemmConfig.stream_k, GEMM0): at decode sizes a launch has few tiles, each a long walk over H, and whole
+  tiles leave SMs idle (Qwen3-30B-A3B at 1 token per rank: 96 tiles of 16 K steps on 132 SMs, so 16 steps of time
+  where 1536 / 132 = 11.6 would do). The (tile, K step) pairs are numbered tile by tile, and CTA p takes the steps
+  [p * per, (p + 1) * per), per = ceil(steps / NUM_SMS), walking its range from its end: a tile it ends inside (whose
+  later steps belong to the next CTA) comes first, and its part is stored in the CTA's slot of an fp32 scratch
+  [NUM_SMS, BM * BN] and flagged (release); the CTA that holds a tile's LAST step adds the parts of the CTAs before
+  it, nearest first (a bounded acquire wait on each flag, which it clears for the next launch), then runs the
+  SiLU-mul epilogue. A CTA publishes at most one part (the tile at the end of its range), first thing, and waits
+  only for parts its lower neighbours published first thing, so no wait depends on another wait; the sum's order is
+  fixed by the partition, so the result is deterministic. Under the interpreter, programs run in pid order: every
+  part is published before it is read.
 
 Configurations: `default_config` looks the layer shape and rows bucket up in the current device's tuned table
 (kernels/tuned/<device key>.json, written by `weave-moe tune`; $WEAVE_MOE_TUNED_TABLE overrides it) and otherwise
@@ -66,13 +77,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from weave_moe.backends.weave.config import DEFAULT_TIMEOUT_S
 from weave_moe.backends.weave.kernels import sync
+from weave_moe.backends.weave.kernels.sync import STATUS_WORDS
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table, build_tile_table_torch
 
 __all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
            "grouped_gemm1", "default_config", "default_configs", "analytical_config", "analytical_configs",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
-           "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT"]
+           "config_from_fields", "device_key", "rows_bucket", "stream_k_buffers", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT"]
+
+#: the deadline of a stream-K GEMM0's waits when the caller gives none (the layer passes its own)
+DEFAULT_TIMEOUT_NS = int(DEFAULT_TIMEOUT_S * 1e9)
 
 # Epilogue kinds (GemmConfig.epilogue).
 EPILOGUE_MASKED = 0  # every tile through masked pointer stores
@@ -104,6 +120,8 @@ class GemmConfig:
         interleaved: GEMM0 only: one wide MMA over interleaved w13 (True) or two MMAs, gate and up (False, w13 as
             given).
         split_tail: tails of at most block_m / 2 rows run as half-height tiles after the full ones (TileTable).
+        stream_k: GEMM0 only: every CTA takes an equal range of the flat (tile, K step) order instead of whole tiles
+            (module docstring, "Stream-K"), for launches with fewer tiles than SMs or a poor last wave (decode).
     """
 
     block_m: int = 128
@@ -117,6 +135,7 @@ class GemmConfig:
     flatten: bool = True
     interleaved: bool = True
     split_tail: bool = False
+    stream_k: bool = False
 
     def with_(self, **changes) -> "GemmConfig":
         return replace(self, **changes)
@@ -291,6 +310,10 @@ def check_config(gemm: int, config: GemmConfig) -> None:
         problems.append("split_tail with epilogue=1 (TMA): its one store descriptor is of full tiles")
     if gemm == 0 and not config.interleaved:
         problems.append("interleaved=False: the weave backend holds only the interleaved w13")
+    if config.stream_k and gemm != 0:
+        problems.append("stream_k: GEMM0 only")
+    if config.stream_k and (config.split_tail or not config.interleaved or config.warp_specialize):
+        problems.append("stream_k: not with split_tail, interleaved=False or warp_specialize")
     if problems:
         raise ValueError(f"GEMM{gemm} config {config}: " + "; ".join(problems))
 
@@ -478,12 +501,13 @@ def _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M: tl.constexpr, GATHER_A: 
 
 
 @triton.jit
-def _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, w_row, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr, GATHER_A: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] fp32 = A rows [m_start, +BLOCK_M) @ W rows [w_row, +BLOCK_N)^T over K, both through TMA
-    (A: `_a_block`)."""
+def _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, w_row, K, k_start, k_end, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr,
+                 GATHER_A: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 = A rows [m_start, +BLOCK_M) @ W rows [w_row, +BLOCK_N)^T over K offsets
+    [k_start, k_end) (0 and K: all of it), both through TMA (A: `_a_block`)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K, warp_specialize=WS_INNER):
+    for k in tl.range(k_start, k_end, BLOCK_K, warp_specialize=WS_INNER):
         a = _a_block(a_desc, a_ptr, rows, m_start, k, K, BLOCK_K, GATHER_A)
         w = w_desc.load([w_row, k])
         if DOT_FP32:
@@ -506,7 +530,7 @@ def _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, wid
     n_start = n * HALF_N
     rows = _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M, GATHER_A)
     if INTERLEAVED:
-        acc = _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, expert * 2 * I + 2 * n_start, H,
+        acc = _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, expert * 2 * I + 2 * n_start, H, 0, H,
                            BLOCK_M, BLOCK_N, BLOCK_K, WS_INNER, DOT_FP32, GATHER_A)
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
     else:
@@ -527,19 +551,69 @@ def _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, wid
     _store_tile(h_ptr, h_desc, h, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
 
 
-@triton.jit(do_not_specialize=["max_tiles"])
+@triton.jit
+def _gemm0_stream_k(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, num_tiles, num_n, pid,
+                    partial_ptr, flags_ptr, status_ptr, timeout_ns, H, I, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+                    EPILOGUE: tl.constexpr, DOT_FP32: tl.constexpr, GATHER_A: tl.constexpr):
+    """GEMM0's tiles as one range of K steps per CTA (GemmConfig.stream_k; module docstring, "Stream-K")."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    k_steps = tl.cdiv(H, BLOCK_K)
+    total = num_tiles * num_n * k_steps
+    per = tl.cdiv(total, NUM_SMS)
+    start = pid * per
+    hi = tl.minimum(start + per, total)
+    slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    while hi > start:   # this CTA's range, last tile first
+        work = (hi - 1) // k_steps
+        first = work * k_steps          # the tile's first K step in the flat order
+        lo = tl.maximum(start, first)
+        tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
+        expert = tl.load(tiles_ptr + tile)
+        m_start = tl.load(tiles_ptr + width + tile)
+        m_end = tl.load(tiles_ptr + 2 * width + tile)
+        n_start = n * HALF_N
+        rows = _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M, GATHER_A)
+        acc = _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, expert * 2 * I + 2 * n_start, H,
+                           (lo - first) * BLOCK_K, (hi - first) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, False,
+                           DOT_FP32, GATHER_A)
+        if hi - first < k_steps:
+            # the tile's later K steps are the next CTA's: publish this part in this CTA's slot
+            tl.store(partial_ptr + pid * (BLOCK_M * BLOCK_N) + slot, acc)
+            sync.signal_store(flags_ptr + pid, 1, False)
+        else:
+            # this CTA holds the tile's last K step: add the parts of the CTAs before it, nearest first
+            j = pid - 1
+            covered = lo
+            while covered > first:
+                sync.wait_at_least(flags_ptr + j, 1, status_ptr, sync.ERROR_STREAM_K_TIMEOUT, j, timeout_ns, False)
+                acc += tl.load(partial_ptr + j * (BLOCK_M * BLOCK_N) + slot, cache_modifier=".cg")
+                tl.atomic_xchg(flags_ptr + j, 0, sem="relaxed", scope="gpu")   # for the next launch
+                covered = tl.maximum(j * per, first)
+                j -= 1
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
+            _store_tile(h_ptr, h_desc, gate * tl.sigmoid(gate) * up, m_start, m_end, n_start, I, BLOCK_M, HALF_N,
+                        EPILOGUE)
+        hi = lo
+
+
+@triton.jit(do_not_specialize=["max_tiles", "timeout_ns"])
 def _gemm0_kernel(a_desc, a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, num_tiles_ptr, max_tiles,
-                  H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  H, I, partial_ptr, flags_ptr, status_ptr, timeout_ns, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   NUM_SMS: tl.constexpr, INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr,
                   SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
-                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr, GATHER_A: tl.constexpr):
+                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr, GATHER_A: tl.constexpr,
+                  STREAM_K: tl.constexpr):
     """h[m, j] = silu(a[m] . gate_j) * (a[m] . up_j) over every tile of the table.
 
     a_desc: [P, H] block [BM, BK] (a_tail_desc: block [BM / 2, BK], section 1 of a split table); w_desc: w13 as
     [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK]; h: [P, I] bf16 (h_desc block [BM, BN / 2]);
     tiles: int32 [3, 2 * max_tiles] (TileTable). GATHER_A: row m is a_ptr's row gather_ptr[m] ([*, H], pointer
     loads; the descriptors of a are then unused). EARLY_RELEASE: the next launch's CTAs may be scheduled from the
-    start (sync.pdl_enter) instead of after this CTA's tiles.
+    start (sync.pdl_enter) instead of after this CTA's tiles. STREAM_K: `_gemm0_stream_k` (partial_ptr: fp32
+    [NUM_SMS, BM * BN], flags_ptr: int32 [NUM_SMS], zero between launches; status_ptr: the status word its bounded
+    waits write on a timeout, timeout_ns their deadline); else unused.
     """
     sync.pdl_wait()
     if EARLY_RELEASE:
@@ -549,15 +623,20 @@ def _gemm0_kernel(a_desc, a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc,
     num_n = tl.cdiv(I, BLOCK_N // 2)
     num_tiles = tl.load(num_tiles_ptr)
     num_work = num_tiles * num_n
-    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
-        _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, 0, num_tiles, num_n, work, H,
-                    I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32, GATHER_A)
-    if SPLIT_TAIL:
-        num_tails = tl.load(num_tiles_ptr + 1)
-        for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
-            _gemm0_tile(a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, max_tiles, num_tails,
-                        num_n, work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER,
-                        DOT_FP32, GATHER_A)
+    if STREAM_K:
+        _gemm0_stream_k(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, num_tiles, num_n, pid,
+                        partial_ptr, flags_ptr, status_ptr, timeout_ns, H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                        NUM_SMS, EPILOGUE, DOT_FP32, GATHER_A)
+    else:
+        for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
+            _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, 0, num_tiles, num_n, work,
+                        H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED, EPILOGUE, WS_INNER, DOT_FP32, GATHER_A)
+        if SPLIT_TAIL:
+            num_tails = tl.load(num_tiles_ptr + 1)
+            for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
+                _gemm0_tile(a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, max_tiles,
+                            num_tails, num_n, work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, INTERLEAVED,
+                            EPILOGUE, WS_INNER, DOT_FP32, GATHER_A)
     if not EARLY_RELEASE:
         sync.pdl_release()
 
@@ -571,8 +650,8 @@ def _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, colu
     m_start = tl.load(tiles_ptr + width + column0 + tile)
     m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
     n_start = n * BLOCK_N
-    acc = _desc_k_loop(h_desc, y_ptr, m_start, w_desc, m_start, expert * H + n_start, I, BLOCK_M, BLOCK_N, BLOCK_K,
-                       WS_INNER, DOT_FP32, False)
+    acc = _desc_k_loop(h_desc, y_ptr, m_start, w_desc, m_start, expert * H + n_start, I, 0, I, BLOCK_M, BLOCK_N,
+                       BLOCK_K, WS_INNER, DOT_FP32, False)
     if HAS_SCALE:
         rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
         acc = acc * tl.load(scale_ptr + rows)[:, None]
@@ -633,8 +712,16 @@ def _check_tiles(tiles: TileTable, config: GemmConfig):
                          "EPILOGUE_MASKED, EPILOGUE_TMA_CLIPPED or EPILOGUE_TMA_HALVES")
 
 
+def stream_k_buffers(slots: int, slot_elements: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stream-K GEMM0's scratch for one launch: (fp32 [slots * slot_elements] parts, int32 [slots] zero flags). A
+    caller that launches many keeps one pair per size (the kernel leaves the flags zero again)."""
+    return (torch.empty(slots * slot_elements, dtype=torch.float32, device=device),
+            torch.zeros(slots, dtype=torch.int32, device=device))
+
+
 def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None,
-                  early_release: bool = False, gather: torch.Tensor | None = None, pdl: bool = True):
+                  early_release: bool = False, gather: torch.Tensor | None = None, pdl: bool = True,
+                  stream_k_scratch=None, status: torch.Tensor | None = None, timeout_ns: int = DEFAULT_TIMEOUT_NS):
     """(kernel, grid, args, kwargs) of one GEMM0 launch (see grouped_gemm0); `num_sms` overrides the grid (CTAs,
     also the NUM_SMS constexpr), which is otherwise the device's SM count (a compile-only test passes the GPU's)."""
     hidden = a.shape[-1]
@@ -655,14 +742,24 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
     w_desc = TensorDescriptor.from_tensor(w13.view(num_experts * two_i, hidden), w_block)
     h_desc = TensorDescriptor.from_tensor(h, [bm, bn // 2])
     num_sms = num_sms or _num_sms(a.device)
+    if config.stream_k:
+        partials, flags = (stream_k_scratch or functools.partial(stream_k_buffers, device=a.device))(num_sms, bm * bn)
+        _check("stream-K parts", partials, (num_sms * bm * bn,), torch.float32)
+        _check("stream-K flags", flags, (num_sms,), torch.int32)
+        if status is None:
+            status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=a.device)
+        elif status.dtype != torch.int32 or status.numel() < STATUS_WORDS:
+            raise ValueError(f"status: expected int32 [>= {STATUS_WORDS}], given {status.dtype} {tuple(status.shape)}")
+    else:   # unused
+        partials = flags = status = tiles.table
     args = (a_desc, a_tail_desc, a, tiles.table if gather is None else gather, w_desc, h, h_desc, tiles.table,
-            tiles.num_tiles, tiles.max_tiles, hidden, inter)
+            tiles.num_tiles, tiles.max_tiles, hidden, inter, partials, flags, status, timeout_ns)
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  EARLY_RELEASE=early_release, GATHER_A=gather is not None, num_warps=config.num_warps,
-                  num_stages=config.num_stages, **sync.launch_options(pdl))
+                  EARLY_RELEASE=early_release, GATHER_A=gather is not None, STREAM_K=config.stream_k,
+                  num_warps=config.num_warps, num_stages=config.num_stages, **sync.launch_options(pdl))
     return _gemm0_kernel, (num_sms,), args, kwargs
 
 
@@ -716,7 +813,8 @@ def _launch(kernel, grid, args, kwargs, needs_scratch: bool, scratch=None):
 
 def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
                   dot_fp32: bool = False, early_release: bool = False,
-                  gather: torch.Tensor | None = None, pdl: bool = True, scratch=None) -> torch.Tensor:
+                  gather: torch.Tensor | None = None, pdl: bool = True, scratch=None, stream_k_scratch=None,
+                  status: torch.Tensor | None = None, timeout_ns: int = DEFAULT_TIMEOUT_NS) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert, one persistent launch.
 
     Args:
@@ -736,9 +834,15 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
         scratch: Triton's global-scratch allocator (`alloc(size, alignment, stream) -> tensor`) for the clipped
             TMA epilogues' device-made descriptors; None: the caller's `triton.set_allocator`, else a torch tensor
             per launch (inside a CUDA-graph capture: from the graph's memory pool).
+        stream_k_scratch: with config.stream_k, `(slots, slot_elements) -> (parts, flags)` as `stream_k_buffers`
+            makes them (the flags zero; the kernel leaves them zero); None: new ones for this launch.
+        status: with config.stream_k, the int32 status word (kernels/sync.py) where a timed-out wait for another
+            CTA's part is recorded (ERROR_STREAM_K_TIMEOUT); None: a new zero word nobody reads. timeout_ns: the
+            deadline of those waits.
     """
     kernel, grid, args, kwargs = _gemm0_launch(a, w13, h, tiles, config, dot_fp32, early_release=early_release,
-                                               gather=gather, pdl=pdl)
+                                               gather=gather, pdl=pdl, stream_k_scratch=stream_k_scratch,
+                                               status=status, timeout_ns=timeout_ns)
     _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and a.is_cuda, scratch)
     return h
 

@@ -57,6 +57,7 @@ ERROR_GEMM0_TIMEOUT = tl.constexpr(2)        # a GEMM1 tile waited for its GEMM0
 ERROR_GEMM1_TIMEOUT = tl.constexpr(3)        # a combine block waited for its chunk's GEMM1 tiles
 ERROR_COMBINE_TIMEOUT = tl.constexpr(4)      # the final reduce waited for a peer's combine rows
 ERROR_EXCHANGE_TIMEOUT = tl.constexpr(5)     # the routing exchange waited for a peer's routing message
+ERROR_STREAM_K_TIMEOUT = tl.constexpr(6)     # a stream-K GEMM tile waited for another CTA's partial sum
 
 REJECT_FIRST = 16
 REJECT_BAD_IDS = 16        # detail: number of expert ids outside [-1, E) the rank sent
@@ -82,6 +83,7 @@ ERROR_NAMES = {
     3: ("a combine block waited too long for its chunk's GEMM1 tiles", "chunk"),
     4: ("combine rows from a peer did not arrive", "destination rank"),
     5: ("the routing message of a peer did not arrive", "source rank"),
+    6: ("a stream-K GEMM tile waited too long for another CTA's partial sum", "CTA"),
 }
 
 
