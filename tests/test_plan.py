@@ -270,6 +270,31 @@ def test_plan_command(capsys):
     assert main(["plan", "--model", "qwen3-30b-a3b", "--tokens", "64", "--ep", "2", "--policy", "fast"]) == 2
 
 
+def test_plan_command_plans_as_the_call_it_names(capsys):
+    """`weave-moe plan --call resident` (the default, as the layer's default call) plans as a resident layer's device
+    planner does (serial plans priced as the grouped GEMMs) and prints the kernels' time without the host call
+    overhead, which was fitted on the host-driven call; `--call host` keeps both."""
+    from dataclasses import replace
+
+    from weave_moe.cli import main
+    from weave_moe.commands.plan import layer_workloads, profile_for_call
+
+    spec, shipped = MoESpec.from_name("qwen3-30b-a3b"), HardwareProfile.default()   # the calibrated H200 profile
+    resident, host = profile_for_call(shipped, "resident"), profile_for_call(shipped, "host")
+    assert host == shipped and resident == replace(shipped.with_grouped_serial(), call_overhead_us=0.0)
+    wl = layer_workloads(spec, 1, 2)[0]
+    assert plan(wl, resident).is_serial(shipped.num_sms)           # what the device planner of the layer picks
+    assert not plan(wl, host).is_serial(shipped.num_sms)           # the host-driven call's megakernel tiles
+    assert plan(wl, host).predicted_us - plan(wl, resident).predicted_us >= shipped.call_overhead_us * 0.9
+    with pytest.raises(ValueError, match="call"):
+        profile_for_call(shipped, "eager")
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--tokens", "1", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "resident call" in out and "serial (no comm SMs)" in out
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--tokens", "1", "--ep", "2", "--call", "host"]) == 0
+    assert "host-driven call: us includes" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 def test_per_iteration_plans_every_token_bucket(world_size):
     """The per_iteration policy plans a balanced workload per power-of-two bucket; at 1 token a rank's expected rows

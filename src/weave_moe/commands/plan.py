@@ -15,6 +15,28 @@ def add_arguments(parser) -> None:
     parser.add_argument("--policy", default="weave", help="serial | spatial | static:<c>[,<K>] | per_iteration | weave")
     parser.add_argument("--profile", default=None, help="hardware profile JSON (default: the shipped H200 profile)")
     parser.add_argument("--seed", type=int, default=0, help="routing seed")
+    parser.add_argument("--call", choices=CALLS, default="resident",
+                        help="resident (default, the layer's default call): planned as a resident layer's device "
+                             "planner plans, latency of the kernels; host: the host-driven call (resident=off), with "
+                             "the profile's host call overhead")
+
+
+#: the kinds of layer call `--call` names (KernelConfig.resident: on by default, off = the host-driven call)
+CALLS = ("resident", "host")
+
+
+def profile_for_call(profile, call: str):
+    """The profile a layer making `call`s plans with, as `weave-moe plan` prints it. resident: serial plans priced as
+    the grouped GEMMs that run them (`with_grouped_serial`, as the backend's device planner is built) and no host call
+    overhead (`call_overhead_us` was fitted on the host-driven call, whose host work the GPU waits for; a resident
+    call's fixed device work before the kernel is not in the model). host: the profile as it is."""
+    from dataclasses import replace
+
+    if call == "resident":
+        return replace(profile.with_grouped_serial(), call_overhead_us=0.0)
+    if call == "host":
+        return profile
+    raise ValueError(f"call must be one of {CALLS}, got {call!r}")
 
 
 def layer_workloads(spec, num_tokens: int, world_size: int, *, skew=None, layer: int = 0, seed: int = 0,
@@ -63,10 +85,10 @@ def run(args) -> int:
     except (KeyError, ValueError) as error:
         print(f"error: {error.args[0]}")
         return 2
-    profile = load_profile(args.profile)
+    profile = profile_for_call(load_profile(args.profile), args.call)
     routing_name = "uniform" if args.skew is None or args.skew <= 1 else f"skewed x{args.skew:g}"
     table = Table(title=f"{spec.name}, {args.tokens} tokens/rank, EP={args.ep}, {routing_name} routing, "
-                        f"policy {args.policy}, profile {profile.name}")
+                        f"policy {args.policy}, {args.call} call, profile {profile.name}")
     for column in ("layer", "rank", "sent", "recv", "pairs", "c*", "K*", "steal", "us",
                    f"c={STATIC_BASELINE_C} us", "gain"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -81,5 +103,12 @@ def run(args) -> int:
     Console(width=max(Console().width, 120)).print(table)
     print("sent / recv = remote dispatch rows after dedup; pairs = GEMM rows; us = predicted latency; "
           f"gain = 1 - us / (static c={STATIC_BASELINE_C}, K=1)")
+    if args.call == "resident":
+        print("resident call: planned as its device planner plans (serial plans run the grouped GEMMs); us = the "
+              "kernels' predicted time, without the call's fixed device work before them (routing exchange, counts, "
+              "plan, task tables), which the model does not hold; --call host for the host-driven call")
+    else:
+        print(f"host-driven call: us includes the profile's call overhead ({profile.call_overhead_us:.0f} us of host "
+              "work per call that the GPU waits for)")
     print(f"profile: {profile.source}")
     return 0
