@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_MASKED, split_tail=True),
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_CLIPPED, split_tail=True, interleaved=False),
                C(**small, epilogue=gg.EPILOGUE_TMA_HALVES),
+               C(**small, epilogue=gg.EPILOGUE_TMA_CLIPPED, interleaved=False),   # flattened: KernelConfig.interleave_w13 off
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_HALVES, split_tail=True)]
     # (rows per local expert, H, I): empty experts, a single row, a tail of one row past a full tile, no rows at all,
     # I not a multiple of BN/2 (a tile reads into the next expert's weights), H not a multiple of BK (K tail)
@@ -322,6 +323,26 @@ def test_gathered_gemm0_configs_compile_for_hopper_without_local_memory(gemm, cf
     kernel, _, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms, gathered=True)
     assert kwargs["GATHER_A"]
     _check_hopper_ptx(cfg, sm90.compile_for_sm90(kernel, args, kwargs), tmp_path)
+
+
+# A layer that keeps w13 as given (KernelConfig.interleave_w13 off) runs every GEMM0 configuration of the runtime
+# with gate and up as two MMAs (GemmConfig.interleaved off): each compiles without local memory or spills too
+@pytest.mark.parametrize("gemm,cfg,hidden,inter,sms", [case for case in _runtime_compile_cases() if case[0] == 0],
+                         ids=lambda v: repr(v) if not isinstance(v, gg.GemmConfig) else
+                         f"{v.block_m}x{v.block_n}x{v.block_k}w{v.num_warps}s{v.num_stages}e{v.epilogue}")
+def test_gemm0_configs_on_w13_as_given_compile_for_hopper_without_local_memory(gemm, cfg, hidden, inter, sms,
+                                                                               tmp_path):
+    cfg = cfg.with_(interleaved=False, stream_k=False)
+    kernel, _, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms, gathered=inter <= 1024)
+    assert not kwargs["INTERLEAVED"]
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    from weave_moe.commands.tune import HOPPER_SMEM_BYTES
+
+    assert compiled.metadata.shared <= HOPPER_SMEM_BYTES, compiled.metadata.shared
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and not re.search(r"\.local\b", ptx)
+    report = _ptxas_report(ptx, tmp_path)
+    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 
 # The clipped TMA epilogue in column halves (EPILOGUE_TMA_HALVES): GEMM1's 128x256 tiles with 4 pipeline stages fit

@@ -389,3 +389,24 @@ def test_per_module_layers_are_one_per_module_loaded_once(monkeypatch):
     assert weave_hf._IMPLEMENTATIONS["weave-test-per-module"] is per_module, "same settings: the same implementation"
     with pytest.raises(TypeError, match="per_module"):
         weave_hf.register("weave-test-bad", per_module="yes")
+
+
+@pytest.mark.parametrize("per_module", [False, True])
+def test_weave_layers_hold_the_weights_as_the_call_needs(monkeypatch, per_module):
+    """The weave layers the integration makes on a GPU (their options, without building one): a per-module layer
+    keeps the module's weights as they are (KernelConfig.interleave_w13 off: no copy of w13, the grouped GEMM0 as two
+    MMAs) and makes the resident call; the shared layer makes the host-driven call (it swaps weights every call)."""
+    from weave_moe.backends.weave import KernelConfig
+
+    made = []
+    monkeypatch.setattr(weave_hf, "ExpertParallelMoE", lambda spec, **options: made.append(options) or "layer")
+    monkeypatch.delenv("WEAVE_MOE_KERNEL_CONFIG", raising=False)
+    implementation = weave_hf._Implementation("weave-test-options", None, 16, per_module, {})
+    assert implementation._new_layer(MoESpec(8, 2, 32, 16), torch.device("cuda", 0)) == "layer"
+    config = made[0]["config"]
+    assert made[0]["backend"] == "weave"
+    if per_module:
+        assert config == dataclasses.replace(KernelConfig(), interleave_w13=False) and config.resident_at(1)
+    else:
+        assert config == dataclasses.replace(KernelConfig(), resident="off")
+

@@ -671,6 +671,30 @@ def test_resident_call_prefetches_weights_after_the_counts_and_joins_at_its_end(
     assert launched == ["kernel", ("join", "prefetched"), "status"]
 
 
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_grouped_configs_run_on_the_w13_the_layer_holds(monkeypatch, interleaved):
+    """KernelConfig.interleave_w13 off: the layer keeps w13 as given, so GEMM0's configs (tuned for the interleaved
+    w13) run with gate and up as two MMAs and without the stream-K schedule; GEMM1's are unchanged. Interleaved: every
+    config as the table gives it. The first call compiles the same configs the calls pick."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.plan import Plan
+
+    backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
+    backend.interleaved, backend.grouped_configs = interleaved, {}
+    tuned = {0: gg.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=2, stream_k=True),
+             1: gg.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=2)}
+    monkeypatch.setattr(backend_module.grouped_gemm, "default_config", lambda gemm, *shape: tuned[gemm])
+    configs = WeaveBackend._grouped_configs(backend, 8)
+    assert configs[1] == tuned[1]
+    if interleaved:
+        assert configs[0] == tuned[0]
+    else:
+        assert configs[0] == tuned[0].with_(interleaved=False, stream_k=False)
+    assert [backend._held_layout(g, tuned[g]) for g in (0, 1)] == list(configs)
+
+
 @pytest.mark.parametrize("independent", [True, False])
 def test_resident_tables_of_a_fixed_plan_run_beside_the_counts(monkeypatch, independent):
     """A fixed plan: no planner; the counts launch writes nothing the tables read, so the scan waits for it only at

@@ -38,8 +38,8 @@ it first (a reference swap, no copy). That keeps the weave backend on its host-d
 routing counts on the host in every call. `register(..., per_module=True)` gives every experts module its own layer
 instead, loaded once: the weave backend then makes its device-resident call (no host sync, one graph
 replay per call; the weave backend's workspace is shared by all layers of a process group either way) on the
-module's weights as they are, without the interleaved copy of w13 that its grouped GEMMs would need
-(`KernelConfig.grouped_gemm` off unless `config=` says otherwise). Not yet measured on a GPU against the shared
+module's weights as they are: no interleaved copy of w13 (`KernelConfig.interleave_w13` off unless `config=` says
+otherwise), its grouped GEMM0 running gate and up as two MMAs. Not yet measured on a GPU against the shared
 layer (`examples/hf_generate.py --time-dir`, implementation "weave-weave-per-module").
 
 This module imports transformers (the optional extra `weave-moe[hf]`) on first use only.
@@ -212,9 +212,9 @@ class _Implementation:
             from weave_moe.backends.weave import KernelConfig
 
             if self.per_module:
-                # the module's weights as they are (no interleaved w13 copy for the grouped GEMMs); the resident call
-                # as KernelConfig.resident decides (on by default)
-                options["config"] = dataclasses.replace(KernelConfig.from_env(), grouped_gemm=False)
+                # the module's weights as they are (no interleaved w13 copy: the grouped GEMM0 runs gate and up as
+                # two MMAs); the resident call as KernelConfig.resident decides (on by default)
+                options["config"] = dataclasses.replace(KernelConfig.from_env(), interleave_w13=False)
             else:
                 # One layer serves every MoE layer of this shape and is handed each module's experts per call: the
                 # device-resident call would capture its graph again on every such hand-over (it holds the weights'

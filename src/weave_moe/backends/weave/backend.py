@@ -247,7 +247,9 @@ class WeaveBackend:
         self.only_serial = self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
         self.grouped = grouped_capable and self.only_serial
         self.grouped_serial = grouped_capable and self.resident and self.fixed_plan is None
-        self.interleaved = self.grouped or self.grouped_serial
+        # KernelConfig.interleave_w13 off: w13 kept as given (no copy); the grouped GEMM0 then runs gate and up as two
+        # MMAs (GemmConfig.interleaved off, `_held_layout`), as the megakernel's tiles do
+        self.interleaved = (self.grouped or self.grouped_serial) and cfg.interleave_w13
         self.grid_c = torch.full((1,), self.num_sms, dtype=torch.int32, device=device)   # c of a serial plan
         self.gemm0_gather = cfg.gathers_in_gemm0(I)   # the grouped GEMM0 reads its rows itself (_grouped_gemms)
         # a layer whose serial plans run the grouped GEMMs plans with their measured speed (cost_model A8)
@@ -792,9 +794,18 @@ class WeaveBackend:
         configs = self.grouped_configs.get(rows)
         if configs is None:  # looked up once per row count (the lookup costs tens of microseconds of host time)
             H, I = self.spec.hidden_size, self.spec.intermediate_size
-            configs = tuple(grouped_gemm.default_config(g, rows, self.num_local_experts, H, I) for g in (0, 1))
+            configs = tuple(self._held_layout(g, grouped_gemm.default_config(g, rows, self.num_local_experts, H, I))
+                            for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
+
+    def _held_layout(self, gemm: int, config):
+        """A grouped-GEMM config (tuned or analytical, for the interleaved w13) as it runs on the w13 this layer
+        holds: unchanged when interleaved (and for GEMM1), else GEMM0's gate and up as two MMAs on w13 as given (the
+        same tiles of h; the stream-K schedule, written for the interleaved accumulator, dropped)."""
+        if gemm != 0 or self.interleaved or not config.interleaved:
+            return config
+        return config.with_(interleaved=False, stream_k=False)
 
     @property
     def gemm_launch(self) -> dict:
@@ -900,7 +911,8 @@ class WeaveBackend:
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             h, y = self.workspace.h(), self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
-            configs = [grouped_gemm.default_configs(gemm, *shape) for gemm in (0, 1)]
+            configs = [[self._held_layout(gemm, c) for c in grouped_gemm.default_configs(gemm, *shape)]
+                       for gemm in (0, 1)]
             launch = self.gemm_launch
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)

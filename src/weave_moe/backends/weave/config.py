@@ -149,6 +149,13 @@ class KernelConfig:
             one rank's work of EP=2: GEMM0 reads 50 MB in 16.6 us, the ~17 us before it move almost no bytes;
             bench/results/h200-39eda33); the H200's L2 holds 60 MiB. Layers whose H * I is not a multiple of 8 do
             not prefetch. Off until measured on the GPU (`scripts/device_run.sh prefetch`).
+        interleave_w13: a layer that runs grouped GEMMs (`grouped_gemm`) holds w13 re-laid with gate row j next to up
+            row j (a copy of it, made by `load_experts`), so that GEMM0 is one wide MMA per K step, in the grouped
+            GEMMs and (`wide_gemm0`) the megakernel's tiles. Off: w13 is used as given, with no copy, and GEMM0 runs
+            gate and up as two MMAs on the same tiles (the tuned configs with `GemmConfig.interleaved` off; their
+            stream-K schedule dropped). For callers that hold the experts' weights themselves, such as the Hugging
+            Face integration's per-module layers (weave_moe.hf). The megakernel's wide GEMM0 tiles measured 1.4-4.7%
+            faster than two MMAs (`wide_gemm0`); the grouped GEMMs' two-MMA form is unmeasured.
     """
 
     block_m: int = 128
@@ -182,6 +189,7 @@ class KernelConfig:
     gemm0_gather: str = "auto"
     grouped_pdl: bool = False
     prefetch_mib: int = 0
+    interleave_w13: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
