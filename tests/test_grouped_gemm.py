@@ -130,6 +130,14 @@ STREAM_K_SCRIPT = textwrap.dedent(
         tiles = gg.build_tile_table(offsets, cfg.block_m, P, False)
         plain = torch.full((P, I), float("nan")).bfloat16()
         gg.grouped_gemm0(a, w, plain, tiles, cfg.with_(stream_k=False), dot_fp32=True)
+        # GEMM1's inputs and its whole-tile result (32-wide tiles of y; K = I)
+        cfg1 = gg.GemmConfig(block_m=16, block_n=32, block_k=bk, group_m=2, epilogue=gg.EPILOGUE_MASKED, stream_k=True)
+        w2 = (torch.randn(E, H, I) / I ** 0.5).bfloat16()
+        h_in = torch.randn(P, I).bfloat16()
+        scale = torch.rand(P) + 0.5
+        y_plain = torch.full((P, H), float("nan")).bfloat16()
+        gg.grouped_gemm1(h_in, w2, y_plain, tiles, cfg1.with_(stream_k=False), scale=scale, dot_fp32=True)
+        parts1, flags1 = gg.stream_k_buffers(64, cfg1.block_m * cfg1.block_n, "cpu")
         # 1 CTA (one range: no parts), ranges shorter than a tile (a tile over 3 CTAs), longer, more CTAs than steps
         parts, flags = gg.stream_k_buffers(64, cfg.block_m * cfg.block_n, "cpu")
         for num_sms in (1, 2, 3, 5, 7, 16, 64):
@@ -153,17 +161,34 @@ STREAM_K_SCRIPT = textwrap.dedent(
                 assert ((h[:rows].float() - plain[:rows].float()).abs()
                         <= 1e-2 * plain[:rows].float().abs() + 1e-3).all(), (counts, num_sms)
                 cases += 1
+            # GEMM1 on the same tiles (K = I), with the routing weights
+            status = torch.zeros(4, dtype=torch.int32)
+            y = torch.full((P, H), float("nan")).bfloat16()
+            kernel, grid, args, kwargs = gg._gemm1_launch(
+                h_in, w2, y, tiles, cfg1, scale=scale, dot_fp32=True, num_sms=num_sms, status=status,
+                stream_k_scratch=lambda slots, elements: (parts1[:slots * elements], flags1[:slots]))
+            kernel[grid](*args, **kwargs)
+            assert not status.any() and not flags1.any() and y[rows:].isnan().all() and not y[:rows].isnan().any()
+            assert ((y[:rows].float() - y_plain[:rows].float()).abs()
+                    <= 1e-2 * y_plain[:rows].float().abs() + 1e-3).all(), (counts, num_sms)
+            for e in range(E):
+                s, f = int(offsets[e]), int(offsets[e + 1])
+                if s < f:
+                    ref = (h_in[s:f].float() @ w2[e].float().T) * scale[s:f, None]
+                    assert ((y[s:f].float() - ref).norm() / ref.norm()).item() < 2e-2, (counts, num_sms, e)
+            cases += 1
     print("STREAM K OK", cases)
     """
 )
 
 
-def test_stream_k_gemm0_under_interpreter():
-    """GemmConfig.stream_k: GEMM0's tiles split over CTAs by K steps (1-64 CTAs: ranges inside one tile, across
-    several, CTAs without steps), A through TMA or the gather rows, against torch and against whole tiles; every row
-    written once, rows past the experts untouched, the flags zero again after each launch, the status word clean."""
+def test_stream_k_gemms_under_interpreter():
+    """GemmConfig.stream_k: the GEMMs' tiles split over CTAs by K steps (1-64 CTAs: ranges inside one tile, across
+    several, CTAs without steps); GEMM0 with A through TMA or the gather rows, GEMM1 with the routing weights; against
+    torch and against whole tiles; every row written once, rows past the experts untouched, the flags zero again
+    after each launch, the status word clean."""
     out = run_interpreted(STREAM_K_SCRIPT, "STREAM K OK", timeout=900)
-    assert int(out.split("STREAM K OK")[1].split()[0]) == 5 * 7 * 2
+    assert int(out.split("STREAM K OK")[1].split()[0]) == 5 * 7 * 3
 
 
 def test_interleave_w13_pairs_gate_and_up_rows():
@@ -365,11 +390,11 @@ def test_halves_epilogue_fits_four_stages_of_wide_tiles(gemm, split_tail, tmp_pa
 # MMA and 64-row ones on wgmma, A through TMA or the gather rows; no local memory, the parts read past L1 and
 # published with one release exchange per CTA, the waits acquire
 @pytest.mark.parametrize("cfg,hidden,inter,gathered", [
-    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=2, stream_k=True),
+    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      2048, 768, True),
-    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=2, stream_k=True),
+    (gg.GemmConfig(block_m=16, block_n=256, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      7168, 2048, False),
-    (gg.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=2, stream_k=True),
+    (gg.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      2048, 1408, False)], ids=["qwen3-16-gather", "dsv3-16", "v2lite-64"])
 def test_stream_k_gemm0_compiles_for_hopper_without_local_memory(cfg, hidden, inter, gathered, tmp_path):
     kernel, _, args, kwargs = _runtime_launch(0, cfg, hidden, inter, H200_SMS, gathered=gathered)
@@ -383,10 +408,27 @@ def test_stream_k_gemm0_compiles_for_hopper_without_local_memory(cfg, hidden, in
     assert re.search(r"(atom|ld)\.global\.gpu\.acquire", ptx), "no acquire"
 
 
-def test_stream_k_is_gemm0_only_and_not_with_split_tails():
-    gg.check_config(0, gg.GemmConfig(stream_k=True, epilogue=2))
-    for gemm, cfg in ((1, gg.GemmConfig(stream_k=True)), (0, gg.GemmConfig(stream_k=True, epilogue=2, split_tail=True)),
-                      (0, gg.GemmConfig(stream_k=True, warp_specialize=2))):
+@pytest.mark.parametrize("cfg,hidden,inter,scale", [
+    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
+     7168, 2048, False),
+    (gg.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
+     2048, 768, True)], ids=["dsv3-16", "qwen3-64-scaled"])
+def test_stream_k_gemm1_compiles_for_hopper_without_local_memory(cfg, hidden, inter, scale, tmp_path):
+    kernel, _, args, kwargs = _runtime_launch(1, cfg, hidden, inter, H200_SMS, scale=scale)
+    assert kwargs["STREAM_K"]
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    _check_hopper_ptx(cfg, compiled, tmp_path)
+    assert "ld.global.cg" in compiled.asm["ptx"]
+
+
+def test_stream_k_is_not_with_split_tails_or_tma_stores():
+    gg.check_config(0, gg.GemmConfig(stream_k=True, epilogue=0))
+    gg.check_config(1, gg.GemmConfig(stream_k=True, epilogue=0))
+    for gemm, cfg in ((1, gg.GemmConfig(stream_k=True, epilogue=0, split_tail=True)),
+                      (0, gg.GemmConfig(stream_k=True, epilogue=0, split_tail=True)),
+                      (0, gg.GemmConfig(stream_k=True, epilogue=0, warp_specialize=2)),
+                      (1, gg.GemmConfig(stream_k=True, epilogue=2)),
+                      (0, gg.GemmConfig(stream_k=True, epilogue=0, interleaved=False, flatten=False))):
         with pytest.raises(ValueError, match="stream_k"):
             gg.check_config(gemm, cfg)
 

@@ -259,12 +259,17 @@ def test_tune_group_m_candidates():
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--group-m", "0"]) == 2
 
 
-def test_tune_stream_k_candidates_are_gemm0s():
-    candidates, _ = tune.candidate_configs(0, [16], [128], [128], [4], [4], epilogue=[2], stream_k=[0, 1])
-    assert {c.stream_k for c in candidates if c.block_m == 16} == {False, True}
-    assert any(tune.config_name(c).endswith(" sk") for c in candidates)
-    gemm1, skipped = tune.candidate_configs(1, [16], [128], [128], [4], [4], epilogue=[2], stream_k=[0, 1])
-    assert not any(c.stream_k for c in gemm1) and not any("stream_k" in reason for _, reason in skipped)
+def test_tune_stream_k_candidates():
+    for gemm in (0, 1):
+        candidates, skipped = tune.candidate_configs(gemm, [16], [128], [128], [4], [4], epilogue=[2],
+                                                     stream_k=[0, 1])
+        assert {c.stream_k for c in candidates if c.block_m == 16} == {False, True}
+        assert all(c.epilogue == 0 for c in candidates if c.stream_k)   # stream-K stores through masked stores
+        assert any(tune.config_name(c).endswith(" sk") for c in candidates)
+        assert not any("stream_k" in reason for _, reason in skipped)
+    # not with split tails: refused up front, named
+    _, skipped = tune.candidate_configs(1, [64], [128], [64], [4], [4], split_tail=[1], epilogue=[0], stream_k=[1])
+    assert any("stream_k" in reason for _, reason in skipped)
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--stream-k", "2"]) == 2
 
 

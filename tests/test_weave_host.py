@@ -417,12 +417,12 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     warmed, prologues = [], []
 
     def gemm(index):
-        def run(a, w, out, tiles, config, early_release, pdl, scratch, gather=None, **gemm0_options):
+        def run(a, w, out, tiles, config, early_release, pdl, scratch, gather=None, **stream_k_options):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
             assert (gather is not None) is (index == 0 and backend.gemm0_gather)
-            # GEMM0: a stream-K config's scratch (the layer's, per size), status word and deadline, as in the calls
-            assert gemm0_options == ({} if index else dict(stream_k_scratch=backend._stream_k_scratch,
-                                                          status=backend.live_status, timeout_ns=backend.timeout_ns))
+            # a stream-K config's scratch (the layer's, per size), status word and deadline, as in the calls
+            assert stream_k_options == dict(stream_k_scratch=backend._stream_k_scratch, status=backend.live_status,
+                                         timeout_ns=backend.timeout_ns)
             # the variant the calls launch (a compile per value of the constexpr and of the launch option)
             assert early_release is backend.config.gemm_early_release
             assert pdl is backend.config.grouped_pdl
@@ -460,7 +460,8 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
                         pdl, scratch, stream_k_scratch, status, timeout_ns, gather=None:
                         calls.append(("gemm0", a, gather)) or launched_pdl.append(pdl))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", lambda a, w, out, tiles, config, early_release,
-                        pdl, scratch: calls.append(("gemm1", a, out)) or launched_pdl.append(pdl))
+                        pdl, scratch, stream_k_scratch, status, timeout_ns:
+                        calls.append(("gemm1", a, out)) or launched_pdl.append(pdl))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
     keys = ((16, False),)
     rows = torch.ones(1, dtype=torch.int32)
@@ -683,7 +684,7 @@ def test_grouped_configs_run_on_the_w13_the_layer_holds(monkeypatch, interleaved
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     backend.interleaved, backend.grouped_configs = interleaved, {}
-    tuned = {0: gg.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=2, stream_k=True),
+    tuned = {0: gg.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=0, stream_k=True),
              1: gg.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=2)}
     monkeypatch.setattr(backend_module.grouped_gemm, "default_config", lambda gemm, *shape: tuned[gemm])
     configs = WeaveBackend._grouped_configs(backend, 8)

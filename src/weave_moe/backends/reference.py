@@ -47,11 +47,6 @@ class ReferenceBackend:
             w2 = self._all_gather_cat(w2.contiguous(), "the all-gather of w2")
         self.w13, self.w2 = w13, w2
 
-    def synchronize(self) -> None:
-        """Backend protocol: wait for this rank's last call (no deferred errors here)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] bf16, topk_ids [T, k] int32 (global ids, -1 = none), topk_weights [T, k] fp32 -> [T, H] bf16."""

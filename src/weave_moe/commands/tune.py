@@ -55,8 +55,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--split-tail", default="0", help="candidate split_tail values (1: tails of at most "
                         "block_m / 2 rows as half-height tiles; measured a few percent faster on some large shapes, up "
                         "to 30%% slower where most experts end in a small tail)")
-    parser.add_argument("--stream-k", default="0", help="candidate stream_k values for GEMM0 (1: every CTA an equal "
-                        "range of the tiles' K steps, for launches with few tiles such as decode)")
+    parser.add_argument("--stream-k", default="0", help="candidate stream_k values (1: every CTA an equal range of "
+                        "the tiles' K steps, for launches with few tiles such as decode)")
     parser.add_argument("--gemms", default="0,1", help="which GEMMs to tune: 0 (GEMM0 + SiLU-mul) and/or 1")
     parser.add_argument("--reps", type=int, default=20, help="timed CUDA-graph replays per candidate (median)")
     parser.add_argument("--min-gain", type=float, default=0.05,
@@ -131,11 +131,13 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
     candidates, skipped = list(gg.analytical_configs(gemm)), []
     epilogues, flattens = tuple(epilogue) or (base.epilogue,), tuple(flatten) or (int(base.flatten),)
     groups = tuple(group_m) or (base.group_m,)
-    streams = tuple(stream_k) if gemm == 0 else (0,)   # stream-K is GEMM0's only
+    streams = tuple(stream_k)
     for bm, bn, bk, nw, ns, tail, ep, flat, group, sk in itertools.product(
             block_m, block_n, block_k, warps, stages, split_tail, epilogues, flattens, groups, streams):
+        # stream-K tiles store through masked stores (grouped_gemm.check_config)
         config = base.with_(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_tail=bool(tail),
-                            epilogue=ep, flatten=bool(flat), group_m=group, stream_k=bool(sk))
+                            epilogue=gg.EPILOGUE_MASKED if sk else ep, flatten=bool(flat), group_m=group,
+                            stream_k=bool(sk))
         if config in candidates:
             continue
         try:
@@ -387,7 +389,7 @@ class _Work:
         if gemm == 0:
             return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config, pdl=self.pdl, **stream_k)
         h = self.h if after_gemm0 else self.h_in
-        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config, pdl=self.pdl)
+        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config, pdl=self.pdl, **stream_k)
 
     def error(self, gemm: int, launch) -> float:
         """Relative Frobenius error of one poisoned run on the checked rows (inf when any row holds NaN)."""

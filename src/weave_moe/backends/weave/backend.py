@@ -280,7 +280,7 @@ class WeaveBackend:
         self.table_buffers = {}
         self.tile_buffers: dict[tuple, tuple] = {}   # the grouped GEMMs' tile tables per tile kinds (_grouped_prologue)
         self.gemm_scratch: dict[int, torch.Tensor] = {}   # Triton scratch per size (_gemm_scratch)
-        self.stream_k_scratch: dict[tuple, tuple] = {}   # a stream-K GEMM0's parts and flags per size (gemm0_launch)
+        self.stream_k_scratch: dict[tuple, tuple] = {}   # a stream-K GEMM's parts and flags per size
         for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
             rows = self._table_rows(decode)
             self.table_buffers[decode] = TableBuffers.for_layer(
@@ -815,11 +815,11 @@ class WeaveBackend:
                     scratch=self._gemm_scratch)
 
     @property
-    def gemm0_launch(self) -> dict:
-        """GEMM0's launch options beyond `gemm_launch`, used by a stream-K config (GemmConfig.stream_k, which the
-        tuned table may pick): its parts and flags (the layer's, one pair per size, allocated when the first call
-        compiles every config, outside any CUDA-graph capture), the status word its bounded waits report into and
-        their deadline."""
+    def stream_k_launch(self) -> dict:
+        """The grouped GEMMs' launch options for a stream-K config (GemmConfig.stream_k, which the tuned table may
+        pick): its parts and flags (the layer's, one pair per size, allocated when the first call compiles every
+        config, outside any CUDA-graph capture), the status word its bounded waits report into and their
+        deadline."""
         return dict(stream_k_scratch=self._stream_k_scratch, status=self.live_status, timeout_ns=self.timeout_ns)
 
     def _stream_k_scratch(self, slots: int, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -854,13 +854,13 @@ class WeaveBackend:
         launch = self.gemm_launch
         if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
-                                       configs[0], gather=layout.gather_rows, **launch, **self.gemm0_launch)
+                                       configs[0], gather=layout.gather_rows, **launch, **self.stream_k_launch)
         else:
             self._gather_rows(layout.gather_rows, rows)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                       **launch, **self.gemm0_launch)
+                                       **launch, **self.stream_k_launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
-                                   **launch)
+                                   **launch, **self.stream_k_launch)
 
     def _grouped_prologue(self, offsets, keys, gemm1_expected, device_serial: bool, side: bool = False) -> tuple:
         """The grouped GEMMs' tile tables and done counters (`grouped_tiles.fill_tile_tables`, one launch) for the
@@ -919,10 +919,10 @@ class WeaveBackend:
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch,
-                                           **self.gemm0_launch)
+                                           **self.stream_k_launch)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
+                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch, **self.stream_k_launch)
             done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:

@@ -42,14 +42,14 @@ How the kernels are built (Hopper, Triton 3.6):
   its time alone at prefill sizes, and 1.0x launched plainly (bench/results/h200-de378c8).
 - Work order: GROUP_M consecutive M tiles (mostly one expert's rows) sweep the N tiles together, so a weight block
   is read from HBM about once and reused from L2 by the group.
-- Stream-K (GemmConfig.stream_k, GEMM0): at decode sizes a launch has few tiles, each a long walk over H, and whole
-  tiles leave SMs idle (Qwen3-30B-A3B at 1 token per rank: 96 tiles of 16 K steps on 132 SMs, so 16 steps of time
-  where 1536 / 132 = 11.6 would do). The (tile, K step) pairs are numbered tile by tile, and CTA p takes the steps
+- Stream-K (GemmConfig.stream_k, either GEMM): at decode sizes a launch has few tiles, each a long walk over K, and
+  whole tiles leave SMs idle (Qwen3-30B-A3B's GEMM0 at 1 token per rank: 96 tiles of 16 K steps on 132 SMs, so 16
+  steps of time where 1536 / 132 = 11.6 would do; DeepSeek-V3's GEMM1: 448 tiles, 3.4 waves). The (tile, K step) pairs are numbered tile by tile, and CTA p takes the steps
   [p * per, (p + 1) * per), per = ceil(steps / NUM_SMS), walking its range from its end: a tile it ends inside (whose
   later steps belong to the next CTA) comes first, and its part is stored in the CTA's slot of an fp32 scratch
   [NUM_SMS, BM * BN] and flagged (release); the CTA that holds a tile's LAST step adds the parts of the CTAs before
   it, nearest first (a bounded acquire wait on each flag, which it clears for the next launch), then runs the
-  SiLU-mul epilogue. A CTA publishes at most one part (the tile at the end of its range), first thing, and waits
+  epilogue (GEMM0's SiLU-mul, GEMM1's routing weight). A CTA publishes at most one part (the tile at the end of its range), first thing, and waits
   only for parts its lower neighbours published first thing, so no wait depends on another wait; the sum's order is
   fixed by the partition, so the result is deterministic. Under the interpreter, programs run in pid order: every
   part is published before it is read.
@@ -85,7 +85,8 @@ from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile
 __all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
            "grouped_gemm1", "default_config", "default_configs", "analytical_config", "analytical_configs",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
-           "config_from_fields", "device_key", "rows_bucket", "stream_k_buffers", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT"]
+           "config_from_fields", "device_key", "rows_bucket", "stream_k_buffers", "TUNED_TABLE_ENV", "TUNED_DIR",
+           "TUNED_FORMAT"]
 
 #: the deadline of a stream-K GEMM0's waits when the caller gives none (the layer passes its own)
 DEFAULT_TIMEOUT_NS = int(DEFAULT_TIMEOUT_S * 1e9)
@@ -120,8 +121,9 @@ class GemmConfig:
         interleaved: GEMM0 only: one wide MMA over interleaved w13 (True) or two MMAs, gate and up (False, w13 as
             given).
         split_tail: tails of at most block_m / 2 rows run as half-height tiles after the full ones (TileTable).
-        stream_k: GEMM0 only: every CTA takes an equal range of the flat (tile, K step) order instead of whole tiles
-            (module docstring, "Stream-K"), for launches with fewer tiles than SMs or a poor last wave (decode).
+        stream_k: every CTA takes an equal range of the flat (tile, K step) order instead of whole tiles (module
+            docstring, "Stream-K"), for launches with fewer tiles than SMs or a poor last wave (decode). With
+            masked stores (epilogue 0); GEMM0 with the interleaved w13 only.
     """
 
     block_m: int = 128
@@ -309,11 +311,13 @@ def check_config(gemm: int, config: GemmConfig) -> None:
     if config.split_tail and config.epilogue == EPILOGUE_TMA:
         problems.append("split_tail with epilogue=1 (TMA): its one store descriptor is of full tiles")
     if gemm == 0 and not config.interleaved:
-        problems.append("interleaved=False: the weave backend holds only the interleaved w13")
-    if config.stream_k and gemm != 0:
-        problems.append("stream_k: GEMM0 only")
-    if config.stream_k and (config.split_tail or not config.interleaved or config.warp_specialize):
-        problems.append("stream_k: not with split_tail, interleaved=False or warp_specialize")
+        problems.append("interleaved=False: a table's or the analytical configs are for the interleaved w13 (a "
+                        "layer that keeps w13 as given derives its own from them, KernelConfig.interleave_w13)")
+    if config.stream_k and (config.split_tail or config.warp_specialize or (gemm == 0 and not config.interleaved)):
+        problems.append("stream_k: not with split_tail, warp_specialize or (GEMM0) interleaved=False")
+    if config.stream_k and config.epilogue != EPILOGUE_MASKED:
+        # the clipped TMA epilogue's device-made descriptor inside the stream-K loop spilled 4-8 bytes (sm_90)
+        problems.append("stream_k: its tiles store through masked stores (epilogue=0)")
     if problems:
         raise ValueError(f"GEMM{gemm} config {config}: " + "; ".join(problems))
 
@@ -552,13 +556,16 @@ def _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, wid
 
 
 @triton.jit
-def _gemm0_stream_k(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, num_tiles, num_n, pid,
-                    partial_ptr, flags_ptr, status_ptr, timeout_ns, H, I, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
-                    EPILOGUE: tl.constexpr, DOT_FP32: tl.constexpr, GATHER_A: tl.constexpr):
-    """GEMM0's tiles as one range of K steps per CTA (GemmConfig.stream_k; module docstring, "Stream-K")."""
+def _stream_k(a_desc, a_ptr, gather_ptr, w_desc, out_ptr, out_desc, scale_ptr, tiles_ptr, width, num_tiles, num_n,
+              pid, partial_ptr, flags_ptr, status_ptr, timeout_ns, H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, EPILOGUE: tl.constexpr,
+              DOT_FP32: tl.constexpr, GATHER_A: tl.constexpr, GEMM: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """A GEMM's tiles as one range of K steps per CTA (GemmConfig.stream_k; module docstring, "Stream-K"). GEMM 0:
+    A = a rows (or the gather rows), W = the interleaved w13, out = h with the SiLU-mul epilogue; GEMM 1: A = h,
+    W = w2, out = y (times the routing weight with HAS_SCALE)."""
     HALF_N: tl.constexpr = BLOCK_N // 2
-    k_steps = tl.cdiv(H, BLOCK_K)
+    K = H if GEMM == 0 else I
+    k_steps = tl.cdiv(K, BLOCK_K)
     total = num_tiles * num_n * k_steps
     per = tl.cdiv(total, NUM_SMS)
     start = pid * per
@@ -572,11 +579,16 @@ def _gemm0_stream_k(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr,
         expert = tl.load(tiles_ptr + tile)
         m_start = tl.load(tiles_ptr + width + tile)
         m_end = tl.load(tiles_ptr + 2 * width + tile)
-        n_start = n * HALF_N
-        rows = _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M, GATHER_A)
-        acc = _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, expert * 2 * I + 2 * n_start, H,
-                           (lo - first) * BLOCK_K, (hi - first) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, False,
-                           DOT_FP32, GATHER_A)
+        if GEMM == 0:
+            n_start = n * HALF_N
+            w_row = expert * 2 * I + 2 * n_start
+            rows = _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M, GATHER_A)
+        else:
+            n_start = n * BLOCK_N
+            w_row = expert * H + n_start
+            rows = m_start
+        acc = _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, w_row, K, (lo - first) * BLOCK_K,
+                           (hi - first) * BLOCK_K, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_FP32, GATHER_A)
         if hi - first < k_steps:
             # the tile's later K steps are the next CTA's: publish this part in this CTA's slot
             tl.store(partial_ptr + pid * (BLOCK_M * BLOCK_N) + slot, acc)
@@ -591,9 +603,15 @@ def _gemm0_stream_k(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr,
                 tl.atomic_xchg(flags_ptr + j, 0, sem="relaxed", scope="gpu")   # for the next launch
                 covered = tl.maximum(j * per, first)
                 j -= 1
-            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
-            _store_tile(h_ptr, h_desc, gate * tl.sigmoid(gate) * up, m_start, m_end, n_start, I, BLOCK_M, HALF_N,
-                        EPILOGUE)
+            if GEMM == 0:
+                gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
+                _store_tile(out_ptr, out_desc, gate * tl.sigmoid(gate) * up, m_start, m_end, n_start, I, BLOCK_M,
+                            HALF_N, EPILOGUE)
+            else:
+                if HAS_SCALE:
+                    scaled_rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
+                    acc = acc * tl.load(scale_ptr + scaled_rows)[:, None]
+                _store_tile(out_ptr, out_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
         hi = lo
 
 
@@ -611,7 +629,7 @@ def _gemm0_kernel(a_desc, a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc,
     [E_local * 2I, H], block [BN, BK] (interleaved) or [BN / 2, BK]; h: [P, I] bf16 (h_desc block [BM, BN / 2]);
     tiles: int32 [3, 2 * max_tiles] (TileTable). GATHER_A: row m is a_ptr's row gather_ptr[m] ([*, H], pointer
     loads; the descriptors of a are then unused). EARLY_RELEASE: the next launch's CTAs may be scheduled from the
-    start (sync.pdl_enter) instead of after this CTA's tiles. STREAM_K: `_gemm0_stream_k` (partial_ptr: fp32
+    start (sync.pdl_enter) instead of after this CTA's tiles. STREAM_K: `_stream_k` (partial_ptr: fp32
     [NUM_SMS, BM * BN], flags_ptr: int32 [NUM_SMS], zero between launches; status_ptr: the status word its bounded
     waits write on a timeout, timeout_ns their deadline); else unused.
     """
@@ -624,9 +642,9 @@ def _gemm0_kernel(a_desc, a_tail_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc,
     num_tiles = tl.load(num_tiles_ptr)
     num_work = num_tiles * num_n
     if STREAM_K:
-        _gemm0_stream_k(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, num_tiles, num_n, pid,
-                        partial_ptr, flags_ptr, status_ptr, timeout_ns, H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                        NUM_SMS, EPILOGUE, DOT_FP32, GATHER_A)
+        _stream_k(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, h_ptr, tiles_ptr, width, num_tiles, num_n, pid,
+                  partial_ptr, flags_ptr, status_ptr, timeout_ns, H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                  EPILOGUE, DOT_FP32, GATHER_A, 0, False)
     else:
         for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
             _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, 0, num_tiles, num_n, work,
@@ -658,17 +676,18 @@ def _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, colu
     _store_tile(y_ptr, y_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
 
 
-@triton.jit(do_not_specialize=["max_tiles"])
+@triton.jit(do_not_specialize=["max_tiles", "timeout_ns"])
 def _gemm1_kernel(h_desc, h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, H, I,
+                  partial_ptr, flags_ptr, status_ptr, timeout_ns,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   NUM_SMS: tl.constexpr, HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr,
                   SPLIT_TAIL: tl.constexpr, WS_OUTER: tl.constexpr, WS_INNER: tl.constexpr, FLATTEN: tl.constexpr,
-                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr):
+                  DOT_FP32: tl.constexpr, EARLY_RELEASE: tl.constexpr, STREAM_K: tl.constexpr):
     """y[m] = scale[m] * (h[m] . w2[expert]^T) over every tile of the table (scale = 1 without HAS_SCALE).
 
     h_desc: [P, I] block [BM, BK] (h_tail_desc: block [BM / 2, BK]); w_desc: w2 as [E_local * H, I], block
     [BN, BK]; y: [P, H] bf16 (y_desc block [BM, BN]); scale: fp32 [P] (the routing weight of each row).
-    EARLY_RELEASE: as in _gemm0_kernel.
+    EARLY_RELEASE, STREAM_K (with partial_ptr, flags_ptr, status_ptr, timeout_ns): as in _gemm0_kernel.
     """
     sync.pdl_wait()
     if EARLY_RELEASE:
@@ -678,14 +697,20 @@ def _gemm1_kernel(h_desc, h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_p
     num_n = tl.cdiv(H, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     num_work = num_tiles * num_n
-    for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
-        _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, 0, num_tiles, num_n, work, H, I,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
-    if SPLIT_TAIL:
-        num_tails = tl.load(num_tiles_ptr + 1)
-        for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
-            _gemm1_tile(h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, max_tiles, num_tails, num_n,
-                        work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
+    if STREAM_K:
+        _stream_k(h_desc, y_ptr, y_ptr, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, num_tiles, num_n, pid,
+                  partial_ptr, flags_ptr, status_ptr, timeout_ns, H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_SMS,
+                  EPILOGUE, DOT_FP32, False, 1, HAS_SCALE)
+    else:
+        for work in tl.range(pid, num_work, NUM_SMS, flatten=FLATTEN, warp_specialize=WS_OUTER):
+            _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, 0, num_tiles, num_n, work, H, I,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER, DOT_FP32)
+        if SPLIT_TAIL:
+            num_tails = tl.load(num_tiles_ptr + 1)
+            for work in tl.range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS, flatten=FLATTEN):
+                _gemm1_tile(h_tail_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, max_tiles, num_tails,
+                            num_n, work, H, I, BLOCK_M // 2, BLOCK_N, BLOCK_K, GROUP_M, HAS_SCALE, EPILOGUE, WS_INNER,
+                            DOT_FP32)
     if not EARLY_RELEASE:
         sync.pdl_release()
 
@@ -719,6 +744,23 @@ def stream_k_buffers(slots: int, slot_elements: int, device) -> tuple[torch.Tens
             torch.zeros(slots, dtype=torch.int32, device=device))
 
 
+def _stream_k_args(config: GemmConfig, num_sms: int, device, unused: torch.Tensor, scratch, status,
+                   timeout_ns) -> tuple:
+    """(parts, flags, status, timeout_ns) of a launch: for a stream-K config its scratch (`scratch(slots, elements)`,
+    else new buffers) and status word (else a new zero word) checked; `unused` tensors otherwise."""
+    if not config.stream_k:
+        return unused, unused, unused, timeout_ns
+    elements = config.block_m * config.block_n
+    partials, flags = (scratch or functools.partial(stream_k_buffers, device=device))(num_sms, elements)
+    _check("stream-K parts", partials, (num_sms * elements,), torch.float32)
+    _check("stream-K flags", flags, (num_sms,), torch.int32)
+    if status is None:
+        status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
+    elif status.dtype != torch.int32 or status.numel() < STATUS_WORDS:
+        raise ValueError(f"status: expected int32 [>= {STATUS_WORDS}], given {status.dtype} {tuple(status.shape)}")
+    return partials, flags, status, timeout_ns
+
+
 def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: bool = False, num_sms: int | None = None,
                   early_release: bool = False, gather: torch.Tensor | None = None, pdl: bool = True,
                   stream_k_scratch=None, status: torch.Tensor | None = None, timeout_ns: int = DEFAULT_TIMEOUT_NS):
@@ -742,18 +784,9 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
     w_desc = TensorDescriptor.from_tensor(w13.view(num_experts * two_i, hidden), w_block)
     h_desc = TensorDescriptor.from_tensor(h, [bm, bn // 2])
     num_sms = num_sms or _num_sms(a.device)
-    if config.stream_k:
-        partials, flags = (stream_k_scratch or functools.partial(stream_k_buffers, device=a.device))(num_sms, bm * bn)
-        _check("stream-K parts", partials, (num_sms * bm * bn,), torch.float32)
-        _check("stream-K flags", flags, (num_sms,), torch.int32)
-        if status is None:
-            status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=a.device)
-        elif status.dtype != torch.int32 or status.numel() < STATUS_WORDS:
-            raise ValueError(f"status: expected int32 [>= {STATUS_WORDS}], given {status.dtype} {tuple(status.shape)}")
-    else:   # unused
-        partials = flags = status = tiles.table
     args = (a_desc, a_tail_desc, a, tiles.table if gather is None else gather, w_desc, h, h_desc, tiles.table,
-            tiles.num_tiles, tiles.max_tiles, hidden, inter, partials, flags, status, timeout_ns)
+            tiles.num_tiles, tiles.max_tiles, hidden, inter,
+            *_stream_k_args(config, num_sms, a.device, tiles.table, stream_k_scratch, status, timeout_ns))
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   INTERLEAVED=config.interleaved, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
@@ -764,7 +797,8 @@ def _gemm0_launch(a, w13, h, tiles: TileTable, config: GemmConfig, dot_fp32: boo
 
 
 def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, dot_fp32: bool = False,
-                  num_sms: int | None = None, early_release: bool = False, pdl: bool = True):
+                  num_sms: int | None = None, early_release: bool = False, pdl: bool = True, stream_k_scratch=None,
+                  status: torch.Tensor | None = None, timeout_ns: int = DEFAULT_TIMEOUT_NS):
     """(kernel, grid, args, kwargs) of one GEMM1 launch (see grouped_gemm1; `num_sms` as in _gemm0_launch)."""
     rows, inter = h.shape
     num_experts, hidden, _ = w2.shape
@@ -781,13 +815,14 @@ def _gemm1_launch(h, w2, y, tiles: TileTable, config: GemmConfig, scale=None, do
     y_desc = TensorDescriptor.from_tensor(y, [bm, bn])
     num_sms = num_sms or _num_sms(h.device)
     args = (h_desc, h_tail_desc, w_desc, y, y_desc, scale if scale is not None else y, tiles.table, tiles.num_tiles,
-            tiles.max_tiles, hidden, inter)
+            tiles.max_tiles, hidden, inter,
+            *_stream_k_args(config, num_sms, h.device, tiles.table, stream_k_scratch, status, timeout_ns))
     kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   HAS_SCALE=scale is not None, EPILOGUE=config.epilogue, SPLIT_TAIL=tiles.split_tail,
                   WS_OUTER=config.warp_specialize == 1,
                   WS_INNER=config.warp_specialize == 2, FLATTEN=config.flatten, DOT_FP32=dot_fp32,
-                  EARLY_RELEASE=early_release, num_warps=config.num_warps, num_stages=config.num_stages,
-                  **sync.launch_options(pdl))
+                  EARLY_RELEASE=early_release, STREAM_K=config.stream_k, num_warps=config.num_warps,
+                  num_stages=config.num_stages, **sync.launch_options(pdl))
     return _gemm1_kernel, (num_sms,), args, kwargs
 
 
@@ -849,7 +884,8 @@ def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: Ti
 
 def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable, config: GemmConfig,
                   scale: torch.Tensor | None = None, dot_fp32: bool = False, early_release: bool = False,
-                  pdl: bool = True, scratch=None) -> torch.Tensor:
+                  pdl: bool = True, scratch=None, stream_k_scratch=None, status: torch.Tensor | None = None,
+                  timeout_ns: int = DEFAULT_TIMEOUT_NS) -> torch.Tensor:
     """y = scale * (h @ w2[expert]^T) per expert, one persistent launch.
 
     Args:
@@ -860,9 +896,10 @@ def grouped_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: Til
         config: tile shape and schedule (`interleaved` is ignored).
         scale: optional fp32 [P], multiplied into each row in fp32 before the bf16 rounding (routing weights).
         dot_fp32: multiply in fp32 (interpreter tests only).
-        early_release, pdl, scratch: as in grouped_gemm0.
+        early_release, pdl, scratch, stream_k_scratch, status, timeout_ns: as in grouped_gemm0.
     """
     kernel, grid, args, kwargs = _gemm1_launch(h, w2, y, tiles, config, scale, dot_fp32, early_release=early_release,
-                                               pdl=pdl)
+                                               pdl=pdl, stream_k_scratch=stream_k_scratch, status=status,
+                                               timeout_ns=timeout_ns)
     _launch(kernel, grid, args, kwargs, config.epilogue in _CLIPPED_EPILOGUES and h.is_cuda, scratch)
     return y
