@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent(
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_MASKED, split_tail=True),
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_CLIPPED, split_tail=True, interleaved=False),
                C(**small, epilogue=gg.EPILOGUE_TMA_HALVES),
-               C(**small, epilogue=gg.EPILOGUE_TMA_CLIPPED, interleaved=False),   # flattened: KernelConfig.interleave_w13 off
+               # flattened, w13 as given (KernelConfig.interleave_w13 off)
+               C(**small, epilogue=gg.EPILOGUE_TMA_CLIPPED, interleaved=False),
                C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_HALVES, split_tail=True)]
     # (rows per local expert, H, I): empty experts, a single row, a tail of one row past a full tile, no rows at all,
     # I not a multiple of BN/2 (a tile reads into the next expert's weights), H not a multiple of BK (K tail)

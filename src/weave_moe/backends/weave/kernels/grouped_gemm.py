@@ -44,15 +44,15 @@ How the kernels are built (Hopper, Triton 3.6):
   is read from HBM about once and reused from L2 by the group.
 - Stream-K (GemmConfig.stream_k, either GEMM): at decode sizes a launch has few tiles, each a long walk over K, and
   whole tiles leave SMs idle (Qwen3-30B-A3B's GEMM0 at 1 token per rank: 96 tiles of 16 K steps on 132 SMs, so 16
-  steps of time where 1536 / 132 = 11.6 would do; DeepSeek-V3's GEMM1: 448 tiles, 3.4 waves). The (tile, K step) pairs are numbered tile by tile, and CTA p takes the steps
-  [p * per, (p + 1) * per), per = ceil(steps / NUM_SMS), walking its range from its end: a tile it ends inside (whose
-  later steps belong to the next CTA) comes first, and its part is stored in the CTA's slot of an fp32 scratch
-  [NUM_SMS, BM * BN] and flagged (release); the CTA that holds a tile's LAST step adds the parts of the CTAs before
-  it, nearest first (a bounded acquire wait on each flag, which it clears for the next launch), then runs the
-  epilogue (GEMM0's SiLU-mul, GEMM1's routing weight). A CTA publishes at most one part (the tile at the end of its range), first thing, and waits
-  only for parts its lower neighbours published first thing, so no wait depends on another wait; the sum's order is
-  fixed by the partition, so the result is deterministic. Under the interpreter, programs run in pid order: every
-  part is published before it is read.
+  steps of time where 1536 / 132 = 11.6 would do; DeepSeek-V3's GEMM1: 448 tiles, 3.4 waves). The (tile, K step) pairs
+  are numbered tile by tile, and CTA p takes the steps [p * per, (p + 1) * per), per = ceil(steps / NUM_SMS), walking
+  its range from its end: a tile it ends inside (whose later steps belong to the next CTA) comes first, and its part
+  is stored in the CTA's slot of an fp32 scratch [NUM_SMS, BM * BN] and flagged (release); the CTA that holds a tile's
+  LAST step adds the parts of the CTAs before it, nearest first (a bounded acquire wait on each flag, which it clears
+  for the next launch), then runs the epilogue (GEMM0's SiLU-mul, GEMM1's routing weight). A CTA publishes at most one
+  part (the tile at the end of its range), first thing, and waits only for parts its lower neighbours published first
+  thing, so no wait depends on another wait; the sum's order is fixed by the partition, so the result is
+  deterministic. Under the interpreter, programs run in pid order: every part is published before it is read.
 
 Configurations: `default_config` looks the layer shape and rows bucket up in the current device's tuned table
 (kernels/tuned/<device key>.json, written by `weave-moe tune`; $WEAVE_MOE_TUNED_TABLE overrides it) and otherwise

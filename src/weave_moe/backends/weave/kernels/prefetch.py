@@ -1,4 +1,5 @@
-"""The weights of the experts a call uses, prefetched into L2 while the call builds its tables (KernelConfig.prefetch_mib).
+"""The weights of the experts a call uses, prefetched into L2 while the call builds its tables
+(KernelConfig.prefetch_mib).
 
 Why. At decode sizes a call's GEMMs stream weights: GEMM0 of Qwen3-30B-A3B at 1 token (one rank's work of EP=2)
 reads 50 MB of w13 at ~3.0 TB/s (16.6 us), and before it, from the end of the counts kernel to the first GEMM tile,
