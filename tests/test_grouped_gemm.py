@@ -10,6 +10,7 @@ import subprocess
 import textwrap
 
 import pytest
+import torch
 
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
 from weave_moe.backends.weave.kernels import sm90
@@ -420,6 +421,13 @@ def test_stream_k_gemm1_compiles_for_hopper_without_local_memory(cfg, hidden, in
     compiled = sm90.compile_for_sm90(kernel, args, kwargs)
     _check_hopper_ptx(cfg, compiled, tmp_path)
     assert "ld.global.cg" in compiled.asm["ptx"]
+
+
+def test_stream_k_scratch_is_one_pair_per_size():
+    scratch = gg.StreamKScratch("cpu")
+    parts, flags = scratch(4, 16)
+    assert parts.shape == (64,) and parts.dtype == torch.float32 and flags.shape == (4,) and not flags.any()
+    assert scratch(4, 16)[0] is parts and scratch(4, 32)[0] is not parts
 
 
 def test_stream_k_is_not_with_split_tails_or_tma_stores():

@@ -314,7 +314,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.stage_constants = backend_module.stage_constants(backend.constants, H)
     backend.decode_tokens = DECODE_TOKENS if decode else 0
     backend.table_buffers = {False: "the layer's tables", True: "the layer's decode tables"}
-    backend.tile_buffers, backend.gemm_scratch = {}, {}
+    backend.tile_buffers, backend.gemm_scratch, backend.stream_k_scratch = {}, {}, "the layer's stream-K scratch"
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
     backend.fork_prologue, backend.prefetch = fork, None
@@ -421,8 +421,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
             assert (gather is not None) is (index == 0 and backend.gemm0_gather)
             # a stream-K config's scratch (the layer's, per size), status word and deadline, as in the calls
-            assert stream_k_options == dict(stream_k_scratch=backend._stream_k_scratch, status=backend.live_status,
-                                         timeout_ns=backend.timeout_ns)
+            assert stream_k_options == dict(stream_k_scratch=backend.stream_k_scratch, status=backend.live_status,
+                                            timeout_ns=backend.timeout_ns)
             # the variant the calls launch (a compile per value of the constexpr and of the launch option)
             assert early_release is backend.config.gemm_early_release
             assert pdl is backend.config.grouped_pdl

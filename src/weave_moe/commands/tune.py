@@ -357,15 +357,8 @@ class _Work:
         self.h = torch.empty(self.alloc, I, device="cuda", dtype=torch.bfloat16)
         self.y = torch.empty(self.alloc, H, device="cuda", dtype=torch.bfloat16)
         self.tables: dict = {}
-        self.stream_k_buffers: dict = {}
+        self.stream_k_scratch = gg.StreamKScratch("cuda")   # made once per size, as the layer does
         self.status = torch.zeros(4, dtype=torch.int32, device="cuda")   # a stream-K wait's timeout would land here
-
-    def stream_k_scratch(self, slots: int, elements: int):
-        from weave_moe.backends.weave.kernels import grouped_gemm as gg
-
-        if (slots, elements) not in self.stream_k_buffers:
-            self.stream_k_buffers[(slots, elements)] = gg.stream_k_buffers(slots, elements, "cuda")
-        return self.stream_k_buffers[(slots, elements)]
 
     def table(self, block_m: int, split_tail: bool = False, rotation: int = 0):
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
@@ -381,7 +374,7 @@ class _Work:
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
         tiles = self.table(config.block_m, config.split_tail, rotation)
-        # a stream-K config's scratch made once per size, as the layer does (not inside each timed graph)
+        # a stream-K config's scratch made once per size, not inside each timed graph
         stream_k = dict(stream_k_scratch=self.stream_k_scratch, status=self.status)
         if gemm == 0 and self.gather is not None:
             return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather,

@@ -202,8 +202,9 @@ class WeaveBackend:
         self.counts_format = CountsFormat(world_size, spec.num_experts, STATUS_WORDS)
         self.counts_host = torch.zeros(self.counts_format.size, dtype=torch.int32).pin_memory()
         self.counts_ready = torch.cuda.Event()
-        # KernelConfig.fork_prologue (CUDA streams); the side stream is made at its first use
-        self.fork_prologue, self.side_stream = cfg.fork_prologue and device.type == "cuda", None
+        # KernelConfig.fork_prologue (CUDA streams)
+        self.fork_prologue = cfg.fork_prologue and device.type == "cuda"
+        self.side_streams: dict[str, torch.cuda.Stream] = {}   # by purpose, each made at its first use (_fork)
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
         self.resident = cfg.resident_at(world_size)
@@ -262,8 +263,7 @@ class WeaveBackend:
         # KernelConfig.prefetch_mib: the resident call's L2 prefetch of its experts' weights, on its own side stream
         self.prefetch = (WeightPrefetch(self.num_local_experts, H, I, cfg.prefetch_mib << 20,
                                         self.counts_format.expert_pairs_offset + rank * self.num_local_experts)
-                         if cfg.prefetch_mib and self.resident and (H * I) % 8 == 0 else None)
-        self.prefetch_stream = None   # made at its first use
+                         if cfg.prefetch_mib and self.resident and WeightPrefetch.supports(H, I) else None)
         self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
         self.resident_graph_names: dict[tuple, str] = {}   # (workspace generation, rows) -> the call's graph name
         self.max_pairs = max_pairs
@@ -280,7 +280,7 @@ class WeaveBackend:
         self.table_buffers = {}
         self.tile_buffers: dict[tuple, tuple] = {}   # the grouped GEMMs' tile tables per tile kinds (_grouped_prologue)
         self.gemm_scratch: dict[int, torch.Tensor] = {}   # Triton scratch per size (_gemm_scratch)
-        self.stream_k_scratch: dict[tuple, tuple] = {}   # a stream-K GEMM's parts and flags per size
+        self.stream_k_scratch = grouped_gemm.StreamKScratch(device)   # a stream-K GEMM's parts and flags per size
         for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
             rows = self._table_rows(decode)
             self.table_buffers[decode] = TableBuffers.for_layer(
@@ -551,18 +551,10 @@ class WeaveBackend:
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, **self._table_rows(decode))
 
     def _prefetch_weights(self, counts: torch.Tensor) -> torch.cuda.Event:
-        """Fork the L2 prefetch of this call's experts' weights (kernels/prefetch.py) off the current stream, after
-        the counts kernel just enqueued, onto the layer's prefetch stream; returns the event after it. Nothing waits
-        for it but the end of the call: a prefetch writes nothing (in a CUDA-graph capture the fork and the join are
-        edges of the graph)."""
-        if self.prefetch_stream is None:
-            self.prefetch_stream = torch.cuda.Stream(self.device)
-        self.prefetch_stream.wait_stream(self._current_stream())
-        with torch.cuda.stream(self.prefetch_stream):
-            self.prefetch.launch(counts, self.w13, self.w2)
-            done = torch.cuda.Event()
-            done.record(self.prefetch_stream)
-        return done
+        """Fork the L2 prefetch of this call's experts' weights (kernels/prefetch.py) onto the layer's prefetch stream,
+        after the counts kernel just enqueued; returns the event after it. Nothing waits for it but the end of the
+        call: a prefetch writes nothing."""
+        return self._fork("prefetch", lambda: self.prefetch.launch(counts, self.w13, self.w2))
 
     def _counts(self, verdict: bool) -> torch.Tensor:
         """Enqueue the counts kernel on the gathered routing (kernels/counts.py); returns the counts vector. With
@@ -810,23 +802,13 @@ class WeaveBackend:
     @property
     def gemm_launch(self) -> dict:
         """The grouped GEMMs' launch options, for the calls and the first call's warm-up alike (a compile per value
-        of the first two; `scratch`: the layer's, `_gemm_scratch`)."""
+        of the first two; `scratch`: the layer's, `_gemm_scratch`). A stream-K config (GemmConfig.stream_k, which the
+        tuned table may pick) uses the rest: its parts and flags (the layer's, one pair per size, made when the first
+        call compiles every config, outside any CUDA-graph capture), the status word its bounded waits report into
+        and their deadline."""
         return dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl,
-                    scratch=self._gemm_scratch)
-
-    @property
-    def stream_k_launch(self) -> dict:
-        """The grouped GEMMs' launch options for a stream-K config (GemmConfig.stream_k, which the tuned table may
-        pick): its parts and flags (the layer's, one pair per size, allocated when the first call compiles every
-        config, outside any CUDA-graph capture), the status word its bounded waits report into and their
-        deadline."""
-        return dict(stream_k_scratch=self._stream_k_scratch, status=self.live_status, timeout_ns=self.timeout_ns)
-
-    def _stream_k_scratch(self, slots: int, elements: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (slots, elements)
-        if key not in self.stream_k_scratch:
-            self.stream_k_scratch[key] = grouped_gemm.stream_k_buffers(slots, elements, self.device)
-        return self.stream_k_scratch[key]
+                    scratch=self._gemm_scratch, stream_k_scratch=self.stream_k_scratch, status=self.live_status,
+                    timeout_ns=self.timeout_ns)
 
     def _gemm_scratch(self, size: int, alignment: int, stream) -> torch.Tensor:
         """Triton's global scratch for the grouped GEMMs' device-made TMA descriptors: one buffer per size, the
@@ -854,13 +836,13 @@ class WeaveBackend:
         launch = self.gemm_launch
         if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
-                                       configs[0], gather=layout.gather_rows, **launch, **self.stream_k_launch)
+                                       configs[0], gather=layout.gather_rows, **launch)
         else:
             self._gather_rows(layout.gather_rows, rows)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                       **launch, **self.stream_k_launch)
+                                       **launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
-                                   **launch, **self.stream_k_launch)
+                                   **launch)
 
     def _grouped_prologue(self, offsets, keys, gemm1_expected, device_serial: bool, side: bool = False) -> tuple:
         """The grouped GEMMs' tile tables and done counters (`grouped_tiles.fill_tile_tables`, one launch) for the
@@ -883,14 +865,21 @@ class WeaveBackend:
         if not side:
             fill()
             return tables, rows, None
-        if self.side_stream is None:
-            self.side_stream = torch.cuda.Stream(self.device)
-        self.side_stream.wait_stream(self._current_stream())
-        with torch.cuda.stream(self.side_stream):
-            fill()
-            filled = torch.cuda.Event()
-            filled.record(self.side_stream)
-        return tables, rows, filled
+        return tables, rows, self._fork("prologue", fill)
+
+    def _fork(self, name: str, enqueue) -> torch.cuda.Event:
+        """Enqueue `enqueue()` on the layer's side stream for `name` (made at its first use) after the work enqueued so
+        far on the current stream, beside what the current stream runs next; returns the event after it, for the join.
+        In a CUDA-graph capture the fork and the join are edges of the graph."""
+        stream = self.side_streams.get(name)
+        if stream is None:
+            stream = self.side_streams[name] = torch.cuda.Stream(self.device)
+        stream.wait_stream(self._current_stream())
+        with torch.cuda.stream(stream):
+            enqueue()
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
 
     def _gather_rows(self, index, rows) -> None:
         """The received rows into expert order for the grouped GEMMs (into y, which GEMM1 overwrites afterwards):
@@ -918,11 +907,10 @@ class WeaveBackend:
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch,
-                                           **self.stream_k_launch)
+                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch, **self.stream_k_launch)
+                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
             done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:

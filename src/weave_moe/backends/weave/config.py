@@ -39,6 +39,8 @@ _CHOICES = {"resident": ("auto", "on", "off"), "gemm0_gather": ("auto", "on", "o
 GEMM0_GATHER_MAX_I = 1024
 #: KernelConfig.prefetch_mib at most: the budget in bytes stays an int32 in the prefetch kernel
 PREFETCH_MIB_MAX = 2047
+#: the int fields whose values are not "positive": (least, most) allowed
+_INT_RANGES = {"prefetch_mib": (0, PREFETCH_MIB_MAX)}   # 0: off
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -201,12 +203,12 @@ class KernelConfig:
                 if value not in _CHOICES[field.name]:
                     raise ValueError(f"KernelConfig.{field.name} must be one of {', '.join(_CHOICES[field.name])}, "
                                      f"got {value!r}")
-            elif field.name == "prefetch_mib":
-                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= PREFETCH_MIB_MAX:
-                    raise ValueError(f"KernelConfig.prefetch_mib must be an int in [0, {PREFETCH_MIB_MAX}] (0: off), "
-                                     f"got {value!r}")
-            elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")
+            else:
+                low, high = _INT_RANGES.get(field.name, (1, None))
+                if not isinstance(value, int) or isinstance(value, bool) or value < low or \
+                        (high is not None and value > high):
+                    allowed = "a positive int" if (low, high) == (1, None) else f"an int in [{low}, {high}]"
+                    raise ValueError(f"KernelConfig.{field.name} must be {allowed}, got {value!r}")
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:

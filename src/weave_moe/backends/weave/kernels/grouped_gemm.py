@@ -85,7 +85,8 @@ from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile
 __all__ = ["GemmConfig", "TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
            "grouped_gemm1", "default_config", "default_configs", "analytical_config", "analytical_configs",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
-           "config_from_fields", "device_key", "rows_bucket", "stream_k_buffers", "TUNED_TABLE_ENV", "TUNED_DIR",
+           "config_from_fields", "device_key", "rows_bucket", "stream_k_buffers", "StreamKScratch",
+           "TUNED_TABLE_ENV", "TUNED_DIR",
            "TUNED_FORMAT"]
 
 #: the deadline of a stream-K GEMM0's waits when the caller gives none (the layer passes its own)
@@ -522,15 +523,39 @@ def _desc_k_loop(a_desc, a_ptr, rows, w_desc, m_start, w_row, K, k_start, k_end,
 
 
 @triton.jit
+def _tile_rows(tiles_ptr, width, column0, tile):
+    """(expert, first row, the expert's end row) of M tile `tile` in section `column0` of a TileTable."""
+    expert = tl.load(tiles_ptr + column0 + tile)
+    m_start = tl.load(tiles_ptr + width + column0 + tile)
+    m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
+    return expert, m_start, m_end
+
+
+@triton.jit
+def _store_h(h_ptr, h_desc, gate, up, m_start, m_end, n_start, I, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr,
+             EPILOGUE: tl.constexpr):
+    """GEMM0's epilogue: h = silu(gate) * up."""
+    _store_tile(h_ptr, h_desc, gate * tl.sigmoid(gate) * up, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
+
+
+@triton.jit
+def _store_y(y_ptr, y_desc, scale_ptr, acc, m_start, m_end, n_start, H, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr):
+    """GEMM1's epilogue: y = acc, times each row's routing weight with HAS_SCALE."""
+    if HAS_SCALE:
+        rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
+        acc = acc * tl.load(scale_ptr + rows)[:, None]
+    _store_tile(y_ptr, y_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
+
+
+@triton.jit
 def _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, width, column0, num_tiles, num_n, work,
                 H, I, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 INTERLEAVED: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr,
                 GATHER_A: tl.constexpr):
     HALF_N: tl.constexpr = BLOCK_N // 2
     tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
-    expert = tl.load(tiles_ptr + column0 + tile)
-    m_start = tl.load(tiles_ptr + width + column0 + tile)
-    m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
+    expert, m_start, m_end = _tile_rows(tiles_ptr, width, column0, tile)
     n_start = n * HALF_N
     rows = _gathered_rows(gather_ptr, m_start, m_end, BLOCK_M, GATHER_A)
     if INTERLEAVED:
@@ -551,8 +576,7 @@ def _gemm0_tile(a_desc, a_ptr, gather_ptr, w_desc, h_ptr, h_desc, tiles_ptr, wid
                 wu = wu.to(tl.float32)
             gate = tl.dot(a, wg.T, gate)
             up = tl.dot(a, wu.T, up)
-    h = gate * tl.sigmoid(gate) * up
-    _store_tile(h_ptr, h_desc, h, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
+    _store_h(h_ptr, h_desc, gate, up, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
 
 
 @triton.jit
@@ -576,9 +600,7 @@ def _stream_k(a_desc, a_ptr, gather_ptr, w_desc, out_ptr, out_desc, scale_ptr, t
         first = work * k_steps          # the tile's first K step in the flat order
         lo = tl.maximum(start, first)
         tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
-        expert = tl.load(tiles_ptr + tile)
-        m_start = tl.load(tiles_ptr + width + tile)
-        m_end = tl.load(tiles_ptr + 2 * width + tile)
+        expert, m_start, m_end = _tile_rows(tiles_ptr, width, 0, tile)
         if GEMM == 0:
             n_start = n * HALF_N
             w_row = expert * 2 * I + 2 * n_start
@@ -605,13 +627,10 @@ def _stream_k(a_desc, a_ptr, gather_ptr, w_desc, out_ptr, out_desc, scale_ptr, t
                 j -= 1
             if GEMM == 0:
                 gate, up = tl.split(tl.reshape(acc, (BLOCK_M, HALF_N, 2)))
-                _store_tile(out_ptr, out_desc, gate * tl.sigmoid(gate) * up, m_start, m_end, n_start, I, BLOCK_M,
-                            HALF_N, EPILOGUE)
+                _store_h(out_ptr, out_desc, gate, up, m_start, m_end, n_start, I, BLOCK_M, HALF_N, EPILOGUE)
             else:
-                if HAS_SCALE:
-                    scaled_rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
-                    acc = acc * tl.load(scale_ptr + scaled_rows)[:, None]
-                _store_tile(out_ptr, out_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
+                _store_y(out_ptr, out_desc, scale_ptr, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, HAS_SCALE,
+                         EPILOGUE)
         hi = lo
 
 
@@ -664,16 +683,11 @@ def _gemm1_tile(h_desc, w_desc, y_ptr, y_desc, scale_ptr, tiles_ptr, width, colu
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 HAS_SCALE: tl.constexpr, EPILOGUE: tl.constexpr, WS_INNER: tl.constexpr, DOT_FP32: tl.constexpr):
     tile, n = _tile_coords(work, num_tiles, num_n, GROUP_M)
-    expert = tl.load(tiles_ptr + column0 + tile)
-    m_start = tl.load(tiles_ptr + width + column0 + tile)
-    m_end = tl.load(tiles_ptr + 2 * width + column0 + tile)
+    expert, m_start, m_end = _tile_rows(tiles_ptr, width, column0, tile)
     n_start = n * BLOCK_N
     acc = _desc_k_loop(h_desc, y_ptr, m_start, w_desc, m_start, expert * H + n_start, I, 0, I, BLOCK_M, BLOCK_N,
                        BLOCK_K, WS_INNER, DOT_FP32, False)
-    if HAS_SCALE:
-        rows = tl.minimum(m_start + tl.arange(0, BLOCK_M), m_end - 1)
-        acc = acc * tl.load(scale_ptr + rows)[:, None]
-    _store_tile(y_ptr, y_desc, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, EPILOGUE)
+    _store_y(y_ptr, y_desc, scale_ptr, acc, m_start, m_end, n_start, H, BLOCK_M, BLOCK_N, HAS_SCALE, EPILOGUE)
 
 
 @triton.jit(do_not_specialize=["max_tiles", "timeout_ns"])
@@ -738,10 +752,24 @@ def _check_tiles(tiles: TileTable, config: GemmConfig):
 
 
 def stream_k_buffers(slots: int, slot_elements: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A stream-K GEMM0's scratch for one launch: (fp32 [slots * slot_elements] parts, int32 [slots] zero flags). A
-    caller that launches many keeps one pair per size (the kernel leaves the flags zero again)."""
+    """A stream-K GEMM's scratch for one launch: (fp32 [slots * slot_elements] parts, int32 [slots] zero flags). A
+    caller that launches many keeps one pair per size (`StreamKScratch`; the kernel leaves the flags zero again)."""
     return (torch.empty(slots * slot_elements, dtype=torch.float32, device=device),
             torch.zeros(slots, dtype=torch.int32, device=device))
+
+
+class StreamKScratch:
+    """`stream_k_scratch` for launches one after another on one stream: one `stream_k_buffers` pair per size, made at
+    first use (a caller that captures CUDA graphs makes its launches once outside capture first)."""
+
+    def __init__(self, device):
+        self.device, self.buffers = device, {}
+
+    def __call__(self, slots: int, slot_elements: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (slots, slot_elements)
+        if key not in self.buffers:
+            self.buffers[key] = stream_k_buffers(slots, slot_elements, self.device)
+        return self.buffers[key]
 
 
 def _stream_k_args(config: GemmConfig, num_sms: int, device, unused: torch.Tensor, scratch, status,

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
+from weave_moe.models import BYTES_PER_ELEMENT
 
 __all__ = ["WeightPrefetch", "prefetch_kernel", "prefetch_sizes", "PIECE_BYTES"]
 
@@ -110,6 +111,7 @@ def _prefetch_matrix(base_ptr, e, position, mine, MATRIX_BYTES: tl.constexpr, BU
         sizes = tl.minimum(wanted - start, PIECE).to(tl.int32)
         _issue(base_ptr, e.to(tl.int64) * MATRIX_BYTES + start, sizes, TRACE, trace_ptr, trace_row + q)
 
+
 class WeightPrefetch:
     """The launch of `prefetch_kernel` for one layer's weights: `launch(counts)` after the counts kernel."""
 
@@ -118,14 +120,19 @@ class WeightPrefetch:
         """`rows_offset`: where this rank's pair counts per local expert start in the counts vector
         (`CountsFormat.expert_pairs_offset + rank * E_local`)."""
         H, I = hidden_size, intermediate_size
-        if (H * I) % 8:
+        if not self.supports(H, I):
             raise ValueError(f"a prefetched weight matrix must be a multiple of 16 bytes: H * I = {H * I} is not a "
-                             "multiple of 8")
+                             f"multiple of {16 // BYTES_PER_ELEMENT}")
         if budget_bytes <= 0 or budget_bytes % 16 or piece <= 0 or piece % 16:
             raise ValueError(f"budget_bytes ({budget_bytes}) and piece ({piece}) must be positive multiples of 16")
         self.num_local_experts, self.budget, self.piece = num_local_experts, budget_bytes, piece
         self.rows_offset = rows_offset
-        self.w13_bytes, self.w2_bytes = 2 * I * H * 2, H * I * 2
+        self.w13_bytes, self.w2_bytes = 2 * I * H * BYTES_PER_ELEMENT, H * I * BYTES_PER_ELEMENT
+
+    @staticmethod
+    def supports(hidden_size: int, intermediate_size: int) -> bool:
+        """Whether a layer of this shape can prefetch: the bulk prefetch takes multiples of 16 bytes."""
+        return hidden_size * intermediate_size * BYTES_PER_ELEMENT % 16 == 0
 
     @property
     def constants(self) -> dict:
