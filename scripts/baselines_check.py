@@ -21,6 +21,7 @@ A backend that cannot be built (no NVSHMEM, no deep_ep) is recorded with its err
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -80,7 +81,7 @@ def check_exchange(backend_class, spec: MoESpec, w13, w2, num_tokens: int, devic
     backend.load_experts(w13, w2)
     x, ids, weights = make_inputs(spec, num_tokens, "skewed", seed=7, device=device)
     out = backend.forward(x, ids, weights)  # also compiles the Triton kernels
-    host_syncs = count_host_syncs(lambda: backend.forward(x, ids, weights))
+    host_syncs = count_host_syncs(functools.partial(backend.forward, x, ids, weights))
     timings: dict = {}
     backend.forward(x, ids, weights, timings=timings)
     small = backend.forward(x[:5], ids[:5], weights[:5])
@@ -160,7 +161,7 @@ def time_nccl(spec: MoESpec, num_tokens: int, device, iters: int) -> dict:
     for _ in range(3):
         out = layer(x, ids, weights)
     torch.cuda.synchronize()
-    call_ms = statistics.median(time_cuda(lambda: layer(x, ids, weights), iters))
+    call_ms = statistics.median(time_cuda(functools.partial(layer, x, ids, weights), iters))
     stages: dict[str, list] = {}
     for _ in range(iters):
         timings: dict = {}

@@ -10,6 +10,7 @@ time of one call (events).
 """
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -63,12 +64,12 @@ def main():
             torch.cuda.synchronize()
             b = layer.backend
             row = dict(model=args.model, tokens=tokens, policy=policy, resident=bool(b.resident))
-            row["layer_call_us"] = median_us(lambda: layer(x, ids, w))
+            row["layer_call_us"] = median_us(functools.partial(layer, x, ids, w))
             row["backend_forward_us"] = median_us(lambda: b.forward(x, ids, w))
             with torch.no_grad():
-                row["layer_call_no_grad_us"] = median_us(lambda: layer(x, ids, w))
+                row["layer_call_no_grad_us"] = median_us(functools.partial(layer, x, ids, w))
             buf = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)
-            row["layer_call_out_us"] = median_us(lambda: layer(x, ids, w, out=buf))   # a serving engine's call
+            row["layer_call_out_us"] = median_us(functools.partial(layer, x, ids, w, out=buf))   # a serving engine's call
             row["empty_out_us"] = median_us(lambda: torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16,
                                                                 device=device))
             out = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device=device)

@@ -24,8 +24,6 @@ import time
 import pytest
 import torch
 
-from weave_moe.backends.coordination import (CallOrderError, CollectiveTimeoutError, LayerBrokenError,
-                                             LayerMismatchError, PeerError)
 from weave_moe.layer import ExpertParallelMoE
 from weave_moe.models import MoESpec
 from weave_moe.reference import DEFAULT_TOLERANCE, moe_error, reference_moe

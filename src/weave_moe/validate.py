@@ -14,6 +14,7 @@ peer). tests/test_failures.py runs the same code with the nccl backend on gloo, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -436,7 +437,7 @@ def _failures(rank, world_size, group, device, backend: str = "weave") -> list[d
         local = spec.num_experts // world_size
         if rank != 0:
             unloaded.load_experts(w13[rank * local:(rank + 1) * local], w2[rank * local:(rank + 1) * local])
-        outcome = outcome_of(lambda: unloaded(x, ids, w))
+        outcome = outcome_of(functools.partial(unloaded, x, ids, w))
         if rank == 0:
             unloaded.load_experts(w13[:local], w2[:local])
         record("not-loaded", outcome, expect(0, "RuntimeError"), next_error(unloaded, w13, w2))
