@@ -764,3 +764,45 @@ def test_decode_calls_only_where_the_layer_has_decode_compiles(monkeypatch, deco
     backend, _, _ = _host_backend(monkeypatch, None, resident=True, decode=decode)
     assert [backend._decode_call(t) for t in (0, 1, DECODE_TOKENS, DECODE_TOKENS + 1)] == \
         [decode, decode, decode, False]
+
+
+def test_x_and_out_reach_the_kernel_aligned_for_its_vector_copies():
+    """The megakernel reads x and writes out with 16-byte vector accesses (megakernel.ROW_ALIGNMENT): a contiguous view
+    that starts off that alignment is copied (x) or replaced by the backend's own tensor (out, which the layer then
+    copies into); aligned tensors pass through untouched."""
+    from weave_moe.backends.weave.backend import _aligned_io
+    from weave_moe.backends.weave.kernels.megakernel import ROW_ALIGNMENT
+
+    storage = torch.randn(4 * 64 + 8, dtype=torch.float32).to(torch.bfloat16)
+    x = storage[:4 * 64].view(4, 64)
+    out = torch.empty(4, 64, dtype=torch.bfloat16)
+    assert x.data_ptr() % ROW_ALIGNMENT.value == 0
+    kept_x, kept_out = _aligned_io(x, out)
+    assert kept_x is x and kept_out is out
+    odd_x = storage[1:1 + 4 * 64].view(4, 64)               # 2 bytes past an aligned start
+    odd_out = torch.empty(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64)
+    copied, dropped = _aligned_io(odd_x, odd_out)
+    assert copied.data_ptr() % ROW_ALIGNMENT.value == 0 and torch.equal(copied, odd_x) and dropped is None
+    assert _aligned_io(odd_x[:0], None)[0].numel() == 0     # T = 0: nothing is read, nothing copied
+
+
+def test_layer_hands_backends_a_contiguous_x(monkeypatch):
+    """The kernels address x's rows by its address and H: a non-contiguous x reaches the backend as a contiguous copy
+    with the same values (the layer's forward), so it cannot be read with the wrong strides."""
+    from weave_moe.layer import ExpertParallelMoE
+    from weave_moe.testing import make_experts
+
+    spec = MoESpec(4, 2, 16, 8)
+    layer = ExpertParallelMoE(spec, group=None, backend="reference", max_tokens_per_rank=8, device="cpu")
+    layer.load_experts(*make_experts(spec, seed=0))
+    seen = []
+    forward = layer.backend.forward
+    monkeypatch.setattr(layer.backend, "forward", lambda x, *args, **kwargs: (seen.append(x), forward(x, *args,
+                                                                                                      **kwargs))[1])
+    wide = torch.randn(3, 2 * spec.hidden_size).to(torch.bfloat16)
+    x = wide[:, ::2]                                         # [3, H], every other column: not contiguous
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    weights = torch.full((3, 2), 0.5)
+    result = layer(x, ids, weights)
+    assert seen[0].is_contiguous() and torch.equal(seen[0], x)
+    assert torch.equal(result, layer(x.contiguous(), ids, weights))

@@ -229,7 +229,8 @@ class ExpertParallelMoE(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 timings: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, H] bf16, topk_ids [T, k] int32/int64 global expert ids (-1 = none), topk_weights [T, k] fp32.
+        """x [T, H] bf16 (any strides: a non-contiguous x is copied), topk_ids [T, k] int32/int64 global expert ids
+        (-1 = none), topk_weights [T, k] fp32.
 
         Returns [T, H] bf16. T may be 0 (the rank still takes part in the collectives). `timings`, when given, is
         passed to the backend (the nccl backend fills in per-stage milliseconds on CUDA). `out`, when given
@@ -258,7 +259,8 @@ class ExpertParallelMoE(torch.nn.Module):
             self._abandon_call(error)
         if not self._first_call_done:
             self._check_first_call(None)
-        topk_weights = topk_weights.contiguous()
+        # the kernels address rows by x's address and H (a no-op for a contiguous x)
+        x, topk_weights = x.contiguous(), topk_weights.contiguous()
         if not (x.requires_grad or topk_weights.requires_grad) or not torch.is_grad_enabled():
             # nothing to guard (the weights are detached at load): no no_grad() context, ~5-10 us of host time
             return self._run_backend(x, topk_ids, topk_weights, timings, out)

@@ -32,7 +32,7 @@ from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.megakernel import (CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES,
-                                                        STAGE_COMBINE_REDUCE)
+                                                        ROW_ALIGNMENT, STAGE_COMBINE_REDUCE)
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.prefetch import WeightPrefetch
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
@@ -82,6 +82,20 @@ def stage_constants(constants: mk_launch.MegakernelConstants, hidden_size: int) 
         table[key], DISPATCH_ROWS=DECODE_ROWS, COMBINE_ROWS=DECODE_ROWS, REDUCE_ROWS=DECODE_ROWS,
         BLOCK_H=decode_block_h(hidden_size)) for key in _ROW_STAGES})
     return table
+
+
+def _aligned_io(x: torch.Tensor, out: torch.Tensor | None) -> tuple:
+    """(x, out) as the kernels may address them (megakernel.ROW_ALIGNMENT): an x whose start is not aligned (a
+    contiguous view at an odd offset) is copied; such an out is replaced by None, a tensor of the backend's own,
+    which the layer copies into the caller's out. Every tensor torch allocates is aligned, so a call normally keeps
+    both (two address checks). Without this, the resident call's kernel would fault on such a tensor, and the
+    host-driven call would compile another specialisation of the megakernel (its launch is specialised on the
+    alignment too) inside the call while its peers wait."""
+    if x.numel() and x.data_ptr() % ROW_ALIGNMENT.value:
+        x = x.clone()
+    if out is not None and out.numel() and out.data_ptr() % ROW_ALIGNMENT.value:
+        out = None
+    return x, out
 
 
 class _HostClock:
@@ -326,7 +340,9 @@ class WeaveBackend:
         pack kernel narrows them), topk_weights [T, k] fp32 -> [T, H] bf16.
 
         `timings`, when given, accumulates host milliseconds per step (host_exchange_ms, host_sync_ms, ...). `out`:
-        the result's tensor (written by the kernel; NaN rows where a call is refused); None: a new one."""
+        the result's tensor (written by the kernel; NaN rows where a call is refused); None: a new one. x and out
+        whose first row is not 16-byte aligned are copied, or not used (`_aligned_io`)."""
+        x, out = _aligned_io(x, out)
         if self.resident:
             return self._forward_resident(x, topk_ids, topk_weights, timings, out)
         if self.broken:

@@ -79,11 +79,13 @@ from dataclasses import dataclass
 
 import torch
 
+from weave_moe.backends.weave.kernels.megakernel import ROW_ALIGNMENT
 from weave_moe.models import BYTES_PER_ELEMENT
 from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["SymmetricWorkspace", "WorkspaceView", "WorkspaceBytes", "EXCHANGE_CTRL_FIXED"]
 
+#: byte alignment of every region's offset in the buffer
 _ALIGN = 256
 
 #: int32 words of `exchange_ctrl` before its per-destination send counters (kernels/routing_exchange.py: CTRL_*)
@@ -289,6 +291,12 @@ class SymmetricWorkspace:
             self.handle = symm_mem.rendezvous(self.buffer, self.group.group_name)
             bases = [int(p) for p in self.handle.buffer_ptrs]
             self.handle.barrier()
+        # the megakernel addresses every region's start as ROW_ALIGNMENT-aligned (its offsets are multiples of _ALIGN)
+        misaligned = [rank for rank, base in enumerate(bases) if base % ROW_ALIGNMENT.value]
+        if misaligned:
+            raise RuntimeError(f"weave workspace: the symmetric buffers of ranks {misaligned} are not "
+                               f"{ROW_ALIGNMENT.value}-byte "
+                               f"aligned (bases {[hex(bases[r]) for r in misaligned]})")
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
 
     def _ipc_rendezvous(self) -> list[int]:

@@ -43,6 +43,10 @@ CTRL_GEMM0_DONE = tl.constexpr(16)   # [num M tiles]
 # STAGE of the launch that runs the combine and reduce phases (2, 3) together (module docstring)
 STAGE_COMBINE_REDUCE = tl.constexpr(4)
 CTRL_SIZE_FIXED = 16
+# Byte alignment of x and out (a resident call's, read from `io_ptr`) and of the start of every region of the
+# symmetric buffers: the row copies read and write them with 16-byte vector accesses (`_io_ptr`, `_peer_ptr`). The
+# backend passes only such x and out; the workspace checks the buffers' bases, and aligns its regions' offsets.
+ROW_ALIGNMENT = tl.constexpr(16)
 
 # Timeline (TIMELINE=True): int64 [grid, MAX_EVENTS, 4], one row per task a CTA ran, in order:
 #     [kind (EVENT_*), start_ns (claimed), end_ns (done), ready_ns (its dependency wait ended; = start if none)]
@@ -59,9 +63,20 @@ EVENT_NAMES = ("dispatch", "gemm0", "gemm1", "combine", "reduce", "stolen_gemm0"
 
 
 @triton.jit
-def _peer_ptr(peer_base_ptr, rank, byte_offset, dtype: tl.constexpr):
+def _peer_ptr(peer_base_ptr, rank, region_offset, dtype: tl.constexpr):
+    """The start of a region of `rank`'s symmetric buffer (`region_offset` bytes from its base), ROW_ALIGNMENT-aligned,
+    so that the row copies into it use 16-byte vector stores; the caller adds its element offset, whose divisibility
+    the compiler knows from the launch's specialisation (H, max_tokens)."""
     base = tl.load(peer_base_ptr + rank)
-    return (base + byte_offset).to(tl.pointer_type(dtype))
+    return tl.multiple_of((base + region_offset).to(tl.pointer_type(dtype)), ROW_ALIGNMENT)
+
+
+@triton.jit
+def _io_ptr(io_ptr, word):
+    """x (word 0) or out (word 1) of a resident call, by the address the call's pack stored, ROW_ALIGNMENT-aligned
+    (backend.py, `_aligned_io`), so that the row copies from x and into out use 16-byte vector accesses instead of
+    one access per element."""
+    return tl.multiple_of(tl.load(io_ptr + word).to(tl.pointer_type(tl.bfloat16)), ROW_ALIGNMENT)
 
 
 @triton.jit
@@ -153,8 +168,8 @@ def moe_megakernel(
     sync.pdl_enter()
     pid = tl.program_id(0)
     if RESIDENT:
-        x_ptr = tl.load(io_ptr).to(tl.pointer_type(tl.bfloat16))
-        out_ptr = tl.load(io_ptr + 1).to(tl.pointer_type(tl.bfloat16))
+        x_ptr = _io_ptr(io_ptr, 0)
+        out_ptr = _io_ptr(io_ptr, 1)
         num_tokens = tl.load(tokens_ptr)
         planned_c = tl.load(plan_ptr + rank * 4)
         serial = planned_c >= tl.num_programs(0)
@@ -168,7 +183,6 @@ def moe_megakernel(
     num_combine = tl.load(meta_ptr + 2)
     num_reduce = tl.load(meta_ptr + 3)
     n0_tiles = tl.cdiv(I, BLOCK_N0)
-    row_bytes = H.to(tl.int64) * 2
     # the phases of this launch; compile-time when STAGE >= 0 (so the reduce stage's refusal branch is static too)
     if STAGE == STAGE_COMBINE_REDUCE:
         first_phase: tl.constexpr = 2
@@ -209,11 +223,10 @@ def moe_megakernel(
             task, t_start = _claim(ctrl_ptr + CTRL_DISPATCH, TIMELINE)
             if task < num_dispatch:
                 dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
-                dst = _peer_ptr(peer_base_ptr, dest, recv_offset + rank.to(tl.int64) * max_tokens * row_bytes,
-                                tl.bfloat16)
+                dst = _peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16) + rank.to(tl.int64) * max_tokens * H
                 tiles.dispatch_rows(x_ptr, dst, send_token_ptr, send_slot_ptr, start, count, H,
                                     DISPATCH_ROWS, BLOCK_H)
-                flag = _peer_ptr(peer_base_ptr, dest, flags_offset + (rank * MAX_CHUNKS + chunk) * 4, tl.int32)
+                flag = _peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MAX_CHUNKS + chunk
                 sync.signal_add(flag, count, True)
                 if TIMELINE:
                     num_events = _record(timeline_ptr, pid, num_events, EVENT_DISPATCH, t_start, t_start, MAX_EVENTS)
@@ -275,11 +288,10 @@ def moe_megakernel(
                         combinable_chunks = combinable_chunks | (1 << chunk)
                 if TIMELINE:
                     t_ready = sync.global_time_ns()
-                dst = _peer_ptr(peer_base_ptr, source, comb_offset + rank.to(tl.int64) * max_tokens * row_bytes,
-                                tl.bfloat16)
+                dst = _peer_ptr(peer_base_ptr, source, comb_offset, tl.bfloat16) + rank.to(tl.int64) * max_tokens * H
                 tiles.combine_rows(y_ptr, combine_pos_ptr, combine_weight_ptr, combine_token_ptr, dst, start, count,
                                    H, TOP_K, COMBINE_ROWS, BLOCK_H)
-                flag = _peer_ptr(peer_base_ptr, source, flags_offset + (world_size * MAX_CHUNKS + rank) * 4, tl.int32)
+                flag = _peer_ptr(peer_base_ptr, source, flags_offset, tl.int32) + world_size * MAX_CHUNKS + rank
                 sync.signal_add(flag, count, True)
                 if TIMELINE:
                     num_events = _record(timeline_ptr, pid, num_events, EVENT_COMBINE, t_start, t_ready, MAX_EVENTS)
