@@ -13,8 +13,9 @@ SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
 
     @triton.jit
-    def _dispatch(x, dst, tok, slot, start, count, H, BR: tl.constexpr, BH: tl.constexpr):
-        tiles.dispatch_rows(x, dst, tok, slot, start, count, H, BR, BH)
+    def _dispatch(x, dst, tok, slot, start, count, H, BR: tl.constexpr, BH: tl.constexpr,
+                  PIPELINED: tl.constexpr = True):
+        tiles.dispatch_rows(x, dst, tok, slot, start, count, H, BR, BH, PIPELINED)
 
     @triton.jit
     def _gemm0(a, g, w13, h, e, rs, nr, ns, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -38,11 +39,21 @@ SCRIPT = textwrap.dedent(
     dst = torch.full((12, H), float("nan"), dtype=torch.bfloat16)
     tok = torch.tensor([9, 0, 4, 4, 7], dtype=torch.int32)
     slot = torch.tensor([0, 5, 2, 11, 6], dtype=torch.int32)
-    _dispatch[(1,)](x, dst, tok, slot, 1, 3, H, 4, 32)
-    assert torch.equal(dst[5].view(torch.int16), x[0].view(torch.int16))
-    assert torch.equal(dst[2].view(torch.int16), x[4].view(torch.int16))
-    assert torch.equal(dst[11].view(torch.int16), x[4].view(torch.int16))
-    assert dst[0].isnan().all() and dst[6].isnan().all()
+    for pipelined in (True, False):
+        dst = torch.full((12, H), float("nan"), dtype=torch.bfloat16)
+        _dispatch[(1,)](x, dst, tok, slot, 1, 3, H, 4, 32, pipelined)
+        assert torch.equal(dst[5].view(torch.int16), x[0].view(torch.int16))
+        assert torch.equal(dst[2].view(torch.int16), x[4].view(torch.int16))
+        assert torch.equal(dst[11].view(torch.int16), x[4].view(torch.int16))
+        assert dst[0].isnan().all() and dst[6].isnan().all()
+    # ... rows of one step (H <= BH) and of whole steps (H a multiple of BH), both loops
+    for H, BH, pipelined in ((24, 32, True), (64, 32, True), (96, 32, True), (64, 32, False)):
+        x = torch.randn(10, H).to(torch.bfloat16)
+        dst = torch.full((12, H), float("nan"), dtype=torch.bfloat16)
+        _dispatch[(1,)](x, dst, tok, slot, 0, 5, H, 8, BH, pipelined)
+        for i in range(5):
+            assert torch.equal(dst[slot[i]].view(torch.int16), x[tok[i]].view(torch.int16)), (H, i)
+        assert dst[[1, 3, 4, 7, 8, 9, 10]].isnan().all()
 
     # gemm0 with gather and fused silu-mul; odd sizes, partial tiles
     H, I, E = 40, 24, 3

@@ -225,7 +225,7 @@ def moe_megakernel(
                 dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
                 dst = _peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16) + rank.to(tl.int64) * max_tokens * H
                 tiles.dispatch_rows(x_ptr, dst, send_token_ptr, send_slot_ptr, start, count, H,
-                                    DISPATCH_ROWS, BLOCK_H)
+                                    DISPATCH_ROWS, BLOCK_H, PIPELINED=not RUN_GEMM)
                 flag = _peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MAX_CHUNKS + chunk
                 sync.signal_add(flag, count, True)
                 if TIMELINE:

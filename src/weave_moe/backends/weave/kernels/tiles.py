@@ -14,20 +14,37 @@ import triton.language as tl
 
 @triton.jit
 def dispatch_rows(x_ptr, dst_ptr, token_ptr, slot_ptr, start, count, H,
-                  BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+                  BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, PIPELINED: tl.constexpr = True):
     """Copy `count` (<= BLOCK_ROWS) rows of x [T, H] to dst [*, H] (a peer's receive region or our own).
 
     Row i of the task: x[token[start + i]] -> dst[slot[start + i]].
+
+    In BLOCK_H-wide steps. PIPELINED: each step's loads are issued before the previous step's stores. A store waits
+    for its data, so in a plain load-then-store loop every step waits one load latency after the last (the row copies
+    are latency-bound at the tasks' sizes); here the next step's loads are on their way meanwhile, for another
+    BLOCK_ROWS x BLOCK_H elements of registers (which a launch that also holds the GEMM tiles' code pays in spills).
     """
     offs_r = tl.arange(0, BLOCK_ROWS)
     mask_r = offs_r < count
     token = tl.load(token_ptr + start + offs_r, mask=mask_r, other=0).to(tl.int64)
     slot = tl.load(slot_ptr + start + offs_r, mask=mask_r, other=0).to(tl.int64)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask = mask_r[:, None] & (offs_h < H)[None, :]
-        rows = tl.load(x_ptr + token[:, None] * H + offs_h[None, :], mask=mask)
+    if not PIPELINED:
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask = mask_r[:, None] & (offs_h < H)[None, :]
+            rows = tl.load(x_ptr + token[:, None] * H + offs_h[None, :], mask=mask)
+            tl.store(dst_ptr + slot[:, None] * H + offs_h[None, :], rows, mask=mask)
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = mask_r[:, None] & (offs_h < H)[None, :]
+    rows = tl.load(x_ptr + token[:, None] * H + offs_h[None, :], mask=mask)
+    for h0 in range(BLOCK_H, H, BLOCK_H):
+        next_offs = h0 + tl.arange(0, BLOCK_H)
+        next_mask = mask_r[:, None] & (next_offs < H)[None, :]
+        next_rows = tl.load(x_ptr + token[:, None] * H + next_offs[None, :], mask=next_mask)
         tl.store(dst_ptr + slot[:, None] * H + offs_h[None, :], rows, mask=mask)
+        offs_h, mask, rows = next_offs, next_mask, next_rows
+    tl.store(dst_ptr + slot[:, None] * H + offs_h[None, :], rows, mask=mask)
 
 
 @triton.jit
