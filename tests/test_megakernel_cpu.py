@@ -371,8 +371,9 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
     assert re.search(r"ld\.global\.sys\.acquire", combine_reduce)
 
 
-def _as_launched(stage_key, interleaved: bool, resident: bool, H: int = 2048):
-    """The sm_90 compile of one of the backend's launches (`stage_constants` key) for the default KernelConfig at the
+def _as_launched(stage_key, interleaved: bool, resident: bool, H: int = 2048, cfg=None):
+    """The sm_90 compile of one of the backend's launches (`stage_constants` key) for `cfg` (default: the default
+    KernelConfig) at the
     per-rank shape of Qwen3-30B-A3B at EP 2 (H 2048, I 768, T_max 2048), specialised exactly as the launch is:
     16-byte-aligned pointers (as every torch allocation), H / I / max_tokens as passed, the backend's TMA descriptors.
     The pointer arguments are small stand-ins (two experts' weights: E_local is not part of the compile): only their
@@ -386,7 +387,7 @@ def _as_launched(stage_key, interleaved: bool, resident: bool, H: int = 2048):
     from weave_moe.backends.weave.launch import (MegakernelArgs, MegakernelConstants, compile_as_launched,
                                                  tma_descriptors)
 
-    cfg, E, I = KernelConfig(), 2, 768
+    cfg, E, I = cfg or KernelConfig(), 2, 768
     constants = stage_constants(MegakernelConstants.from_config(cfg, 8, 8, 0, True, resident=resident,
                                                                 interleaved=interleaved), H)[stage_key]
     w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16), torch.zeros(E, H, I, dtype=torch.bfloat16)
@@ -443,6 +444,16 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
         assert "cp.async.bulk.tensor" in ptx
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", ptx))
         assert shapes == ({"128", "256"} if interleaved else {"128"}), (name, shapes)
+
+
+@pytest.mark.parametrize("stage_key", [0, ("decode", 0), (4, "grouped serial")])
+def test_vector_rows_off_keeps_the_element_copies_for_ab(stage_key):
+    """KernelConfig.vector_rows off compiles the row copies as before it (one access per bf16 element), so that a
+    benchmark can run both side by side; on (the default), 16-byte vectors (test_megakernel_as_launched_on_sm90)."""
+    from weave_moe.backends.weave.config import KernelConfig
+
+    ptx = _as_launched(stage_key, True, True, cfg=KernelConfig(vector_rows=False)).asm["ptx"]
+    assert re.search(r"st\.global\.b16", ptx) and not re.search(r"st\.global\.v4", ptx), stage_key
 
 
 def _workspace_args(ws, parity: int) -> dict:

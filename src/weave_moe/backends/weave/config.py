@@ -158,6 +158,11 @@ class KernelConfig:
             stream-K schedule dropped). For callers that hold the experts' weights themselves, such as the Hugging
             Face integration's per-module layers (weave_moe.hf). The megakernel's wide GEMM0 tiles measured 1.4-4.7%
             faster than two MMAs (`wide_gemm0`); the grouped GEMMs' two-MMA form is unmeasured.
+        vector_rows: the row copies of the megakernel (dispatch, combine, reduce) read x and write out and the peers'
+            regions with 16-byte vector accesses (their addresses, read from device memory, declared aligned:
+            kernels/megakernel.py, ROW_ALIGNMENT), and the dispatch launch of the serial stages issues a step's loads
+            before the previous step's stores (tiles.dispatch_rows PIPELINED). Off: one access per bf16 element and
+            steps in series, as before 2323dbc; for A/B (`scripts/device_run.sh vector-rows`), unmeasured on a GPU.
     """
 
     block_m: int = 128
@@ -192,6 +197,7 @@ class KernelConfig:
     grouped_pdl: bool = False
     prefetch_mib: int = 0
     interleave_w13: bool = True
+    vector_rows: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

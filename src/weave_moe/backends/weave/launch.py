@@ -109,6 +109,7 @@ class MegakernelConstants:
     W13_INTERLEAVED: bool = False  # w13 in the grouped GEMMs' interleaved layout (its descriptor 3-D)
     WIDE_GEMM0: bool = False       # GEMM0 as one MMA over interleaved rows (its descriptor 2-D, 2 * BLOCK_N0 rows)
     GROUPED_SERIAL: bool = False   # resident serial plans' GEMMs run as grouped GEMMs between stage launches
+    VECTOR_ROWS: bool = True       # row copies in 16-byte vectors, the dispatch's steps pipelined (KernelConfig)
 
     @property
     def runs_gemm(self) -> bool:
@@ -127,7 +128,7 @@ class MegakernelConstants:
                    DOT_FP32=config.dot_fp32, TIMELINE=timeline_events > 0, MAX_EVENTS=max(timeline_events, 1),
                    STAGES0=config.stages0, STAGES1=config.stages1, BLOCK_K1=config.block_k1, USE_TMA=use_tma,
                    RESIDENT=resident, W13_INTERLEAVED=interleaved,
-                   WIDE_GEMM0=bool(interleaved and config.wide_gemm0))
+                   WIDE_GEMM0=bool(interleaved and config.wide_gemm0), VECTOR_ROWS=config.vector_rows)
 
     def by_name(self) -> dict:
         return dataclasses.asdict(self)
@@ -209,7 +210,7 @@ def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_st
 
     `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
     TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False,
-    GROUPED_SERIAL=False, WIDE_GEMM0=False. The descriptors are passed as `launch`
+    GROUPED_SERIAL=False, WIDE_GEMM0=False, VECTOR_ROWS=True. The descriptors are passed as `launch`
     passes them (none to a compile without the GEMM phase).
     """
     from triton.backends.compiler import GPUTarget
@@ -217,7 +218,7 @@ def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_st
 
     constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
                           DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False, GROUPED_SERIAL=False,
-                          WIDE_GEMM0=False),
+                          WIDE_GEMM0=False, VECTOR_ROWS=True),
                      **constants)
     signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
     signature.update({name: "constexpr" for name in constants})

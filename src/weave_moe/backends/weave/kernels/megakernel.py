@@ -63,20 +63,26 @@ EVENT_NAMES = ("dispatch", "gemm0", "gemm1", "combine", "reduce", "stolen_gemm0"
 
 
 @triton.jit
-def _peer_ptr(peer_base_ptr, rank, region_offset, dtype: tl.constexpr):
-    """The start of a region of `rank`'s symmetric buffer (`region_offset` bytes from its base), ROW_ALIGNMENT-aligned,
-    so that the row copies into it use 16-byte vector stores; the caller adds its element offset, whose divisibility
-    the compiler knows from the launch's specialisation (H, max_tokens)."""
-    base = tl.load(peer_base_ptr + rank)
-    return tl.multiple_of((base + region_offset).to(tl.pointer_type(dtype)), ROW_ALIGNMENT)
+def _peer_ptr(peer_base_ptr, rank, region_offset, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
+    """The start of a region of `rank`'s symmetric buffer (`region_offset` bytes from its base). It is ROW_ALIGNMENT-
+    aligned; ALIGNED (VECTOR_ROWS) declares it, which the compiler cannot infer for an address read from memory, so
+    that the row copies into the region use 16-byte vector stores instead of one store per element. The caller adds
+    its element offset, whose divisibility the compiler knows from the launch's specialisation (H, max_tokens).
+    (`tl.multiple_of` annotates the operation that made its argument, so it is applied here, not in a helper.)"""
+    region = (tl.load(peer_base_ptr + rank) + region_offset).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        region = tl.multiple_of(region, ROW_ALIGNMENT)
+    return region
 
 
 @triton.jit
-def _io_ptr(io_ptr, word):
-    """x (word 0) or out (word 1) of a resident call, by the address the call's pack stored, ROW_ALIGNMENT-aligned
-    (backend.py, `_aligned_io`), so that the row copies from x and into out use 16-byte vector accesses instead of
-    one access per element."""
-    return tl.multiple_of(tl.load(io_ptr + word).to(tl.pointer_type(tl.bfloat16)), ROW_ALIGNMENT)
+def _io_ptr(io_ptr, word, ALIGNED: tl.constexpr):
+    """x (word 0) or out (word 1) of a resident call, by the address the call's pack stored: ROW_ALIGNMENT-aligned
+    (backend.py, `_aligned_io`), declared so with ALIGNED (as in `_peer_ptr`)."""
+    pointer = tl.load(io_ptr + word).to(tl.pointer_type(tl.bfloat16))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, ROW_ALIGNMENT)
+    return pointer
 
 
 @triton.jit
@@ -164,12 +170,15 @@ def moe_megakernel(
     # launch (combine + reduce) runs; with any other plan the STAGE -1 launch runs every phase and the STAGE 4 launch
     # does nothing
     GROUPED_SERIAL: tl.constexpr = False,
+    # the row copies in 16-byte vectors (x, out and the peers' regions declared ROW_ALIGNMENT-aligned) and the
+    # dispatch's steps pipelined in the launches without GEMM (KernelConfig.vector_rows)
+    VECTOR_ROWS: tl.constexpr = True,
 ):
     sync.pdl_enter()
     pid = tl.program_id(0)
     if RESIDENT:
-        x_ptr = _io_ptr(io_ptr, 0)
-        out_ptr = _io_ptr(io_ptr, 1)
+        x_ptr = _io_ptr(io_ptr, 0, VECTOR_ROWS)
+        out_ptr = _io_ptr(io_ptr, 1, VECTOR_ROWS)
         num_tokens = tl.load(tokens_ptr)
         planned_c = tl.load(plan_ptr + rank * 4)
         serial = planned_c >= tl.num_programs(0)
@@ -223,9 +232,10 @@ def moe_megakernel(
             task, t_start = _claim(ctrl_ptr + CTRL_DISPATCH, TIMELINE)
             if task < num_dispatch:
                 dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
-                dst = _peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16) + rank.to(tl.int64) * max_tokens * H
+                dst = (_peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, VECTOR_ROWS)
+                       + rank.to(tl.int64) * max_tokens * H)
                 tiles.dispatch_rows(x_ptr, dst, send_token_ptr, send_slot_ptr, start, count, H,
-                                    DISPATCH_ROWS, BLOCK_H, PIPELINED=not RUN_GEMM)
+                                    DISPATCH_ROWS, BLOCK_H, PIPELINED=VECTOR_ROWS and not RUN_GEMM)
                 flag = _peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MAX_CHUNKS + chunk
                 sync.signal_add(flag, count, True)
                 if TIMELINE:
@@ -288,7 +298,8 @@ def moe_megakernel(
                         combinable_chunks = combinable_chunks | (1 << chunk)
                 if TIMELINE:
                     t_ready = sync.global_time_ns()
-                dst = _peer_ptr(peer_base_ptr, source, comb_offset, tl.bfloat16) + rank.to(tl.int64) * max_tokens * H
+                dst = (_peer_ptr(peer_base_ptr, source, comb_offset, tl.bfloat16, VECTOR_ROWS)
+                       + rank.to(tl.int64) * max_tokens * H)
                 tiles.combine_rows(y_ptr, combine_pos_ptr, combine_weight_ptr, combine_token_ptr, dst, start, count,
                                    H, TOP_K, COMBINE_ROWS, BLOCK_H)
                 flag = _peer_ptr(peer_base_ptr, source, flags_offset, tl.int32) + world_size * MAX_CHUNKS + rank
