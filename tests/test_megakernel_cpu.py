@@ -329,9 +329,9 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
 
     Measured with Triton 3.6 on `compile_sm`'s unspecialised compiles (REG / STACK bytes / dynamic shared bytes): the
     one-launch kernel 255 / 248 / 147520, STAGE 0 244 / 0 / 4, STAGE 2 255 / 40 / 64, STAGE 3 147 / 0 / 64, STAGE 4
-    255 / 40 / 64. As launched the stacks are smaller and the rows move in 16-byte vectors (STAGE 0: 74 registers,
-    STAGE 4: 111, none spilled; test_megakernel_as_launched_on_sm90). The combine stage's registers are its own tile's (combine_rows: TOP_K gathers
-    of COMBINE_ROWS x BLOCK_H in flight at once), not the GEMM's.
+    255 / 40 / 64. As launched the stacks are smaller and the rows move in 16-byte vectors (STAGE 0: 83 registers,
+    STAGE 4: 221, none spilled; test_megakernel_as_launched_on_sm90). The combine stage's registers are its own
+    tile's (combine_rows: TOP_K gathers of COMBINE_ROWS x BLOCK_H in flight at once), not the GEMM's.
     """
     full = stage_kernels[-1]
     full_ptx, full_resources = full.asm["ptx"], _cubin_resources(full)
@@ -351,23 +351,25 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
         if stage in (2, 4):  # the combine tile's own pressure: a few spilled registers, far fewer than the full kernel's
             assert resources["STACK"] <= full_resources["STACK"] / 4, resources
         elif stage == 0:  # unspecialised, its two steps of rows in flight are per-element loads, each with its own
-            #              address: registers are read as launched (74, test_megakernel_as_launched_on_sm90)
+            #              address: registers are read as launched (83, test_megakernel_as_launched_on_sm90)
             assert resources["STACK"] == 0, (stage, resources)
         else:
             assert resources["STACK"] == 0 and resources["REG"] <= full_resources["REG"] * 0.6, (stage, resources)
-    # each stage kept the ordering of its flags: dispatch and combine release onto peers' flags, combine waits on
-    # this GPU's GEMM1 counters, reduce waits on the peers' combine flags
+    # each stage kept the ordering of its flags: dispatch and combine release onto peers' flags, reduce waits on the
+    # peers' combine flags; only the one-launch kernel's combine waits on this GPU's GEMM1 counters (a combine launch
+    # starts after the GEMM launches have ended: no acquire of them on its chain)
     assert _has_release_add(stage_kernels[0].asm["ptx"], "sys")
     # the dispatch-only launch also waits (system scope) until the peers' rows have arrived before it ends: the grouped
     # GEMMs' row gather after it reads them unguarded (a wrong answer at EP=2 on an H200 pair until fba7568)
     # (its flags polled as one vector of atomics, sync.wait_all_at_least: an acquire add of 0 at system scope)
     assert re.search(r"ld\.global\.sys\.acquire|atom\.global\.sys\.acquire\.add", stage_kernels[0].asm["ptx"])
     assert _has_release_add(stage_kernels[2].asm["ptx"], "sys")
-    assert re.search(r"ld\.global\.gpu\.acquire", stage_kernels[2].asm["ptx"])
+    assert not re.search(r"ld\.global\.gpu\.acquire", stage_kernels[2].asm["ptx"])
+    assert re.search(r"ld\.global\.gpu\.acquire", full_ptx)
     assert re.search(r"ld\.global\.sys\.acquire", stage_kernels[3].asm["ptx"])
     # the combine + reduce launch does both
     combine_reduce = stage_kernels[4].asm["ptx"]
-    assert _has_release_add(combine_reduce, "sys") and re.search(r"ld\.global\.gpu\.acquire", combine_reduce)
+    assert _has_release_add(combine_reduce, "sys") and not re.search(r"ld\.global\.gpu\.acquire", combine_reduce)
     assert re.search(r"ld\.global\.sys\.acquire", combine_reduce)
 
 
@@ -412,8 +414,10 @@ def _as_launched(stage_key, interleaved: bool, resident: bool, H: int = 2048, cf
     ("resident decode combine + reduce, H 7168", ("decode", (4, "grouped serial")), True, True, 0, 7168),
     # the fixed serial policy's dispatch and combine + reduce launches at decode sizes
     ("serial decode dispatch", ("decode", 0), True, True, 0, 2048),
-    # ... and at prefill sizes (the dispatch's steps pipelined: tiles.dispatch_rows PIPELINED)
+    # ... and at prefill sizes (the dispatch's steps pipelined: tiles.dispatch_rows PIPELINED; the combine + reduce
+    # spilled at 128 registers before its compile allowed more, launch.MAXNREG)
     ("serial dispatch", 0, True, True, 0, 2048),
+    ("serial combine + reduce", 4, True, True, 0, 2048),
     ("serial decode combine + reduce", ("decode", 4), True, True, 0, 7168),
     # the host-driven call (EP > 1 by default): the one-launch kernel on the plain w13
     ("host-driven one-launch", -1, False, False, 40, 2048),
@@ -421,7 +425,7 @@ def _as_launched(stage_key, interleaved: bool, resident: bool, H: int = 2048, cf
 def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, max_stack, H):
     """The kernels that run, compiled as launched (`compile_as_launched`), not `compile_sm`'s unspecialised variant:
     their registers, stack and shared memory. Measured with Triton 3.6 (REG / STACK bytes / shared KB): resident
-    one-launch 255 / 16 / 192, resident combine + reduce 111 / 0 / 8, host-driven one-launch 255 / 40 / 192
+    one-launch 255 / 16 / 192, resident combine + reduce 221 / 0 / 8, host-driven one-launch 255 / 40 / 192
     (`compile_sm`, unspecialised: 255 / 240-248 / 144 and 255 / 40 / 0). Spills are register spills (no `.local`
     array in the PTX); the bounds are today's figures, so a change that spills more fails here. Not yet met: no
     spills at all in the GEMM path (the one-launch kernels).

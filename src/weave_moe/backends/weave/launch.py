@@ -175,11 +175,25 @@ def _check_signature() -> None:
 _check_signature()
 
 
+#: Registers per thread the launches without GEMM may use (`maxnreg`, in their compiles). The grid is one CTA per SM,
+#: so room for a second CTA on an SM is never used; without a bound, ptxas fitted those launches, whose own need is
+#: ~110-220 registers, into 128 (two CTAs of 256 threads per SM) and spilled (sm_90: the combine + reduce launch of
+#: the fixed serial policy, 28 bytes; tests/test_megakernel_cpu.py). The launches with the GEMM phase use 255 either
+#: way, and spilled more with the bound stated (sm_90: 40 -> 136 bytes of stack, host-driven one-launch kernel).
+MAXNREG = 255
+
+
+def _options(constants: MegakernelConstants) -> dict:
+    """The launch options of a compile and launch of `constants`."""
+    return sync.LAUNCH if constants.runs_gemm else dict(maxnreg=MAXNREG, **sync.LAUNCH)
+
+
 def launch(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
            num_stages: int) -> None:
     """One cooperative launch of `grid` CTAs (all resident, or the launch fails instead of hanging)."""
     moe_megakernel[(grid,)](**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
-                            num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True, **sync.LAUNCH)
+                            num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True,
+                            **_options(constants))
 
 
 def compile_as_launched(args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
@@ -193,7 +207,7 @@ def compile_as_launched(args: MegakernelArgs, constants: MegakernelConstants, de
 
     return compile_for_sm90(moe_megakernel, (), dict(**args.by_name(), **constants.by_name(),
                                                      **_descriptors(constants, descriptors), num_warps=num_warps,
-                                                     num_stages=num_stages, **sync.LAUNCH), capability)
+                                                     num_stages=num_stages, **_options(constants)), capability)
 
 
 def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
@@ -201,7 +215,7 @@ def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, desc
     """Compile for these arguments' specialisation without launching."""
     moe_megakernel.warmup(**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
                           grid=(grid,), num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True,
-                          **sync.LAUNCH)
+                          **_options(constants))
 
 
 def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_stages: int = 3):

@@ -10,8 +10,10 @@ resident fails at launch instead of hanging). Each CTA walks a small state machi
                         stealing", right after dispatch). Tasks come in DAG order (GEMM0 of chunk c, then GEMM0 of
                         c+1, then GEMM1 of c, ...). GEMM0 waits for chunk c to have arrived from every source;
                         GEMM1 waits for all GEMM0 column tiles of its M tile.
-    phase 2  combine    claim combine blocks in chunk order; wait for the chunk's GEMM1 tiles; write the weighted
-                        sum over local experts to the source rank's combine buffer; release-add onto its flag.
+    phase 2  combine    claim combine blocks in chunk order; wait for the chunk's GEMM1 tiles (in a launch that
+                        also ran the GEMM phase; a combine launch starts after the GEMM launches have ended); write
+                        the weighted sum over local experts to the source rank's combine buffer; release-add onto
+                        its flag.
     phase 3  reduce     every CTA: wait for all destinations' combine rows, sum them per token into `out`.
 
 Which phases a launch runs: with STAGE = -1 (compile-time) the phases PHASE_FIRST..PHASE_LAST (runtime; 0..3 for
@@ -291,11 +293,16 @@ def moe_megakernel(
             task, t_start = _claim(ctrl_ptr + CTRL_COMBINE, TIMELINE)
             if task < num_combine:
                 source, chunk, start, count = _task_row(combine_tasks_ptr, task)
-                if ((combinable_chunks >> chunk) & 1) == 0:
-                    expected = tl.load(gemm1_expected_ptr + chunk)
-                    if sync.wait_at_least(ctrl_ptr + CTRL_GEMM1_DONE + chunk, expected, status_ptr,
-                                          sync.ERROR_GEMM1_TIMEOUT, chunk, timeout_ns, False) != 0:
-                        combinable_chunks = combinable_chunks | (1 << chunk)
+                # a launch without the GEMM phase (STAGE 2, 4) runs after the launches that did the GEMMs, which its
+                # first statement waited for (sync.pdl_enter): their tiles are done and y is visible, so only the
+                # one-launch kernel waits for a chunk's GEMM1 tiles (one acquire round trip less on the chain of a
+                # decode call's combine)
+                if STAGE < 0:
+                    if ((combinable_chunks >> chunk) & 1) == 0:
+                        expected = tl.load(gemm1_expected_ptr + chunk)
+                        if sync.wait_at_least(ctrl_ptr + CTRL_GEMM1_DONE + chunk, expected, status_ptr,
+                                              sync.ERROR_GEMM1_TIMEOUT, chunk, timeout_ns, False) != 0:
+                            combinable_chunks = combinable_chunks | (1 << chunk)
                 if TIMELINE:
                     t_ready = sync.global_time_ns()
                 dst = (_peer_ptr(peer_base_ptr, source, comb_offset, tl.bfloat16, VECTOR_ROWS)
