@@ -318,7 +318,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
     backend.fork_prologue, backend.prefetch = fork, None
-    backend._grouped_prologue = lambda offsets, keys, expected, device_serial, side=False: (
+    backend._grouped_prologue = lambda offsets, keys, device_serial, side=False: (
         launched.append("fork") if side else None) or ({}, None, "event" if side else None)
     backend._gather_rows = lambda index, rows: None
     backend._grouped_gemms = lambda layout, configs, device_serial=False, early=None: launched.append(
@@ -742,11 +742,11 @@ def test_grouped_stage_buffers_are_the_layers_not_each_calls(monkeypatch):
     filled = []
     monkeypatch.setattr(backend_module.grouped_tiles, "fill_tile_tables",
                         lambda tables, offsets, rows, *args, **options: filled.append((tables, rows)))
-    offsets, expected = torch.zeros(9, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    offsets = torch.zeros(9, dtype=torch.int32)
     prologue = functools.partial(WeaveBackend._grouped_prologue, backend)   # the real one (_host_backend stubs it)
-    first = prologue(offsets, ((16, False), (64, True)), expected, False)
-    again = prologue(offsets.clone(), ((64, True), (16, False), (16, False)), expected, False)
-    other = prologue(offsets, ((128, False),), expected, False)
+    first = prologue(offsets, ((16, False), (64, True)), False)
+    again = prologue(offsets.clone(), ((64, True), (16, False), (16, False)), False)
+    other = prologue(offsets, ((128, False),), False)
     assert first[0] is again[0] and first[1] is again[1]          # same kinds: the same tables and rows
     assert other[0] is not first[0] and set(other[0]) == {(128, False)}
     assert len(filled) == 3 and all(tables is result[0] for (tables, _), result in zip(filled, [first, again, other]))

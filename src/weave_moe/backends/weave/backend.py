@@ -31,8 +31,8 @@ from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCou
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
-from weave_moe.backends.weave.kernels.megakernel import (CTRL_GEMM1_DONE, CTRL_SIZE_FIXED, EVENT_NAMES,
-                                                        ROW_ALIGNMENT, STAGE_COMBINE_REDUCE)
+from weave_moe.backends.weave.kernels.megakernel import (CTRL_SIZE_FIXED, EVENT_NAMES, ROW_ALIGNMENT,
+                                                        STAGE_COMBINE_REDUCE)
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.prefetch import WeightPrefetch
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
@@ -526,7 +526,7 @@ class WeaveBackend:
         plans run the grouped GEMMs (`_grouped_prologue` on the side stream, appended to `early`) are forked off
         after the bases kernel, so they run beside the emit: beside the dispatch launch they waited for its CTAs to
         leave the SMs (ending 4-7 us after it at 2048 tokens on an H200, bench/results/h200-42828c2), and an
-        adaptive policy's ran after its first launch (under a split plan they now leave the done counters to it).
+        adaptive policy's ran after its first launch.
         With KernelConfig.prefetch_mib the weights' L2 prefetch is forked off after the counts (its event appended
         to `joins`, which the caller joins at the end of the call)."""
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
@@ -553,9 +553,9 @@ class WeaveBackend:
                        num_sms=self.num_sms)
                   if self.grouped or self.grouped_serial else {})
         if serial and grouped_configs is not None and early is not None and self.fork_prologue:
-            def beside_emit(offsets, expected):
-                early.append(self._grouped_prologue(offsets, _tile_keys(grouped_configs), expected,
-                                                    self.grouped_serial, side=True))
+            def beside_emit(offsets):
+                early.append(self._grouped_prologue(offsets, _tile_keys(grouped_configs), self.grouped_serial,
+                                                    side=True))
             serial["beside_emit"] = beside_emit
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
                                    previous_writes=previous_writes, buffers=self.table_buffers[decode], **serial)
@@ -742,8 +742,7 @@ class WeaveBackend:
         # built beside it, on a side stream, unless the resident call built them beside its emit already (`early`;
         # an adaptive plan's are built there or after its first launch)
         if early is None and configs is not None and not device_serial and self.fork_prologue:
-            early = self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), layout.gemm1_expected, False,
-                                           side=True)
+            early = self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), False, side=True)
         for stage in stages:
             if stage == "grouped":
                 self._grouped_gemms(layout, configs, device_serial, early)
@@ -839,14 +838,13 @@ class WeaveBackend:
     def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
         overwrites afterwards; with KernelConfig.gemm0_gather GEMM0 reads them through the gather rows instead),
-        GEMM0 + SiLU-mul -> h, GEMM1 -> y; then mark every chunk's GEMM1 tiles done for the
-        combine phase, which waits on those counters. `device_serial`: only if this rank's device plan is serial;
+        GEMM0 + SiLU-mul -> h, GEMM1 -> y (the combine launch after them starts once they have ended: it needs no
+        counters of their tiles). `device_serial`: only if this rank's device plan is serial;
         under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
         the GEMMs), all without a host sync. `early`: the side-stream prologue enqueued before the dispatch launch
         (`_resident_tables` or `_launch`; the stage then waits for it)."""
         keys = _tile_keys(configs)
-        tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, layout.gemm1_expected,
-                                                               device_serial)
+        tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
         launch = self.gemm_launch
@@ -860,8 +858,8 @@ class WeaveBackend:
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
 
-    def _grouped_prologue(self, offsets, keys, gemm1_expected, device_serial: bool, side: bool = False) -> tuple:
-        """The grouped GEMMs' tile tables and done counters (`grouped_tiles.fill_tile_tables`, one launch) for the
+    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False) -> tuple:
+        """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
         (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
         this rank's device plan is serial. `side`: on the layer's side stream, after the work enqueued so far, beside
         what the current stream runs next (KernelConfig.fork_prologue); the buffers are allocated on the current
@@ -875,7 +873,6 @@ class WeaveBackend:
                                         torch.empty(1, dtype=torch.int32, device=offsets.device))
         tables, rows = self.tile_buffers[kinds]
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
-                                 self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS], gemm1_expected,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,
                                  num_sms=self.num_sms)
         if not side:
@@ -927,10 +924,9 @@ class WeaveBackend:
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
-            done = self.ctrl[CTRL_GEMM1_DONE:CTRL_GEMM1_DONE + MAX_CHUNKS]
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
-                _, rows, _ = self._grouped_prologue(empty, pair, done.clone(), self.grouped_serial)
+                _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
                 if not self.gemm0_gather:   # otherwise a call makes no gather launch
                     self._gather_rows(self.ctrl, rows)
         torch.cuda.synchronize(self.device)

@@ -195,12 +195,11 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count
 
 @triton.jit(do_not_specialize=["num_sms", "num_experts", "max_tiles0", "max_tiles1"])
 def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_tiles0_ptr, table1_ptr, num_tiles1_ptr,
-                     num_experts, max_tiles0, max_tiles1, done_ptr, expected_ptr, NUM_DONE: tl.constexpr,
-                     TABLE0_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
+                     num_experts, max_tiles0, max_tiles1, TABLE0_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
                      BLOCK_M1: tl.constexpr, SPLIT_TAIL1: tl.constexpr, DEVICE_SERIAL: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     """`grouped_prologue`'s first launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the rest the
-    second; program 0 also writes the rows to gather and copies the done counters."""
+    second; program 0 also writes the rows to gather."""
     sync.pdl_enter()
     pid = tl.program_id(0)
     scale = 1
@@ -208,9 +207,6 @@ def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_t
         scale = (tl.load(plan_ptr) >= num_sms).to(tl.int32)
     if pid == 0:
         tl.store(rows_ptr, tl.load(offsets_ptr + num_experts) * scale)
-        if scale != 0:  # under another plan the call's first launch counts them itself: left untouched
-            offs = tl.arange(0, NUM_DONE)
-            tl.store(done_ptr + offs, tl.load(expected_ptr + offs))
     if pid < TABLE0_PROGRAMS:
         _tile_table_block(pid, offsets_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0,
                           BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T)
@@ -234,38 +230,31 @@ def empty_tile_tables(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool
 
 
 def fill_tile_tables(built: dict[tuple[int, bool], TileTable], expert_offsets: torch.Tensor, rows: torch.Tensor,
-                     done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
-                     num_sms: int = 0) -> None:
-    """`grouped_prologue`'s first launch: every table of `built` (`empty_tile_tables`), `rows[0]` = the rows to
-    gather (expert_offsets[-1], or 0 under `plan` when it is not serial) and `done[:] = expected` (not under `plan`
-    when it is not serial: that plan's kernel counts them itself, so this launch may run before or beside it)."""
-    num_done = done.numel()
-    if num_done != expected.numel() or num_done & (num_done - 1) or done.dtype != torch.int32:
-        raise ValueError(f"grouped_prologue: done / expected must be int32 of one power-of-two length, given "
-                         f"{done.numel()} / {expected.numel()} ({done.dtype})")
+                     plan: torch.Tensor | None = None, num_sms: int = 0) -> None:
+    """`grouped_prologue`'s first launch: every table of `built` (`empty_tile_tables`) and `rows[0]` = the rows to
+    gather (expert_offsets[-1], or 0 under `plan` when it is not serial). It writes nothing a split plan's kernel
+    reads, so it may run before or beside that kernel."""
     first, second = list(built.values()) + list(built.values())[:2 - len(built)]
     programs = [triton.cdiv(table.max_tiles, _BLOCK_T) for table in built.values()]
     num_experts = expert_offsets.numel() - 1
     _prologue_kernel[(sum(programs),)](
         expert_offsets, expert_offsets if plan is None else plan, num_sms, rows, first.table, first.num_tiles,
-        second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles, done, expected,
-        NUM_DONE=num_done, TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
+        second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles, TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
         BLOCK_M1=second.block_m, SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, **sync.LAUNCH)
 
 
 def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...], max_rows: int,
                      src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, num_programs: int,
-                     done: torch.Tensor, expected: torch.Tensor, plan: torch.Tensor | None = None,
-                     num_sms: int = 0) -> dict[tuple[int, bool], TileTable]:
+                     plan: torch.Tensor | None = None, num_sms: int = 0) -> dict[tuple[int, bool], TileTable]:
     """Everything the grouped GEMMs need before they run, in two launches and without a host sync: the tile table of
-    each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`) and `done[:] = expected` (the counters the
-    next stage waits on, int32, a power-of-two length) in the first (`fill_tile_tables`); the rows in expert order
-    (`gather_rows(src, index, dst, expert_offsets[-1:], num_programs)`) in the second. The gather is its own launch:
+    each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`) in the first (`fill_tile_tables`); the
+    rows in expert order (`gather_rows(src, index, dst, expert_offsets[-1:], num_programs)`) in the second. The
+    gather is its own launch:
     fused into the first it compiled to 178 registers per thread instead of 64 (sm_90), a quarter of the CTAs per SM
     for a copy bound by loads in flight, and serial calls at 8192 tokens measured 4-8% slower on an H200
     (bench/results/h200-3114d5b). With `plan` (int32 device scalar: this rank's c), the offsets count only under a
-    serial plan (c >= num_sms): otherwise no tile, no row and no done counter, as if every expert were empty. The first launch needs
+    serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty. The first launch needs
     only the offsets, so a caller may run it on another stream, beside other work (the weave backend's
     `fork_prologue`), and the gather after both.
 
@@ -276,6 +265,6 @@ def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool]
         raise ValueError(f"grouped_prologue: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} "
                          f"{dst.dtype} must be [*, H] of one dtype")
     rows = torch.empty(1, dtype=torch.int32, device=expert_offsets.device)
-    fill_tile_tables(built, expert_offsets, rows, done, expected, plan, num_sms)
+    fill_tile_tables(built, expert_offsets, rows, plan, num_sms)
     gather_rows(src, index, dst, rows, num_programs)
     return built
