@@ -183,9 +183,9 @@ _check_signature()
 MAXNREG = 255
 
 
-def _options(constants: MegakernelConstants) -> dict:
-    """The launch options of a compile and launch of `constants`."""
-    return sync.LAUNCH if constants.runs_gemm else dict(maxnreg=MAXNREG, **sync.LAUNCH)
+def _registers(constants: MegakernelConstants) -> dict:
+    """The register bound of a compile and launch of `constants` (MAXNREG), as launch options."""
+    return {} if constants.runs_gemm else {"maxnreg": MAXNREG}
 
 
 def launch(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
@@ -193,7 +193,7 @@ def launch(grid: int, args: MegakernelArgs, constants: MegakernelConstants, desc
     """One cooperative launch of `grid` CTAs (all resident, or the launch fails instead of hanging)."""
     moe_megakernel[(grid,)](**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
                             num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True,
-                            **_options(constants))
+                            **_registers(constants), **sync.LAUNCH)
 
 
 def compile_as_launched(args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
@@ -207,7 +207,8 @@ def compile_as_launched(args: MegakernelArgs, constants: MegakernelConstants, de
 
     return compile_for_sm90(moe_megakernel, (), dict(**args.by_name(), **constants.by_name(),
                                                      **_descriptors(constants, descriptors), num_warps=num_warps,
-                                                     num_stages=num_stages, **_options(constants)), capability)
+                                                     num_stages=num_stages, **_registers(constants),
+                                                     **sync.LAUNCH), capability)
 
 
 def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, descriptors: dict, num_warps: int,
@@ -215,7 +216,7 @@ def warmup(grid: int, args: MegakernelArgs, constants: MegakernelConstants, desc
     """Compile for these arguments' specialisation without launching."""
     moe_megakernel.warmup(**args.by_name(), **constants.by_name(), **_descriptors(constants, descriptors),
                           grid=(grid,), num_warps=num_warps, num_stages=num_stages, launch_cooperative_grid=True,
-                          **_options(constants))
+                          **_registers(constants), **sync.LAUNCH)
 
 
 def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_stages: int = 3):

@@ -49,6 +49,9 @@ CTRL_SIZE_FIXED = 16
 # symmetric buffers: the row copies read and write them with 16-byte vector accesses (`_io_ptr`, `_peer_ptr`). The
 # backend passes only such x and out; the workspace checks the buffers' bases, and aligns its regions' offsets.
 ROW_ALIGNMENT = tl.constexpr(16)
+# Lanes of the reduce's poll of the destinations' combine flags, one per rank: >= EP (the backend allows EP <= 31, a
+# token's destinations being one int32 bit mask)
+RANK_LANES = tl.constexpr(32)
 
 # Timeline (TIMELINE=True): int64 [grid, MAX_EVENTS, 4], one row per task a CTA ran, in order:
 #     [kind (EVENT_*), start_ns (claimed), end_ns (done), ready_ns (its dependency wait ended; = start if none)]
@@ -321,12 +324,17 @@ def moe_megakernel(
                 if TIMELINE:
                     t_start = sync.global_time_ns()
                 if all_combined == 0:
-                    ok = 1
-                    for dest in range(0, world_size):
-                        expected = tl.load(combine_expected_ptr + dest)
-                        ok = ok & sync.wait_at_least(comb_flag_ptr + dest, expected, status_ptr,
-                                                     sync.ERROR_COMBINE_TIMEOUT, dest, timeout_ns, True)
-                    all_combined = ok
+                    if STAGE >= 0:   # every destination's flag at once: one round of atomics per poll, not EP
+                        all_combined = sync.wait_all_at_least(comb_flag_ptr, combine_expected_ptr, world_size,
+                                                              status_ptr, sync.ERROR_COMBINE_TIMEOUT, 0, timeout_ns,
+                                                              RANK_LANES, True)
+                    else:            # one after another (the vector poll's lanes spilled the one-launch kernel)
+                        ok = 1
+                        for dest in range(0, world_size):
+                            expected = tl.load(combine_expected_ptr + dest)
+                            ok = ok & sync.wait_at_least(comb_flag_ptr + dest, expected, status_ptr,
+                                                         sync.ERROR_COMBINE_TIMEOUT, dest, timeout_ns, True)
+                        all_combined = ok
                 if TIMELINE:
                     t_ready = sync.global_time_ns()
                 start = task * REDUCE_ROWS
