@@ -349,11 +349,17 @@ def moe_megakernel(
     # launches that read the receive buffer without waiting for the peers' rows (the grouped GEMMs' row gather; STAGE
     # 1's tiles wait themselves, harmlessly twice): such a launch ends only once every row has arrived. One program
     # waits; the kernel boundary orders the next launch's reads after its acquire.
-    # Each source's counters of every chunk are polled at once (sync.wait_all_at_least: one round of atomics, not one
-    # per chunk); a timeout's flag tag is source * 16 + chunk, as `_wait_chunk_arrived` names it.
+    # The counters are polled at once (sync.wait_all_at_least: one round of atomics, not one per flag): in the dispatch
+    # launch every source's chunks, in the one-launch kernel each source's; a timeout's flag tag is source * 16 +
+    # chunk either way, as `_wait_chunk_arrived` names it.
     if STAGE == 0 or (GROUPED_SERIAL and STAGE < 0):
         if (pid == 0) & (last_phase == 0):
-            for source in range(0, world_size):
-                sync.wait_all_at_least(arrival_ptr + source * MAX_CHUNKS, arrival_expected_ptr + source * MAX_CHUNKS,
-                                       MAX_CHUNKS, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, source * 16, timeout_ns,
-                                       MAX_CHUNKS, True)
+            if STAGE == 0:   # every source's counters in one poll (their [source, chunk] words are contiguous)
+                sync.wait_all_at_least(arrival_ptr, arrival_expected_ptr, world_size * MAX_CHUNKS, status_ptr,
+                                       sync.ERROR_ARRIVAL_TIMEOUT, 0, timeout_ns, RANK_LANES * MAX_CHUNKS, True,
+                                       GROUP=MAX_CHUNKS)
+            else:            # the one-launch kernel: a source at a time (fewer lanes live beside its GEMM code)
+                for source in range(0, world_size):
+                    sync.wait_all_at_least(arrival_ptr + source * MAX_CHUNKS,
+                                           arrival_expected_ptr + source * MAX_CHUNKS, MAX_CHUNKS, status_ptr,
+                                           sync.ERROR_ARRIVAL_TIMEOUT, source * 16, timeout_ns, MAX_CHUNKS, True)

@@ -276,14 +276,16 @@ def _poll_all(flag_ptrs, need, SYS_SCOPE: tl.constexpr):
 
 @triton.jit
 def wait_all_at_least(flag_ptr, expected_ptr, n, status_ptr, error_code, tag_base, timeout_ns,
-                      BLOCK: tl.constexpr, SYS_SCOPE: tl.constexpr):
+                      BLOCK: tl.constexpr, SYS_SCOPE: tl.constexpr, GROUP: tl.constexpr = 0):
     """Spin until flag_ptr[i] >= expected_ptr[i] for every i < n (<= BLOCK), acquire; flags expecting 0 are not read.
 
     `wait_at_least` for n flags at once: each poll is ONE round of n independent atomics (lanes of the CTA) instead
     of n polls one after another, so the wait costs about one flag's latency when the flags are set already (a
     dispatch launch's final wait over every chunk's arrival counter was eight dependent sys-scope polls). Whether to
     stay in the loop is a CTA-wide sum, the same in every thread. On a timeout the status word names flag
-    `tag_base + i` of the first unmet i. Returns 1 on success, 0 on timeout or when another wait already failed.
+    `tag_base + i` of the first unmet i, or with GROUP (flags in groups of GROUP <= 16, e.g. a source's chunks)
+    `tag_base + (i // GROUP) * 16 + i % GROUP`, the tag `wait_at_least`'s callers give such a flag. Returns 1 on
+    success, 0 on timeout or when another wait already failed.
     """
     offs = tl.arange(0, BLOCK)
     expected = tl.load(expected_ptr + offs, mask=offs < n, other=0)
@@ -303,7 +305,10 @@ def wait_all_at_least(flag_ptr, expected_ptr, n, status_ptr, error_code, tag_bas
                 failed = status_set(status_ptr)
                 if _past_deadline(start, polls, timeout_ns):
                     first = tl.min(tl.where(need & (seen < expected), offs, BLOCK), axis=0)
-                    _report_timeout(status_ptr, error_code, tag_base + first,
+                    tag = tag_base + first
+                    if GROUP > 0:
+                        tag = tag_base + (first // GROUP) * 16 + first % GROUP
+                    _report_timeout(status_ptr, error_code, tag,
                                     tl.sum(tl.where(offs == first, seen, 0), axis=0),
                                     tl.sum(tl.where(offs == first, expected, 0), axis=0))
                     failed = 1
