@@ -783,3 +783,47 @@ def test_stalled_peer_at_ep4_ends_in_a_timeout_on_every_waiting_rank(monkeypatch
         assert stalled["status"][2] < stalled["status"][3], (rank, stalled)   # seen below expected
         assert stalled["nan"], (rank, stalled)
     assert results[3][1]["status"] is None
+
+
+TAKE_SCRIPT = textwrap.dedent(
+    r"""
+    import torch
+    import triton
+    import triton.language as tl
+    from weave_moe.backends.weave.kernels import megakernel
+
+    @triton.jit
+    def take_probe(counter_ptr, hits_ptr, owner_ptr, n, STATIC: tl.constexpr):
+        pid = tl.program_id(0)
+        own = tl.full([], -1, tl.int32)
+        if STATIC:
+            own = pid
+        offset = tl.where(own >= 0, tl.num_programs(0), 0)
+        task = tl.full([], 0, tl.int32)
+        while task < n:
+            task, t_start, own = megakernel._take(counter_ptr, own, offset, False)
+            if task < n:
+                tl.atomic_add(hits_ptr + task, 1)
+                tl.store(owner_ptr + task, pid)
+
+    grid = 5
+    for static in (True, False):
+        for n in (1, 3, 5, 6, 17):
+            counter = torch.zeros(1, dtype=torch.int32)
+            hits = torch.zeros(n, dtype=torch.int32)
+            owner = torch.full((n,), -1, dtype=torch.int32)
+            take_probe[(grid,)](counter, hits, owner, n, STATIC=static)
+            assert hits.tolist() == [1] * n, (static, n, hits.tolist())
+            if static:   # tasks [0, grid) went to their own CTAs, without the queue
+                assert owner[:min(n, grid)].tolist() == list(range(min(n, grid))), (n, owner.tolist())
+    print("TAKE OK")
+    """
+)
+
+
+def test_take_hands_every_task_out_once():
+    """`megakernel._take`, the task queues of the launches without GEMM: with every CTA's first task its own (pid) and
+    the queue counting from the grid size after them, and without (every task from the queue), each task of 1 to
+    17 runs exactly once on a grid of 5 (the interpreter runs the programs one after another, so program 0 takes
+    every task past the grid)."""
+    run_interpreted(TAKE_SCRIPT, "TAKE OK", timeout=300)

@@ -101,6 +101,25 @@ def _claim(counter_ptr, TIMELINE: tl.constexpr):
 
 
 @triton.jit
+def _take(counter_ptr, own, offset, TIMELINE: tl.constexpr):
+    """(task, the take's %globaltimer when TIMELINE, own for the next take) of a queue that every CTA of the launch
+    works: `own` >= 0 is this CTA's first task (its index pid), taken without an atomic, and the queue's claims
+    count from `offset` (the grid size) after them, so tasks [0, grid) go one to each CTA and the rest to whoever
+    claims first; `own` < 0 (and `offset` 0): every task from the queue, as `_claim`. The first task of a launch
+    without GEMM then starts one atomic round trip (and the CTA barrier that broadcasts its result) earlier, which
+    is most of a decode call's row tasks."""
+    if own >= 0:
+        task = own
+        t_start = tl.full([], 0, tl.int64)
+        if TIMELINE:
+            t_start = sync.global_time_ns()
+    else:
+        task, t_start = _claim(counter_ptr, TIMELINE)
+        task += offset
+    return task, t_start, tl.full([], -1, tl.int32)
+
+
+@triton.jit
 def _task_row(tasks_ptr, task):
     """The four int32 columns of a dispatch or combine task (layout.DISPATCH_COLUMNS / COMBINE_COLUMNS)."""
     row = tasks_ptr + task * 4
@@ -189,13 +208,15 @@ def moe_megakernel(
         serial = planned_c >= tl.num_programs(0)
         num_comm_ctas = tl.where(serial, tl.num_programs(0), planned_c)
         num_steal = tl.where(serial, 1 << 30, tl.load(plan_ptr + rank * 4 + 2))
-    # A call refused before its kernel (sync.py: rejections) or a layer whose earlier kernel failed: no work, and the
-    # output (in the launch that writes it) is NaN. The status word is read with an atomic: the same in every thread.
-    refused = sync.status_set(status_ptr)
+    # the task counts, loaded before the status word's read (an atomic, broadcast through a CTA barrier that later
+    # loads do not pass), so that both are in flight at once
     num_dispatch = tl.load(meta_ptr + 0)
     num_gemm = tl.load(meta_ptr + 1)
     num_combine = tl.load(meta_ptr + 2)
     num_reduce = tl.load(meta_ptr + 3)
+    # A call refused before its kernel (sync.py: rejections) or a layer whose earlier kernel failed: no work, and the
+    # output (in the launch that writes it) is NaN. The status word is read with an atomic: the same in every thread.
+    refused = sync.status_set(status_ptr)
     n0_tiles = tl.cdiv(I, BLOCK_N0)
     # the phases of this launch; compile-time when STAGE >= 0 (so the reduce stage's refusal branch is static too)
     if STAGE == STAGE_COMBINE_REDUCE:
@@ -232,9 +253,24 @@ def moe_megakernel(
                                   BLOCK_H)
     if GROUPED_SERIAL and STAGE >= 0:
         phase = tl.where(serial, phase, last_phase + 1)   # another plan: the STAGE -1 launch did every phase
+    # first tasks without the queue's atomic (`_take`) in a launch without GEMM, for the phases every CTA of it runs:
+    # the combine and reduce always, the dispatch under a serial plan (every CTA a communication CTA). Not under the
+    # interpreter, which runs the programs one after another: the first would wait (end of the dispatch, reduce) for
+    # tasks that later programs own; there every task comes from the queues, as in the one-launch kernel
+    grid = tl.num_programs(0)
+    own_dispatch = tl.full([], -1, tl.int32)
+    own_combine = tl.full([], -1, tl.int32)
+    own_reduce = tl.full([], -1, tl.int32)
+    if STAGE >= 0 and not sync.INTERPRETER:
+        own_dispatch = tl.where(num_comm_ctas >= grid, pid, -1)
+        own_combine = pid
+        own_reduce = pid
+    dispatch_offset = tl.where(own_dispatch >= 0, grid, 0)
+    combine_offset = tl.where(own_combine >= 0, grid, 0)
+    reduce_offset = tl.where(own_reduce >= 0, grid, 0)
     while phase <= last_phase:
         if RUN_DISPATCH and phase == 0:
-            task, t_start = _claim(ctrl_ptr + CTRL_DISPATCH, TIMELINE)
+            task, t_start, own_dispatch = _take(ctrl_ptr + CTRL_DISPATCH, own_dispatch, dispatch_offset, TIMELINE)
             if task < num_dispatch:
                 dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
                 dst = (_peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, VECTOR_ROWS)
@@ -293,7 +329,7 @@ def moe_megakernel(
             else:
                 phase = 2
         elif RUN_COMBINE and phase == 2:
-            task, t_start = _claim(ctrl_ptr + CTRL_COMBINE, TIMELINE)
+            task, t_start, own_combine = _take(ctrl_ptr + CTRL_COMBINE, own_combine, combine_offset, TIMELINE)
             if task < num_combine:
                 source, chunk, start, count = _task_row(combine_tasks_ptr, task)
                 # a launch without the GEMM phase (STAGE 2, 4) runs after the launches that did the GEMMs, which its
@@ -319,10 +355,8 @@ def moe_megakernel(
             else:
                 phase = 3
         elif RUN_REDUCE:  # phase 3
-            task = tl.atomic_add(ctrl_ptr + CTRL_REDUCE, 1, sem="relaxed", scope="gpu")
+            task, t_start, own_reduce = _take(ctrl_ptr + CTRL_REDUCE, own_reduce, reduce_offset, TIMELINE)
             if task < num_reduce:
-                if TIMELINE:
-                    t_start = sync.global_time_ns()
                 if all_combined == 0:
                     if STAGE >= 0:   # every destination's flag at once: one round of atomics per poll, not EP
                         all_combined = sync.wait_all_at_least(comb_flag_ptr, combine_expected_ptr, world_size,
