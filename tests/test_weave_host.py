@@ -486,7 +486,7 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     """WeaveBackend._forward_resident's host logic (no GPU): an eager call writes its slot and replays the graph whose
     first kernel reads it; a call captured into a caller's graph launches the argument pack and writes no slot; the
     stalled-peer hook writes nothing; a launch that raises after the slot write breaks the layer (ring and device
-    cursor may have parted); `out` is the tensor returned."""
+    cursor may have parted); `out` is the tensor returned, unless it or x is not 16-byte aligned."""
     import pytest
     import torch
 
@@ -561,20 +561,29 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     assert backend.slots.written == 1 and built == [True] and backend.message.packs == 0 and events == ["record"]
     assert backend.slots.slots_numpy[0].tolist() == [x.data_ptr(), out.data_ptr(), ids.data_ptr(), w.data_ptr(),
                                                      3, 0, 0, 6]
+    # x and out that start off the kernel's 16-byte alignment (megakernel.ROW_ALIGNMENT): the slot gets a copy of x
+    # and the backend's own out, which it returns (the layer copies it into the caller's)
+    odd_x = torch.cat([x.flatten(), x.flatten()[:1]])[1:].view(3, 32)
+    odd_out = torch.empty(3 * 32 + 1, dtype=torch.bfloat16)[1:].view(3, 32)
+    assert odd_x.data_ptr() % 16 and odd_out.data_ptr() % 16
+    result = backend.forward(odd_x, ids, w, out=odd_out)
+    slot = backend.slots.slots_numpy[1].tolist()
+    assert result is not odd_out and slot[1] == result.data_ptr() and slot[0] % 16 == 0 and slot[1] % 16 == 0
+    assert backend.slots.written == 2 and built == [True, True] and events == ["record", "record"]
     capturing[0] = True   # inside a caller's capture: the argument pack, no slot, no event
     backend.forward(x, ids, w)
-    assert backend.slots.written == 1 and built == [True, False] and backend.message.packs == 1 and len(events) == 1
+    assert backend.slots.written == 2 and built[-1] is False and backend.message.packs == 1 and len(events) == 2
     capturing[0] = False
     backend.debug_skip_launch = True   # the stalled-peer hook: nothing enqueued
     backend.forward(x, ids, w)
-    assert backend.slots.written == 1 and len(built) == 2
+    assert backend.slots.written == 2 and len(built) == 3
     backend.debug_skip_launch = False
     backend.forward(torch.cat([x, x]), torch.cat([ids, ids]), torch.cat([w, w]))   # 6 tokens: not a decode call
-    assert built[-1] == "not decode" and backend.slots.written == 2
+    assert built[-1] == "not decode" and backend.slots.written == 3
     backend.graphs.fail = True
     with pytest.raises(RuntimeError, match="launch failed"):
         backend.forward(x, ids, w)
-    assert backend.slots.written == 3 and backend.broken and "enqueued" in backend.broken
+    assert backend.slots.written == 4 and backend.broken and "enqueued" in backend.broken
     with pytest.raises(WeaveError, match="failed earlier"):
         backend.forward(x, ids, w)
 
