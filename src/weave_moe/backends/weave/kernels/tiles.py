@@ -274,14 +274,26 @@ def reduce_rows(comb_ptr, mask_ptr, out_ptr, start, count, H, max_tokens, world_
         offs_h = h0 + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         acc = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
-        for d in range(0, world_size):
-            sent = ((bits >> d) & 1) != 0
-            row = (d * max_tokens + token).to(tl.int64)
-            values = tl.load(comb_ptr + row[:, None] * H + offs_h[None, :],
-                             mask=(sent & mask_r)[:, None] & mask_h[None, :], other=0.0)
+        # rank d + 1's rows are loaded before rank d's are added, so that two loads are in flight, not one at a time
+        # (an add waits for its data, and the ranks' loop has a runtime trip count: nothing unrolls it); the sum's
+        # order is unchanged
+        values = _comb_rows(comb_ptr, bits, 0, max_tokens, token, mask_r, offs_h, mask_h, H)
+        for d in range(1, world_size):
+            next_values = _comb_rows(comb_ptr, bits, d, max_tokens, token, mask_r, offs_h, mask_h, H)
             acc += values.to(tl.float32)
+            values = next_values
+        acc += values.to(tl.float32)
         tl.store(out_ptr + token.to(tl.int64)[:, None] * H + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=mask_r[:, None] & mask_h[None, :])
+
+
+@triton.jit
+def _comb_rows(comb_ptr, bits, d, max_tokens, token, mask_r, offs_h, mask_h, H):
+    """reduce_rows' rows of rank d for `token` (zeros where bit d of `bits` is clear)."""
+    sent = ((bits >> d) & 1) != 0
+    row = (d * max_tokens + token).to(tl.int64)
+    return tl.load(comb_ptr + row[:, None] * H + offs_h[None, :], mask=(sent & mask_r)[:, None] & mask_h[None, :],
+                   other=0.0)
 
 
 @triton.jit
