@@ -426,7 +426,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
             # the variant the calls launch (a compile per value of the constexpr and of the launch option)
             assert early_release is backend.config.gemm_early_release
             assert pdl is backend.config.grouped_pdl
-            assert scratch == backend._gemm_scratch   # the layer's Triton scratch, as in the calls
+            # the layer's Triton scratch for this GEMM, as in the calls
+            assert scratch.func == backend._gemm_scratch and scratch.args == (index,)
             warmed.append((index, config))
         return run
 
@@ -759,10 +760,14 @@ def test_grouped_stage_buffers_are_the_layers_not_each_calls(monkeypatch):
     assert first[0] is again[0] and first[1] is again[1]          # same kinds: the same tables and rows
     assert other[0] is not first[0] and set(other[0]) == {(128, False)}
     assert len(filled) == 3 and all(tables is result[0] for (tables, _), result in zip(filled, [first, again, other]))
-    scratch = backend._gemm_scratch(4096, 128, None)
-    assert backend._gemm_scratch(4096, 128, None) is scratch and scratch.numel() == 4096
-    assert backend._gemm_scratch(8192, 128, None) is not scratch
-    assert backend.gemm_launch["scratch"] == backend._gemm_scratch
+    # one scratch per GEMM and size: GEMM1 (launched with PDL) runs beside GEMM0, and each program's descriptors live
+    # in its slot of the buffer, so the two GEMMs never share one
+    allocators = [backend.gemm_launch(gemm)["scratch"] for gemm in (0, 1)]
+    scratch = allocators[0](4096, 128, None)
+    assert allocators[0](4096, 128, None) is scratch and scratch.numel() == 4096
+    assert backend.gemm_launch(0)["scratch"](4096, 128, None) is scratch
+    assert allocators[0](8192, 128, None) is not scratch
+    assert allocators[1](4096, 128, None) is not scratch and allocators[1](4096, 128, None).numel() == 4096
 
 
 @pytest.mark.parametrize("decode", [True, False])

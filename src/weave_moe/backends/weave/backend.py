@@ -293,7 +293,7 @@ class WeaveBackend:
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
         self.tile_buffers: dict[tuple, tuple] = {}   # the grouped GEMMs' tile tables per tile kinds (_grouped_prologue)
-        self.gemm_scratch: dict[int, torch.Tensor] = {}   # Triton scratch per size (_gemm_scratch)
+        self.gemm_scratch: dict[tuple, torch.Tensor] = {}   # Triton scratch per GEMM and size (_gemm_scratch)
         self.stream_k_scratch = grouped_gemm.StreamKScratch(device)   # a stream-K GEMM's parts and flags per size
         for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
             rows = self._table_rows(decode)
@@ -814,25 +814,29 @@ class WeaveBackend:
             return config
         return config.with_(interleaved=False, stream_k=False)
 
-    @property
-    def gemm_launch(self) -> dict:
-        """The grouped GEMMs' launch options, for the calls and the first call's warm-up alike (a compile per value
-        of the first two; `scratch`: the layer's, `_gemm_scratch`). A stream-K config (GemmConfig.stream_k, which the
-        tuned table may pick) uses the rest: its parts and flags (the layer's, one pair per size, made when the first
-        call compiles every config, outside any CUDA-graph capture), the status word its bounded waits report into
-        and their deadline."""
+    def gemm_launch(self, gemm: int) -> dict:
+        """GEMM `gemm`'s (0 or 1) launch options, for the calls and the first call's warm-up alike (a compile per
+        value of the first two; `scratch`: the layer's, `_gemm_scratch`). A stream-K config (GemmConfig.stream_k, which
+        the tuned table may pick) uses the rest: its parts and flags (the layer's, one pair per size, made when the
+        first call compiles every config, outside any CUDA-graph capture), the status word its bounded waits report
+        into and their deadline."""
         return dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl,
-                    scratch=self._gemm_scratch, stream_k_scratch=self.stream_k_scratch, status=self.live_status,
-                    timeout_ns=self.timeout_ns)
+                    scratch=functools.partial(self._gemm_scratch, gemm), stream_k_scratch=self.stream_k_scratch,
+                    status=self.live_status, timeout_ns=self.timeout_ns)
 
-    def _gemm_scratch(self, size: int, alignment: int, stream) -> torch.Tensor:
-        """Triton's global scratch for the grouped GEMMs' device-made TMA descriptors: one buffer per size, the
+    def _gemm_scratch(self, gemm: int, size: int, alignment: int, stream) -> torch.Tensor:
+        """Triton's global scratch for GEMM `gemm`'s device-made TMA descriptors: one buffer per GEMM and size, the
         layer's (not a tensor per launch, which inside a CUDA-graph capture would come from that graph's memory
-        pool). One launch at a time uses it: the GEMMs run one after another on the call's stream. Buffers from
-        torch's allocator are 512-byte aligned, more than Triton asks for."""
-        buffer = self.gemm_scratch.get(size)
+        pool). Each program writes its descriptors into its own slot of the buffer and reads them back at every TMA
+        store, so two launches that may run at once must not share one: GEMM1, launched with programmatic dependent
+        launch (KernelConfig.grouped_pdl), starts its CTAs while GEMM0's still store h, and a buffer shared by the two
+        sent GEMM0's stores through GEMM1's descriptors (decode calls, whose 16-row tiles store through clipped
+        descriptors, returned wrong rows on the GPU). Launches of the same GEMM are never concurrent: other kernels
+        of the call's stream run between them. Buffers from torch's allocator are 512-byte aligned, more than Triton
+        asks for."""
+        buffer = self.gemm_scratch.get((gemm, size))
         if buffer is None:
-            buffer = self.gemm_scratch[size] = torch.empty(size, dtype=torch.int8, device=self.device)
+            buffer = self.gemm_scratch[gemm, size] = torch.empty(size, dtype=torch.int8, device=self.device)
         return buffer
 
     def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
@@ -847,16 +851,15 @@ class WeaveBackend:
         tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        launch = self.gemm_launch
         if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
-                                       configs[0], gather=layout.gather_rows, **launch)
+                                       configs[0], gather=layout.gather_rows, **self.gemm_launch(0))
         else:
             self._gather_rows(layout.gather_rows, rows)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                       **launch)
+                                       **self.gemm_launch(0))
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
-                                   **launch)
+                                   **self.gemm_launch(1))
 
     def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False) -> tuple:
         """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
@@ -915,15 +918,14 @@ class WeaveBackend:
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [[self._held_layout(gemm, c) for c in grouped_gemm.default_configs(gemm, *shape)]
                        for gemm in (0, 1)]
-            launch = self.gemm_launch
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
+                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **self.gemm_launch(0))
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
+                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **self.gemm_launch(1))
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
