@@ -426,20 +426,22 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
             # the variant the calls launch (a compile per value of the constexpr and of the launch option)
             assert early_release is backend.config.gemm_early_release
             assert pdl is backend.config.grouped_pdl
-            # the layer's Triton scratch for this GEMM, as in the calls
-            assert scratch.func == backend._gemm_scratch and scratch.args == (index,)
+            assert scratch == backend._gemm_scratch   # the layer's Triton scratch, as in the calls
             warmed.append((index, config))
         return run
 
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
-    backend._grouped_prologue = lambda offsets, keys, *rest, **options: prologues.append(
-        tuple(sorted(set(keys)))) or ({}, None, None)
+    # the warm-up fills tables of its own (held=False): it runs after the first call has enqueued the fill of the
+    # layer's, which it would otherwise overwrite with its empty offsets (the call's GEMMs then ran no tile)
+    backend._grouped_prologue = lambda offsets, keys, *rest, held=True, **options: prologues.append(
+        (tuple(sorted(set(keys))), held)) or ({}, None, None)
     backend._gather_rows = lambda index, rows: None
     backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(), backend.fixed_plan, 0)
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
     g1 = (configs[1][0].block_m, False)
-    assert sorted(prologues) == sorted({tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))})
+    assert sorted(prologues) == sorted((kinds, False) for kinds in {tuple(sorted({(128, False), g1})),
+                                                                    tuple(sorted({(64, True), g1}))})
 
 
 @pytest.mark.parametrize("gemm0_gather", [False, True])
@@ -760,14 +762,14 @@ def test_grouped_stage_buffers_are_the_layers_not_each_calls(monkeypatch):
     assert first[0] is again[0] and first[1] is again[1]          # same kinds: the same tables and rows
     assert other[0] is not first[0] and set(other[0]) == {(128, False)}
     assert len(filled) == 3 and all(tables is result[0] for (tables, _), result in zip(filled, [first, again, other]))
-    # one scratch per GEMM and size: GEMM1 (launched with PDL) runs beside GEMM0, and each program's descriptors live
-    # in its slot of the buffer, so the two GEMMs never share one
-    allocators = [backend.gemm_launch(gemm)["scratch"] for gemm in (0, 1)]
-    scratch = allocators[0](4096, 128, None)
-    assert allocators[0](4096, 128, None) is scratch and scratch.numel() == 4096
-    assert backend.gemm_launch(0)["scratch"](4096, 128, None) is scratch
-    assert allocators[0](8192, 128, None) is not scratch
-    assert allocators[1](4096, 128, None) is not scratch and allocators[1](4096, 128, None).numel() == 4096
+    # held=False (the first call's compile): buffers of its own, the layer's untouched
+    own = prologue(offsets, ((16, False), (64, True)), False, held=False)
+    assert own[0] is not first[0] and own[1] is not first[1] and set(own[0]) == set(first[0])
+    assert filled[-1][0] is own[0] and backend.tile_buffers[((16, False), (64, True))][0] is first[0]
+    scratch = backend._gemm_scratch(4096, 128, None)
+    assert backend._gemm_scratch(4096, 128, None) is scratch and scratch.numel() == 4096
+    assert backend._gemm_scratch(8192, 128, None) is not scratch
+    assert backend.gemm_launch["scratch"] == backend._gemm_scratch
 
 
 @pytest.mark.parametrize("decode", [True, False])

@@ -293,7 +293,7 @@ class WeaveBackend:
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
         self.tile_buffers: dict[tuple, tuple] = {}   # the grouped GEMMs' tile tables per tile kinds (_grouped_prologue)
-        self.gemm_scratch: dict[tuple, torch.Tensor] = {}   # Triton scratch per GEMM and size (_gemm_scratch)
+        self.gemm_scratch: dict[int, torch.Tensor] = {}   # Triton scratch per size (_gemm_scratch)
         self.stream_k_scratch = grouped_gemm.StreamKScratch(device)   # a stream-K GEMM's parts and flags per size
         for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
             rows = self._table_rows(decode)
@@ -814,29 +814,25 @@ class WeaveBackend:
             return config
         return config.with_(interleaved=False, stream_k=False)
 
-    def gemm_launch(self, gemm: int) -> dict:
-        """GEMM `gemm`'s (0 or 1) launch options, for the calls and the first call's warm-up alike (a compile per
-        value of the first two; `scratch`: the layer's, `_gemm_scratch`). A stream-K config (GemmConfig.stream_k, which
-        the tuned table may pick) uses the rest: its parts and flags (the layer's, one pair per size, made when the
-        first call compiles every config, outside any CUDA-graph capture), the status word its bounded waits report
-        into and their deadline."""
+    @property
+    def gemm_launch(self) -> dict:
+        """The grouped GEMMs' launch options, for the calls and the first call's warm-up alike (a compile per value
+        of the first two; `scratch`: the layer's, `_gemm_scratch`). A stream-K config (GemmConfig.stream_k, which the
+        tuned table may pick) uses the rest: its parts and flags (the layer's, one pair per size, made when the first
+        call compiles every config, outside any CUDA-graph capture), the status word its bounded waits report into
+        and their deadline."""
         return dict(early_release=self.config.gemm_early_release, pdl=self.config.grouped_pdl,
-                    scratch=functools.partial(self._gemm_scratch, gemm), stream_k_scratch=self.stream_k_scratch,
-                    status=self.live_status, timeout_ns=self.timeout_ns)
+                    scratch=self._gemm_scratch, stream_k_scratch=self.stream_k_scratch, status=self.live_status,
+                    timeout_ns=self.timeout_ns)
 
-    def _gemm_scratch(self, gemm: int, size: int, alignment: int, stream) -> torch.Tensor:
-        """Triton's global scratch for GEMM `gemm`'s device-made TMA descriptors: one buffer per GEMM and size, the
+    def _gemm_scratch(self, size: int, alignment: int, stream) -> torch.Tensor:
+        """Triton's global scratch for the grouped GEMMs' device-made TMA descriptors: one buffer per size, the
         layer's (not a tensor per launch, which inside a CUDA-graph capture would come from that graph's memory
-        pool). Each program writes its descriptors into its own slot of the buffer and reads them back at every TMA
-        store, so two launches that may run at once must not share one: GEMM1, launched with programmatic dependent
-        launch (KernelConfig.grouped_pdl), starts its CTAs while GEMM0's still store h, and a buffer shared by the two
-        sent GEMM0's stores through GEMM1's descriptors (decode calls, whose 16-row tiles store through clipped
-        descriptors, returned wrong rows on the GPU). Launches of the same GEMM are never concurrent: other kernels
-        of the call's stream run between them. Buffers from torch's allocator are 512-byte aligned, more than Triton
-        asks for."""
-        buffer = self.gemm_scratch.get((gemm, size))
+        pool). One launch at a time uses it: the GEMMs run one after another on the call's stream. Buffers from
+        torch's allocator are 512-byte aligned, more than Triton asks for."""
+        buffer = self.gemm_scratch.get(size)
         if buffer is None:
-            buffer = self.gemm_scratch[gemm, size] = torch.empty(size, dtype=torch.int8, device=self.device)
+            buffer = self.gemm_scratch[size] = torch.empty(size, dtype=torch.int8, device=self.device)
         return buffer
 
     def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
@@ -851,30 +847,36 @@ class WeaveBackend:
         tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
+        launch = self.gemm_launch
         if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
-                                       configs[0], gather=layout.gather_rows, **self.gemm_launch(0))
+                                       configs[0], gather=layout.gather_rows, **launch)
         else:
             self._gather_rows(layout.gather_rows, rows)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                       **self.gemm_launch(0))
+                                       **launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
-                                   **self.gemm_launch(1))
+                                   **launch)
 
-    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False) -> tuple:
+    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, held: bool = True) -> tuple:
         """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
         (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
         this rank's device plan is serial. `side`: on the layer's side stream, after the work enqueued so far, beside
         what the current stream runs next (KernelConfig.fork_prologue); the buffers are allocated on the current
         stream, which reads them, and in a CUDA-graph capture the fork and the join are edges of the graph. Returns
-        (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs."""
-        # the layer's buffers for these tile kinds (rewritten by every call, as the task tables are: no allocation
-        # inside the CUDA graph of a row count); the side stream fills them after the work enqueued so far
+        (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs. `held`: in
+        the layer's buffers for these tile kinds (rewritten by every call, as the task tables are: no allocation inside
+        the CUDA graph of a row count); False: in new ones (the first call's compile, `_ensure_compiled`, which runs
+        after that call has enqueued the fill of the held ones: filling those with its empty offsets made the call's
+        GEMMs run no tile)."""
         kinds = tuple(sorted(set(keys)))
-        if kinds not in self.tile_buffers:
-            self.tile_buffers[kinds] = (grouped_tiles.empty_tile_tables(offsets, kinds, self.max_pairs),
-                                        torch.empty(1, dtype=torch.int32, device=offsets.device))
-        tables, rows = self.tile_buffers[kinds]
+        buffers = self.tile_buffers.get(kinds) if held else None
+        if buffers is None:
+            buffers = (grouped_tiles.empty_tile_tables(offsets, kinds, self.max_pairs),
+                       torch.empty(1, dtype=torch.int32, device=offsets.device))
+            if held:
+                self.tile_buffers[kinds] = buffers
+        tables, rows = buffers
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,
                                  num_sms=self.num_sms)
@@ -918,17 +920,19 @@ class WeaveBackend:
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [[self._held_layout(gemm, c) for c in grouped_gemm.default_configs(gemm, *shape)]
                        for gemm in (0, 1)]
+            launch = self.gemm_launch
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **self.gemm_launch(0))
+                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **self.gemm_launch(1))
+                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
-                _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
+                # in buffers of its own: this first call has already enqueued the fill of the layer's
+                _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial, held=False)
                 if not self.gemm0_gather:   # otherwise a call makes no gather launch
                     self._gather_rows(self.ctrl, rows)
         torch.cuda.synchronize(self.device)
