@@ -635,3 +635,35 @@ def test_tiny_run_in_interleaved_rounds(tmp_path):
     for row in rows:
         assert row["check_passed"] and row["error"] in (None, "") and row["iters"] == 5, row
         assert row["median_ms"] > 0
+
+
+@pytest.mark.parametrize("wrong_call", [None, 0, 3])   # call 3: after the 2 warm-up calls
+def test_check_covers_the_first_call_and_one_after_the_warm_up(wrong_call):
+    """A variant is checked on its layer's first call (which compiles) and on a call after the warm-up: a layer
+    wrong on either alone fails its row (the decode fault of 13165e6 was the first call alone)."""
+    from types import SimpleNamespace
+
+    from weave_moe.bench import harness
+    from weave_moe.bench.config import BenchConfig
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 8).bfloat16()
+    ids, weights = torch.zeros(6, 1, dtype=torch.int32), torch.ones(6, 1)
+
+    class Layer:
+        calls, last_plan = 0, None
+
+        def __call__(self, x, ids, weights):
+            wrong = self.calls == wrong_call
+            self.calls += 1
+            return torch.zeros_like(x) if wrong else x.clone()
+
+        def synchronize(self):
+            pass
+
+    inputs = SimpleNamespace(sets=[(x, ids, weights)], check_idx=torch.arange(6), reference=x.float())
+    config = BenchConfig(models=("m",), check=True, warmup=2)
+    run = harness._start(config, harness._Outcome(layer=Layer()), inputs, world_size=1)
+    assert run.error is None
+    assert run.result["check_passed"] is (wrong_call is None), run.result
+    assert (run.result["rel_error"] == 0.0) is (wrong_call is None)
