@@ -14,8 +14,8 @@ for stage in "$@"; do
     env) nvidia-smi -L; nvidia-smi topo -m | head -4; python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())";;
     # QUICK_ARGS: more options, e.g. --variants weave:serial@gemm0_gather=on
     # decode sizes checked first (the decode compiles; a fault in them passed every prefill check, perf-notes 28):
-    # every weave policy against the reference on a layer's first call and on a replay (bench --check), at 1 / 32 /
-    # 128 tokens, one rank's work of EP=2
+    # nccl and the weave backend's serial and adaptive policies against the reference on a layer's first call and on
+    # a replay (bench --check), at 1 / 32 / 128 tokens, one rank's work of EP=2
     decode-check) timeout "${DC_TIMEOUT:-240}" python3 -m weave_moe.bench --emulate-ep 2 --models "${DC_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${DC_TOKENS:-1,32,128}" --routing uniform --variants "${DC_VARIANTS:-nccl,weave:serial,weave}" --check --iters 5 --no-progress --timeout $(( ${DC_TIMEOUT:-240} - 10 )) --name decode-check --out "$W" > "$W/decode-check.log" 2>&1; echo "rc=$?"; tail -14 "$W/decode-check.log";;
     quick) timeout "${QUICK_TIMEOUT:-400}" python3 -m weave_moe.validate --suite quick --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" ${QUICK_ARGS:-} --out "$W/validate-quick.json" --timeout $(( ${QUICK_TIMEOUT:-400} - 20 )) > "$W/validate-quick.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick.log" | tail -12;;
     quick-host) WEAVE_MOE_KERNEL_CONFIG=resident=off timeout 400 python3 -m weave_moe.validate --suite quick --nproc "${NPROC:-$(nvidia-smi -L | wc -l)}" --out "$W/validate-quick-host.json" --timeout 380 > "$W/validate-quick-host.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick-host.log" | tail -12;;

@@ -512,8 +512,8 @@ EDGE_CASES = [
     Case("qwen3-30b-a3b", (513, 257), "minus_one"), Case("40,4,1000,200", (300, 129)),  # H, I not multiples of 128
     Case("deepseek-v2-lite", (64, 128), "skewed:7"),
 ]
-# one prefill and one skewed size, and decode sizes (<= DECODE_TOKENS: the decode compiles, whose 16-row GEMM tiles
-# store through device-made descriptors; a fault there once passed the prefill cases and failed every decode call)
+# one prefill and one skewed size, and decode sizes (<= DECODE_TOKENS: the decode compiles and the 16-row GEMM tiles,
+# which the prefill cases never run)
 QUICK_CASES = [
     Case("qwen3-30b-a3b", (2048, 2048)), Case("deepseek-v2-lite", (1024, 512), "skewed:6"),
     Case("qwen3-30b-a3b", (1, 1)), Case("qwen3-30b-a3b", (32, 17), seed=3),

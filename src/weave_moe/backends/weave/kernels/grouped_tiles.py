@@ -195,7 +195,8 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count
 
 @triton.jit(do_not_specialize=["num_sms", "num_experts", "max_tiles0", "max_tiles1"])
 def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_tiles0_ptr, table1_ptr, num_tiles1_ptr,
-                     num_experts, max_tiles0, max_tiles1, TABLE0_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
+                     num_experts, max_tiles0, max_tiles1,
+                     TABLE0_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
                      BLOCK_M1: tl.constexpr, SPLIT_TAIL1: tl.constexpr, DEVICE_SERIAL: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
     """`grouped_prologue`'s first launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the rest the
@@ -239,7 +240,8 @@ def fill_tile_tables(built: dict[tuple[int, bool], TileTable], expert_offsets: t
     num_experts = expert_offsets.numel() - 1
     _prologue_kernel[(sum(programs),)](
         expert_offsets, expert_offsets if plan is None else plan, num_sms, rows, first.table, first.num_tiles,
-        second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles, TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
+        second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles,
+        TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
         BLOCK_M1=second.block_m, SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None,
         BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, **sync.LAUNCH)
 
@@ -250,13 +252,12 @@ def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool]
     """Everything the grouped GEMMs need before they run, in two launches and without a host sync: the tile table of
     each (block_m, split_tail) in `tiles` (one or two; `build_tile_table`) in the first (`fill_tile_tables`); the
     rows in expert order (`gather_rows(src, index, dst, expert_offsets[-1:], num_programs)`) in the second. The
-    gather is its own launch:
-    fused into the first it compiled to 178 registers per thread instead of 64 (sm_90), a quarter of the CTAs per SM
-    for a copy bound by loads in flight, and serial calls at 8192 tokens measured 4-8% slower on an H200
-    (bench/results/h200-3114d5b). With `plan` (int32 device scalar: this rank's c), the offsets count only under a
-    serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty. The first launch needs
-    only the offsets, so a caller may run it on another stream, beside other work (the weave backend's
-    `fork_prologue`), and the gather after both.
+    gather is its own launch: fused into the first it compiled to 178 registers per thread instead of 64 (sm_90), a
+    quarter of the CTAs per SM for a copy bound by loads in flight, and serial calls at 8192 tokens measured 4-8%
+    slower on an H200 (bench/results/h200-3114d5b). With `plan` (int32 device scalar: this rank's c), the offsets
+    count only under a serial plan (c >= num_sms): otherwise no tile and no row, as if every expert were empty. The
+    first launch needs only the offsets, so a caller may run it on another stream, beside other work (the weave
+    backend's `fork_prologue`), and the gather after both.
 
     Returns {(block_m, split_tail): TileTable}.
     """
