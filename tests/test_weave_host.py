@@ -262,6 +262,13 @@ class _AnyTable:
         return torch.zeros(1, dtype=torch.int32)
 
 
+class _HeldTables(str):
+    """A stand-in for a layer's TableBuffers, named by its string: its layout is an _AnyTable."""
+
+    def layout(self):
+        return _AnyTable()
+
+
 def _compile_name(constants):
     """A megakernel compile as the launch tests name it: its STAGE; "4gs": STAGE 4 (combine + reduce) compiled with
     GROUPED_SERIAL; "d4": a decode compile (DECODE_ROWS rows per task; the tests' plain compiles have 4)."""
@@ -313,7 +320,8 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         USE_TMA=False, RESIDENT=resident)
     backend.stage_constants = backend_module.stage_constants(backend.constants, H)
     backend.decode_tokens = DECODE_TOKENS if decode else 0
-    backend.table_buffers = {False: "the layer's tables", True: "the layer's decode tables"}
+    backend.table_buffers = {False: _HeldTables("the layer's tables"), True: _HeldTables("the layer's decode tables")}
+    backend.first_launch_lined_up, backend.group = False, None
     backend.tile_buffers, backend.gemm_scratch, backend.stream_k_scratch = {}, {}, "the layer's stream-K scratch"
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
@@ -372,6 +380,7 @@ def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, gr
         if decode:
             plan_name = plan_name.removesuffix("decode").strip() or None
         configs = ("gemm0 config", "gemm1 config") if plan_name == "device serial" else None
+        backend._compile_before_call()   # as every call does before it enqueues anything
         backend._launch(x, out, _AnyTable(), plan_of[plan_name], 0, configs, decode)
         assert launched == expected, (plan_name, launched)
         # every variant a call can launch was compiled at the first call, and only then
@@ -395,6 +404,7 @@ def test_fork_prologue_only_beside_a_dispatch_only_launch(monkeypatch, policy, p
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
     configs = (gg.analytical_configs(0)[0], gg.analytical_configs(1)[0])
+    backend._compile_before_call()
     backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(),
                     fixed, 0, configs, plan.endswith("decode"))
     assert launched == launches
@@ -432,16 +442,91 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
-    # the warm-up fills tables of its own (held=False): it runs after the first call has enqueued the fill of the
-    # layer's, which it would otherwise overwrite with its empty offsets (the call's GEMMs then ran no tile)
+    # the warm-up fills tables of its own (held=False): a warm-up touches nothing a call reads (when it ran after the
+    # first call had enqueued the fill of the layer's, it overwrote them with its empty offsets and the call's GEMMs
+    # ran no tile)
     backend._grouped_prologue = lambda offsets, keys, *rest, held=True, **options: prologues.append(
         (tuple(sorted(set(keys))), held)) or ({}, None, None)
     backend._gather_rows = lambda index, rows: None
-    backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(), backend.fixed_plan, 0)
+    backend._compile_before_call()
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
     g1 = (configs[1][0].block_m, False)
     assert sorted(prologues) == sorted((kinds, False) for kinds in {tuple(sorted({(128, False), g1})),
                                                                     tuple(sorted({(64, True), g1}))})
+
+
+def test_first_call_compiles_and_lines_up_before_it_enqueues_anything(monkeypatch):
+    """A layer's first call compiles every kernel variant and lines the ranks up before it enqueues anything (its
+    warm-ups then cannot overwrite what the call has enqueued: the decode fault of 13165e6..49f0f99), specialised on
+    the layer's own table buffers; it lines them up again once, before its first launch (after the table kernels'
+    first-time compiles); a launch before the compile is refused; later calls neither compile nor line up."""
+    from weave_moe.plan import Plan
+
+    backend, launched, compiled = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True,
+                                                resident=True, decode=True)
+    order = []
+    specimens = []
+    backend._line_up = lambda what: order.append(what)
+    real_args = backend._megakernel_args
+
+    def megakernel_args(x, out, layout, my_plan, parity):
+        specimens.append(layout)
+        return real_args(x, out, layout, my_plan, parity)
+
+    backend._megakernel_args = megakernel_args
+    x, out = torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="before the layer compiled"):
+        backend._launch(x, out, _AnyTable(), backend.fixed_plan, 0)
+    assert launched == [] and order == []
+    backend._compile_before_call()
+    assert sorted(compiled, key=str) == [0, 4, "d0", "d4"]
+    assert order == ["the barrier after compiling the kernel"] and launched == []
+    assert isinstance(specimens[0], _AnyTable)   # the held tables' layout (_HeldTables.layout)
+    backend._launch(x, out, _AnyTable(), backend.fixed_plan, 0)
+    assert order == ["the barrier after compiling the kernel", "the barrier before the layer's first launch"]
+    assert launched == [0, "grouped", 4]
+    compiled.clear()
+    backend._compile_before_call()
+    backend._launch(x, out, _AnyTable(), backend.fixed_plan, 0)
+    assert compiled == [] and len(order) == 2
+
+
+def test_resident_and_host_driven_calls_compile_before_their_first_enqueue(monkeypatch):
+    """WeaveBackend.forward's two paths call _compile_before_call before anything of the call is enqueued: the
+    resident call before its slot write and graph run, the host-driven call before its header and routing pack."""
+    from weave_moe.backends.weave.backend import WeaveBackend
+
+    class Stop(Exception):
+        pass
+
+    order = []
+    backend = WeaveBackend.__new__(WeaveBackend)
+    backend.broken, backend.debug_poison = None, False
+    backend.coordinator = type("C", (), {"check_usable": lambda self: order.append("usable"),
+                                         "header": lambda self: [0, 0, 0, 0]})()
+    backend._compile_before_call = lambda: order.append("compile")
+    backend._raise_deferred = lambda: order.append("deferred errors")
+
+    def enqueue(*args, **kwargs):
+        order.append("enqueue")
+        raise Stop
+
+    backend.spec, backend.num_local_experts, backend.device = MoESpec(8, 2, 32, 16), 8, torch.device("cpu")
+    backend.resident_graph_names, backend.decode_tokens, backend.debug_skip_launch = {}, 0, False
+    backend.workspace = type("W", (), {"generation": 1})()
+    backend._grouped_configs = lambda rows: None
+    backend.slots = type("S", (), {"write": enqueue})()   # the resident call's first enqueue: its slot
+    backend._write_header = enqueue                        # the host-driven call's: its header
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    x, ids, w = torch.zeros(2, 32).bfloat16(), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2)
+    backend.kernel_variants, backend.compiled = frozenset({"k"}), set()
+    for resident, expected in ((True, ["usable", "deferred errors", "compile", "enqueue"]),
+                               (False, ["usable", "compile", "enqueue"])):
+        backend.resident = resident
+        order.clear()
+        with pytest.raises(Stop):
+            backend.forward(x, ids, w)
+        assert order == expected, (resident, order)
 
 
 @pytest.mark.parametrize("gemm0_gather", [False, True])

@@ -136,8 +136,9 @@ class WeaveBackend:
     the event behind the routing exchange's counts (so a peer that never calls makes this rank raise
     CollectiveTimeoutError within timeout_s) and, in `synchronize`, the event behind the kernel. Inside the kernel
     every wait for a peer has its own deadline (kernels/sync.py: WeaveTimeoutError at the next call or
-    `synchronize`). The barrier after a first-call compile waits up to max(timeout_s, COMPILE_SKEW_S): a cold
-    compile on one rank is legitimate skew.
+    `synchronize`). A layer's first call lines the ranks up twice (`_line_up`: after compiling its kernels, before
+    the routing exchange; after the first-time compiles of its table kernels, before the first launch with waits for
+    peers), each barrier waiting up to max(timeout_s, COMPILE_SKEW_S): a cold compile on one rank is legitimate skew.
 
     Options:
         profile: HardwareProfile for the planner (default: the shipped H200 profile); its tile shape must match the
@@ -242,6 +243,7 @@ class WeaveBackend:
         self.layout_builder = LayoutBuilder(cfg.compile_layout)
         self.calls = 0
         self.compiled: set = set()
+        self.first_launch_lined_up = False   # _launch lines the ranks up once, before the layer's first launch
         self.last_plan: Plan | None = None
         self.last_plans: list[Plan] = []
         self.plan_memo: dict = {}
@@ -296,11 +298,7 @@ class WeaveBackend:
         self.gemm_scratch: dict[int, torch.Tensor] = {}   # Triton scratch per size (_gemm_scratch)
         self.stream_k_scratch = grouped_gemm.StreamKScratch(device)   # a stream-K GEMM's parts and flags per size
         for decode in sorted({False, bool(self.decode_tokens)}) if self.resident and cfg.triton_tables else ():
-            rows = self._table_rows(decode)
-            self.table_buffers[decode] = TableBuffers.for_layer(
-                world_size, max_tokens_per_rank, spec.top_k, spec.num_experts, hidden_size=H, intermediate_size=I,
-                block_m=cfg.block_m, block_n0=cfg.block_n0, block_n1=cfg.block_n1,
-                dispatch_rows=rows["dispatch_rows"], combine_rows=rows["combine_rows"], device=device)
+            self.table_buffers[decode] = self._new_table_buffers(decode)
         self.kernel_variants = self._kernel_variants()
         # the resident call: addresses of this call's x and out, and its T (the token word of the routing message)
         self.io = torch.zeros(2, dtype=torch.int64, device=device)
@@ -349,6 +347,7 @@ class WeaveBackend:
             raise WeaveError(f"this layer failed earlier ({self.broken}); build a new layer")
         coordinator = self.coordinator
         coordinator.check_usable()
+        self._compile_before_call()   # a first call, before it enqueues anything
         clock = _HostClock(timings)
         # 1. routing exchange, with the call's header (its error code set if this rank cannot make the call)
         self._write_header()
@@ -442,6 +441,7 @@ class WeaveBackend:
                                "call compiles the kernels and captures the layer's own graphs)")
         if not capturing:
             self._raise_deferred()
+            self._compile_before_call()   # a first call, before it enqueues anything
         clock = _HostClock(timings)
         # a rank that failed its local checks still takes part (T = 0, its error code in the header): every peer's
         # verdict refuses the call; this rank raises its own error after enqueueing it, the peers PeerError later
@@ -473,7 +473,7 @@ class WeaveBackend:
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
             self.graphs.run(name, lambda: self._resident_call(configs, False, decode), in_capture=True)
-        elif self.debug_skip_launch and self.kernel_variants <= self.compiled:
+        elif self.debug_skip_launch:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
             self.slots.write(x, out, topk_ids, topk_weights, code,
@@ -698,16 +698,25 @@ class WeaveBackend:
             "different layer. The caller's tensors are untouched. At EP > 1 every rank calls "
             "weave_moe.backends.weave.workspace.retire_shared(group), then rebuilds the group's layers.")
 
-    def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None,
-                decode: bool = False, early=None) -> None:
-        """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
-        kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
-        layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
-        the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`). `early`: the grouped
-        GEMMs' tile tables already forked off (`_grouped_prologue(side=True)`; None: forked here, when they are)."""
+    def _compile_before_call(self) -> None:
+        """A layer's first call: compile every kernel variant a call can launch and line the ranks up
+        (`_compile_kernels`, `_line_up`) before the call enqueues anything. The warm-ups run kernels (the grouped GEMMs on empty
+        tile tables); had they run after the call's own work was enqueued, as they once did, whatever they touched
+        that the call reads would have been overwritten (the decode fault of 13165e6..49f0f99: the warm-up refilled
+        the call's tile tables, whose GEMMs then ran no tile). Specialised as the calls are: the resident call's
+        dummy x / out (a host-driven call's x and out are 16-byte aligned too, `_aligned_io`, and T is not a
+        specialised argument) and the layer's table buffers (a set made for this where it holds none: the tables'
+        tensors are all int32 / fp32 of torch's alignment either way)."""
+        if self.kernel_variants <= self.compiled:
+            return
+        tables = self.table_buffers.get(False) or self._new_table_buffers(False)
+        dummy = self.workspace.y()[:1]
+        self._compile_kernels(*self._megakernel_args(dummy, dummy, tables.layout(), self.fixed_plan, 0))
+        self._line_up("the barrier after compiling the kernel")   # before this call's routing exchange
+
+    def _megakernel_args(self, x, out, layout, my_plan: Plan | None, parity: int) -> tuple:
+        """(MegakernelArgs, launch options) of a launch for `my_plan` (None: the plan on the device) on `layout`."""
         ws, spec, grid = self.workspace, self.spec, self.num_sms
-        if self.timeline_events:
-            self.timeline_buf.zero_()
         serial = my_plan is not None and my_plan.is_serial(grid)
         num_comm_ctas = grid if serial or my_plan is None else my_plan.c
         num_steal = (1 << 30) if serial or my_plan is None else my_plan.n_steal
@@ -730,9 +739,30 @@ class WeaveBackend:
             H=spec.hidden_size, I=spec.intermediate_size,
             num_comm_ctas=num_comm_ctas, num_steal=num_steal,
             timeout_ns=self.timeout_ns, PHASE_FIRST=0, PHASE_LAST=3)
-        launch_options = dict(grid=grid, descriptors=self.descriptors, num_warps=self.config.num_warps,
-                              num_stages=self.config.num_stages)
-        self._ensure_compiled(args, launch_options)
+        return args, dict(grid=grid, descriptors=self.descriptors, num_warps=self.config.num_warps,
+                          num_stages=self.config.num_stages)
+
+    def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None,
+                decode: bool = False, early=None) -> None:
+        """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
+        kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
+        layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
+        the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`). `early`: the grouped
+        GEMMs' tile tables already forked off (`_grouped_prologue(side=True)`; None: forked here, when they are).
+        The layer has compiled before this call enqueued anything (`_compile_before_call`)."""
+        if not self.kernel_variants <= self.compiled:
+            raise RuntimeError("weave: internal error: a launch before the layer compiled its kernels (a call must "
+                               "run _compile_before_call before it enqueues anything)")
+        if not self.first_launch_lined_up:
+            # the first call's task-table kernels compiled at their first launch, after the barrier of
+            # _compile_before_call (KernelConfig.compile_layout: ~22 s for a fresh process's first layer shape on a
+            # fresh machine, ~5 s for each further shape; bench/results/first-call-h200x2-6d28893.json)
+            self._line_up("the barrier before the layer's first launch")
+            self.first_launch_lined_up = True
+        if self.timeline_events:
+            self.timeline_buf.zero_()
+        args, launch_options = self._megakernel_args(x, out, layout, my_plan, parity)
+        serial = my_plan is not None and my_plan.is_serial(self.num_sms)
         if self.debug_skip_launch:
             return
         device_serial = my_plan is None and grouped_configs is not None
@@ -750,8 +780,8 @@ class WeaveBackend:
             mk_launch.launch(args=args, constants=self.stage_constants[stage], **launch_options)
 
     def _kernel_variants(self) -> frozenset:
-        """The megakernel compiles (`stage_constants` values) a call of this layer can launch; `_ensure_compiled`
-        compiles them all before the first launch. Whether a call runs the serial schedule (`_launch`): a fixed plan's
+        """The megakernel compiles (`stage_constants` values) a call of this layer can launch; `_compile_kernels`
+        compiles them all before the first call enqueues anything. Whether a call runs the serial schedule (`_launch`): a fixed plan's
         answer; an adaptive policy's resident call has its plan on the device and is one launch; its host-driven call
         can be either."""
         serial_choices = ((self.fixed_plan.is_serial(self.num_sms),) if self.fixed_plan is not None
@@ -793,6 +823,15 @@ class WeaveBackend:
         if decode:
             return dict(dispatch_rows=DECODE_ROWS, combine_rows=DECODE_ROWS, reduce_rows=DECODE_ROWS)
         return dict(dispatch_rows=cfg.dispatch_rows, combine_rows=cfg.combine_rows, reduce_rows=cfg.reduce_rows)
+
+    def _new_table_buffers(self, decode: bool) -> TableBuffers:
+        """The memory of the Triton task tables of a call of this layer (decode: `_table_rows`)."""
+        cfg, spec, rows = self.config, self.spec, self._table_rows(decode)
+        return TableBuffers.for_layer(
+            self.world_size, self.max_tokens, spec.top_k, spec.num_experts, hidden_size=spec.hidden_size,
+            intermediate_size=spec.intermediate_size, block_m=cfg.block_m, block_n0=cfg.block_n0,
+            block_n1=cfg.block_n1, dispatch_rows=rows["dispatch_rows"], combine_rows=rows["combine_rows"],
+            device=self.device)
 
     def _grouped_configs(self, rows: int) -> tuple | None:
         """The (GEMM0, GEMM1) grouped-GEMM configs for about `rows` rows (None when the layer runs no grouped GEMM)."""
@@ -866,9 +905,9 @@ class WeaveBackend:
         stream, which reads them, and in a CUDA-graph capture the fork and the join are edges of the graph. Returns
         (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs. `held`: in
         the layer's buffers for these tile kinds (rewritten by every call, as the task tables are: no allocation inside
-        the CUDA graph of a row count); False: in new ones (the first call's compile, `_ensure_compiled`, which runs
-        after that call has enqueued the fill of the held ones: filling those with its empty offsets made the call's
-        GEMMs run no tile)."""
+        the CUDA graph of a row count); False: in new ones (the first call's compile, `_compile_kernels`: a warm-up
+        touches nothing a call reads; when it ran after the call had enqueued the fill of the held ones, filling
+        those with its empty offsets made the call's GEMMs run no tile)."""
         kinds = tuple(sorted(set(keys)))
         buffers = self.tile_buffers.get(kinds) if held else None
         if buffers is None:
@@ -904,14 +943,10 @@ class WeaveBackend:
         `rows` (the prologue's device scalar) rows of recv at `index`."""
         grouped_tiles.gather_rows(self.workspace.recv(), index, self.workspace.y(), rows, 4 * self.num_sms)
 
-    def _ensure_compiled(self, args, launch_options) -> None:
-        """Compile every megakernel variant a call can launch (`kernel_variants`) before the first launch and line the
-        ranks up, so no rank's waits time out while a peer is still compiling (a cold compile takes far longer than
-        the kernel's deadlines). The first call's task-table compile (KernelConfig.compile_layout: ~22 s for a fresh
-        process's first layer shape on a fresh machine, ~5 s for each further shape;
-        bench/results/first-call-h200x2-6d28893.json) happens before this barrier too."""
-        if self.kernel_variants <= self.compiled:
-            return
+    def _compile_kernels(self, args, launch_options) -> None:
+        """Compile every megakernel variant a call can launch (`kernel_variants`) and every grouped-GEMM config it may
+        pick, for these arguments' specialisation, and wait for the warm-up launches to end. Called by
+        `_compile_before_call` before a call enqueues anything: the warm-ups write only buffers of their own."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
@@ -931,14 +966,19 @@ class WeaveBackend:
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
-                # in buffers of its own: this first call has already enqueued the fill of the layer's
+                # in buffers of its own (the warm-ups touch nothing a call reads)
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial, held=False)
                 if not self.gemm0_gather:   # otherwise a call makes no gather launch
                     self._gather_rows(self.ctrl, rows)
         torch.cuda.synchronize(self.device)
+        self.compiled |= self.kernel_variants
+
+    def _line_up(self, what: str) -> None:
+        """Wait for this rank's work so far, then for every rank to get here (bounded: max(timeout_s,
+        COMPILE_SKEW_S)), so that no rank's waits for a peer time out while that peer is still compiling (a cold
+        compile takes far longer than the kernels' deadlines)."""
+        torch.cuda.synchronize(self.device)
         if self.world_size > 1:
             work = torch.distributed.barrier(group=self.group, async_op=True)
-            self.coordinator.poll(work.is_completed, "the barrier after compiling the kernel",
-                                  timeout_s=max(self.coordinator.timeout_s, COMPILE_SKEW_S))
+            self.coordinator.poll(work.is_completed, what, timeout_s=max(self.coordinator.timeout_s, COMPILE_SKEW_S))
             work.wait()
-        self.compiled |= self.kernel_variants

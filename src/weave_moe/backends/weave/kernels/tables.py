@@ -175,6 +175,19 @@ class TableBuffers:
     def nbytes(self) -> int:
         return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors.values())
 
+    def layout(self) -> Layout:
+        """The `layout.Layout` of these tables: what `build_layout_triton(buffers=self)` returns, without running it
+        (the weave backend compiles its kernels for a call's arguments before the call enqueues anything)."""
+        t, shapes = self.tensors, self.shapes
+        return Layout(meta=t["meta"], dispatch_tasks=t["dispatch_tasks"], send_token=t["send_token"],
+                      send_slot=t["send_slot"], gather_rows=t["gather_rows"], gemm_tasks=t["gemm_tasks"],
+                      arrival_expected=t["arrival_expected"], gemm1_expected=t["gemm1_expected"],
+                      num_mtiles_bound=shapes.max_mtiles, combine_tasks=t["combine_tasks"],
+                      combine_token=t["combine_token"], combine_pos=t["combine_pos"],
+                      combine_weight=t["combine_weight"], token_dest_mask=t["token_dest_mask"],
+                      combine_expected=t["combine_expected"], max_pairs=shapes.max_pairs,
+                      expert_offsets=t["expert_offsets"])
+
 
 def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
                         chunks: torch.Tensor, rank: int, num_experts: int, *, hidden_size: int,
@@ -292,9 +305,4 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         max_combine, max_pairs, P * per_block, P * per_block, max(num_sms, 1), K=K, KP=KP, MC=MC,
         BLOCK_T=emit_tokens, BT=BT, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_SEG=_pow2(MC * L), BLOCK_J=block_j,
         BLOCK_N=min(16, _pow2(max(n0, n1))), SERIAL_GROUPED=serial_plan is not None, **sync.LAUNCH)
-    return Layout(meta=meta, dispatch_tasks=dispatch_tasks, send_token=send_token, send_slot=send_slot,
-                  gather_rows=gather_rows, gemm_tasks=gemm_tasks, arrival_expected=arrival_expected,
-                  gemm1_expected=gemm1_expected, num_mtiles_bound=max_mtiles, combine_tasks=combine_tasks,
-                  combine_token=combine_token, combine_pos=combine_pos, combine_weight=combine_weight,
-                  token_dest_mask=token_dest_mask, combine_expected=combine_expected, max_pairs=max_pairs,
-                  expert_offsets=expert_offsets)
+    return buffers.layout()
