@@ -35,8 +35,9 @@ for stage in "$@"; do
     # decode and prefill sizes (one GPU, one rank's work of EP=2), --check on every row; the planner's own timings
     # and the planning counts launch's bitwise check are the `planner` stage (device_planner_check.py)
     fused-planner) timeout "${FP_TIMEOUT:-400}" python3 -m weave_moe.bench --emulate-ep 2 --models "${FP_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${FP_TOKENS:-1,8,32,128,2048}" --routing uniform --variants nccl,weave:serial,weave,weave@fused_planner=on,weave@early_scan=on,weave@fused_planner=on@early_scan=on --check --iters 30 --rounds 5 --no-progress --timeout $(( ${FP_TIMEOUT:-400} - 10 )) --name fused-planner --out "$W" > "$W/fused-planner.log" 2>&1; echo "rc=$?"; tail -30 "$W/fused-planner.log";;
-    # where the grouped GEMMs lose against a dense GEMM (issue 14, perf-notes 30): the layer's tiles against the same tiles
-    # all on expert 0's weights, GROUP_M values, the same rows over 1 / 8 / 32 / E/2 equal experts; rotated order
+    # where the grouped GEMMs lose against a dense GEMM (issue 14, perf-notes 30): the layer's tiles against the
+    # same tiles all on expert 0's weights, GROUP_M values, the same rows over 1 / 8 / 32 / E/2 equal experts;
+    # rotated order
     gemm-l2) timeout "${GL_TIMEOUT:-400}" python3 scripts/gemm_l2_probe.py --models "${GL_MODELS:-deepseek-v3}" --tokens "${GL_TOKENS:-8192}" --rounds "${GL_ROUNDS:-15}" --out "$W/gemm_l2_probe.json" > "$W/gemm_l2_probe.log" 2>&1; echo "rc=$?"; tail -24 "$W/gemm_l2_probe.log";;
     # the weights' L2 prefetch (KernelConfig.prefetch_mib, kernels/prefetch.py): prefetch-probe times the decode GEMMs
     # alone after an L2 flush, cold / prefetched with budgets / warm (scripts/prefetch_probe.py); prefetch benches

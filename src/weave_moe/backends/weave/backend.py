@@ -700,9 +700,9 @@ class WeaveBackend:
 
     def _compile_before_call(self) -> None:
         """A layer's first call: compile every kernel variant a call can launch and line the ranks up
-        (`_compile_kernels`, `_line_up`) before the call enqueues anything. The warm-ups run kernels (the grouped GEMMs on empty
-        tile tables); had they run after the call's own work was enqueued, as they once did, whatever they touched
-        that the call reads would have been overwritten (the decode fault of 13165e6..49f0f99: the warm-up refilled
+        (`_compile_kernels`, `_line_up`) before the call enqueues anything. The warm-ups run kernels (the grouped
+        GEMMs on empty tile tables); had they run after the call's own work was enqueued, as they once did, whatever
+        they touched that the call reads would have been overwritten (the decode fault of 13165e6..49f0f99: the warm-up refilled
         the call's tile tables, whose GEMMs then ran no tile). Specialised as the calls are: the resident call's
         dummy x / out (a host-driven call's x and out are 16-byte aligned too, `_aligned_io`, and T is not a
         specialised argument) and the layer's table buffers (a set made for this where it holds none: the tables'
@@ -781,9 +781,9 @@ class WeaveBackend:
 
     def _kernel_variants(self) -> frozenset:
         """The megakernel compiles (`stage_constants` values) a call of this layer can launch; `_compile_kernels`
-        compiles them all before the first call enqueues anything. Whether a call runs the serial schedule (`_launch`): a fixed plan's
-        answer; an adaptive policy's resident call has its plan on the device and is one launch; its host-driven call
-        can be either."""
+        compiles them all before the first call enqueues anything. Whether a call runs the serial schedule
+        (`_launch`): a fixed plan's answer; an adaptive policy's resident call has its plan on the device and is one
+        launch; its host-driven call can be either."""
         serial_choices = ((self.fixed_plan.is_serial(self.num_sms),) if self.fixed_plan is not None
                           else (False,) if self.resident else (False, True))
         decode_choices = (False, True) if self.decode_tokens else (False,)
