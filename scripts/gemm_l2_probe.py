@@ -37,8 +37,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from weave_moe.backends.weave.graphs import capturing
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
+from weave_moe.bench.anchor import captured_graph
 from weave_moe.models import MoESpec
 
 TOLERANCE = 1e-2   # bf16 operands, fp32 accumulation, one bf16 rounding of the output (as scripts/gemm_bench.py)
@@ -82,19 +82,6 @@ def run_variant(gemm: int, a, weights, out, tiles, config) -> None:
         gg.grouped_gemm0(a, weights, out, tiles, config, pdl=False)
     else:
         gg.grouped_gemm1(a, weights, out, tiles, config, pdl=False)
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()   # compiles and warms up off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with capturing(graph):
-        fn()
-    graph.replay()   # the first replay uploads the graph
-    return graph
 
 
 def time_rotated(graphs: dict, rounds: int) -> dict:
@@ -161,7 +148,7 @@ def probe(spec: MoESpec, tokens: int, gemm: int, group_ms: list[int], expert_cou
         error = float("nan") if torch.isnan(got).any() else ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         result["variants"][name] = dict(rel_error=error, passed=error <= TOLERANCE,
                                         config=dataclasses.asdict(cfg), experts=n)
-        graphs[name] = capture(lambda tiles=tiles, cfg=cfg: run_variant(gemm, a, weights, out, tiles, cfg))
+        graphs[name] = captured_graph(lambda tiles=tiles, cfg=cfg: run_variant(gemm, a, weights, out, tiles, cfg))[0]
     torch.backends.cuda.matmul.allow_tf32 = False
     for name, ms in time_rotated(graphs, rounds).items():
         entry = result["variants"][name]

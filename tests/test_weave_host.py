@@ -442,11 +442,10 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
-    # the warm-up fills tables of its own (held=False): a warm-up touches nothing a call reads (when it ran after the
-    # first call had enqueued the fill of the layer's, it overwrote them with its empty offsets and the call's GEMMs
-    # ran no tile)
-    backend._grouped_prologue = lambda offsets, keys, *rest, held=True, **options: prologues.append(
-        (tuple(sorted(set(keys))), held)) or ({}, None, None)
+    # the warm-up fills the layer's tile tables (on the stream, not beside it), before the call enqueues anything:
+    # the call's own fill comes after it (test_first_call_compiles_and_lines_up_before_it_enqueues_anything)
+    backend._grouped_prologue = lambda offsets, keys, *rest, side=False: prologues.append(
+        (tuple(sorted(set(keys))), side)) or ({}, None, None)
     backend._gather_rows = lambda index, rows: None
     backend._compile_before_call()
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
@@ -847,10 +846,6 @@ def test_grouped_stage_buffers_are_the_layers_not_each_calls(monkeypatch):
     assert first[0] is again[0] and first[1] is again[1]          # same kinds: the same tables and rows
     assert other[0] is not first[0] and set(other[0]) == {(128, False)}
     assert len(filled) == 3 and all(tables is result[0] for (tables, _), result in zip(filled, [first, again, other]))
-    # held=False (the first call's compile): buffers of its own, the layer's untouched
-    own = prologue(offsets, ((16, False), (64, True)), False, held=False)
-    assert own[0] is not first[0] and own[1] is not first[1] and set(own[0]) == set(first[0])
-    assert filled[-1][0] is own[0] and backend.tile_buffers[((16, False), (64, True))][0] is first[0]
     scratch = backend._gemm_scratch(4096, 128, None)
     assert backend._gemm_scratch(4096, 128, None) is scratch and scratch.numel() == 4096
     assert backend._gemm_scratch(8192, 128, None) is not scratch

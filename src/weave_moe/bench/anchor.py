@@ -111,11 +111,10 @@ def _time_graph(x_sorted, offsets, w13, w2, replays: int) -> list[float]:
     return graph_replay_ms(lambda: grouped_expert_compute(x_sorted, offsets, w13, w2), replays, x_sorted.device)
 
 
-def graph_replay_ms(fn, replays: int, device=None) -> list[float]:
-    """ms of each of `replays` replays of `fn` captured in a CUDA graph, each between two CUDA events.
+def captured_graph(fn, device=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, fn's output in it) of `fn` captured in a CUDA graph, replayed once (the first replay uploads it).
 
-    `fn` runs once eagerly on a side stream first (kernels compiled, library workspaces made, off the capture), and
-    the graph is replayed once untimed (the first replay uploads it)."""
+    `fn` runs once eagerly on a side stream first (kernels compiled, library workspaces made, off the capture)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -124,9 +123,16 @@ def graph_replay_ms(fn, replays: int, device=None) -> list[float]:
     graph = torch.cuda.CUDAGraph()
     with capturing(graph):  # the cyclic GC paused: a dead layer's graphs must not die inside this capture
         out = fn()
+    graph.replay()
+    return graph, out
+
+
+def graph_replay_ms(fn, replays: int, device=None) -> list[float]:
+    """ms of each of `replays` replays of `fn` captured in a CUDA graph (`captured_graph`), each between two CUDA
+    events."""
+    graph, out = captured_graph(fn, device)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    graph.replay()
     for start, end in zip(starts, ends):
         start.record()
         graph.replay()

@@ -897,24 +897,21 @@ class WeaveBackend:
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
 
-    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, held: bool = True) -> tuple:
+    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False) -> tuple:
         """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
         (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
         this rank's device plan is serial. `side`: on the layer's side stream, after the work enqueued so far, beside
         what the current stream runs next (KernelConfig.fork_prologue); the buffers are allocated on the current
         stream, which reads them, and in a CUDA-graph capture the fork and the join are edges of the graph. Returns
-        (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs. `held`: in
-        the layer's buffers for these tile kinds (rewritten by every call, as the task tables are: no allocation inside
-        the CUDA graph of a row count); False: in new ones (the first call's compile, `_compile_kernels`: a warm-up
-        touches nothing a call reads; when it ran after the call had enqueued the fill of the held ones, filling
-        those with its empty offsets made the call's GEMMs run no tile)."""
+        (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs. The tables
+        are the layer's for these tile kinds (rewritten by every call, as the task tables are: no allocation inside
+        the CUDA graph of a row count); the first call's compile fills them too, before that call enqueues anything
+        (`_compile_before_call`)."""
         kinds = tuple(sorted(set(keys)))
-        buffers = self.tile_buffers.get(kinds) if held else None
+        buffers = self.tile_buffers.get(kinds)
         if buffers is None:
-            buffers = (grouped_tiles.empty_tile_tables(offsets, kinds, self.max_pairs),
-                       torch.empty(1, dtype=torch.int32, device=offsets.device))
-            if held:
-                self.tile_buffers[kinds] = buffers
+            buffers = self.tile_buffers[kinds] = (grouped_tiles.empty_tile_tables(offsets, kinds, self.max_pairs),
+                                                  torch.empty(1, dtype=torch.int32, device=offsets.device))
         tables, rows = buffers
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,
@@ -946,7 +943,8 @@ class WeaveBackend:
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`) and every grouped-GEMM config it may
         pick, for these arguments' specialisation, and wait for the warm-up launches to end. Called by
-        `_compile_before_call` before a call enqueues anything: the warm-ups write only buffers of their own."""
+        `_compile_before_call` before a call enqueues anything, so what the warm-ups write (the layer's tile tables,
+        filled with no tile) is rewritten by the call before it is read."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
@@ -966,8 +964,7 @@ class WeaveBackend:
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
-                # in buffers of its own (the warm-ups touch nothing a call reads)
-                _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial, held=False)
+                _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
                 if not self.gemm0_gather:   # otherwise a call makes no gather launch
                     self._gather_rows(self.ctrl, rows)
         torch.cuda.synchronize(self.device)
