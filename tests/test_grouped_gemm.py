@@ -501,6 +501,15 @@ PROLOGUE_SCRIPT = textwrap.dedent(
                 n = rows if on else 0
                 assert torch.equal(dst[:n], src[index[:n].long()]), (counts, keys, plan_c, "gathered rows")
                 assert dst[n:].isnan().all(), (counts, keys, plan_c, "rows past the count were written")
+    # the gather alone, its count read ahead of its wait or after it: one step per program, several, a partial one
+    src = torch.randn(300, H).bfloat16()
+    index = torch.randperm(300)[:250].int()
+    for count in (0, 1, 47, 48, 49, 97, 250):
+        for ready in (False, True):
+            dst = torch.full((260, H), float("nan")).bfloat16()
+            gt.gather_rows(src, index, dst, torch.tensor([count], dtype=torch.int32), 3, count_ready=ready)
+            assert torch.equal(dst[:count], src[index[:count].long()]), (count, ready)
+            assert dst[count:].isnan().all(), (count, ready, "rows past the count were written")
     for bad in [(), ((16, False), (16, False)), ((16, False), (32, False), (64, False))]:
         try:
             gt.grouped_prologue(offsets, bad, P, src, index, dst, 3)
@@ -513,7 +522,30 @@ PROLOGUE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("count_ready", [False, True])
+def test_gather_loads_its_indices_before_its_wait_only_when_the_count_is_ready(count_ready):
+    """The row gather (sync.pdl_ahead): with its count written on a joined stream it loads the count and its first
+    indices before it waits for the launch before it (sm_90 PTX); otherwise, the launch before may be the one that
+    writes the count, it waits first."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from weave_moe.backends.weave.kernels import grouped_tiles
+
+    fn = grouped_tiles._gather_rows_kernel
+    constants = dict(ROWS=16, BLOCK_H=512, COUNT_AHEAD=count_ready)
+    signature = {name: "constexpr" if name in constants else ("*bf16" if name in ("src_ptr", "dst_ptr") else "*i32")
+                 if name.endswith("_ptr") else "i32" for name in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")].count("ld.global")
+    assert before == (1 + 16 if count_ready else 0), before   # the count, one index per row of the first step
+    assert ".local" not in ptx
+
+
 def test_grouped_prologue_under_interpreter():
     """The grouped GEMMs' one-launch prologue: tile tables equal build_tile_table_torch's, rows gathered bitwise,
-    rows past the count untouched; under a split plan nothing at all (no tile, no row)."""
+    rows past the count untouched; under a split plan nothing at all (no tile, no row). The gather alone too, with
+    its count read before or after its wait, over one, several and partial steps of its programs."""
     run_interpreted(PROLOGUE_SCRIPT, "GROUPED PROLOGUE INTERPRETER OK", timeout=600)

@@ -2,7 +2,8 @@
 may start while its predecessor still runs, so its first statement must be `sync.pdl_enter()` or `sync.pdl_wait()`
 (both wait for the predecessor; one that begins with `pdl_wait` must also call `sync.pdl_release()`, or the next
 launch waits for its CTAs to exit), or `sync.pdl_start(X)` with `sync.pdl_finish(X)` as its last statement (a kernel
-that reads nothing its predecessor writes waits for it at its end). Checked on the source: every launch with
+that reads nothing its predecessor writes waits for it at its end), or `sync.pdl_ahead()` (loads of what
+launches before its predecessor wrote) followed by `sync.pdl_enter()` once on every path. Checked on the source: every launch with
 `**sync.LAUNCH` (or `**sync.launch_options(...)`) in the package names a kernel whose body begins with such a call (after its docstring), and every
 kernel that calls it is launched that way somewhere."""
 
@@ -46,12 +47,58 @@ def _enters(function: ast.FunctionDef) -> bool:
     calls = {ast.unparse(n.func) for n in ast.walk(function) if isinstance(n, ast.Call)}
     if name == "sync.pdl_wait":
         return "sync.pdl_release" in calls
+    if name == "sync.pdl_ahead":   # loads what earlier launches wrote, then waits (pdl_enter) on every path
+        return _enters_on_every_path(body[1:])
     if name == "sync.pdl_start":   # waits first unless INDEPENDENT; then it must wait last
         last = body[-1]
         return (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)
                 and ast.unparse(last.value.func) == "sync.pdl_finish"
                 and [ast.unparse(a) for a in last.value.args] == [ast.unparse(a) for a in first.value.args])
     return name == "sync.pdl_enter"
+
+
+def _enters_on_every_path(statements: list) -> bool:
+    """Whether every path through `statements` calls `sync.pdl_enter()` exactly once, at its own level: a plain
+    statement, or an if / elif / else (a constexpr one too) all of whose branches do; no call inside a loop."""
+    entered = 0
+    for statement in statements:
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call) \
+                and ast.unparse(statement.value.func) == "sync.pdl_enter":
+            entered += 1
+        elif isinstance(statement, ast.If):
+            branches = [_enters_on_every_path(statement.body), _enters_on_every_path(statement.orelse)]
+            inside = [any(isinstance(n, ast.Call) and ast.unparse(n.func) == "sync.pdl_enter"
+                          for s in branch for n in ast.walk(s)) for branch in (statement.body, statement.orelse)]
+            if all(branches):
+                entered += 1
+            elif any(inside):
+                return False
+        elif any(isinstance(n, ast.Call) and ast.unparse(n.func) == "sync.pdl_enter" for n in ast.walk(statement)):
+            return False   # inside a loop, a with, ...
+    return entered == 1
+
+
+def test_pdl_ahead_kernels_enter_once_on_every_path():
+    """The kernels that load ahead of their wait (`sync.pdl_ahead`) call `sync.pdl_enter()` once on every path, and
+    the rule catches a path without it or with two."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+                if body and ast.unparse(body[0]) == "sync.pdl_ahead()":
+                    found.add(node.name)
+                    assert _enters(node), node.name
+    assert {"emit_kernel", "_gather_rows_kernel"} <= found, found
+    bad = [
+        "if a:\n    sync.pdl_enter()\nelse:\n    pass",                                # a path without
+        "sync.pdl_enter()\nif a:\n    sync.pdl_enter()\nelse:\n    sync.pdl_enter()",  # two on one path
+        "for i in range(3):\n    sync.pdl_enter()",                                   # in a loop
+    ]
+    good = ["x = 1\nif a:\n    y = 2\nsync.pdl_enter()\nz = 3",
+            "if a:\n    sync.pdl_enter()\nelif b:\n    sync.pdl_enter()\nelse:\n    sync.pdl_enter()"]
+    assert not any(_enters_on_every_path(ast.parse(code).body) for code in bad)
+    assert all(_enters_on_every_path(ast.parse(code).body) for code in good)
 
 
 def test_every_kernel_launched_with_pdl_waits_for_its_predecessor_first():

@@ -190,6 +190,43 @@ def test_triton_tables_compile_for_sm90_without_local_memory():
         assert ".local" not in ptx, fn.__name__
 
 
+def _loads_before_waits(ptx: str) -> list[int]:
+    """For each `griddepcontrol.wait` of a PTX listing: the global loads before it in its basic block."""
+    counts, loads = [], 0
+    for line in ptx.splitlines():
+        if line.startswith("$L__BB"):   # a branch target: another basic block
+            loads = 0
+        elif "griddepcontrol.wait" in line:
+            counts.append(loads)
+        elif "ld.global" in line:
+            loads += 1
+    return counts
+
+
+def test_emit_loads_what_earlier_launches_wrote_before_its_wait():
+    """The emit kernel (sync.pdl_ahead) issues its loads of the ids, weights, chunk counts and the scan's ranks before
+    it waits for the bases kernel, in the sm_90 PTX: the received-tokens path and the sent-tokens path each load
+    ahead of their wait; the task rows, which read only what the bases kernel wrote, wait first."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from weave_moe.backends.weave.kernels import tables_emit
+
+    fn = tables_emit.emit_kernel
+    constants = dict(L=64, K=8, KP=8, MC=8, BLOCK_T=32, BT=64, BLOCK_P=2, BLOCK_PMC=16, BLOCK_SEG=512, BLOCK_J=64,
+                     BLOCK_N=16, SERIAL_GROUPED=True)
+    signature = {name: "constexpr" if name in constants else
+                 ("*fp32" if name in ("weights_ptr", "combine_weight_ptr") else "*i32") if name.endswith("_ptr")
+                 else "i32" for name in fn.arg_names}
+    ptx = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    received, sent, tasks = _loads_before_waits(ptx)
+    # received: T_s (twice: valid, the chunk), ids, the chunk count, q, the token's rank, weights; sent: T, ids,
+    # the token's rank
+    assert received >= 6 and sent >= 3 and tasks == 0, (received, sent, tasks)
+
+
 def test_rank_is_never_specialised_in_a_launched_kernel():
     """Triton compiles an int argument equal to 1 as a constant unless it is in `do_not_specialize`. A kernel whose
     `rank` is specialised runs another binary on rank 1 than on rank 0 (compiled while the peers already wait in the

@@ -328,7 +328,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.fork_prologue, backend.prefetch = fork, None
     backend._grouped_prologue = lambda offsets, keys, device_serial, side=False: (
         launched.append("fork") if side else None) or ({}, None, "event" if side else None)
-    backend._gather_rows = lambda index, rows: None
+    backend._gather_rows = lambda index, rows, count_ready: None
     backend._grouped_gemms = lambda layout, configs, device_serial=False, early=None: launched.append(
         "grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None else ""))
     return backend, launched, compiled
@@ -446,7 +446,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     # the call's own fill comes after it (test_first_call_compiles_and_lines_up_before_it_enqueues_anything)
     backend._grouped_prologue = lambda offsets, keys, *rest, side=False: prologues.append(
         (tuple(sorted(set(keys))), side)) or ({}, None, None)
-    backend._gather_rows = lambda index, rows: None
+    backend._gather_rows = lambda index, rows, count_ready: None
     backend._compile_before_call()
     assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
     g1 = (configs[1][0].block_m, False)
@@ -528,11 +528,14 @@ def test_resident_and_host_driven_calls_compile_before_their_first_enqueue(monke
         assert order == expected, (resident, order)
 
 
+@pytest.mark.parametrize("forked", [False, True])
 @pytest.mark.parametrize("gemm0_gather", [False, True])
-def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_gather):
+def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_gather, forked):
     """The grouped GEMM stage: by default a gather launch copies the received rows into y in expert order and GEMM0
     reads y; with KernelConfig.gemm0_gather no gather launch, GEMM0 reads the receive buffer through the layout's
-    gather rows. GEMM1 reads h and writes y either way."""
+    gather rows. GEMM1 reads h and writes y either way. After a prologue forked onto a side stream (`forked`: its
+    event given) the stream waits for it first, and the gather reads the count ahead of its wait (count_ready);
+    after one on the same stream it may not."""
     import types
 
     from weave_moe.backends.weave import backend as backend_module
@@ -542,7 +545,8 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     backend.gemm0_gather = gemm0_gather
     calls, launched_pdl = [], []
-    backend._gather_rows = lambda index, rows: calls.append(("gather", index, rows))
+    backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index, rows, count_ready))
+    backend._current_stream = lambda: types.SimpleNamespace(wait_event=lambda event: calls.append(("join", event)))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", lambda a, w, out, tiles, config, early_release,
                         pdl, scratch, stream_k_scratch, status, timeout_ns, gather=None:
                         calls.append(("gemm0", a, gather)) or launched_pdl.append(pdl))
@@ -553,7 +557,10 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     keys = ((16, False),)
     rows = torch.ones(1, dtype=torch.int32)
     configs = (types.SimpleNamespace(block_m=16, split_tail=False),) * 2
-    WeaveBackend._grouped_gemms(backend, layout, configs, early=({keys[0]: "table"}, rows, None))
+    event = "prologue done" if forked else None
+    WeaveBackend._grouped_gemms(backend, layout, configs, early=({keys[0]: "table"}, rows, event))
+    if forked:
+        assert calls.pop(0) == ("join", event)
     ws = backend.workspace
     names = [call[0] for call in calls]
     if gemm0_gather:
@@ -562,7 +569,7 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
         assert calls[0][2] is layout.gather_rows
     else:
         assert names == ["gather", "gemm0", "gemm1"]
-        assert calls[0][1] is layout.gather_rows and calls[0][2] is rows
+        assert calls[0][1] is layout.gather_rows and calls[0][2] is rows and calls[0][3] is forked
         assert calls[1][1].data_ptr() == ws.y().data_ptr() and calls[1][2] is None
     assert calls[-1][1].data_ptr() == ws.h().data_ptr() and calls[-1][2].data_ptr() == ws.y().data_ptr()
     # both GEMMs launched plainly by default (KernelConfig.grouped_pdl)

@@ -891,7 +891,7 @@ class WeaveBackend:
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
                                        configs[0], gather=layout.gather_rows, **launch)
         else:
-            self._gather_rows(layout.gather_rows, rows)
+            self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
                                        **launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
@@ -935,10 +935,12 @@ class WeaveBackend:
             done.record(stream)
         return done
 
-    def _gather_rows(self, index, rows) -> None:
+    def _gather_rows(self, index, rows, count_ready: bool) -> None:
         """The received rows into expert order for the grouped GEMMs (into y, which GEMM1 overwrites afterwards):
-        `rows` (the prologue's device scalar) rows of recv at `index`."""
-        grouped_tiles.gather_rows(self.workspace.recv(), index, self.workspace.y(), rows, 4 * self.num_sms)
+        `rows` (the prologue's device scalar) rows of recv at `index`. `count_ready`: the prologue was forked and
+        joined before this launch (`gather_rows(count_ready=)`)."""
+        grouped_tiles.gather_rows(self.workspace.recv(), index, self.workspace.y(), rows, 4 * self.num_sms,
+                                  count_ready=count_ready)
 
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`) and every grouped-GEMM config it may
@@ -966,7 +968,10 @@ class WeaveBackend:
                          for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
                 if not self.gemm0_gather:   # otherwise a call makes no gather launch
-                    self._gather_rows(self.ctrl, rows)
+                    # both compiles: after a forked prologue (its count read ahead: here a count written long
+                    # before, the zeros) and after one on this stream (here the prologue just enqueued)
+                    self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
+                    self._gather_rows(self.ctrl, rows, count_ready=False)
         torch.cuda.synchronize(self.device)
         self.compiled |= self.kernel_variants
 

@@ -160,36 +160,57 @@ def _tile_table_block(pid, offsets_ptr, scale, table_ptr, num_tiles_ptr, num_exp
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, count_ptr, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-    """dst[r] = src[index[r]] for r < count (a device scalar); a persistent grid strides over the rows."""
-    sync.pdl_enter()
-    count = tl.load(count_ptr)
+def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, count_ptr, H, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        COUNT_AHEAD: tl.constexpr):
+    """dst[r] = src[index[r]] for r < count (a device scalar); a persistent grid strides over the rows, each step's
+    indices loaded during the step before. The indices were written two or more launches back (the task tables,
+    before the dispatch launch that fills src), so a program loads its first ones before it waits for its
+    predecessor (sync.pdl_ahead); so is the count with COUNT_AHEAD (the tile-table launch that writes it ran on
+    another stream and was joined before this launch), otherwise it is loaded after the wait."""
+    sync.pdl_ahead()
     offs_r = tl.arange(0, ROWS)
     offs_h = tl.arange(0, BLOCK_H)
-    for first in range(tl.program_id(0) * ROWS, count, tl.num_programs(0) * ROWS):
+    first_row = tl.program_id(0) * ROWS
+    step = tl.num_programs(0) * ROWS
+    count = 0
+    src_rows = tl.zeros([ROWS], dtype=tl.int32)
+    if COUNT_AHEAD:
+        count = tl.load(count_ptr)
+        src_rows = tl.load(index_ptr + first_row + offs_r, mask=first_row + offs_r < count, other=0)
+    sync.pdl_enter()
+    if not COUNT_AHEAD:
+        count = tl.load(count_ptr)
+        src_rows = tl.load(index_ptr + first_row + offs_r, mask=first_row + offs_r < count, other=0)
+    for first in range(first_row, count, step):
         rows = first + offs_r
         row_ok = rows < count
-        src_rows = tl.load(index_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        src = src_rows.to(tl.int64)
+        next_rows = first + step + offs_r
+        src_rows = tl.load(index_ptr + next_rows, mask=next_rows < count, other=0)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + offs_h
             mask = row_ok[:, None] & (cols < H)[None, :]
-            values = tl.load(src_ptr + src_rows[:, None] * H + cols[None, :], mask=mask)
+            values = tl.load(src_ptr + src[:, None] * H + cols[None, :], mask=mask)
             tl.store(dst_ptr + rows[:, None].to(tl.int64) * H + cols[None, :], values, mask=mask)
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count: torch.Tensor,
-                num_programs: int) -> torch.Tensor:
+                num_programs: int, count_ready: bool = False) -> torch.Tensor:
     """dst[r] = src[index[r]] for r < count, with no host sync: the grouped GEMMs read their A rows contiguous.
 
     Args:
-        src: [S, H] bf16 (the receive buffer). index: [>= count] int32 rows of src. dst: [>= count, H], same dtype.
+        src: [S, H] bf16 (the receive buffer). index: [>= count] int32 rows of src, written two or more launches
+            before this one on its stream (or on a stream joined before it). dst: [>= count, H], same dtype.
         count: int32 device scalar (e.g. `expert_offsets[-1:]`): rows to gather. num_programs: persistent grid size.
+        count_ready: `count` was written on another stream, joined before this launch (the weave backend's forked
+            tile-table launch), so the kernel may load it before it waits for the launch before it on this stream;
+            False: that launch may be the one that writes it.
     """
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
         raise ValueError(f"gather_rows: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
                          "must be [*, H] of one dtype")
-    _gather_rows_kernel[(num_programs,)](src, index, dst, count, src.shape[1], ROWS=16, BLOCK_H=512, num_warps=8,
-                                         **sync.LAUNCH)
+    _gather_rows_kernel[(num_programs,)](src, index, dst, count, src.shape[1], ROWS=16, BLOCK_H=512,
+                                         COUNT_AHEAD=count_ready, num_warps=8, **sync.LAUNCH)
     return dst
 
 

@@ -128,6 +128,18 @@ def pdl_release():
 
 
 @triton.jit
+def pdl_ahead():
+    """First statement of a kernel that loads, before its `pdl_enter`, what launches BEFORE its predecessor wrote
+    (never what the predecessor itself writes), so that those loads overlap the predecessor's work instead of
+    following it. Sound only where the predecessor waits before it releases (`pdl_enter`, not `pdl_start(True)`):
+    this kernel's CTAs are scheduled once every CTA of the predecessor has released, so once each has passed its own
+    wait, which returned only when the launch before it had ended with its memory visible (the scan's reads beside
+    the counts kernel rest on the same rule, `pdl_start`). Every path through the kernel then calls `pdl_enter` once.
+    No code: it marks the kernel for tests/test_pdl.py."""
+    pass
+
+
+@triton.jit
 def pdl_start(INDEPENDENT: tl.constexpr):
     """`pdl_enter`, or with INDEPENDENT only its release: for a kernel that reads nothing the previous kernel of the
     stream writes (what it reads was complete before that one started), which then runs beside it. Such a kernel

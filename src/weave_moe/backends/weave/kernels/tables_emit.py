@@ -35,25 +35,37 @@ def _token_block(pid, T, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
-                   pair_base_ptr, recv_base_ptr, pair_block_base_ptr, recv_block_base_ptr, gather_ptr,
-                   combine_token_ptr, combine_pos_ptr, combine_weight_ptr, pid, rank, T, L, NB, max_pairs,
-                   K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr):
+def _received_ahead(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
+                    pid, rank, T, L, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`_emit_received`'s loads of what the routing exchange, the plan and the scan wrote, issued before the kernel
+    waits for the bases kernel (`sync.pdl_ahead`): (source s, tokens t of block b, their ids, which pairs have their
+    expert here, which tokens have one, their chunk, each pair's rank within the block's pairs of its expert, each
+    token's rank within the block's tokens received, the pairs' weights)."""
     jj = tl.arange(0, KP)
-    # received tokens of source s, block b: their combine rows, and their pairs' gather rows
     s, t = _token_block(pid, T, BLOCK_T)
     valid = t < tl.load(tokens_ptr + s * tokens_stride)
     element = s.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :]
-    emask = valid[:, None] & (jj[None, :] < K)
-    ids = tl.load(ids_ptr + element, mask=emask, other=-1)
+    ids = tl.load(ids_ptr + element, mask=valid[:, None] & (jj[None, :] < K), other=-1)
     mine = (ids >= rank * L) & (ids < (rank + 1) * L)
     hit = tl.sum(mine.to(tl.int32), axis=1) > 0
     c = chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s)
+    q_in_block = tl.load(q_ptr + (s * T + t).to(tl.int64)[:, None] * K + jj[None, :], mask=mine, other=0)
+    local = tl.load(recv_local_ptr + s * T + t, mask=hit, other=0)
+    w = tl.load(weights_ptr + element, mask=mine, other=0.0)
+    return s, t, ids, mine, hit, c, q_in_block, local, w
+
+
+@triton.jit
+def _emit_received(s, t, ids, mine, hit, c, q_in_block, local, w, pair_base_ptr, recv_base_ptr, pair_block_base_ptr,
+                   recv_block_base_ptr, gather_ptr, combine_token_ptr, combine_pos_ptr, combine_weight_ptr, rank, T, L,
+                   NB, max_pairs, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr):
+    """Received tokens of source s, block b (`_received_ahead`'s values, then what the bases kernel wrote): their
+    combine rows, and their pairs' gather rows."""
+    jj = tl.arange(0, KP)
     expert = tl.where(mine, ids - rank * L, 0)
     block = t // BT
     # q: the pair's rank among its block's pairs of its expert + the pairs of that expert in earlier blocks
-    q = (tl.load(q_ptr + (s * T + t).to(tl.int64)[:, None] * K + jj[None, :], mask=mine, other=0)
-         + tl.load(pair_block_base_ptr + (s * NB + block)[:, None] * L + expert, mask=mine, other=0))
+    q = q_in_block + tl.load(pair_block_base_ptr + (s * NB + block)[:, None] * L + expert, mask=mine, other=0)
     base = tl.load(pair_base_ptr + (s * L + expert) * MC + c[:, None], mask=mine, other=0)
     pos = tl.where(mine, base + q, -1)
     # a token that repeats one expert more than E_local times (only possible when k > E_local) can exceed the
@@ -61,33 +73,40 @@ def _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, 
     # past the buffers
     pos = tl.where(pos < max_pairs, pos, -1)
     mine = mine & (pos >= 0)
-    slot = (tl.load(recv_local_ptr + s * T + t, mask=hit, other=0)
-            + tl.load(recv_block_base_ptr + s * NB + block, mask=hit, other=0))
+    slot = local + tl.load(recv_block_base_ptr + s * NB + block, mask=hit, other=0)
     tl.store(gather_ptr + pos, (s * T + slot)[:, None] + 0 * pos, mask=mine)
     cc = tl.minimum(c, MC - 1)
     row = tl.load(recv_base_ptr + s * MC + cc, mask=hit, other=0) + slot
     tl.store(combine_token_ptr + row, t, mask=hit)
     tl.store(combine_pos_ptr + row.to(tl.int64)[:, None] * K + jj[None, :], pos,
              mask=hit[:, None] & (jj[None, :] < K))
-    w = tl.load(weights_ptr + element, mask=mine, other=0.0)
     tl.store(combine_weight_ptr + row.to(tl.int64)[:, None] * K + jj[None, :], tl.where(mine, w, 0.0),
              mask=hit[:, None] & (jj[None, :] < K))
 
 
 @triton.jit
-def _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, send_block_base_ptr, send_base_ptr,
-               send_token_ptr, send_out_ptr, q_pid, rank, T, L, NB, K: tl.constexpr, KP: tl.constexpr,
-               BLOCK_T: tl.constexpr, BT: tl.constexpr):
+def _sent_ahead(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, q_pid, rank, T, L, K: tl.constexpr,
+                KP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`_emit_sent`'s loads of what the routing exchange and the scan wrote, before the kernel's wait
+    (`sync.pdl_ahead`): (destination d, this rank's tokens t of block b, which go to d, their rank within the
+    block's tokens sent to d)."""
     jj = tl.arange(0, KP)
-    # this rank's tokens to destination d, block b: the rows it sends
     d, t = _token_block(q_pid, T, BLOCK_T)
     valid = t < tl.load(tokens_ptr + rank * tokens_stride)
     ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
                   mask=valid[:, None] & (jj[None, :] < K), other=-1)
     owner = tl.where(ids >= 0, ids // L, -1)
     hit = tl.sum((owner == d).to(tl.int32), axis=1) > 0
-    slot = (tl.load(send_local_ptr + d * T + t, mask=hit, other=0)
-            + tl.load(send_block_base_ptr + d * NB + t // BT, mask=hit, other=0))
+    local = tl.load(send_local_ptr + d * T + t, mask=hit, other=0)
+    return d, t, hit, local
+
+
+@triton.jit
+def _emit_sent(d, t, hit, local, send_block_base_ptr, send_base_ptr, send_token_ptr, send_out_ptr, NB,
+               BT: tl.constexpr):
+    """This rank's tokens to destination d, block b (`_sent_ahead`'s values, then what the bases kernel wrote): the
+    rows it sends."""
+    slot = local + tl.load(send_block_base_ptr + d * NB + t // BT, mask=hit, other=0)
     index = tl.load(send_base_ptr + d) + slot
     tl.store(send_token_ptr + index, t, mask=hit)
     tl.store(send_out_ptr + index, slot, mask=hit)
@@ -193,20 +212,27 @@ def emit_kernel(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chu
                 K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BT: tl.constexpr,
                 BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr, BLOCK_SEG: tl.constexpr, BLOCK_J: tl.constexpr,
                 BLOCK_N: tl.constexpr, SERIAL_GROUPED: tl.constexpr):
-    sync.pdl_enter()
+    sync.pdl_ahead()
     pid = tl.program_id(0)
+    # each program loads what the exchange, the plan and the scan wrote before it waits for the bases kernel, whose
+    # CTAs release only after their own wait (sync.pdl_ahead): ids -> q, the ranks within blocks are off the chain
     if pid < recv_programs:
-        _emit_received(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr,
-                       pair_base_ptr, recv_base_ptr, pair_block_base_ptr, recv_block_base_ptr, gather_ptr,
-                       combine_token_ptr, combine_pos_ptr, combine_weight_ptr, pid, rank, T, L, NB, max_pairs, K, KP,
-                       MC, BLOCK_T, BT)
+        s, t, ids, mine, hit, c, q_in_block, local, w = _received_ahead(
+            ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, q_ptr, recv_local_ptr, pid, rank,
+            T, L, K, KP, BLOCK_T)
+        sync.pdl_enter()
+        _emit_received(s, t, ids, mine, hit, c, q_in_block, local, w, pair_base_ptr, recv_base_ptr,
+                       pair_block_base_ptr, recv_block_base_ptr, gather_ptr, combine_token_ptr, combine_pos_ptr,
+                       combine_weight_ptr, rank, T, L, NB, max_pairs, K, KP, MC, BT)
     elif pid < recv_programs + send_programs:
-        _emit_sent(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, send_block_base_ptr, send_base_ptr,
-                   send_token_ptr, send_out_ptr, pid - recv_programs, rank, T, L, NB, K, KP, BLOCK_T, BT)
+        d, t, hit, local = _sent_ahead(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr,
+                                       pid - recv_programs, rank, T, L, K, KP, BLOCK_T)
+        sync.pdl_enter()
+        _emit_sent(d, t, hit, local, send_block_base_ptr, send_base_ptr, send_token_ptr, send_out_ptr, NB, BT)
     else:
+        sync.pdl_enter()
         _emit_tasks(seg_rows_ptr, seg_mtiles_end_ptr, group_base_ptr, combine_seg_ptr,
                     dispatch_seg_ptr, meta_ptr, dispatch_tasks_ptr, combine_tasks_ptr, gemm_tasks_ptr, plan_ptr,
                     num_sms, pid - recv_programs - send_programs, P, L, n0, n1, block_m, block_n0, block_n1,
                     dispatch_rows, combine_rows, max_dispatch, max_combine, max_pairs, MC, BLOCK_P, BLOCK_PMC,
                     BLOCK_SEG, BLOCK_J, BLOCK_N, SERIAL_GROUPED)
-
