@@ -802,7 +802,7 @@ TAKE_SCRIPT = textwrap.dedent(
         offset = tl.where(own >= 0, tl.num_programs(0), 0)
         task = tl.full([], 0, tl.int32)
         while task < n:
-            task, t_start, own = megakernel._take(counter_ptr, own, offset, False)
+            task, t_start, own = megakernel._take(counter_ptr, own, offset, n, STATIC, False)
             if task < n:
                 tl.atomic_add(hits_ptr + task, 1)
                 tl.store(owner_ptr + task, pid)
@@ -817,6 +817,9 @@ TAKE_SCRIPT = textwrap.dedent(
             assert hits.tolist() == [1] * n, (static, n, hits.tolist())
             if static:   # tasks [0, grid) went to their own CTAs, without the queue
                 assert owner[:min(n, grid)].tolist() == list(range(min(n, grid))), (n, owner.tolist())
+                # no task past the grid: no CTA claimed from the queue (its atomic skipped); otherwise the n - grid
+                # claims that got a task and one empty claim per CTA
+                assert counter.item() == (0 if n <= grid else n - grid + grid), (n, counter.item())
     print("TAKE OK")
     """
 )

@@ -2,10 +2,10 @@
 may start while its predecessor still runs, so its first statement must be `sync.pdl_enter()` or `sync.pdl_wait()`
 (both wait for the predecessor; one that begins with `pdl_wait` must also call `sync.pdl_release()`, or the next
 launch waits for its CTAs to exit), or `sync.pdl_start(X)` with `sync.pdl_finish(X)` as its last statement (a kernel
-that reads nothing its predecessor writes waits for it at its end), or `sync.pdl_ahead()` (loads of what
-launches before its predecessor wrote) followed by `sync.pdl_enter()` once on every path. Checked on the source: every launch with
-`**sync.LAUNCH` (or `**sync.launch_options(...)`) in the package names a kernel whose body begins with such a call (after its docstring), and every
-kernel that calls it is launched that way somewhere."""
+that reads nothing its predecessor writes waits for it at its end), or `sync.pdl_ahead()` (loads of what launches
+before its predecessor wrote) followed by `sync.pdl_enter()` once on every path. Checked on the source: every launch
+with `**sync.LAUNCH` (or `**sync.launch_options(...)`) in the package names a kernel whose body begins with such a
+call (after its docstring), and every kernel that calls it is launched that way somewhere."""
 
 import ast
 from pathlib import Path

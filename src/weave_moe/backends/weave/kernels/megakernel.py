@@ -101,21 +101,32 @@ def _claim(counter_ptr, TIMELINE: tl.constexpr):
 
 
 @triton.jit
-def _take(counter_ptr, own, offset, TIMELINE: tl.constexpr):
-    """(task, the take's %globaltimer when TIMELINE, own for the next take) of a queue that every CTA of the launch
-    works: `own` >= 0 is this CTA's first task (its index pid), taken without an atomic, and the queue's claims
-    count from `offset` (the grid size) after them, so tasks [0, grid) go one to each CTA and the rest to whoever
-    claims first; `own` < 0 (and `offset` 0): every task from the queue, as `_claim`. The first task of a launch
-    without GEMM then starts one atomic round trip (and the CTA barrier that broadcasts its result) earlier, which
-    is most of a decode call's row tasks."""
-    if own >= 0:
-        task = own
-        t_start = tl.full([], 0, tl.int64)
-        if TIMELINE:
-            t_start = sync.global_time_ns()
-    else:
+def _take(counter_ptr, own, offset, num_tasks, OWN: tl.constexpr, TIMELINE: tl.constexpr):
+    """(task, the take's %globaltimer when TIMELINE, own for the next take) of a queue of `num_tasks` tasks that every
+    CTA of the launch works: `own` >= 0 is this CTA's first task (its index pid), taken without an atomic, and the
+    queue's claims count from `offset` (the grid size) after them, so tasks [0, grid) go one to each CTA and the rest
+    to whoever claims first; where there is no rest (num_tasks <= offset) a CTA's next take returns num_tasks (none
+    left) without the claim's atomic either. `own` < 0 (and `offset` 0): every task from the queue, as `_claim`. The
+    first task of a launch without GEMM then starts one atomic round trip (and the CTA barrier that broadcasts its
+    result) earlier, and at decode sizes, where every task is a CTA's own, the CTA that did one goes on to the next
+    phase (the dispatch launch's final wait, the reduce after a combine) one round trip earlier too. OWN False
+    (a launch that never owns tasks: the one-launch kernel, the interpreter): `_claim` alone, none of the branches
+    compiled (they cost the one-launch kernel 16 bytes more of spilled registers)."""
+    if not OWN:
         task, t_start = _claim(counter_ptr, TIMELINE)
-        task += offset
+    else:
+        t_start = tl.full([], 0, tl.int64)
+        if own >= 0:
+            task = own
+            if TIMELINE:
+                t_start = sync.global_time_ns()
+        elif num_tasks <= offset:
+            task = num_tasks
+            if TIMELINE:
+                t_start = sync.global_time_ns()
+        else:
+            task, t_start = _claim(counter_ptr, TIMELINE)
+            task += offset
     return task, t_start, tl.full([], -1, tl.int32)
 
 
@@ -261,7 +272,8 @@ def moe_megakernel(
     own_dispatch = tl.full([], -1, tl.int32)
     own_combine = tl.full([], -1, tl.int32)
     own_reduce = tl.full([], -1, tl.int32)
-    if STAGE >= 0 and not sync.INTERPRETER:
+    OWN_TASKS: tl.constexpr = STAGE >= 0 and not sync.INTERPRETER
+    if OWN_TASKS:
         own_dispatch = tl.where(num_comm_ctas >= grid, pid, -1)
         own_combine = pid
         own_reduce = pid
@@ -270,7 +282,8 @@ def moe_megakernel(
     reduce_offset = tl.where(own_reduce >= 0, grid, 0)
     while phase <= last_phase:
         if RUN_DISPATCH and phase == 0:
-            task, t_start, own_dispatch = _take(ctrl_ptr + CTRL_DISPATCH, own_dispatch, dispatch_offset, TIMELINE)
+            task, t_start, own_dispatch = _take(ctrl_ptr + CTRL_DISPATCH, own_dispatch, dispatch_offset, num_dispatch,
+                                                OWN_TASKS, TIMELINE)
             if task < num_dispatch:
                 dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
                 dst = (_peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, VECTOR_ROWS)
@@ -329,7 +342,8 @@ def moe_megakernel(
             else:
                 phase = 2
         elif RUN_COMBINE and phase == 2:
-            task, t_start, own_combine = _take(ctrl_ptr + CTRL_COMBINE, own_combine, combine_offset, TIMELINE)
+            task, t_start, own_combine = _take(ctrl_ptr + CTRL_COMBINE, own_combine, combine_offset, num_combine,
+                                               OWN_TASKS, TIMELINE)
             if task < num_combine:
                 source, chunk, start, count = _task_row(combine_tasks_ptr, task)
                 # a launch without the GEMM phase (STAGE 2, 4) runs after the launches that did the GEMMs, which its
@@ -355,7 +369,8 @@ def moe_megakernel(
             else:
                 phase = 3
         elif RUN_REDUCE:  # phase 3
-            task, t_start, own_reduce = _take(ctrl_ptr + CTRL_REDUCE, own_reduce, reduce_offset, TIMELINE)
+            task, t_start, own_reduce = _take(ctrl_ptr + CTRL_REDUCE, own_reduce, reduce_offset, num_reduce,
+                                              OWN_TASKS, TIMELINE)
             if task < num_reduce:
                 if all_combined == 0:
                     if STAGE >= 0:   # every destination's flag at once: one round of atomics per poll, not EP
