@@ -32,11 +32,12 @@ import traceback
 import torch
 import torch.nn.functional as F
 
+from weave_moe.backends.weave.kernels import gemm_configs as gc
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
 from weave_moe.bench.anchor import graph_replay_ms
 from weave_moe.models import PAPER_MODELS, MoESpec
 
-C = gg.GemmConfig
+C = gc.GemmConfig
 # name -> config; GEMM0 configs ("interleaved" picks the w13 layout).
 GEMM0_VARIANTS = {
     "128x256x64 s3 masked flat": C(epilogue=0),
@@ -242,16 +243,16 @@ def bench_shape(spec: MoESpec, tokens: int, routing: str, reps: int, variants0: 
             f"with tables {result['weave_with_tables_ms']:.3f}; library {result['library_ms']:.3f} "
             f"({result['library_tflops']:.0f}); ratio {result['weave_vs_library']:.3f}; "
             f"err h {result['weave_err_h']:.2e} y {result['weave_err_y']:.2e}")
-    # the shipped default (grouped_gemm.default_config) and a candidate (the same with split tails where the default
+    # the shipped default (gemm_configs.default_config) and a candidate (the same with split tails where the default
     # uses 128-row tiles), with routing weights applied in GEMM1's epilogue and the tile tables built in the timed
     # region, each timed twice around a second library timing: the spread between the two is the noise here
     scale = torch.rand(alloc_rows, device="cuda") * 0.9 + 0.1  # routing-weight-like, away from 0
 
     def candidate_config(gemm):
-        cfg = gg.default_config(gemm, rows, num_local)
+        cfg = gc.default_config(gemm, rows, num_local)
         return cfg.with_(split_tail=True) if cfg.block_m == 128 else cfg
 
-    pairs = {"default": (gg.default_config(0, rows, num_local), gg.default_config(1, rows, num_local)),
+    pairs = {"default": (gc.default_config(0, rows, num_local), gc.default_config(1, rows, num_local)),
              "candidate": (candidate_config(0), candidate_config(1))}
 
     def pipeline(cfg0, cfg1):

@@ -4,7 +4,7 @@ locality, the tile order or the grouping itself.
     PYTHONPATH=src python3 scripts/gemm_l2_probe.py --out $OUT/gemm_l2_probe.json     # DeepSeek-V3, 8192 tokens
 
 One rank's work of EP=2 (scripts/gemm_bench.py's `make_work`: E/2 local experts, ~T * k rows, uniform routing), each
-GEMM (GEMM0 + SiLU-mul, GEMM1) with the config the layer picks for the shape (`grouped_gemm.default_config`: the
+GEMM (GEMM0 + SiLU-mul, GEMM1) with the config the layer picks for the shape (`gemm_configs.default_config`: the
 device's tuned table, else the analytical one), launched plainly as the layer launches it. Variants, all on the same
 rows:
 
@@ -37,6 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from weave_moe.backends.weave.kernels import gemm_configs as gc
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
 from weave_moe.bench.anchor import captured_graph
 from weave_moe.models import MoESpec
@@ -117,7 +118,7 @@ def probe(spec: MoESpec, tokens: int, gemm: int, group_ms: list[int], expert_cou
     else:
         weights = (torch.randn(num_local, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
     out = torch.empty(alloc, n_out, device="cuda", dtype=torch.bfloat16)
-    config = gg.default_config(gemm, rows, num_local, hidden, inter)
+    config = gc.default_config(gemm, rows, num_local, hidden, inter)
     flops = 2.0 * rows * k_dim * (2 * inter if gemm == 0 else hidden)
     layer_offsets = torch.zeros(num_local + 1, dtype=torch.int32, device="cuda")
     layer_offsets[1:] = torch.cumsum(counts, 0)

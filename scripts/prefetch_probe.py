@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from weave_moe import routing
-from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
+from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.prefetch import WeightPrefetch
 from weave_moe.bench.metadata import collect_metadata
 from weave_moe.models import MoESpec
@@ -46,7 +46,7 @@ def _case(spec: MoESpec, tokens: int, budgets: list[int], rounds: int, gap_cycle
     rows = int(counts.sum())
     offsets = torch.zeros(local + 1, dtype=torch.int32, device=device)
     offsets[1:] = torch.cumsum(counts, 0)
-    configs = [grouped_gemm.default_config(g, rows, local, H, I) for g in (0, 1)]
+    configs = [gemm_configs.default_config(g, rows, local, H, I) for g in (0, 1)]
     tiles = [grouped_tiles.build_tile_table(offsets, c.block_m, max(rows, 1), c.split_tail) for c in configs]
     generator = torch.Generator(device=device).manual_seed(seed)
     w13 = (torch.randn(local, 2 * I, H, device=device, generator=generator) * 0.02).to(torch.bfloat16)

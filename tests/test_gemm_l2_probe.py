@@ -15,6 +15,7 @@ SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, sys.argv[1])   # scripts/
     import gemm_l2_probe as probe
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
     torch.manual_seed(0)
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent(
     offsets = torch.zeros(E + 1, dtype=torch.int32)
     offsets[1:] = torch.tensor(counts).cumsum(0)
     rows = int(offsets[-1])
-    cfg = gg.GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, epilogue=gg.EPILOGUE_MASKED)
+    cfg = gc.GemmConfig(block_m=16, block_n=32, block_k=16, group_m=2, epilogue=gc.EPILOGUE_MASKED)
     w13 = gg.interleave_w13((torch.randn(E, 2 * I, H) / H ** 0.5).bfloat16())
     w2 = (torch.randn(E, H, I) / I ** 0.5).bfloat16()
     for gemm, a, weights, out_cols in ((0, torch.randn(rows, H).bfloat16(), w13, I),

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 import torch
 
+from weave_moe.backends.weave.kernels import gemm_configs as gc
 from weave_moe.backends.weave.kernels import grouped_gemm as gg
 from weave_moe.backends.weave.kernels import sm90
 from interpreter import run_interpreted
@@ -19,19 +20,20 @@ from interpreter import run_interpreted
 SCRIPT = textwrap.dedent(
     r"""
     import torch
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
-    C = gg.GemmConfig
+    C = gc.GemmConfig
     small = dict(block_m=16, block_n=32, block_k=16, group_m=2)
-    CONFIGS = [C(**small, epilogue=gg.EPILOGUE_MASKED), C(**small, epilogue=gg.EPILOGUE_TMA),
-               C(**small, epilogue=gg.EPILOGUE_TMA_CLIPPED), C(**small, interleaved=False, flatten=False),
-               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA),
-               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_MASKED, split_tail=True),
-               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_CLIPPED, split_tail=True, interleaved=False),
-               C(**small, epilogue=gg.EPILOGUE_TMA_HALVES),
+    CONFIGS = [C(**small, epilogue=gc.EPILOGUE_MASKED), C(**small, epilogue=gc.EPILOGUE_TMA),
+               C(**small, epilogue=gc.EPILOGUE_TMA_CLIPPED), C(**small, interleaved=False, flatten=False),
+               C(**dict(small, block_m=32), epilogue=gc.EPILOGUE_TMA),
+               C(**dict(small, block_m=32), epilogue=gc.EPILOGUE_MASKED, split_tail=True),
+               C(**dict(small, block_m=32), epilogue=gc.EPILOGUE_TMA_CLIPPED, split_tail=True, interleaved=False),
+               C(**small, epilogue=gc.EPILOGUE_TMA_HALVES),
                # flattened, w13 as given (KernelConfig.interleave_w13 off)
-               C(**small, epilogue=gg.EPILOGUE_TMA_CLIPPED, interleaved=False),
-               C(**dict(small, block_m=32), epilogue=gg.EPILOGUE_TMA_HALVES, split_tail=True)]
+               C(**small, epilogue=gc.EPILOGUE_TMA_CLIPPED, interleaved=False),
+               C(**dict(small, block_m=32), epilogue=gc.EPILOGUE_TMA_HALVES, split_tail=True)]
     # (rows per local expert, H, I): empty experts, a single row, a tail of one row past a full tile, no rows at all,
     # I not a multiple of BN/2 (a tile reads into the next expert's weights), H not a multiple of BK (K tail)
     CASES = [([5, 0, 21], 48, 40), ([1], 40, 16), ([17, 33, 16], 32, 24), ([0, 0], 32, 16), ([40, 3], 24, 56),
@@ -104,6 +106,7 @@ def test_grouped_gemms_under_interpreter():
 STREAM_K_SCRIPT = textwrap.dedent(
     r"""
     import torch
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
     from weave_moe.backends.weave.kernels import sync
 
@@ -116,7 +119,7 @@ STREAM_K_SCRIPT = textwrap.dedent(
     # (rows per local expert, H, I, block_k): K steps per tile 3, 1 (H = BK), 4 with a K tail, 6
     for counts, H, I, bk in [([5, 0, 21], 48, 40, 16), ([1], 16, 16, 16), ([17, 33, 16], 56, 24, 16),
                              ([0, 0], 32, 16, 16), ([40, 3, 1, 9], 96, 32, 16)]:
-        cfg = gg.GemmConfig(block_m=16, block_n=32, block_k=bk, group_m=2, epilogue=gg.EPILOGUE_MASKED,
+        cfg = gc.GemmConfig(block_m=16, block_n=32, block_k=bk, group_m=2, epilogue=gc.EPILOGUE_MASKED,
                             stream_k=True)
         torch.manual_seed(len(counts) + H)
         E = len(counts)
@@ -133,7 +136,7 @@ STREAM_K_SCRIPT = textwrap.dedent(
         plain = torch.full((P, I), float("nan")).bfloat16()
         gg.grouped_gemm0(a, w, plain, tiles, cfg.with_(stream_k=False), dot_fp32=True)
         # GEMM1's inputs and its whole-tile result (32-wide tiles of y; K = I)
-        cfg1 = gg.GemmConfig(block_m=16, block_n=32, block_k=bk, group_m=2, epilogue=gg.EPILOGUE_MASKED, stream_k=True)
+        cfg1 = gc.GemmConfig(block_m=16, block_n=32, block_k=bk, group_m=2, epilogue=gc.EPILOGUE_MASKED, stream_k=True)
         w2 = (torch.randn(E, H, I) / I ** 0.5).bfloat16()
         h_in = torch.randn(P, I).bfloat16()
         scale = torch.rand(P) + 0.5
@@ -202,19 +205,19 @@ def test_interleave_w13_pairs_gate_and_up_rows():
 
 
 def test_default_config_picks_64_row_tiles_only_where_they_pad_much_less():
-    assert gg.default_config(0, 154 * 80, 80).block_m == 64  # 2 tiles of 128 for 154 rows: 66% padding
-    assert gg.default_config(1, 174 * 80, 80).block_m == 64
+    assert gc.default_config(0, 154 * 80, 80).block_m == 64  # 2 tiles of 128 for 154 rows: 66% padding
+    assert gc.default_config(1, 174 * 80, 80).block_m == 64
     for mean in (109, 128, 255, 381, 513, 2034):
-        assert gg.default_config(0, mean * 64, 64).block_m == 128, mean
+        assert gc.default_config(0, mean * 64, 64).block_m == 128, mean
     with pytest.raises(ValueError, match="gemm"):
-        gg.default_config(2, 100, 4)
+        gc.default_config(2, 100, 4)
 
 
 def test_bad_arguments_name_what_was_expected():
     import torch
 
     offsets = torch.tensor([0, 4], dtype=torch.int32)
-    cfg = gg.GemmConfig(block_m=16, block_n=32, block_k=16)
+    cfg = gc.GemmConfig(block_m=16, block_n=32, block_k=16)
     tiles = gg.build_tile_table_torch(offsets, 16, 4)
     a = torch.zeros(4, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="split_tail"):
@@ -263,15 +266,15 @@ def _runtime_compile_cases():
             seen.add(key)
             cases.append((gemm, config, hidden, inter, sms))
 
-    for path in sorted(gg.TUNED_DIR.glob("*.json")):
-        table = gg.load_tuned_table(path)
+    for path in sorted(gc.TUNED_DIR.glob("*.json")):
+        table = gc.load_tuned_table(path)
         sms = table["data"].get("meta", {}).get("sms", H200_SMS)
         for gemm, experts, hidden, inter in sorted(table["shapes"]):
-            for config in gg.default_configs(gemm, experts, hidden, inter, table=path):
+            for config in gc.default_configs(gemm, experts, hidden, inter, table=path):
                 add(gemm, config, hidden, inter, sms)
     for hidden, inter in ANALYTICAL_SHAPES:
         for gemm in (0, 1):
-            for config in gg.default_configs(gemm):
+            for config in gc.default_configs(gemm):
                 add(gemm, config, hidden, inter, H200_SMS)
     return cases
 
@@ -325,7 +328,7 @@ def _check_hopper_ptx(cfg, compiled, tmp_path):
 # binder on the launch's arguments (pointer alignment and the integers' divisibility by 16 -> tt.divisibility, the
 # host TMA descriptors' block types), NUM_SMS of the GPU, GEMM1 without routing weights as the backend calls it.
 @pytest.mark.parametrize("gemm,cfg,hidden,inter,sms", _runtime_compile_cases(),
-                         ids=lambda v: repr(v) if not isinstance(v, gg.GemmConfig) else
+                         ids=lambda v: repr(v) if not isinstance(v, gc.GemmConfig) else
                          f"{v.block_m}x{v.block_n}x{v.block_k}w{v.num_warps}s{v.num_stages}e{v.epilogue}")
 def test_runtime_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidden, inter, sms, tmp_path):
     kernel, grid, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms)
@@ -344,7 +347,7 @@ def test_runtime_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidd
 # GEMM0 reading its A rows through the gather index (KernelConfig.gemm0_gather): every GEMM0 configuration the runtime
 # may launch, weights still through TMA, no local memory
 @pytest.mark.parametrize("gemm,cfg,hidden,inter,sms", [case for case in _runtime_compile_cases() if case[0] == 0],
-                         ids=lambda v: repr(v) if not isinstance(v, gg.GemmConfig) else
+                         ids=lambda v: repr(v) if not isinstance(v, gc.GemmConfig) else
                          f"{v.block_m}x{v.block_n}x{v.block_k}w{v.num_warps}s{v.num_stages}e{v.epilogue}")
 def test_gathered_gemm0_configs_compile_for_hopper_without_local_memory(gemm, cfg, hidden, inter, sms, tmp_path):
     kernel, _, args, kwargs = _runtime_launch(gemm, cfg, hidden, inter, sms, gathered=True)
@@ -355,7 +358,7 @@ def test_gathered_gemm0_configs_compile_for_hopper_without_local_memory(gemm, cf
 # A layer that keeps w13 as given (KernelConfig.interleave_w13 off) runs every GEMM0 configuration of the runtime
 # with gate and up as two MMAs (GemmConfig.interleaved off): each compiles without local memory or spills too
 @pytest.mark.parametrize("gemm,cfg,hidden,inter,sms", [case for case in _runtime_compile_cases() if case[0] == 0],
-                         ids=lambda v: repr(v) if not isinstance(v, gg.GemmConfig) else
+                         ids=lambda v: repr(v) if not isinstance(v, gc.GemmConfig) else
                          f"{v.block_m}x{v.block_n}x{v.block_k}w{v.num_warps}s{v.num_stages}e{v.epilogue}")
 def test_gemm0_configs_on_w13_as_given_compile_for_hopper_without_local_memory(gemm, cfg, hidden, inter, sms,
                                                                                tmp_path):
@@ -377,7 +380,7 @@ def test_gemm0_configs_on_w13_as_given_compile_for_hopper_without_local_memory(g
 # without local memory, both GEMMs, split tails too.
 @pytest.mark.parametrize("gemm,split_tail", [(0, False), (1, False), (1, True)])
 def test_halves_epilogue_fits_four_stages_of_wide_tiles(gemm, split_tail, tmp_path):
-    cfg = gg.analytical_configs(gemm)[1].with_(epilogue=gg.EPILOGUE_TMA_HALVES, num_stages=4, split_tail=split_tail)
+    cfg = gc.analytical_configs(gemm)[1].with_(epilogue=gc.EPILOGUE_TMA_HALVES, num_stages=4, split_tail=split_tail)
     kernel, _, args, kwargs = _runtime_launch(gemm, cfg, 7168, 2048, H200_SMS)
     compiled = sm90.compile_for_sm90(kernel, args, kwargs)
     from weave_moe.commands.tune import HOPPER_SMEM_BYTES
@@ -392,11 +395,11 @@ def test_halves_epilogue_fits_four_stages_of_wide_tiles(gemm, split_tail, tmp_pa
 # MMA and 64-row ones on wgmma, A through TMA or the gather rows; no local memory, the parts read past L1 and
 # published with one release exchange per CTA, the waits acquire
 @pytest.mark.parametrize("cfg,hidden,inter,gathered", [
-    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
+    (gc.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      2048, 768, True),
-    (gg.GemmConfig(block_m=16, block_n=256, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
+    (gc.GemmConfig(block_m=16, block_n=256, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      7168, 2048, False),
-    (gg.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
+    (gc.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      2048, 1408, False)], ids=["qwen3-16-gather", "dsv3-16", "v2lite-64"])
 def test_stream_k_gemm0_compiles_for_hopper_without_local_memory(cfg, hidden, inter, gathered, tmp_path):
     kernel, _, args, kwargs = _runtime_launch(0, cfg, hidden, inter, H200_SMS, gathered=gathered)
@@ -411,9 +414,9 @@ def test_stream_k_gemm0_compiles_for_hopper_without_local_memory(cfg, hidden, in
 
 
 @pytest.mark.parametrize("cfg,hidden,inter,scale", [
-    (gg.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
+    (gc.GemmConfig(block_m=16, block_n=128, block_k=128, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      7168, 2048, False),
-    (gg.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
+    (gc.GemmConfig(block_m=64, block_n=128, block_k=64, num_stages=4, num_warps=4, epilogue=0, stream_k=True),
      2048, 768, True)], ids=["dsv3-16", "qwen3-64-scaled"])
 def test_stream_k_gemm1_compiles_for_hopper_without_local_memory(cfg, hidden, inter, scale, tmp_path):
     kernel, _, args, kwargs = _runtime_launch(1, cfg, hidden, inter, H200_SMS, scale=scale)
@@ -431,28 +434,28 @@ def test_stream_k_scratch_is_one_pair_per_size():
 
 
 def test_stream_k_is_not_with_split_tails_or_tma_stores():
-    gg.check_config(0, gg.GemmConfig(stream_k=True, epilogue=0))
-    gg.check_config(1, gg.GemmConfig(stream_k=True, epilogue=0))
-    for gemm, cfg in ((1, gg.GemmConfig(stream_k=True, epilogue=0, split_tail=True)),
-                      (0, gg.GemmConfig(stream_k=True, epilogue=0, split_tail=True)),
-                      (0, gg.GemmConfig(stream_k=True, epilogue=0, warp_specialize=2)),
-                      (1, gg.GemmConfig(stream_k=True, epilogue=2)),
-                      (0, gg.GemmConfig(stream_k=True, epilogue=0, interleaved=False, flatten=False))):
+    gc.check_config(0, gc.GemmConfig(stream_k=True, epilogue=0))
+    gc.check_config(1, gc.GemmConfig(stream_k=True, epilogue=0))
+    for gemm, cfg in ((1, gc.GemmConfig(stream_k=True, epilogue=0, split_tail=True)),
+                      (0, gc.GemmConfig(stream_k=True, epilogue=0, split_tail=True)),
+                      (0, gc.GemmConfig(stream_k=True, epilogue=0, warp_specialize=2)),
+                      (1, gc.GemmConfig(stream_k=True, epilogue=2)),
+                      (0, gc.GemmConfig(stream_k=True, epilogue=0, interleaved=False, flatten=False))):
         with pytest.raises(ValueError, match="stream_k"):
-            gg.check_config(gemm, cfg)
+            gc.check_config(gemm, cfg)
 
 
 def test_halves_epilogue_needs_16_byte_halves():
-    gg.check_config(0, gg.GemmConfig(block_n=32, epilogue=gg.EPILOGUE_TMA_HALVES))
+    gc.check_config(0, gc.GemmConfig(block_n=32, epilogue=gc.EPILOGUE_TMA_HALVES))
     with pytest.raises(ValueError, match="TMA halves"):
-        gg.check_config(0, gg.GemmConfig(block_n=16, epilogue=gg.EPILOGUE_TMA_HALVES))
-    gg.check_config(1, gg.GemmConfig(block_n=16, epilogue=gg.EPILOGUE_TMA_HALVES))
+        gc.check_config(0, gc.GemmConfig(block_n=16, epilogue=gc.EPILOGUE_TMA_HALVES))
+    gc.check_config(1, gc.GemmConfig(block_n=16, epilogue=gc.EPILOGUE_TMA_HALVES))
 
 
 # GEMM1 with routing weights in its epilogue (scripts/gemm_bench.py's pipeline; not the backend's call).
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_gemm1_with_routing_weights_compiles_without_local_memory(block_m, tmp_path):
-    cfg = next(c for c in gg.analytical_configs(1) if c.block_m == block_m)
+    cfg = next(c for c in gc.analytical_configs(1) if c.block_m == block_m)
     kernel, _, args, kwargs = _runtime_launch(1, cfg, 7168, 2048, H200_SMS, scale=True)
     assert kwargs["HAS_SCALE"]
     _check_hopper_ptx(cfg, sm90.compile_for_sm90(kernel, args, kwargs), tmp_path)
@@ -461,10 +464,10 @@ def test_gemm1_with_routing_weights_compiles_without_local_memory(block_m, tmp_p
 def test_default_config_only_picks_from_default_configs():
     """The weave backend compiles `default_configs` before its first-call barrier: nothing else may be picked."""
     for gemm in (0, 1):
-        allowed = gg.default_configs(gemm)
+        allowed = gc.default_configs(gemm)
         for experts in (1, 8, 80, 128):
             for rows in (0, 1, 63, 64, 154 * experts, 174 * experts, 4096 * experts):
-                assert gg.default_config(gemm, rows, experts) in allowed
+                assert gc.default_config(gemm, rows, experts) in allowed
 
 
 PROLOGUE_SCRIPT = textwrap.dedent(

@@ -134,12 +134,13 @@ def test_grouped_gemms_launch_plainly_when_asked():
     dependent launch; `pdl=True` as every other kernel (sync.LAUNCH)."""
     import torch
 
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
     from weave_moe.backends.weave.kernels import sync
 
     offsets = torch.tensor([0, 8, 16], dtype=torch.int32)
     for gemm in (0, 1):
-        cfg = gg.analytical_configs(gemm)[0]
+        cfg = gc.analytical_configs(gemm)[0]
         tiles = gg.build_tile_table_torch(offsets, cfg.block_m, 128, cfg.split_tail)
         h = torch.empty(128, 64, dtype=torch.bfloat16)
         for pdl in (False, True):

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from weave_moe import cli
-from weave_moe.backends.weave.kernels import grouped_gemm as gg
+from weave_moe.backends.weave.kernels import gemm_configs as gc
 from weave_moe.commands import tune
 
 SHAPE = dict(E_local=64, H=2048, I=768)  # Qwen3-30B-A3B at EP=2
@@ -22,12 +22,12 @@ def _entry(gemm, bucket, config, **shape):
 
 
 def _write(path, entries, **extra):
-    path.write_text(json.dumps(dict(format=gg.TUNED_FORMAT, device="NVIDIA H200", entries=entries, **extra)))
+    path.write_text(json.dumps(dict(format=gc.TUNED_FORMAT, device="NVIDIA H200", entries=entries, **extra)))
     return path
 
 
-TUNED0 = gg.analytical_configs(0)[1].with_(block_n=128, num_stages=5)
-TUNED1 = gg.analytical_configs(1)[1].with_(block_m=64, num_warps=8, num_stages=3)
+TUNED0 = gc.analytical_configs(0)[1].with_(block_n=128, num_stages=5)
+TUNED1 = gc.analytical_configs(1)[1].with_(block_m=64, num_warps=8, num_stages=3)
 
 
 @pytest.fixture
@@ -35,151 +35,151 @@ def table(tmp_path, monkeypatch):
     """A table with GEMM0 at buckets 16384 and 65536 and GEMM1 at 16384 for SHAPE, selected by the variable."""
     path = _write(tmp_path / "nvidia-h200.json", [
         _entry(0, 16384, TUNED0), _entry(0, 65536, TUNED0.with_(num_stages=3)), _entry(1, 16384, TUNED1)])
-    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(path))
-    gg.clear_tuned_cache()
+    monkeypatch.setenv(gc.TUNED_TABLE_ENV, str(path))
+    gc.clear_tuned_cache()
     yield path
-    gg.clear_tuned_cache()
+    gc.clear_tuned_cache()
 
 
 @pytest.mark.parametrize("rows, bucket", [(0, 1), (1, 1), (2, 2), (3, 4), (5, 4), (6, 8), (11585, 8192),
                                           (11586, 16384), (12288, 16384), (16384, 16384), (23170, 16384),
                                           (23171, 32768), (49152, 65536)])
 def test_rows_bucket_is_the_nearest_power_of_two_on_a_log_scale(rows, bucket):
-    assert gg.rows_bucket(rows) == bucket
+    assert gc.rows_bucket(rows) == bucket
 
 
 def test_device_key_normalises_the_device_name():
-    assert gg.device_key("NVIDIA H200") == "nvidia-h200"
-    assert gg.device_key("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gc.device_key("NVIDIA H200") == "nvidia-h200"
+    assert gc.device_key("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     with pytest.raises(ValueError):
-        gg.device_key(" -- ")
+        gc.device_key(" -- ")
 
 
 def test_lookup_hits_the_shape_and_bucket_else_the_analytical_default(table):
     E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
-    assert gg.default_config(0, 16384, E, H, I) == TUNED0
-    assert gg.default_config(0, 14000, E, H, I) == TUNED0  # same bucket
-    assert gg.default_config(0, 60000, E, H, I) == TUNED0.with_(num_stages=3)
-    assert gg.default_config(1, 16384, E, H, I) == TUNED1
+    assert gc.default_config(0, 16384, E, H, I) == TUNED0
+    assert gc.default_config(0, 14000, E, H, I) == TUNED0  # same bucket
+    assert gc.default_config(0, 60000, E, H, I) == TUNED0.with_(num_stages=3)
+    assert gc.default_config(1, 16384, E, H, I) == TUNED1
     # no entry: another bucket, another shape, no shape given
-    assert gg.default_config(1, 65536, E, H, I) == gg.analytical_config(1, 65536, E)
-    assert gg.default_config(0, 16384, E, H, 1408) == gg.analytical_config(0, 16384, E)
-    assert gg.default_config(0, 16384, 32, H, I) == gg.analytical_config(0, 16384, 32)
-    assert gg.default_config(0, 16384, E) == gg.analytical_config(0, 16384, E)
-    assert gg.tuned_config(1, 65536, E, H, I) is None
+    assert gc.default_config(1, 65536, E, H, I) == gc.analytical_config(1, 65536, E)
+    assert gc.default_config(0, 16384, E, H, 1408) == gc.analytical_config(0, 16384, E)
+    assert gc.default_config(0, 16384, 32, H, I) == gc.analytical_config(0, 16384, 32)
+    assert gc.default_config(0, 16384, E) == gc.analytical_config(0, 16384, E)
+    assert gc.tuned_config(1, 65536, E, H, I) is None
     with pytest.raises(ValueError, match="gemm"):
-        gg.default_config(2, 16384, E, H, I)
+        gc.default_config(2, 16384, E, H, I)
 
 
 def test_lookups_are_cached(table):
     E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
-    gg.default_config(0, 16384, E, H, I)
-    loads = gg._load_table.cache_info().misses
+    gc.default_config(0, 16384, E, H, I)
+    loads = gc._load_table.cache_info().misses
     for rows in range(15000, 16000):
-        gg.default_config(0, rows, E, H, I)
-    assert gg._load_table.cache_info().misses == loads  # parsed once
-    assert gg._lookup.cache_info().hits >= 1000  # one cached lookup per (shape, bucket)
+        gc.default_config(0, rows, E, H, I)
+    assert gc._load_table.cache_info().misses == loads  # parsed once
+    assert gc._lookup.cache_info().hits >= 1000  # one cached lookup per (shape, bucket)
 
 
 def test_table_argument_overrides_the_variable(table, tmp_path):
     other = _write(tmp_path / "other.json", [_entry(0, 16384, TUNED0.with_(group_m=4))])
-    assert gg.default_config(0, 16384, 64, 2048, 768, table=other) == TUNED0.with_(group_m=4)
-    assert gg.default_config(0, 16384, 64, 2048, 768) == TUNED0
+    assert gc.default_config(0, 16384, 64, 2048, 768, table=other) == TUNED0.with_(group_m=4)
+    assert gc.default_config(0, 16384, 64, 2048, 768) == TUNED0
 
 
 def test_no_table_means_the_analytical_default(monkeypatch, tmp_path):
-    gg.clear_tuned_cache()
-    monkeypatch.delenv(gg.TUNED_TABLE_ENV, raising=False)
-    monkeypatch.setattr(gg, "_CUDA", False)  # no GPU: no device table
-    assert gg.tuned_table_path() is None
-    assert gg.default_config(0, 16384, 64, 2048, 768) == gg.analytical_config(0, 16384, 64)
-    assert gg.default_configs(0, 64, 2048, 768) == gg.analytical_configs(0)
+    gc.clear_tuned_cache()
+    monkeypatch.delenv(gc.TUNED_TABLE_ENV, raising=False)
+    monkeypatch.setattr(gc, "_CUDA", False)  # no GPU: no device table
+    assert gc.tuned_table_path() is None
+    assert gc.default_config(0, 16384, 64, 2048, 768) == gc.analytical_config(0, 16384, 64)
+    assert gc.default_configs(0, 64, 2048, 768) == gc.analytical_configs(0)
     # "off" switches a table off
-    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(_write(tmp_path / "t.json", [_entry(0, 16384, TUNED0)])))
-    assert gg.default_config(0, 16384, 64, 2048, 768) == TUNED0
-    monkeypatch.setenv(gg.TUNED_TABLE_ENV, "off")
-    assert gg.default_config(0, 16384, 64, 2048, 768) == gg.analytical_config(0, 16384, 64)
-    gg.clear_tuned_cache()
+    monkeypatch.setenv(gc.TUNED_TABLE_ENV, str(_write(tmp_path / "t.json", [_entry(0, 16384, TUNED0)])))
+    assert gc.default_config(0, 16384, 64, 2048, 768) == TUNED0
+    monkeypatch.setenv(gc.TUNED_TABLE_ENV, "off")
+    assert gc.default_config(0, 16384, 64, 2048, 768) == gc.analytical_config(0, 16384, 64)
+    gc.clear_tuned_cache()
 
 
 def test_device_table_path_is_named_by_the_device_key(monkeypatch):
-    gg.clear_tuned_cache()
-    gg._device_table_path.cache_clear()
-    monkeypatch.setattr(gg, "_CUDA", True)
-    monkeypatch.setattr(gg.torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    gc.clear_tuned_cache()
+    gc._device_table_path.cache_clear()
+    monkeypatch.setattr(gc, "_CUDA", True)
+    monkeypatch.setattr(gc.torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
     try:
-        assert gg.tuned_table_path(0) == gg.TUNED_DIR / "nvidia-h200.json"
+        assert gc.tuned_table_path(0) == gc.TUNED_DIR / "nvidia-h200.json"
     finally:
-        gg._device_table_path.cache_clear()
-        gg.clear_tuned_cache()
+        gc._device_table_path.cache_clear()
+        gc.clear_tuned_cache()
 
 
 def test_default_configs_cover_every_table_entry_of_the_shape(table):
     E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
     for gemm in (0, 1):
-        allowed = gg.default_configs(gemm, E, H, I)
-        assert allowed[:2] == gg.analytical_configs(gemm) and len(set(allowed)) == len(allowed)
+        allowed = gc.default_configs(gemm, E, H, I)
+        assert allowed[:2] == gc.analytical_configs(gemm) and len(set(allowed)) == len(allowed)
         entries = [e for e in json.loads(table.read_text())["entries"] if e["gemm"] == gemm]
         for e in entries:
-            assert gg.config_from_fields(gemm, e["config"]) in allowed
+            assert gc.config_from_fields(gemm, e["config"]) in allowed
         assert len(allowed) == 2 + len({json.dumps(e["config"], sort_keys=True) for e in entries})
         for rows in (0, 1, 100, 154 * E, 11000, 16384, 30000, 65536, 200000):
-            assert gg.default_config(gemm, rows, E, H, I) in allowed
-    assert gg.default_configs(0) == gg.analytical_configs(0)  # without the shape: what default_config picks without it
-    assert gg.default_configs(0, 32, 2048, 768) == gg.analytical_configs(0)  # another shape
+            assert gc.default_config(gemm, rows, E, H, I) in allowed
+    assert gc.default_configs(0) == gc.analytical_configs(0)  # without the shape: what default_config picks without it
+    assert gc.default_configs(0, 32, 2048, 768) == gc.analytical_configs(0)  # another shape
 
 
 @pytest.mark.parametrize("content, message", [
     ("{not json", "cannot be read as JSON"),
     (json.dumps([]), "format"),
     (json.dumps(dict(format="other/9", entries=[])), "format"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries={})), "entries"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), rows_bucket=12288)])),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries={})), "entries"),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), rows_bucket=12288)])),
      "rows_bucket=12288"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), H="2048")])), "H='2048'"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), gemm=2)])), "gemm=2"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0), _entry(0, 16384, TUNED0)])),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), H="2048")])), "H='2048'"),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0), gemm=2)])), "gemm=2"),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0), _entry(0, 16384, TUNED0)])),
      "a second entry"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0),
                                                            config=dict(block_m=64))])), "missing fields"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[dict(_entry(0, 16384, TUNED0),
                                                            config=dict(dataclasses.asdict(TUNED0), tile=3))])),
      "unknown fields"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(
-        split_tail=True, epilogue=gg.EPILOGUE_TMA, flatten=False))])), "split_tail with epilogue=1"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0.with_(interleaved=False))])),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(
+        split_tail=True, epilogue=gc.EPILOGUE_TMA, flatten=False))])), "split_tail with epilogue=1"),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[_entry(0, 16384, TUNED0.with_(interleaved=False))])),
      "interleaved"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(block_n=96))])), "block_n=96"),
-    (json.dumps(dict(format=gg.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(num_warps=2))])),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(block_n=96))])), "block_n=96"),
+    (json.dumps(dict(format=gc.TUNED_FORMAT, entries=[_entry(1, 16384, TUNED1.with_(num_warps=2))])),
      "num_warps=2"),
 ])
 def test_a_malformed_table_is_an_error_naming_the_file(content, message, tmp_path, monkeypatch):
     path = tmp_path / "broken.json"
     path.write_text(content)
-    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(path))
-    gg.clear_tuned_cache()
+    monkeypatch.setenv(gc.TUNED_TABLE_ENV, str(path))
+    gc.clear_tuned_cache()
     try:
-        for call in (lambda: gg.default_config(0, 16384, 64, 2048, 768),
-                     lambda: gg.default_configs(0, 64, 2048, 768)):
+        for call in (lambda: gc.default_config(0, 16384, 64, 2048, 768),
+                     lambda: gc.default_configs(0, 64, 2048, 768)):
             with pytest.raises(ValueError) as error:
                 call()
             assert str(path) in str(error.value) and message in str(error.value), str(error.value)
     finally:
-        gg.clear_tuned_cache()
+        gc.clear_tuned_cache()
 
 
 def test_a_missing_table_named_by_the_variable_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setenv(gg.TUNED_TABLE_ENV, str(tmp_path / "absent.json"))
-    gg.clear_tuned_cache()
-    with pytest.raises(ValueError, match=f"{gg.TUNED_TABLE_ENV}.*absent.json"):
-        gg.default_config(0, 16384, 64, 2048, 768)
-    gg.clear_tuned_cache()
+    monkeypatch.setenv(gc.TUNED_TABLE_ENV, str(tmp_path / "absent.json"))
+    gc.clear_tuned_cache()
+    with pytest.raises(ValueError, match=f"{gc.TUNED_TABLE_ENV}.*absent.json"):
+        gc.default_config(0, 16384, 64, 2048, 768)
+    gc.clear_tuned_cache()
 
 
 def test_shipped_tables_load():
     """Every table shipped in the package is one this version reads (named by its device key)."""
-    for path in sorted(gg.TUNED_DIR.glob("*.json")):
-        data = gg.load_tuned_table(path)["data"]
+    for path in sorted(gc.TUNED_DIR.glob("*.json")):
+        data = gc.load_tuned_table(path)["data"]
         assert data.get("device_key") == path.stem, path
 
 
@@ -209,10 +209,10 @@ def test_tune_list_shows_shapes_and_candidates_without_a_gpu(capsys):
 def test_tune_candidates_include_the_defaults_and_skip_what_cannot_work():
     for gemm in (0, 1):
         candidates, skipped = tune.candidate_configs(gemm, [64, 128], [128, 256], [64], [4, 8], [3, 4, 5])
-        assert candidates[:2] == list(gg.analytical_configs(gemm))
+        assert candidates[:2] == list(gc.analytical_configs(gemm))
         assert len(set(candidates)) == len(candidates)
         for config in candidates:
-            gg.check_config(gemm, config)
+            gc.check_config(gemm, config)
             assert config.block_m * config.block_n // (32 * config.num_warps) <= tune.MAX_ACC_REGS
             assert config.num_stages * (config.block_m + config.block_n) * config.block_k * 2 <= tune.HOPPER_SMEM_BYTES
         reasons = {tune.config_name(c): r for c, r in skipped}
@@ -229,17 +229,17 @@ def test_tune_split_tail_candidates_only_where_the_epilogue_allows():
         tails = [c for c in candidates if c.split_tail]
         assert {c.block_m for c in tails} == {64, 128}, tails
         for config in tails:
-            gg.check_config(gemm, config)
+            gc.check_config(gemm, config)
             assert tune.config_name(config).endswith(" tail") and config.with_(split_tail=False) in candidates
     with pytest.raises(ValueError, match="split_tail with epilogue=1"):
-        gg.check_config(1, TUNED1.with_(split_tail=True, epilogue=gg.EPILOGUE_TMA, flatten=False))
+        gc.check_config(1, TUNED1.with_(split_tail=True, epilogue=gc.EPILOGUE_TMA, flatten=False))
 
 
 def test_tune_epilogue_candidates():
     """--epilogue 0,3: each combination with each epilogue (the analytical defaults kept as they are)."""
     candidates, skipped = tune.candidate_configs(1, [128], [256], [64], [8], [4], epilogue=[0, 3])
     assert {c.epilogue for c in candidates if c.block_m == 128} == {0, 3}
-    assert candidates[:2] == list(gg.analytical_configs(1))
+    assert candidates[:2] == list(gc.analytical_configs(1))
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--epilogue", "5"]) == 2
 
 
@@ -280,28 +280,28 @@ def test_tune_records_round_trip_through_the_lookup(tmp_path):
     table = tune._start_table(out, replace=False)
     table["meta"] = dict(date="2026-12-01T00:00:00+00:00", commit="abc")
     shape = dict(model="qwen3-30b-a3b", tokens=2048, rows=16384, rows_bucket=16384, **SHAPE)
-    default0, default1 = gg.analytical_config(0, 16384, 64), gg.analytical_config(1, 16384, 64)
+    default0, default1 = gc.analytical_config(0, 16384, 64), gc.analytical_config(1, 16384, 64)
     r0 = tune._record(table, shape, 0, default0, [(1.0, default0, 1e-3), (0.8, TUNED0, 1e-3)], 0.05, 2,
                       gathered=True)
     r1 = tune._record(table, shape, 1, default1, [(1.0, default1, 1e-3), (0.98, TUNED1, 1e-3)], 0.05, 2)
     assert r0["written"] and not r1["written"]
     assert r0["gathered"] and "gathered" not in r1   # how GEMM0 was timed (KernelConfig.gemm0_gather)
     tune._write_table(out, table)
-    gg.clear_tuned_cache()
+    gc.clear_tuned_cache()
     try:
-        assert gg.default_config(0, 16384, 64, 2048, 768, table=out) == TUNED0
-        assert gg.default_config(1, 16384, 64, 2048, 768, table=out) == default1  # within --min-gain: not written
+        assert gc.default_config(0, 16384, 64, 2048, 768, table=out) == TUNED0
+        assert gc.default_config(1, 16384, 64, 2048, 768, table=out) == default1  # within --min-gain: not written
         # re-measured: the new record replaces the old one
         table = tune._start_table(out, replace=False)
         assert [e["gemm"] for e in table["measured_default"]] == [1]
         table["meta"] = dict(date="2026-12-02T00:00:00+00:00", commit="def")
         tune._record(table, shape, 0, default0, [(1.0, default0, 1e-3), (0.99, TUNED0, 1e-3)], 0.05, 2)
         tune._write_table(out, table)
-        gg.clear_tuned_cache()
-        assert gg.default_config(0, 16384, 64, 2048, 768, table=out) == default0
+        gc.clear_tuned_cache()
+        assert gc.default_config(0, 16384, 64, 2048, 768, table=out) == default0
         assert len(json.loads(out.read_text())["measured_default"]) == 2
     finally:
-        gg.clear_tuned_cache()
+        gc.clear_tuned_cache()
 
 
 def test_cold_rotations_cover_the_l2_several_times_within_the_experts():
@@ -337,7 +337,7 @@ def test_tune_pairs_write_the_fastest_pair_by_its_gain_over_the_default_pair(tmp
     table = tune._start_table(out, replace=False)
     table["meta"] = dict(date="2026-12-03T00:00:00+00:00", commit="abc")
     shape = dict(model="qwen3-30b-a3b", tokens=2048, rows=16384, rows_bucket=16384, **SHAPE)
-    default0, default1 = gg.analytical_config(0, 16384, 64), gg.analytical_config(1, 16384, 64)
+    default0, default1 = gc.analytical_config(0, 16384, 64), gc.analytical_config(1, 16384, 64)
     alone0 = [(1.0, default0, 1e-3), (0.8, TUNED0, 1e-3)]
     alone1 = [(1.0, default1, 1e-3), (0.9, TUNED1, 1e-3)]   # TUNED1 fastest alone ...
     timed = {(TUNED0, TUNED1): 1.9, (TUNED0, default1): 1.6, (default0, TUNED1): 1.95, (default0, default1): 2.0}
@@ -349,12 +349,12 @@ def test_tune_pairs_write_the_fastest_pair_by_its_gain_over_the_default_pair(tmp
     assert abs(r0["gain"] - 0.25) < 1e-9 and r0["pair"] == [tune.config_name(TUNED0), tune.config_name(default1)]
     assert r0["ms"] == 0.8 and r0["pair_ms"] == 1.6
     tune._write_table(out, table)
-    gg.clear_tuned_cache()
+    gc.clear_tuned_cache()
     try:
-        assert gg.default_config(0, 16384, 64, 2048, 768, table=out) == TUNED0
-        assert gg.default_config(1, 16384, 64, 2048, 768, table=out) == default1
+        assert gc.default_config(0, 16384, 64, 2048, 768, table=out) == TUNED0
+        assert gc.default_config(1, 16384, 64, 2048, 768, table=out) == default1
     finally:
-        gg.clear_tuned_cache()
+        gc.clear_tuned_cache()
 
 
 def test_tune_pairs_need_both_gemms(capsys):
@@ -367,7 +367,7 @@ def test_tune_confirmation_rounds_alternate_and_decide_by_the_median():
     the entry is decided by the medians over the rounds, not by the one pass (a candidate that was fast once, e.g.
     timed right after an idle GPU's pause, loses its place)."""
     assert tune.confirm_order(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
-    base = gg.GemmConfig()
+    base = gc.GemmConfig()
     lucky, steady, slow, default = (base.with_(num_stages=n) for n in (2, 3, 5, 4))
     measured = [(1.0, lucky, 1e-3), (1.2, steady, 1e-3), (1.3, slow, 1e-3), (1.4, default, 1e-3),
                 (1.9, base.with_(group_m=4), 1e-3)]

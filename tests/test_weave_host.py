@@ -293,7 +293,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                         launched.append(name(constants)))
     monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
                         compiled.append(name(constants)))
-    monkeypatch.setattr(backend_module.grouped_gemm, "default_configs", lambda *args: [])
+    monkeypatch.setattr(backend_module.gemm_configs, "default_configs", lambda *args: [])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
     spec, H, I = MoESpec(8, 2, 32, 16), 32, 16
@@ -401,9 +401,9 @@ def test_fork_prologue_only_beside_a_dispatch_only_launch(monkeypatch, policy, p
 
     fixed = Plan(4, 1, 0, 0.0, policy) if policy == "serial" else None
     backend, launched, _ = _host_backend(monkeypatch, fixed, grouped=True, resident=True, decode=True, fork=True)
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
 
-    configs = (gg.analytical_configs(0)[0], gg.analytical_configs(1)[0])
+    configs = (gc.analytical_configs(0)[0], gc.analytical_configs(1)[0])
     backend._compile_before_call()
     backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(),
                     fixed, 0, configs, plan.endswith("decode"))
@@ -414,14 +414,14 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds."""
     from weave_moe.backends.weave import backend as backend_module
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
     from weave_moe.plan import Plan
 
     backend, launched, compiled = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
-    plain = gg.analytical_configs(0)[1]
-    configs = {0: [plain, plain.with_(block_m=64, split_tail=True)], 1: [gg.analytical_configs(1)[0]]}
-    monkeypatch.setattr(backend_module.grouped_gemm, "default_configs", lambda gemm, *shape: configs[gemm])
+    plain = gc.analytical_configs(0)[1]
+    configs = {0: [plain, plain.with_(block_m=64, split_tail=True)], 1: [gc.analytical_configs(1)[0]]}
+    monkeypatch.setattr(backend_module.gemm_configs, "default_configs", lambda gemm, *shape: configs[gemm])
     monkeypatch.setattr(backend_module.grouped_tiles, "build_tile_table",
                         lambda offsets, block_m, rows, split_tail=False: TileTable(None, None, block_m, split_tail))
     warmed, prologues = [], []
@@ -781,15 +781,15 @@ def test_grouped_configs_run_on_the_w13_the_layer_holds(monkeypatch, interleaved
     w13) run with gate and up as two MMAs and without the stream-K schedule; GEMM1's are unchanged. Interleaved: every
     config as the table gives it. The first call compiles the same configs the calls pick."""
     from weave_moe.backends.weave import backend as backend_module
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.backend import WeaveBackend
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     backend.interleaved, backend.grouped_configs = interleaved, {}
-    tuned = {0: gg.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=0, stream_k=True),
-             1: gg.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=2)}
-    monkeypatch.setattr(backend_module.grouped_gemm, "default_config", lambda gemm, *shape: tuned[gemm])
+    tuned = {0: gc.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=0, stream_k=True),
+             1: gc.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=2)}
+    monkeypatch.setattr(backend_module.gemm_configs, "default_config", lambda gemm, *shape: tuned[gemm])
     configs = WeaveBackend._grouped_configs(backend, 8)
     assert configs[1] == tuned[1]
     if interleaved:

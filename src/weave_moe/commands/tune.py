@@ -1,5 +1,5 @@
 """`weave-moe tune`: measure the grouped GEMMs' candidate configurations per layer shape on this GPU and write the
-tuned table that `grouped_gemm.default_config` looks up (kernels/tuned/<device key>.json).
+tuned table that `gemm_configs.default_config` looks up (kernels/tuned/<device key>.json).
 
 Work per (model, tokens): the per-rank work of EP = N (`--emulate-ep N`, as `weave-moe bench --emulate-ep`): E / N
 local experts, T tokens each picking k distinct local experts uniformly at random (weave_moe.routing.uniform), so
@@ -122,26 +122,26 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
     """(candidates, skipped) for `gemm`: every combination as a variant of the analytical 128-row default (its
     epilogue, flatten and group_m unless `epilogue` / `flatten` / `group_m` list some), plus both analytical defaults;
     skipped = [(config, reason)] for combinations that cannot work: an accumulator over MAX_ACC_REGS fp32 registers
-    per thread (spills), pipeline buffers over `smem_bytes`, or a config `grouped_gemm.check_config` refuses."""
+    per thread (spills), pipeline buffers over `smem_bytes`, or a config `gemm_configs.check_config` refuses."""
     import itertools
 
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
 
-    base = gg.analytical_configs(gemm)[1]
-    candidates, skipped = list(gg.analytical_configs(gemm)), []
+    base = gc.analytical_configs(gemm)[1]
+    candidates, skipped = list(gc.analytical_configs(gemm)), []
     epilogues, flattens = tuple(epilogue) or (base.epilogue,), tuple(flatten) or (int(base.flatten),)
     groups = tuple(group_m) or (base.group_m,)
     streams = tuple(stream_k)
     for bm, bn, bk, nw, ns, tail, ep, flat, group, sk in itertools.product(
             block_m, block_n, block_k, warps, stages, split_tail, epilogues, flattens, groups, streams):
-        # stream-K tiles store through masked stores (grouped_gemm.check_config)
+        # stream-K tiles store through masked stores (gemm_configs.check_config)
         config = base.with_(block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, split_tail=bool(tail),
-                            epilogue=gg.EPILOGUE_MASKED if sk else ep, flatten=bool(flat), group_m=group,
+                            epilogue=gc.EPILOGUE_MASKED if sk else ep, flatten=bool(flat), group_m=group,
                             stream_k=bool(sk))
         if config in candidates:
             continue
         try:
-            gg.check_config(gemm, config)
+            gc.check_config(gemm, config)
         except ValueError as error:
             skipped.append((config, str(error)))
             continue
@@ -158,7 +158,7 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
 
 def tune_shapes(specs, tokens: list[int], emulate_ep: int) -> list[dict]:
     """[{"model", "tokens", "E_local", "k", "H", "I", "rows", "rows_bucket"}] of every (model, tokens)."""
-    from weave_moe.backends.weave.kernels.grouped_gemm import rows_bucket
+    from weave_moe.backends.weave.kernels.gemm_configs import rows_bucket
     from weave_moe.bench.config import emulated_spec
 
     shapes = []
@@ -174,7 +174,7 @@ def tune_shapes(specs, tokens: list[int], emulate_ep: int) -> list[dict]:
 def run(args) -> int:
     import sys
 
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.models import PAPER_MODELS, MoESpec
 
     def refuse(message: str) -> int:
@@ -199,8 +199,8 @@ def run(args) -> int:
                     stream_k=_ints(args.stream_k, "--stream-k"))
         if set(grid["split_tail"]) - {0, 1}:
             raise ValueError(f"--split-tail: expected 0 and/or 1, given {args.split_tail!r}")
-        if set(grid["epilogue"]) - set(gg.EPILOGUES):
-            raise ValueError(f"--epilogue: expected values of {gg.EPILOGUES}, given {args.epilogue!r}")
+        if set(grid["epilogue"]) - set(gc.EPILOGUES):
+            raise ValueError(f"--epilogue: expected values of {gc.EPILOGUES}, given {args.epilogue!r}")
         if set(grid["stream_k"]) - {0, 1}:
             raise ValueError(f"--stream-k: expected 0 and/or 1, given {args.stream_k!r}")
         if set(grid["flatten"]) - {0, 1}:
@@ -258,11 +258,11 @@ def _out_path(out):
 
     import torch
 
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
 
-    name = f"{gg.device_key(torch.cuda.get_device_name())}.json"
+    name = f"{gc.device_key(torch.cuda.get_device_name())}.json"
     if out is None:
-        return gg.TUNED_DIR / name
+        return gc.TUNED_DIR / name
     path = Path(out)
     return path if path.suffix == ".json" else path / name
 
@@ -271,13 +271,13 @@ def _start_table(out, replace: bool) -> dict:
     """The table to update: the existing `out` (checked) unless `replace` or absent, else an empty one."""
     import json
 
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
 
     if out.exists() and not replace:
-        gg.load_tuned_table(out)  # ValueError naming the file when it is not a table: refuse before measuring
-        gg.clear_tuned_cache()
+        gc.load_tuned_table(out)  # ValueError naming the file when it is not a table: refuse before measuring
+        gc.clear_tuned_cache()
         return json.loads(out.read_text())
-    return dict(format=gg.TUNED_FORMAT, entries=[], measured_default=[])
+    return dict(format=gc.TUNED_FORMAT, entries=[], measured_default=[])
 
 
 def _write_table(out, table: dict) -> None:
@@ -456,7 +456,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     import triton
 
     from weave_moe.backends.weave.config import KernelConfig
-    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.bench.anchor import graph_replay_ms
     from weave_moe.bench.metadata import git_commit
@@ -467,7 +467,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     # the opt-in shared memory per block, as Triton's own compiler checks it
     smem = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"]
     candidates = {g: candidate_configs(g, **grid, smem_bytes=smem) for g in gemms}
-    table.update(format=gg.TUNED_FORMAT, device=device, device_key=gg.device_key(device), meta=dict(
+    table.update(format=gc.TUNED_FORMAT, device=device, device_key=gc.device_key(device), meta=dict(
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
         commit=args.git_commit or git_commit(), command=shlex.join(["weave-moe", "tune"] + sys.argv[2:]
@@ -506,7 +506,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
             continue
         alone, counts = {}, {}
         for gemm in gemms:
-            default = gg.analytical_config(gemm, work.rows, shape["E_local"])
+            default = gc.analytical_config(gemm, work.rows, shape["E_local"])
             measured = []
             for config in candidates[gemm][0]:
                 name = config_name(config)
@@ -555,7 +555,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     table["entries"].sort(key=lambda e: tuple(e[k] for k in ("gemm", "E_local", "H", "I", "rows_bucket")))
     table["measured_default"].sort(key=lambda e: tuple(e[k] for k in ("gemm", "E_local", "H", "I", "rows_bucket")))
     _write_table(out, table)
-    gg.clear_tuned_cache()
+    gc.clear_tuned_cache()
     _print_results(results, out)
     print(f"wrote {out}: {len(table['entries'])} entries ({sum(r['written'] for r in results)} from this run), "
           f"{time.time() - started:.0f} s")

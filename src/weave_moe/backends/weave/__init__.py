@@ -10,6 +10,7 @@
     kernels/      Triton: megakernel.py (persistent kernel), tiles.py (one task per function), sync.py (waits, flags),
                   planner.py (the cost model and plan() on the GPU; planner_mirror.py, its numpy twin),
                   grouped_gemm.py / grouped_tiles.py (the serial policy's grouped GEMMs, their tile tables, row gather),
+                  gemm_configs.py (their configurations: GemmConfig, analytical defaults, tuned tables),
                   routing_exchange.py (the routing messages of every rank through the workspace, one launch),
                   counts.py (the counts vector and the resident call's verdict, one launch; optionally the plan),
                   tables.py (the resident call's task tables as three launches: tables_scan.py, tables_bases.py,

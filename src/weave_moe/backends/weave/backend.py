@@ -29,7 +29,7 @@ from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelC
                                              timeout_s_from_env)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
-from weave_moe.backends.weave.kernels import grouped_gemm, grouped_tiles
+from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.megakernel import (CTRL_SIZE_FIXED, EVENT_NAMES, ROW_ALIGNMENT,
                                                         STAGE_COMBINE_REDUCE)
@@ -840,7 +840,7 @@ class WeaveBackend:
         configs = self.grouped_configs.get(rows)
         if configs is None:  # looked up once per row count (the lookup costs tens of microseconds of host time)
             H, I = self.spec.hidden_size, self.spec.intermediate_size
-            configs = tuple(self._held_layout(g, grouped_gemm.default_config(g, rows, self.num_local_experts, H, I))
+            configs = tuple(self._held_layout(g, gemm_configs.default_config(g, rows, self.num_local_experts, H, I))
                             for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
@@ -953,7 +953,7 @@ class WeaveBackend:
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             h, y = self.workspace.h(), self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
-            configs = [[self._held_layout(gemm, c) for c in grouped_gemm.default_configs(gemm, *shape)]
+            configs = [[self._held_layout(gemm, c) for c in gemm_configs.default_configs(gemm, *shape)]
                        for gemm in (0, 1)]
             launch = self.gemm_launch
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
