@@ -383,6 +383,11 @@ def test_launch_compiles_each_serial_stage_for_its_stage(monkeypatch, policy, gr
         backend._compile_before_call()   # as every call does before it enqueues anything
         backend._launch(x, out, _AnyTable(), plan_of[plan_name], 0, configs, decode)
         assert launched == expected, (plan_name, launched)
+        # a megakernel launch (the dispatch) always stands between the task tables and the grouped stage: the row
+        # gather loads the tables' indices ahead of its wait on that ground (grouped_tiles, sync.pdl_ahead)
+        for i, stage in enumerate(launched):
+            if str(stage).startswith("grouped"):
+                assert i > 0 and not str(launched[i - 1]).startswith(("grouped", "fork")), launched
         # every variant a call can launch was compiled at the first call, and only then
         assert sorted(compiled, key=str) == sorted(compiles, key=str)
     assert {_compile_name(c) for c in backend.compiled} == set(compiles)
