@@ -45,7 +45,9 @@ def _received_ahead(ids_ptr, weights_ptr, ids_stride, tokens_ptr, tokens_stride,
     s, t = _token_block(pid, T, BLOCK_T)
     valid = t < tl.load(tokens_ptr + s * tokens_stride)
     element = s.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :]
-    ids = tl.load(ids_ptr + element, mask=valid[:, None] & (jj[None, :] < K), other=-1)
+    # the ids up to T_max, cut at T_s afterwards (one round of loads with T_s's, not one after it)
+    ids = tl.load(ids_ptr + element, mask=(t < T)[:, None] & (jj[None, :] < K), other=-1)
+    ids = tl.where(valid[:, None], ids, -1)
     mine = (ids >= rank * L) & (ids < (rank + 1) * L)
     hit = tl.sum(mine.to(tl.int32), axis=1) > 0
     c = chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s)
@@ -94,7 +96,8 @@ def _sent_ahead(ids_ptr, ids_stride, tokens_ptr, tokens_stride, send_local_ptr, 
     d, t = _token_block(q_pid, T, BLOCK_T)
     valid = t < tl.load(tokens_ptr + rank * tokens_stride)
     ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
-                  mask=valid[:, None] & (jj[None, :] < K), other=-1)
+                  mask=(t < T)[:, None] & (jj[None, :] < K), other=-1)   # cut at T afterwards, as above
+    ids = tl.where(valid[:, None], ids, -1)
     owner = tl.where(ids >= 0, ids // L, -1)
     hit = tl.sum((owner == d).to(tl.int32), axis=1) > 0
     local = tl.load(send_local_ptr + d * T + t, mask=hit, other=0)

@@ -50,11 +50,11 @@ def _pair_chunk_counts(expert, pair_mine, tt, start, n_tok, K_rank, pair_counts_
 
 
 @triton.jit
-def _arrivals(t, hit, chunks_ptr, tokens_ptr, tokens_stride, arrival_ptr, s, rank, MC: tl.constexpr):
-    """Add the block's tokens that have an expert here (`hit`) into rows per (source s, chunk)."""
+def _arrivals(t, hit, K_rank, n_tok, arrival_ptr, s, MC: tl.constexpr):
+    """Add the block's tokens that have an expert here (`hit`) into rows per (source s, chunk); `K_rank`: this rank's
+    chunk count, `n_tok`: T_s (chunk(t) = t * K // max(T_s, 1), as `chunk_of`)."""
     mc = tl.arange(0, MC)
-    arrived = tl.histogram(tl.minimum(chunk_of(t, chunks_ptr, rank, tokens_ptr, tokens_stride, s), MC - 1), MC,
-                           mask=hit != 0)
+    arrived = tl.histogram(tl.minimum((t * K_rank) // tl.maximum(n_tok, 1), MC - 1), MC, mask=hit != 0)
     tl.atomic_add(arrival_ptr + s * MC + mc, arrived, mask=arrived > 0, sem="relaxed")
 
 
@@ -76,25 +76,28 @@ def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q
     slot) order (q), the block's pairs per local expert, pairs per (expert, chunk). With WAIT_BEFORE_CHUNKS what
     needs the chunk counts comes last, after the wait (the pairs per (expert, chunk) in a second pass over the
     block's steps)."""
+    # every load the block's first results need is issued at once: T_s, the chunk count (unless the previous launch
+    # writes it) and the ids, read up to T_max and cut at T_s afterwards (not a load that waits for T_s)
     n_tok = tl.load(tokens_ptr + s * tokens_stride)
+    late: tl.constexpr = WAIT == WAIT_BEFORE_CHUNKS
+    if not late:
+        K_rank = tl.load(chunks_ptr + rank * 4)
     first = b * BT
     t = first + tl.arange(0, BT)
     jj = tl.arange(0, KP)
     row = ids_ptr + s.to(tl.int64) * ids_stride
-    ids = tl.load(row + t[:, None] * K + jj[None, :], mask=(t < n_tok)[:, None] & (jj[None, :] < K), other=-1)
+    ids = tl.load(row + t[:, None] * K + jj[None, :], mask=(t < T)[:, None] & (jj[None, :] < K), other=-1)
+    ids = tl.where((t < n_tok)[:, None], ids, -1)
     mine = (ids >= rank * L) & (ids < (rank + 1) * L)
     hit = (tl.sum(mine.to(tl.int32), axis=1) > 0).to(tl.int32)
     tl.store(recv_local_ptr + s * T + t, tl.cumsum(hit, axis=0) - hit, mask=hit != 0)
     tl.store(recv_hist_ptr + s * NB + b, tl.sum(hit, axis=0))
-    late: tl.constexpr = WAIT == WAIT_BEFORE_CHUNKS
     if not late:
-        _arrivals(t, hit, chunks_ptr, tokens_ptr, tokens_stride, arrival_ptr, s, rank, MC)
+        _arrivals(t, hit, K_rank, n_tok, arrival_ptr, s, MC)
     # pairs, SUB tokens at a time: rank among the step's earlier pairs of the same expert + the block's running count
     le = tl.arange(0, BLOCK_L)
     ii = tl.arange(0, SUB * KP)
     running = tl.zeros([BLOCK_L], dtype=tl.int32)
-    if not late:
-        K_rank = tl.load(chunks_ptr + rank * 4)
     for start in range(first, tl.minimum(first + BT, n_tok), SUB):
         tt = start + ii // KP
         j = ii % KP
@@ -108,8 +111,8 @@ def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q
     tl.store(pair_hist_ptr + (s * NB + b) * L + le, running, mask=le < L)
     if late:
         _wait_for_chunks(WAIT)
-        _arrivals(t, hit, chunks_ptr, tokens_ptr, tokens_stride, arrival_ptr, s, rank, MC)
         K_rank = tl.load(chunks_ptr + rank * 4)
+        _arrivals(t, hit, K_rank, n_tok, arrival_ptr, s, MC)
         for start in range(first, tl.minimum(first + BT, n_tok), SUB):
             tt = start + ii // KP
             expert, pair_mine = _step_pairs(row, tt, ii % KP, n_tok, rank, L, K)
@@ -127,16 +130,22 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
     t = b * BT + tl.arange(0, BT)
     jj = tl.arange(0, KP)
     pp = tl.arange(0, BLOCK_P)
+    early: tl.constexpr = WAIT != WAIT_BEFORE_CHUNKS
+    if early:   # the chunk counts are not the previous launch's: loaded with the rest, not after the stores
+        K_dest = tl.load(chunks_ptr + pp * 4, mask=pp < P, other=1)
+    # the ids up to T_max, cut at T afterwards: one round of loads with T's, not one after it
     ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
-                  mask=(t < n_tok)[:, None] & (jj[None, :] < K), other=-1)
+                  mask=(t < T)[:, None] & (jj[None, :] < K), other=-1)
+    ids = tl.where((t < n_tok)[:, None], ids, -1)
     owner = tl.where((ids >= 0) & (ids < P * L), ids // L, -1)   # ids >= E: none (the counts reject the call)
     goes = tl.sum((owner[:, :, None] == pp[None, None, :]).to(tl.int32), axis=1) > 0      # [BT, P]
     hit = goes.to(tl.int32)
     tl.store(send_local_ptr + pp[None, :] * T + t[:, None], tl.cumsum(hit, axis=0) - hit, mask=goes)
     tl.store(send_hist_ptr + pp * NB + b, tl.sum(hit, axis=0), mask=pp < P)
     tl.store(mask_ptr + t, tl.sum(tl.where(goes, 1 << pp[None, :], 0), axis=1), mask=t < T)
-    _wait_for_chunks(WAIT)
-    K_dest = tl.load(chunks_ptr + pp * 4, mask=pp < P, other=1)
+    if not early:
+        _wait_for_chunks(WAIT)
+        K_dest = tl.load(chunks_ptr + pp * 4, mask=pp < P, other=1)
     chunk = (t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1)
     f = tl.arange(0, BLOCK_P * MC)
     keys = tl.histogram(tl.reshape(pp[None, :] * MC + tl.minimum(chunk, MC - 1), [BT * BLOCK_P]), BLOCK_P * MC,
