@@ -59,6 +59,12 @@ def case(tokens, E, k, chunks, rank, seed, mode="uniform", T_max=None, blocks=No
     eq("arrival", got.arrival_expected, ref.arrival_expected)
     eq("gemm1_expected", got.gemm1_expected, ref.gemm1_expected)
     eq("combine_tasks", got.combine_tasks[:nc], ref.combine_tasks[:nc])
+    # one row per task (a decode call's tables): task j is row j, one row each; the megakernel's decode launches
+    # rely on it (they load task j's row data before its task row arrives: megakernel.py, ONE_ROW_TASKS)
+    for rows, tasks, n in ((b["dispatch_rows"], got.dispatch_tasks, nd), (b["combine_rows"], got.combine_tasks, nc)):
+        if rows == 1:
+            eq("one-row starts", tasks[:n, 2], torch.arange(n, dtype=torch.int32))
+            eq("one-row counts", tasks[:n, 3], torch.ones(n, dtype=torch.int32))
     nrecv = int(ref.arrival_expected.sum())
     eq("combine_token", got.combine_token[:nrecv], ref.combine_token[:nrecv])
     eq("combine_pos", got.combine_pos[:nrecv], ref.combine_pos[:nrecv])
@@ -104,6 +110,8 @@ case((300, 280), 16, 4, (3, 5), 1, seed=24, blocks=prod, serial_c=3)
 decode = dict(prod, dispatch_rows=1, combine_rows=1, reduce_rows=1)
 case((5, 3), 16, 4, (1, 1), 0, seed=18, blocks=decode)
 case((60, 0, 7), 12, 4, (3, 8, 5), 1, seed=19, mode="dups", blocks=decode)
+case((0, 9, 4, 1), 16, 4, (1, 1, 2, 1), 2, seed=25, mode="dups", blocks=decode, previous_writes="none")
+case((1,), 8, 2, (1,), 0, seed=26, blocks=decode)
 # a caller's persistent counters (the resident call's), reused by calls of other routings, ranks and chunk counts
 counters = torch.zeros(counter_words(2, 16), dtype=torch.int32)
 for seed, (tokens, chunks, rank) in enumerate([((7, 5), (1, 2), 0), ((30, 2), (3, 1), 1), ((0, 9), (8, 8), 0)]):

@@ -100,6 +100,14 @@ def _claim(counter_ptr, TIMELINE: tl.constexpr):
     return task, t_start
 
 
+#: ONE_ROW_TASKS: in task tables of one row per task (a decode call's, KernelConfig.decode_stages) dispatch / combine
+#: task j is row j of its table's rows (the rows are cut into blocks of one in segment order, layout.py and
+#: kernels/tables_emit.py; tests/test_tables.py checks it on every such table). A launch compiled for one-row tasks
+#: (DISPATCH_ROWS / COMBINE_ROWS == 1) therefore takes the row from the task index, so that the row's loads (its
+#: token and slot; its pair positions, weights and token) do not wait for the task row's load: one dependent round
+#: trip less per task on a decode call's chain. The task row still gives the destination or source and the chunk.
+
+
 @triton.jit
 def _take(counter_ptr, own, offset, num_tasks, OWN: tl.constexpr, TIMELINE: tl.constexpr):
     """(task, the take's %globaltimer when TIMELINE, own for the next take) of a queue of `num_tasks` tasks that every
@@ -286,6 +294,9 @@ def moe_megakernel(
                                                 OWN_TASKS, TIMELINE)
             if task < num_dispatch:
                 dest, chunk, start, count = _task_row(dispatch_tasks_ptr, task)
+                if DISPATCH_ROWS == 1:   # one row per task (ONE_ROW_TASKS): task j is row j
+                    start = task
+                    count = 1
                 dst = (_peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, VECTOR_ROWS)
                        + rank.to(tl.int64) * max_tokens * H)
                 tiles.dispatch_rows(x_ptr, dst, send_token_ptr, send_slot_ptr, start, count, H,
@@ -346,6 +357,9 @@ def moe_megakernel(
                                                OWN_TASKS, TIMELINE)
             if task < num_combine:
                 source, chunk, start, count = _task_row(combine_tasks_ptr, task)
+                if COMBINE_ROWS == 1:   # one row per task (ONE_ROW_TASKS): task j is row j
+                    start = task
+                    count = 1
                 # a launch without the GEMM phase (STAGE 2, 4) runs after the launches that did the GEMMs, which its
                 # first statement waited for (sync.pdl_enter): their tiles are done and y is visible, so only the
                 # one-launch kernel waits for a chunk's GEMM1 tiles (one acquire round trip less on the chain of a
