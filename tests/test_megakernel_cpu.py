@@ -453,6 +453,18 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
         assert shapes == ({"128", "256"} if interleaved else {"128"}), (name, shapes)
 
 
+def test_decode_combine_prefetches_its_row_before_its_task_row():
+    """The decode combine (one row per task: task j is row j, megakernel.ONE_ROW_TASKS) starts its row's token, pair
+    positions and weights into L1 before it loads its task row, whose source the destination's address needs first;
+    the launches of tasks of several rows do not."""
+    decode = _as_launched(("decode", 4), True, True).asm["ptx"]
+    assert decode.count("prefetch.global.L1") == 3
+    first_prefetch = decode.index("prefetch.global.L1")
+    assert decode.index("griddepcontrol.wait") < first_prefetch
+    for stage_key in (4, ("decode", 0), 0):
+        assert "prefetch.global" not in _as_launched(stage_key, True, True).asm["ptx"], stage_key
+
+
 @pytest.mark.parametrize("stage_key", [0, ("decode", 0), (4, "grouped serial")])
 def test_vector_rows_off_keeps_the_element_copies_for_ab(stage_key):
     """KernelConfig.vector_rows off compiles the row copies as before it (one access per bf16 element), so that a

@@ -139,6 +139,16 @@ def _take(counter_ptr, own, offset, num_tasks, OWN: tl.constexpr, TIMELINE: tl.c
 
 
 @triton.jit
+def _prefetch_l1(pointer):
+    """Start bringing the line at `pointer` into this SM's L1 (`prefetch.global.L1`), so that a load of it issued
+    later, behind an instruction that waits for other data, finds it there or on its way. Nothing under the
+    interpreter."""
+    if not sync.INTERPRETER:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [pointer], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _task_row(tasks_ptr, task):
     """The four int32 columns of a dispatch or combine task (layout.DISPATCH_COLUMNS / COMBINE_COLUMNS)."""
     row = tasks_ptr + task * 4
@@ -356,6 +366,13 @@ def moe_megakernel(
             task, t_start, own_combine = _take(ctrl_ptr + CTRL_COMBINE, own_combine, combine_offset, num_combine,
                                                OWN_TASKS, TIMELINE)
             if task < num_combine:
+                if COMBINE_ROWS == 1:
+                    # the row's token, pair positions and weights (ONE_ROW_TASKS: task j is row j) are on their way
+                    # before the task row's source is used: the destination's address, computed first, would
+                    # otherwise hold their loads back until the task row arrived (in-order issue; sm_90 SASS)
+                    _prefetch_l1(combine_token_ptr + task)
+                    _prefetch_l1(combine_pos_ptr + task * TOP_K)
+                    _prefetch_l1(combine_weight_ptr + task * TOP_K)
                 source, chunk, start, count = _task_row(combine_tasks_ptr, task)
                 if COMBINE_ROWS == 1:   # one row per task (ONE_ROW_TASKS): task j is row j
                     start = task
