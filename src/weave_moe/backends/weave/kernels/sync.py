@@ -289,20 +289,22 @@ def _poll_all(flag_ptrs, need, SYS_SCOPE: tl.constexpr):
 @triton.jit
 def wait_all_at_least(flag_ptr, expected_ptr, n, status_ptr, error_code, tag_base, timeout_ns,
                       BLOCK: tl.constexpr, SYS_SCOPE: tl.constexpr, GROUP: tl.constexpr = 0):
-    """Spin until flag_ptr[i] >= expected_ptr[i] for every i < n (<= BLOCK), acquire; flags expecting 0 are not read.
+    """Spin until flag_ptr[i] >= expected_ptr[i] for every i < n (<= BLOCK), acquire.
 
     `wait_at_least` for n flags at once: each poll is ONE round of n independent atomics (lanes of the CTA) instead
     of n polls one after another, so the wait costs about one flag's latency when the flags are set already (a
-    dispatch launch's final wait over every chunk's arrival counter was eight dependent sys-scope polls). Whether to
-    stay in the loop is a CTA-wide sum, the same in every thread. On a timeout the status word names flag
+    dispatch launch's final wait over every chunk's arrival counter was eight dependent sys-scope polls). The first
+    poll reads all n flags, issued beside the load of the expected values rather than after it (a poll predicated
+    on them would wait for that load: one round trip more when the flags are set already); later polls read only
+    the flags expecting more than 0. Whether to stay in the loop is a CTA-wide sum, the same in every thread. On a timeout the status word names flag
     `tag_base + i` of the first unmet i, or with GROUP (flags in groups of GROUP <= 16, e.g. a source's chunks)
     `tag_base + (i // GROUP) * 16 + i % GROUP`, the tag `wait_at_least`'s callers give such a flag. Returns 1 on
     success, 0 on timeout or when another wait already failed.
     """
     offs = tl.arange(0, BLOCK)
     expected = tl.load(expected_ptr + offs, mask=offs < n, other=0)
+    seen = _poll_all(flag_ptr + offs, offs < n, SYS_SCOPE)
     need = (offs < n) & (expected > 0)
-    seen = _poll_all(flag_ptr + offs, need, SYS_SCOPE)
     unmet = tl.sum((need & (seen < expected)).to(tl.int32), axis=0)
     if unmet != 0:
         start = _wait_started()
