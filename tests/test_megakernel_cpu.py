@@ -456,13 +456,16 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
 def test_decode_combine_prefetches_its_row_before_its_task_row():
     """The decode combine (one row per task: task j is row j, megakernel.ONE_ROW_TASKS) starts its row's token, pair
     positions and weights into L1 before it loads its task row, whose source the destination's address needs first;
-    the launches of tasks of several rows do not."""
+    the launches of tasks of several rows do not. Every launch without GEMM prefetches the peers' bases (one line, a
+    second past 16 ranks), which a row task reads right after its task row."""
     decode = _as_launched(("decode", 4), True, True).asm["ptx"]
-    assert decode.count("prefetch.global.L1") == 3
-    first_prefetch = decode.index("prefetch.global.L1")
-    assert decode.index("griddepcontrol.wait") < first_prefetch
+    # the peers' bases' lines (every launch without GEMM: below) and the row's three lines
+    assert decode.count("prefetch.global.L1") == 2 + 3
+    assert decode.index("griddepcontrol.wait") < decode.index("prefetch.global.L1")
     for stage_key in (4, ("decode", 0), 0):
-        assert "prefetch.global" not in _as_launched(stage_key, True, True).asm["ptx"], stage_key
+        assert _as_launched(stage_key, True, True).asm["ptx"].count("prefetch.global.L1") == 2, stage_key
+    # the one-launch kernel (GEMM tiles) prefetches nothing
+    assert "prefetch.global" not in _as_launched(-1, True, True).asm["ptx"]
 
 
 @pytest.mark.parametrize("stage_key", [0, ("decode", 0), (4, "grouped serial")])

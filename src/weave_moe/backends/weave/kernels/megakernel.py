@@ -243,6 +243,12 @@ def moe_megakernel(
     num_gemm = tl.load(meta_ptr + 1)
     num_combine = tl.load(meta_ptr + 2)
     num_reduce = tl.load(meta_ptr + 3)
+    if STAGE >= 0:
+        # a row task reads its peer's base address right after its task row (it needs the task's peer): from L1
+        # then, not one more L2 round trip (the bases of 16 ranks per 128-byte line)
+        _prefetch_l1(peer_base_ptr)
+        if world_size > 16:
+            _prefetch_l1(peer_base_ptr + 16)
     # A call refused before its kernel (sync.py: rejections) or a layer whose earlier kernel failed: no work, and the
     # output (in the launch that writes it) is NaN. The status word is read with an atomic: the same in every thread.
     refused = sync.status_set(status_ptr)
