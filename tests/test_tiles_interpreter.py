@@ -101,16 +101,26 @@ SCRIPT = textwrap.dedent(
         torch.testing.assert_close(dst[tokd[i]].float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
     assert dst[2].isnan().all()
 
-    # reduce over ranks by bit mask, one to three ranks
+    # reduce over ranks by bit mask, one to three ranks; the rows no rank sent hold NaN (never written), which must not
+    # reach the sum: masked loads with several rows per task, loaded and zeroed with one row per task (decode)
     T = 5
     for EP in (1, 2, 3):
-        comb = torch.randn(EP * T, H).to(torch.bfloat16)
         mask = torch.tensor([0b101, 0, 0b111, 0b010, 0b001], dtype=torch.int32) & ((1 << EP) - 1)
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
-        _reduce[(1,)](comb, mask, out, 0, T, H, T, EP, 8, 32)
-        for t in range(T):
-            want = sum((comb[d * T + t].float() for d in range(EP) if (mask[t] >> d) & 1), torch.zeros(H))
-            torch.testing.assert_close(out[t].float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+        comb = torch.randn(EP * T, H).to(torch.bfloat16)
+        for d in range(EP):
+            for t in range(T):
+                if not (mask[t] >> d) & 1:
+                    comb[d * T + t] = float("nan")
+        for rows in (8, 1):
+            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+            if rows == 8:
+                _reduce[(1,)](comb, mask, out, 0, T, H, T, EP, 8, 32)
+            else:
+                for t in range(T):
+                    _reduce[(1,)](comb, mask, out, t, 1, H, T, EP, 1, 32)
+            for t in range(T):
+                want = sum((comb[d * T + t].float() for d in range(EP) if (mask[t] >> d) & 1), torch.zeros(H))
+                torch.testing.assert_close(out[t].float(), want.to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
     print("TILES OK")
     """
 )

@@ -264,7 +264,9 @@ def reduce_rows(comb_ptr, mask_ptr, out_ptr, start, count, H, max_tokens, world_
     """out[t] = sum over ranks d with bit d of mask[t]: comb[d * max_tokens + t], for t in [start, start + count).
 
     comb: [EP * T_max, H] bf16 (this rank's combine buffer); mask: [T] int32 bit per destination rank; out: [T, H].
-    A token with no expert gets a zero row.
+    A token with no expert gets a zero row. One row per task (BLOCK_ROWS 1, a decode call's): every rank's row is
+    loaded and the unsent ones zeroed afterwards, so that the loads do not wait for the mask's (one round trip);
+    with more rows the loads stay masked (the rows not sent are not read).
     """
     offs_r = tl.arange(0, BLOCK_ROWS)
     mask_r = offs_r < count
@@ -277,9 +279,10 @@ def reduce_rows(comb_ptr, mask_ptr, out_ptr, start, count, H, max_tokens, world_
         # rank d + 1's rows are loaded before rank d's are added, so that two loads are in flight, not one at a time
         # (an add waits for its data, and the ranks' loop has a runtime trip count: nothing unrolls it); the sum's
         # order is unchanged
-        values = _comb_rows(comb_ptr, bits, 0, max_tokens, token, mask_r, offs_h, mask_h, H)
+        values = _comb_rows(comb_ptr, bits, 0, max_tokens, token, mask_r, offs_h, mask_h, H, BLOCK_ROWS == 1)
         for d in range(1, world_size):
-            next_values = _comb_rows(comb_ptr, bits, d, max_tokens, token, mask_r, offs_h, mask_h, H)
+            next_values = _comb_rows(comb_ptr, bits, d, max_tokens, token, mask_r, offs_h, mask_h, H,
+                                     BLOCK_ROWS == 1)
             acc += values.to(tl.float32)
             values = next_values
         acc += values.to(tl.float32)
@@ -288,10 +291,15 @@ def reduce_rows(comb_ptr, mask_ptr, out_ptr, start, count, H, max_tokens, world_
 
 
 @triton.jit
-def _comb_rows(comb_ptr, bits, d, max_tokens, token, mask_r, offs_h, mask_h, H):
-    """reduce_rows' rows of rank d for `token` (zeros where bit d of `bits` is clear)."""
+def _comb_rows(comb_ptr, bits, d, max_tokens, token, mask_r, offs_h, mask_h, H, READ_ALL: tl.constexpr):
+    """reduce_rows' rows of rank d for `token` (zeros where bit d of `bits` is clear). READ_ALL: loaded whatever the
+    bit, then zeroed where it is clear (the load does not wait for `bits`)."""
     sent = ((bits >> d) & 1) != 0
     row = (d * max_tokens + token).to(tl.int64)
+    if READ_ALL:
+        values = tl.load(comb_ptr + row[:, None] * H + offs_h[None, :], mask=mask_r[:, None] & mask_h[None, :],
+                         other=0.0)
+        return tl.where(sent[:, None], values, 0.0)
     return tl.load(comb_ptr + row[:, None] * H + offs_h[None, :], mask=(sent & mask_r)[:, None] & mask_h[None, :],
                    other=0.0)
 
