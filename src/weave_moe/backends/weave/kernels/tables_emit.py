@@ -66,19 +66,20 @@ def _emit_received(s, t, ids, mine, hit, c, q_in_block, local, w, pair_base_ptr,
     jj = tl.arange(0, KP)
     expert = tl.where(mine, ids - rank * L, 0)
     block = t // BT
+    # every load of what the bases kernel wrote first, then the stores (a store waits for its data, and a load
+    # behind it in issue order would wait too)
     # q: the pair's rank among its block's pairs of its expert + the pairs of that expert in earlier blocks
     q = q_in_block + tl.load(pair_block_base_ptr + (s * NB + block)[:, None] * L + expert, mask=mine, other=0)
     base = tl.load(pair_base_ptr + (s * L + expert) * MC + c[:, None], mask=mine, other=0)
+    slot = local + tl.load(recv_block_base_ptr + s * NB + block, mask=hit, other=0)
+    row = tl.load(recv_base_ptr + s * MC + tl.minimum(c, MC - 1), mask=hit, other=0) + slot
     pos = tl.where(mine, base + q, -1)
     # a token that repeats one expert more than E_local times (only possible when k > E_local) can exceed the
     # static bound of pairs; those pairs are dropped (the torch tables drop them too, others), never written
     # past the buffers
     pos = tl.where(pos < max_pairs, pos, -1)
     mine = mine & (pos >= 0)
-    slot = local + tl.load(recv_block_base_ptr + s * NB + block, mask=hit, other=0)
     tl.store(gather_ptr + pos, (s * T + slot)[:, None] + 0 * pos, mask=mine)
-    cc = tl.minimum(c, MC - 1)
-    row = tl.load(recv_base_ptr + s * MC + cc, mask=hit, other=0) + slot
     tl.store(combine_token_ptr + row, t, mask=hit)
     tl.store(combine_pos_ptr + row.to(tl.int64)[:, None] * K + jj[None, :], pos,
              mask=hit[:, None] & (jj[None, :] < K))
