@@ -24,14 +24,29 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
            rank, P, L, n0, n1, block_m, dispatch_rows, combine_rows, reduce_rows,
            MC: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_PMC: tl.constexpr,
            CLEAR_COUNTS: tl.constexpr):
-    # -- pairs: groups (chunk, expert, source) in that order; pair_base[s, e, c] = base of the group minus the pairs
-    #    of (s, e) in earlier chunks, so a pair's position is pair_base + its running count q. All [MC, L, P].
+    # every load first: what the scan counted and T, in one round (issued after the stores of the pairs' bases,
+    # each later load waited behind their data: four dependent round trips in a row)
     c3 = tl.arange(0, MC)[:, None, None]
     e3 = tl.arange(0, BLOCK_L)[None, :, None]
     s3 = tl.arange(0, BLOCK_P)[None, None, :]
     ok3 = (e3 < L) & (s3 < P) & (c3 < MC)
     at = (s3 * L + e3) * MC + c3
     n = tl.load(pair_counts_ptr + at, mask=ok3, other=0)
+    f = tl.arange(0, BLOCK_PMC)
+    fc = f // BLOCK_P
+    fs = f % BLOCK_P
+    fok = (fc < MC) & (fs < P)
+    arrivals = tl.load(arrival_ptr + fs * MC + fc, mask=fok, other=0)        # order (chunk, source)
+    gd = f // MC
+    gc = f % MC
+    gok = gd < P
+    keys = tl.load(key_counts_ptr + gd * MC + gc, mask=gok, other=0)                     # order (dest, chunk)
+    pp = tl.arange(0, BLOCK_P)
+    mc = tl.arange(0, MC)
+    sent = tl.sum(tl.load(key_counts_ptr + pp[:, None] * MC + mc[None, :], mask=(pp < P)[:, None], other=0), axis=1)
+    my_tokens = tl.load(tokens_ptr + rank * tokens_stride)
+    # -- pairs: groups (chunk, expert, source) in that order; pair_base[s, e, c] = base of the group minus the pairs
+    #    of (s, e) in earlier chunks, so a pair's position is pair_base + its running count q. All [MC, L, P].
     rows = tl.sum(n, axis=2)                                                   # [MC, L] rows of segment (c, e)
     chunk_rows = tl.sum(rows, axis=1)                                          # [MC]
     base = (_exclusive(chunk_rows)[:, None, None] + _exclusive(rows, 1)[:, :, None] + _exclusive(n, 2))
@@ -47,7 +62,6 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
     tl.store(seg_rows_ptr + MC * L + c2 * L + e2, _exclusive(chunk_rows)[:, None] + _exclusive(rows, 1), mask=ok2)
     tl.store(seg_mtiles_end_ptr + c2 * L + e2, (tl.cumsum(chunk_tiles, 0) - chunk_tiles)[:, None]
              + tl.cumsum(tiles, axis=1), mask=ok2)
-    mc = tl.arange(0, MC)
     tl.store(chunk_mtiles_ptr + mc, chunk_tiles)
     tl.store(gemm1_expected_ptr + mc, chunk_tiles * n1)
     num_mtiles = tl.sum(chunk_tiles, axis=0)
@@ -66,11 +80,6 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
     before_g = tl.sum(tl.where(g_rank[None, :] < g_rank[:, None], g_size[None, :], 0), axis=1)
     tl.store(group_base_ptr + g, before_g)
     # -- received tokens: groups (chunk, source); recv_base[s, c] = base of the group minus s's rows in earlier chunks
-    f = tl.arange(0, BLOCK_PMC)
-    fc = f // BLOCK_P
-    fs = f % BLOCK_P
-    fok = (fc < MC) & (fs < P)
-    arrivals = tl.load(arrival_ptr + fs * MC + fc, mask=fok, other=0)        # order (chunk, source)
     group_begin = _exclusive(arrivals)
     earlier_s = tl.sum(tl.where((fs[None, :] == fs[:, None]) & (fc[None, :] < fc[:, None]), arrivals[None, :], 0),
                        axis=1)
@@ -84,20 +93,14 @@ def _bases(pair_counts_ptr, arrival_ptr, key_counts_ptr, tokens_ptr, tokens_stri
     tl.store(combine_seg_ptr + 2 * BLOCK_PMC + f, arrivals)
     num_combine = tl.sum(blocks, axis=0)
     # -- rows this rank sends: groups (destination, chunk)
-    gd = f // MC
-    gc = f % MC
-    gok = gd < P
-    keys = tl.load(key_counts_ptr + gd * MC + gc, mask=gok, other=0)                     # order (dest, chunk)
     dblocks = (keys + dispatch_rows - 1) // dispatch_rows
     tl.store(dispatch_seg_ptr + f, tl.cumsum(dblocks, axis=0))
     tl.store(dispatch_seg_ptr + BLOCK_PMC + f, _exclusive(keys))
     tl.store(dispatch_seg_ptr + 2 * BLOCK_PMC + f, keys)
     num_dispatch = tl.sum(dblocks, axis=0)
-    pp = tl.arange(0, BLOCK_P)
-    sent = tl.sum(tl.load(key_counts_ptr + pp[:, None] * MC + mc[None, :], mask=(pp < P)[:, None], other=0), axis=1)
     tl.store(send_base_ptr + pp, _exclusive(sent), mask=pp < P)
     tl.store(combine_expected_ptr + pp, sent, mask=pp < P)
-    num_reduce = (tl.load(tokens_ptr + rank * tokens_stride) + reduce_rows - 1) // reduce_rows
+    num_reduce = (my_tokens + reduce_rows - 1) // reduce_rows
     tl.store(meta_ptr + 0, num_dispatch)
     tl.store(meta_ptr + 1, num_mtiles * (n0 + n1))
     tl.store(meta_ptr + 2, num_combine)
