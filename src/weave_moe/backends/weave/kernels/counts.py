@@ -99,14 +99,15 @@ def _count_block(messages_ptr, item, blocks_per_rank, words, max_tokens, num_exp
 
 
 @triton.jit
-def _verdict(messages_ptr, status_ptr, headers, status, bad, rank, words, header_word, world_size,
+def _verdict(status_ptr, headers, status, bad, rank, world_size,
              HEADER_WORDS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_STATUS: tl.constexpr):
     """`CountsFormat.verdict`: the rejection of the lowest rank at fault (a failed rank, else one at another call,
-    else one that sent bad ids) into the status word, unless it already holds an error."""
+    else one that sent bad ids) into the status word, unless it already holds an error. `headers` [BLOCK_P,
+    BLOCK_H]: every rank's header (this rank's among them: picked out in registers, not loaded again)."""
     pp = tl.arange(0, BLOCK_P)
     hh = tl.arange(0, BLOCK_H)
     ww = tl.arange(0, BLOCK_STATUS)
-    mine = tl.load(messages_ptr + rank.to(tl.int64) * words + header_word + hh, mask=hh < HEADER_WORDS, other=0)
+    mine = tl.sum(tl.where((pp == rank)[:, None] & (hh < HEADER_WORDS)[None, :], headers, 0), axis=0)
     code_word = tl.sum(tl.where(hh[None, :] == _CODE_WORD, headers, 0), axis=1)                   # [BLOCK_P]
     call_word = tl.sum(tl.where(hh[None, :] == _CALL_WORD, headers, 0), axis=1)
     differs = (hh[None, :] < _CODE_WORD) & (headers != mine[None, :])
@@ -199,8 +200,8 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
         tl.store(counts_ptr + headers_offset + pp[:, None] * HEADER_WORDS + hh[None, :], headers, mask=headers_ok)
         tl.store(counts_ptr + status_offset + ww, status, mask=ww < status_words)
         if VERDICT:
-            _verdict(messages_ptr, status_ptr, headers, status, bad, rank, words, header_word, world_size,
-                     HEADER_WORDS, BLOCK_P, BLOCK_H, BLOCK_STATUS)
+            _verdict(status_ptr, headers, status, bad, rank, world_size, HEADER_WORDS, BLOCK_P, BLOCK_H,
+                     BLOCK_STATUS)
         if PLAN:
             tl.debug_barrier()   # the counts vector this program's threads stored, visible to all of them
             for d in range(0, world_size):
