@@ -10,11 +10,13 @@ of source i's message. Protocol, per launch:
 
 1. Sequence number. Every program reads seq = ctrl[SEQ] + 1 with an atomic (the same in every thread). Every rank
    makes the same launches in the same order, so seq is the same on every rank for the same call. parity = seq % 2.
-2. Counter advance, exactly once per launch. Right after reading seq, every program counts itself on ctrl[DONE]
+2. Counter advance, exactly once per launch. At its end (after its send and receive, so that the atomic round trip
+   and the CTA barrier of the count are not ahead of the send), every program counts itself on ctrl[DONE]
    (`sync.arrive`: acq_rel). The program that sees the last count (EP * P - 1) resets ctrl[DONE] to 0 and stores seq
    into ctrl[SEQ]. Race-free: each program's read of ctrl[SEQ] comes before its release on ctrl[DONE], and the last
    program's acquire of ctrl[DONE] saw every one of them, so no program of this launch can read the new value; the
-   next launch is stream-ordered after this one and reads it. (ctrl[DONE] is back at 0 for the next launch.)
+   next launch is stream-ordered after this one and reads it. (ctrl[DONE] is back at 0 for the next launch.) Every
+   program gets there, a receive that timed out included.
 3. Send. Program (d, part) copies its share of the USED words of this rank's message (ids and weights of the first
    T * k entries, T read from the message's T word, and the tail: T and the header) into destination d's slot
    routing[parity][this rank], at the same word positions as in the message. Then it counts itself on the local
@@ -127,13 +129,6 @@ def routing_exchange_kernel(send_ptr, all_routing_ptr, peer_base_ptr, ctrl_ptr, 
     # 1. this launch's sequence number and parity
     seq = tl.atomic_add(ctrl_ptr + CTRL_SEQ, 0, sem="relaxed", scope="gpu") + 1
     parity = seq % 2
-    # 2. the counter advances once per launch (the send-only stage leaves it to the receive stage)
-    if STAGE != STAGE_SEND:
-        done = sync.arrive(ctrl_ptr + CTRL_DONE, False)
-        if done == tl.num_programs(0) * num_parts - 1:
-            tl.atomic_xchg(ctrl_ptr + CTRL_DONE, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(ctrl_ptr + CTRL_SEQ, seq, sem="relaxed", scope="gpu")
-
     # 3. send this rank's used words to routing[parity][rank] of destination `peer`
     if STAGE != STAGE_RECV:
         n = _used_ids(tl.load(send_ptr + 2 * id_words), id_words, top_k)
@@ -164,6 +159,13 @@ def routing_exchange_kernel(send_ptr, all_routing_ptr, peer_base_ptr, ctrl_ptr, 
                 mask = w < words
                 value = tl.load(src + w, mask=mask & used, other=0)  # padding weights: 0.0
                 tl.store(out + w, tl.where(is_id & ~used, -1, value), mask=mask)  # padding ids: -1
+
+    # 2. the counter advances once per launch, at its end (the send-only stage leaves it to the receive stage)
+    if STAGE != STAGE_SEND:
+        done = sync.arrive(ctrl_ptr + CTRL_DONE, False)
+        if done == tl.num_programs(0) * num_parts - 1:
+            tl.atomic_xchg(ctrl_ptr + CTRL_DONE, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(ctrl_ptr + CTRL_SEQ, seq, sem="relaxed", scope="gpu")
 
 
 def default_parts(world_size: int, words: int, block: int = DEFAULT_BLOCK) -> int:
