@@ -296,10 +296,10 @@ def wait_all_at_least(flag_ptr, expected_ptr, n, status_ptr, error_code, tag_bas
     dispatch launch's final wait over every chunk's arrival counter was eight dependent sys-scope polls). The first
     poll reads all n flags, issued beside the load of the expected values rather than after it (a poll predicated
     on them would wait for that load: one round trip more when the flags are set already); later polls read only
-    the flags expecting more than 0. Whether to stay in the loop is a CTA-wide sum, the same in every thread. On a timeout the status word names flag
-    `tag_base + i` of the first unmet i, or with GROUP (flags in groups of GROUP <= 16, e.g. a source's chunks)
-    `tag_base + (i // GROUP) * 16 + i % GROUP`, the tag `wait_at_least`'s callers give such a flag. Returns 1 on
-    success, 0 on timeout or when another wait already failed.
+    the flags expecting more than 0. Whether to stay in the loop is a CTA-wide sum, the same in every thread. On a
+    timeout the status word names flag `tag_base + i` of the first unmet i, or with GROUP (flags in groups of
+    GROUP <= 16, e.g. a source's chunks) `tag_base + (i // GROUP) * 16 + i % GROUP`, the tag `wait_at_least`'s
+    callers give such a flag. Returns 1 on success, 0 on timeout or when another wait already failed.
     """
     offs = tl.arange(0, BLOCK)
     expected = tl.load(expected_ptr + offs, mask=offs < n, other=0)
