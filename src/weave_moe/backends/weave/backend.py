@@ -944,9 +944,9 @@ class WeaveBackend:
 
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`) and every grouped-GEMM config it may
-        pick, for these arguments' specialisation, and wait for the warm-up launches to end. Called by
-        `_compile_before_call` before a call enqueues anything, so what the warm-ups write (the layer's tile tables,
-        filled with no tile) is rewritten by the call before it is read."""
+        pick, for these arguments' specialisation. Called by `_compile_before_call` before a call enqueues anything,
+        so what the warm-ups write (the layer's tile tables, filled with no tile) is rewritten by the call before it
+        is read; its `_line_up` right after waits for the warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
@@ -972,7 +972,6 @@ class WeaveBackend:
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
-        torch.cuda.synchronize(self.device)
         self.compiled |= self.kernel_variants
 
     def _line_up(self, what: str) -> None:
