@@ -67,6 +67,27 @@ def _step_pairs(row, tt, j, n_tok, rank, L, K: tl.constexpr):
 
 
 @triton.jit
+def _rank_pairs(row, first, last, n_tok, rank, L, K_rank, q_ptr, pair_counts_ptr, s, T, K: tl.constexpr,
+                KP: tl.constexpr, MC: tl.constexpr, SUB: tl.constexpr, BLOCK_L: tl.constexpr, late: tl.constexpr):
+    """Tokens [first, last) of source s in steps of SUB: each pair's rank among the earlier pairs of its local expert
+    (q: a pairwise compare within the step + the running count of the steps before); returns the pairs per local
+    expert. Unless `late`, the pairs per (expert, chunk) too (`K_rank` is then loaded)."""
+    ii = tl.arange(0, SUB * KP)
+    running = tl.zeros([BLOCK_L], dtype=tl.int32)
+    for start in range(first, last, SUB):
+        tt = start + ii // KP
+        j = ii % KP
+        expert, pair_mine = _step_pairs(row, tt, j, n_tok, rank, L, K)
+        same = (expert[None, :] == expert[:, None]) & pair_mine[None, :] & (ii[None, :] < ii[:, None])
+        q = tl.sum(same.to(tl.int32), axis=1) + tl.gather(running, expert, 0)
+        tl.store(q_ptr + (s * T + tt).to(tl.int64) * K + j, q, mask=pair_mine)
+        running += tl.histogram(expert, BLOCK_L, mask=pair_mine)
+        if not late:
+            _pair_chunk_counts(expert, pair_mine, tt, start, n_tok, K_rank, pair_counts_ptr, s, L, MC, SUB, BLOCK_L)
+    return running
+
+
+@triton.jit
 def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q_ptr, pair_hist_ptr,
                    pair_counts_ptr, recv_local_ptr, recv_hist_ptr, arrival_ptr, s, b, rank, T, L, NB,
                    K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BT: tl.constexpr, SUB: tl.constexpr,
@@ -80,7 +101,9 @@ def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q
     # writes it) and the ids, read up to T_max and cut at T_s afterwards (not a load that waits for T_s)
     n_tok = tl.load(tokens_ptr + s * tokens_stride)
     late: tl.constexpr = WAIT == WAIT_BEFORE_CHUNKS
-    if not late:
+    if late:
+        K_rank = 0   # loaded after the wait
+    else:
         K_rank = tl.load(chunks_ptr + rank * 4)
     first = b * BT
     t = first + tl.arange(0, BT)
@@ -94,26 +117,26 @@ def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q
     tl.store(recv_hist_ptr + s * NB + b, tl.sum(hit, axis=0))
     if not late:
         _arrivals(t, hit, K_rank, n_tok, arrival_ptr, s, MC)
-    # pairs, SUB tokens at a time: rank among the step's earlier pairs of the same expert + the block's running count
+    # pairs, SUB tokens at a time: rank among the step's earlier pairs of the same expert + the block's running count;
+    # a block of at most SHORT tokens (decode) in one step of SHORT: its pairwise compare is (SUB / SHORT)^2 times
+    # smaller, and it was most of the scan's time at one token (sm_90 SASS of a [128 x 128] compare: ~1300 of the
+    # kernel's ~2300 instructions)
+    SHORT: tl.constexpr = max(SUB // 4, 1)
     le = tl.arange(0, BLOCK_L)
-    ii = tl.arange(0, SUB * KP)
-    running = tl.zeros([BLOCK_L], dtype=tl.int32)
-    for start in range(first, tl.minimum(first + BT, n_tok), SUB):
-        tt = start + ii // KP
-        j = ii % KP
-        expert, pair_mine = _step_pairs(row, tt, j, n_tok, rank, L, K)
-        same = (expert[None, :] == expert[:, None]) & pair_mine[None, :] & (ii[None, :] < ii[:, None])
-        q = tl.sum(same.to(tl.int32), axis=1) + tl.gather(running, expert, 0)
-        tl.store(q_ptr + (s * T + tt).to(tl.int64) * K + j, q, mask=pair_mine)
-        running += tl.histogram(expert, BLOCK_L, mask=pair_mine)
-        if not late:
-            _pair_chunk_counts(expert, pair_mine, tt, start, n_tok, K_rank, pair_counts_ptr, s, L, MC, SUB, BLOCK_L)
+    last = tl.minimum(first + BT, n_tok)
+    if last - first <= SHORT:
+        running = _rank_pairs(row, first, last, n_tok, rank, L, K_rank, q_ptr, pair_counts_ptr, s, T,
+                              K, KP, MC, SHORT, BLOCK_L, late)
+    else:
+        running = _rank_pairs(row, first, last, n_tok, rank, L, K_rank, q_ptr, pair_counts_ptr, s, T,
+                              K, KP, MC, SUB, BLOCK_L, late)
     tl.store(pair_hist_ptr + (s * NB + b) * L + le, running, mask=le < L)
     if late:
         _wait_for_chunks(WAIT)
         K_rank = tl.load(chunks_ptr + rank * 4)
         _arrivals(t, hit, K_rank, n_tok, arrival_ptr, s, MC)
-        for start in range(first, tl.minimum(first + BT, n_tok), SUB):
+        ii = tl.arange(0, SUB * KP)
+        for start in range(first, last, SUB):
             tt = start + ii // KP
             expert, pair_mine = _step_pairs(row, tt, ii % KP, n_tok, rank, L, K)
             _pair_chunk_counts(expert, pair_mine, tt, start, n_tok, K_rank, pair_counts_ptr, s, L, MC, SUB, BLOCK_L)
