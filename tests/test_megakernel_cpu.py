@@ -434,7 +434,7 @@ def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, 
     spills at all in the GEMM path (the one-launch kernels).
     The launches without GEMM move rows with 16-byte vector accesses, not one access per bf16 element: x and out
     through their addresses in `io` and the peers' regions through `peer_base` are declared aligned
-    (megakernel.ROW_ALIGNMENT), which the compiler cannot infer from an address loaded from memory."""
+    (peers.ROW_ALIGNMENT), which the compiler cannot infer from an address loaded from memory."""
     compiled = _as_launched(stage_key, interleaved, resident, H)
     resources, ptx = _cubin_resources(compiled), compiled.asm["ptx"]
     assert ".local" not in ptx, name
@@ -612,8 +612,51 @@ def test_megakernel_across_processes(monkeypatch, tokens, E, k, H, I, K, staged,
         assert not result["unwritten"] and result["error"] < 2e-2, (rank, result)
 
 
+def _call_inputs(call: int, rank: int, T: int, E: int, k: int, H: int) -> tuple:
+    """(ids, weights, x) of `rank` in call `call` of `_resident_worker`: every rank can make any rank's."""
+    import torch
+
+    cg = torch.Generator().manual_seed(100 * call + rank)
+    ids = torch.stack([torch.randperm(E, generator=cg)[:k] for _ in range(T)]).int() if T else \
+        torch.zeros(0, k, dtype=torch.int32)
+    weights = torch.rand(T, k, generator=cg)
+    x = torch.randn(T, H, generator=cg).bfloat16()
+    return ids, weights, x
+
+
+def _check_dispatched(ws, all_ids, all_tokens, plans, rank: int, E: int, call: int, H: int) -> None:
+    """The receive rows and arrival counters after `EarlyDispatch`, bitwise against the torch tables
+    (`layout.build_layout`): every row owed to this rank is its source's x row at its slot, and each (source, chunk)
+    counter holds the rows owed from it."""
+    import torch
+
+    from weave_moe.backends.weave.exchange import hit_matrix
+    from weave_moe.backends.weave.layout import build_layout
+    from weave_moe.plan import MAX_CHUNKS
+
+    world_size, max_tokens, k = all_ids.shape
+    ref = build_layout(all_ids, torch.zeros(all_ids.shape), all_tokens, plans[:, 1], rank, E, hidden_size=H,
+                       intermediate_size=16, block_m=16, block_n0=16, block_n1=16, dispatch_rows=1, combine_rows=1,
+                       reduce_rows=1)
+    assert torch.equal(ws.flags(0)[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS), ref.arrival_expected), \
+        (rank, ws.flags(0).tolist(), ref.arrival_expected.tolist())
+    hit = hit_matrix(all_ids, E // world_size)          # [EP, T_max, EP]: token t of source s goes to rank d
+    recv = ws.recv()
+    for source in range(world_size):
+        T = int(all_tokens[source])
+        _, _, x = _call_inputs(call, source, T, E, k, H)
+        slot = 0
+        for t in range(T):
+            if hit[source, t, rank]:
+                row = recv[source * max_tokens + slot]
+                assert torch.equal(row.view(torch.int16), x[t].view(torch.int16)), (rank, source, t, slot)
+                slot += 1
+        assert recv[source * max_tokens + slot:(source + 1) * max_tokens].isnan().all(), (rank, source, slot)
+
+
 def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None,
-                     slots: bool = False, decode: bool = False, plan_in_counts: bool = False) -> list:
+                     slots: bool = False, decode: bool = False, plan_in_counts: bool = False,
+                     early_dispatch: bool = False) -> list:
     """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph.
     `slots`: the pack as an eager call makes it (CallSlots: the arguments through a ring of two slots, which the
@@ -622,7 +665,9 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     backend builds them (`_resident_tables`), read by the one-launch kernel of 4-row blocks. `plan_in_counts`: the
     plan is not the layer's but written by the counts launch (KernelConfig.fused_planner, with a device planner of
     the serial policy on a profile of `grid` SMs), read by the tables after their early scan (`early_scan`) and by
-    the kernel."""
+    the kernel. `early_dispatch`: the rows dispatched by `EarlyDispatch` right after the counts (receive rows and
+    arrival counters checked bitwise against the torch tables: every row owed here, each at its slot, in a receive
+    region poisoned before the call), and the kernel from its GEMM phase on (PHASE_FIRST 1)."""
     import dataclasses
 
     import torch
@@ -669,6 +714,8 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     plans = torch.tensor([[grid, 1, 0, 0]] * world_size, dtype=torch.int32)   # serial, K = 1 (a fixed policy)
     if plan_in_counts:
         plans.fill_(-7)   # written by every call's counts launch before the tables and the kernel read it
+    if early_dispatch:   # chunk counts of 2-4, another per rank: each row's flag is its destination's chunk of it
+        plans[:, 1] = torch.arange(world_size) % 3 + 2
     h = torch.empty(world_size * max_tokens * k, I).bfloat16()
     y = torch.empty(world_size * max_tokens * k, H).bfloat16()
     constants = MegakernelConstants(
@@ -680,6 +727,9 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
                                 block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
     ctrl = torch.zeros(16 + probe.num_mtiles_bound, dtype=torch.int32)
     ring = CallSlots(message, torch.device("cpu"), num_slots=2)
+    if early_dispatch:
+        from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch
+        early = EarlyDispatch(world_size, E, k, H, max_tokens, max_call_tokens=max_tokens, num_programs=grid)
     rows = 1 if decode else 4
     counters = torch.zeros(counter_words(world_size, E), dtype=torch.int32) if decode else None
     # one set of tables rewritten by every call, as the backend keeps them (tables.TableBuffers)
@@ -696,14 +746,12 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
         # the waits of a call with a stalled peer end after 2 * 10^4 polls (the interpreter counts 100 ns a poll)
         timeout_ns = 2 * 10**6 if stalled_call else 120 * 10**9
         T = tokens[rank]
-        cg = torch.Generator().manual_seed(100 * call + rank)
-        ids = torch.stack([torch.randperm(E, generator=cg)[:k] for _ in range(T)]).int() if T else \
-            torch.zeros(0, k, dtype=torch.int32)
-        weights = torch.rand(T, k, generator=cg)
-        x = torch.randn(T, H, generator=cg).bfloat16()
+        ids, weights, x = _call_inputs(call, rank, T, E, k, H)
         if rank == bad_rank and T:
             ids[0, 0] = E + 3   # an id out of range: every rank's verdict refuses the call
         out = torch.full((max(T, 1), H), float("nan")).bfloat16()
+        if early_dispatch:   # no peer writes this call's rows before this rank's routing message leaves (the pack)
+            ws.recv().fill_(float("nan"))
         if slots:
             ring.write(x if T else out, out, ids, weights, 0, wait=None)
             ring.launch(send, header, io, status, ctrl, ws.flags(0), E)
@@ -716,6 +764,13 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
         if plan_in_counts:
             assert plans[:, :3].tolist() == [[grid, 1, 0]] * world_size, plans.tolist()
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
+        if early_dispatch:
+            early.launch(all_ids, all_tokens, plans[:, 1], io, ws, status[:sync.STATUS_WORDS], rank,
+                         min(timeout_ns, 10 ** 9))
+            if bad_rank is None:
+                _check_dispatched(ws, all_ids, all_tokens, plans, rank, E, call, H)
+            else:   # refused: nothing sent, nothing waited for
+                assert not ws.flags(0)[:world_size * MAX_CHUNKS].any() and ws.recv().isnan().all(), rank
         layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
                                      intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows,
                                      combine_rows=rows, reduce_rows=rows, counters=counters, buffers=buffers,
@@ -728,8 +783,8 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
             tokens_ptr=send[2 * message.id_words:2 * message.id_words + 1],
             timeline_ptr=torch.zeros(1, dtype=torch.int64), **_workspace_args(ws, 0), **_table_args(layout),
             rank=rank, world_size=world_size, max_tokens=max_tokens,
-            num_tokens=0, H=H, I=I, num_comm_ctas=1, num_steal=0, timeout_ns=min(timeout_ns, 10 ** 9), PHASE_FIRST=0,
-            PHASE_LAST=3)
+            num_tokens=0, H=H, I=I, num_comm_ctas=1, num_steal=0, timeout_ns=min(timeout_ns, 10 ** 9),
+            PHASE_FIRST=1 if early_dispatch else 0, PHASE_LAST=3)
         launch(grid, args, dataclasses.replace(constants, STAGE=-1), NO_DESCRIPTORS, num_warps=8, num_stages=3)
         error = None
         if T and bad_rank is None:
@@ -740,14 +795,17 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     return results
 
 
-@pytest.mark.parametrize("calls, slots, decode, plan_in_counts", [
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], False, False, False),
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False, False),
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, True, False),
-    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False, True),
-    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False, False, False)],
-    ids=["ep2", "ep2-slots", "ep2-slots-decode", "ep2-plan-in-counts", "ep4"])
-def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, decode, plan_in_counts):
+@pytest.mark.parametrize("calls, slots, decode, plan_in_counts, early_dispatch", [
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], False, False, False, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False, False, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, True, False, False),
+    ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False, True, False),
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False, False, False, False),
+    ([([1, 1], None), ([4, 11], None), ([7, 5], 1), ([0, 9], None), ([12, 1], None)], True, True, False, True),
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([1, 1, 1, 1], None)], False, True, False, True)],
+    ids=["ep2", "ep2-slots", "ep2-slots-decode", "ep2-plan-in-counts", "ep4", "ep2-early-dispatch",
+         "ep4-early-dispatch"])
+def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, decode, plan_in_counts, early_dispatch):
     """The device-resident call's launches at EP 2 and 4 between real processes (ipc transport on the CPU, kernels
     under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call
     number), routing exchange, counts + verdict, task tables, the one-launch kernel reading its plan, T, x and out
@@ -757,13 +815,15 @@ def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, deco
     once with the pack of a captured call (arguments in the launch) and once with an eager call's (CallSlots), and
     with the eager pack once more on a decode call's tables (one-row tasks in the layer's persistent counters, which
     must be zero again after every call, the refused one included); and once with the plan written by each call's
-    counts launch (KernelConfig.fused_planner, a serial device plan) and the tables' early scan."""
+    counts launch (KernelConfig.fused_planner, a serial device plan) and the tables' early scan; and with the rows
+    dispatched right after the counts (KernelConfig.early_dispatch, `EarlyDispatch`) at EP 2 and 4, checked bitwise,
+    with 2-4 chunks per rank, the kernel starting at its GEMM phase (a call of one token per rank, of none, and one over a 12-row T_max)."""
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     world_size = len(calls[0][0])
-    results = run_distributed(_resident_worker, world_size, calls, None, slots, decode, plan_in_counts,
+    results = run_distributed(_resident_worker, world_size, calls, None, slots, decode, plan_in_counts, early_dispatch,
                               backend="gloo", timeout_s=600, env=dict(TRITON_INTERPRET="1"), shared_device=True)
     refused = [index for index, (_, bad_rank) in enumerate(calls) if bad_rank is not None]
     for rank in range(world_size):

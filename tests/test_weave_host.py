@@ -660,7 +660,7 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     assert backend.slots.written == 1 and built == [True] and backend.message.packs == 0 and events == ["record"]
     assert backend.slots.slots_numpy[0].tolist() == [x.data_ptr(), out.data_ptr(), ids.data_ptr(), w.data_ptr(),
                                                      3, 0, 0, 6]
-    # x and out that start off the kernel's 16-byte alignment (megakernel.ROW_ALIGNMENT): the slot gets a copy of x
+    # x and out that start off the kernel's 16-byte alignment (peers.ROW_ALIGNMENT): the slot gets a copy of x
     # and the backend's own out, which it returns (the layer copies it into the caller's)
     odd_x = torch.cat([x.flatten(), x.flatten()[:1]])[1:].view(3, 32)
     odd_out = torch.empty(3 * 32 + 1, dtype=torch.bfloat16)[1:].view(3, 32)
@@ -875,11 +875,11 @@ def test_decode_calls_only_where_the_layer_has_decode_compiles(monkeypatch, deco
 
 
 def test_x_and_out_reach_the_kernel_aligned_for_its_vector_copies():
-    """The megakernel reads x and writes out with 16-byte vector accesses (megakernel.ROW_ALIGNMENT): a contiguous view
+    """The megakernel reads x and writes out with 16-byte vector accesses (peers.ROW_ALIGNMENT): a contiguous view
     that starts off that alignment is copied (x) or replaced by the backend's own tensor (out, which the layer then
     copies into); aligned tensors pass through untouched."""
     from weave_moe.backends.weave.backend import _aligned_io
-    from weave_moe.backends.weave.kernels.megakernel import ROW_ALIGNMENT
+    from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 
     storage = torch.randn(4 * 64 + 8, dtype=torch.float32).to(torch.bfloat16)
     x = storage[:4 * 64].view(4, 64)

@@ -31,8 +31,8 @@ from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCou
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
-from weave_moe.backends.weave.kernels.megakernel import (CTRL_SIZE_FIXED, EVENT_NAMES, ROW_ALIGNMENT,
-                                                        STAGE_COMBINE_REDUCE)
+from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES, STAGE_COMBINE_REDUCE
+from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.backends.weave.kernels.prefetch import WeightPrefetch
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
@@ -85,7 +85,7 @@ def stage_constants(constants: mk_launch.MegakernelConstants, hidden_size: int) 
 
 
 def _aligned_io(x: torch.Tensor, out: torch.Tensor | None) -> tuple:
-    """(x, out) as the kernels may address them (megakernel.ROW_ALIGNMENT): an x whose start is not aligned (a
+    """(x, out) as the kernels may address them (peers.ROW_ALIGNMENT): an x whose start is not aligned (a
     contiguous view at an odd offset) is copied; such an out is replaced by None, a tensor of the backend's own,
     which the layer copies into the caller's out. Every tensor torch allocates is aligned, so a call normally keeps
     both (two address checks). Without this, the resident call's kernel would fault on such a tensor, and the

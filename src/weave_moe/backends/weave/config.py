@@ -160,7 +160,7 @@ class KernelConfig:
             faster than two MMAs (`wide_gemm0`); the grouped GEMMs' two-MMA form is unmeasured.
         vector_rows: the row copies of the megakernel (dispatch, combine, reduce) read x and write out and the peers'
             regions with 16-byte vector accesses (their addresses, read from device memory, declared aligned:
-            kernels/megakernel.py, ROW_ALIGNMENT), and the dispatch launch of the serial stages issues a step's loads
+            kernels/peers.py, ROW_ALIGNMENT), and the dispatch launch of the serial stages issues a step's loads
             before the previous step's stores (tiles.dispatch_rows PIPELINED). Off: one access per bf16 element and
             steps in series, as before 2323dbc; for A/B (`scripts/device_run.sh vector-rows`), unmeasured on a GPU.
     """

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weave_moe.backends.weave.kernels.megakernel import ROW_ALIGNMENT
+from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.models import BYTES_PER_ELEMENT
 from weave_moe.plan.workload import MAX_CHUNKS
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync, tiles
+from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
 
 # Control block (int32, local, zeroed every call): claim counters, then per-chunk GEMM1 counters, then per-M-tile
 # GEMM0 counters.
@@ -45,10 +46,7 @@ CTRL_GEMM0_DONE = tl.constexpr(16)   # [num M tiles]
 # STAGE of the launch that runs the combine and reduce phases (2, 3) together (module docstring)
 STAGE_COMBINE_REDUCE = tl.constexpr(4)
 CTRL_SIZE_FIXED = 16
-# Byte alignment of x and out (a resident call's, read from `io_ptr`) and of the start of every region of the
-# symmetric buffers: the row copies read and write them with 16-byte vector accesses (`_io_ptr`, `_peer_ptr`). The
-# backend passes only such x and out; the workspace checks the buffers' bases, and aligns its regions' offsets.
-ROW_ALIGNMENT = tl.constexpr(16)
+# ROW_ALIGNMENT (kernels/peers.py): the byte alignment of x, out and every region of the symmetric buffers
 # Lanes of the reduce's poll of the destinations' combine flags, one per rank: >= EP (the backend allows EP <= 31, a
 # token's destinations being one int32 bit mask)
 RANK_LANES = tl.constexpr(32)
@@ -65,29 +63,6 @@ EVENT_REDUCE = tl.constexpr(4)
 EVENT_STOLEN_GEMM0 = tl.constexpr(5)
 EVENT_STOLEN_GEMM1 = tl.constexpr(6)
 EVENT_NAMES = ("dispatch", "gemm0", "gemm1", "combine", "reduce", "stolen_gemm0", "stolen_gemm1")
-
-
-@triton.jit
-def _peer_ptr(peer_base_ptr, rank, region_offset, dtype: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """The start of a region of `rank`'s symmetric buffer (`region_offset` bytes from its base). It is ROW_ALIGNMENT-
-    aligned; ALIGNED (VECTOR_ROWS) declares it, which the compiler cannot infer for an address read from memory, so
-    that the row copies into the region use 16-byte vector stores instead of one store per element. The caller adds
-    its element offset, whose divisibility the compiler knows from the launch's specialisation (H, max_tokens).
-    (`tl.multiple_of` annotates the operation that made its argument, so it is applied here, not in a helper.)"""
-    region = (tl.load(peer_base_ptr + rank) + region_offset).to(tl.pointer_type(dtype))
-    if ALIGNED:
-        region = tl.multiple_of(region, ROW_ALIGNMENT)
-    return region
-
-
-@triton.jit
-def _io_ptr(io_ptr, word, ALIGNED: tl.constexpr):
-    """x (word 0) or out (word 1) of a resident call, by the address the call's pack stored: ROW_ALIGNMENT-aligned
-    (backend.py, `_aligned_io`), declared so with ALIGNED (as in `_peer_ptr`)."""
-    pointer = tl.load(io_ptr + word).to(tl.pointer_type(tl.bfloat16))
-    if ALIGNED:
-        pointer = tl.multiple_of(pointer, ROW_ALIGNMENT)
-    return pointer
 
 
 @triton.jit
@@ -230,8 +205,8 @@ def moe_megakernel(
     sync.pdl_enter()
     pid = tl.program_id(0)
     if RESIDENT:
-        x_ptr = _io_ptr(io_ptr, 0, VECTOR_ROWS)
-        out_ptr = _io_ptr(io_ptr, 1, VECTOR_ROWS)
+        x_ptr = call_io_ptr(io_ptr, 0, VECTOR_ROWS)
+        out_ptr = call_io_ptr(io_ptr, 1, VECTOR_ROWS)
         num_tokens = tl.load(tokens_ptr)
         planned_c = tl.load(plan_ptr + rank * 4)
         serial = planned_c >= tl.num_programs(0)
@@ -313,11 +288,11 @@ def moe_megakernel(
                 if DISPATCH_ROWS == 1:   # one row per task (ONE_ROW_TASKS): task j is row j
                     start = task
                     count = 1
-                dst = (_peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, VECTOR_ROWS)
+                dst = (peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, VECTOR_ROWS)
                        + rank.to(tl.int64) * max_tokens * H)
                 tiles.dispatch_rows(x_ptr, dst, send_token_ptr, send_slot_ptr, start, count, H,
                                     DISPATCH_ROWS, BLOCK_H, PIPELINED=VECTOR_ROWS and not RUN_GEMM)
-                flag = _peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MAX_CHUNKS + chunk
+                flag = peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MAX_CHUNKS + chunk
                 sync.signal_add(flag, count, True)
                 if TIMELINE:
                     num_events = _record(timeline_ptr, pid, num_events, EVENT_DISPATCH, t_start, t_start, MAX_EVENTS)
@@ -395,11 +370,11 @@ def moe_megakernel(
                             combinable_chunks = combinable_chunks | (1 << chunk)
                 if TIMELINE:
                     t_ready = sync.global_time_ns()
-                dst = (_peer_ptr(peer_base_ptr, source, comb_offset, tl.bfloat16, VECTOR_ROWS)
+                dst = (peer_ptr(peer_base_ptr, source, comb_offset, tl.bfloat16, VECTOR_ROWS)
                        + rank.to(tl.int64) * max_tokens * H)
                 tiles.combine_rows(y_ptr, combine_pos_ptr, combine_weight_ptr, combine_token_ptr, dst, start, count,
                                    H, TOP_K, COMBINE_ROWS, BLOCK_H)
-                flag = _peer_ptr(peer_base_ptr, source, flags_offset, tl.int32) + world_size * MAX_CHUNKS + rank
+                flag = peer_ptr(peer_base_ptr, source, flags_offset, tl.int32) + world_size * MAX_CHUNKS + rank
                 sync.signal_add(flag, count, True)
                 if TIMELINE:
                     num_events = _record(timeline_ptr, pid, num_events, EVENT_COMBINE, t_start, t_ready, MAX_EVENTS)

@@ -70,6 +70,7 @@ import triton.language as tl
 
 from weave_moe.backends.weave.exchange import RoutingMessage
 from weave_moe.backends.weave.kernels import sync
+from weave_moe.backends.weave.kernels.peers import peer_ptr
 from weave_moe.backends.weave.workspace import EXCHANGE_CTRL_FIXED, WorkspaceView
 
 __all__ = ["exchange_routing", "compile_exchange_ptx", "routing_exchange_kernel", "STAGE_BOTH", "STAGE_SEND",
@@ -94,16 +95,10 @@ DEFAULT_MAX_PARTS = 8
 
 
 @triton.jit
-def _peer_ptr(peer_base_ptr, rank, byte_offset, dtype: tl.constexpr):
-    base = tl.load(peer_base_ptr + rank)
-    return (base + byte_offset).to(tl.pointer_type(dtype))
-
-
-@triton.jit
 def _slot_ptr(peer_base_ptr, owner, routing_offset, parity, source, world_size, slot_words):
     """int32 pointer to routing[parity][source] in `owner`'s symmetric buffer."""
     slot = (parity * world_size + source).to(tl.int64) * slot_words
-    return _peer_ptr(peer_base_ptr, owner, routing_offset + slot * 4, tl.int32)
+    return peer_ptr(peer_base_ptr, owner, routing_offset + slot * 4, tl.int32)
 
 
 @triton.jit
@@ -141,12 +136,12 @@ def routing_exchange_kernel(send_ptr, all_routing_ptr, peer_base_ptr, ctrl_ptr, 
             tl.store(dst + word, tl.load(send_ptr + word, mask=mask), mask=mask)
         if sync.arrive(ctrl_ptr + CTRL_SENT + peer, True) == num_parts - 1:
             tl.atomic_xchg(ctrl_ptr + CTRL_SENT + peer, 0, sem="relaxed", scope="gpu")
-            flag = _peer_ptr(peer_base_ptr, peer, routing_flags_offset + rank * 4, tl.int32)
+            flag = peer_ptr(peer_base_ptr, peer, routing_flags_offset + rank * 4, tl.int32)
             sync.signal_store(flag, seq, True)
 
     # 4. receive source `peer`'s message from this rank's routing[parity][peer] into all_routing[peer]
     if STAGE != STAGE_SEND:
-        flag = _peer_ptr(peer_base_ptr, rank, routing_flags_offset + peer * 4, tl.int32)
+        flag = peer_ptr(peer_base_ptr, rank, routing_flags_offset + peer * 4, tl.int32)
         ok = sync.wait_at_least(flag, seq, status_ptr, sync.ERROR_EXCHANGE_TIMEOUT, peer, timeout_ns, True)
         if ok != 0:
             src = _slot_ptr(peer_base_ptr, rank, routing_offset, parity, peer, world_size, slot_words)

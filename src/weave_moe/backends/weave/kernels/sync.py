@@ -303,6 +303,17 @@ def wait_all_at_least(flag_ptr, expected_ptr, n, status_ptr, error_code, tag_bas
     """
     offs = tl.arange(0, BLOCK)
     expected = tl.load(expected_ptr + offs, mask=offs < n, other=0)
+    return wait_all_values(flag_ptr, expected, n, status_ptr, error_code, tag_base, timeout_ns, BLOCK, SYS_SCOPE,
+                           GROUP)
+
+
+@triton.jit
+def wait_all_values(flag_ptr, expected, n, status_ptr, error_code, tag_base, timeout_ns,
+                    BLOCK: tl.constexpr, SYS_SCOPE: tl.constexpr, GROUP: tl.constexpr = 0):
+    """`wait_all_at_least` with the expected values in registers (`expected`: [BLOCK] int32, lanes >= n ignored)
+    instead of in memory: until flag_ptr[i] >= expected[i] for every i < n. Its first poll needs nothing of
+    `expected`, so it goes out beside whatever computes them."""
+    offs = tl.arange(0, BLOCK)
     seen = _poll_all(flag_ptr + offs, offs < n, SYS_SCOPE)
     need = (offs < n) & (expected > 0)
     unmet = tl.sum((need & (seen < expected)).to(tl.int32), axis=0)

@@ -1,0 +1,179 @@
+"""A decode call's dispatch from the routing alone, beside the task tables (KernelConfig.early_dispatch).
+
+Why. At decode sizes a call is a chain of small dependent launches, ~3 us each on an H200 (docs/perf-notes.md,
+entries 21 and 32): counts, scan, bases, emit, then the dispatch launch, which reads the emit's task rows. But a
+dispatched row needs none of the task tables:
+- its receive slot at destination d is the number of this rank's earlier tokens that go to d (the slot
+  `layout.build_layout` gives it: the receive region holds source s's rows at [s * T_max, (s + 1) * T_max), in
+  token order);
+- its arrival flag at d is (this rank, the token's chunk of d's plan), chunk(t) = t * K_d // max(T, 1);
+- the rows a rank waits for follow from every rank's routing, which the exchange has delivered before the counts.
+So this launch runs right after the counts (and the plan), on a side stream, beside the scan, bases and emit; the
+call's GEMMs wait for both (the backend joins it before its first launch that reads the receive buffer, which then
+skips its own dispatch phase).
+
+Work. Every program computes this rank's destinations per token and the slots (a cumsum over <= BLOCK_T tokens); the
+(token, destination) pairs t * BLOCK_P + d are dealt round-robin to the programs; each pair that is sent is one row
+copied in 16-byte vectors (x from `io`, as the megakernel reads it) and one release-add of 1 onto its arrival flag
+at d (sync.py's protocol: the CTA's stores, a barrier, one release atomic at system scope). Then the LAST program
+waits, bounded, until every (source, chunk) flag of this rank holds the rows it is owed (counted from the gathered
+ids), so that the launch ends only once every row has arrived (the kernels after the join read the receive buffer
+unguarded, as after the dispatch launch it replaces). The last, not the first: under the interpreter programs run in
+order, and the last one's wait then follows every send of this process.
+
+A call refused before it (the status word set by the counts' verdict, on every rank alike) sends nothing and waits
+for nothing. This rank's tokens must fit one block (T <= BLOCK_T: the host sends only decode calls here); the
+receive side walks any peer's T in blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from weave_moe.backends.weave.kernels import sync
+from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
+from weave_moe.plan.workload import MAX_CHUNKS
+
+__all__ = ["EarlyDispatch", "early_dispatch_kernel"]
+
+NUM_WARPS = 4
+
+
+@triton.jit
+def _destinations(ids_ptr, ids_stride, source, n_tok, first, world_size, max_tokens,
+                  L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
+    """[BLOCK_T, BLOCK_P] int32: 1 where token first + i of `source` (< n_tok) has an expert on rank d. Ids outside
+    [0, E) go nowhere (the counts kernel before this launch has replaced them by -1, or refused the call). The ids
+    are read up to T_max and cut at n_tok afterwards: the load does not wait for n_tok's."""
+    t = first + tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, KP)
+    pp = tl.arange(0, BLOCK_P)
+    ids = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
+                  mask=(t < max_tokens)[:, None] & (jj < K)[None, :], other=-1)
+    ids = tl.where((t < n_tok)[:, None], ids, -1)
+    owner = tl.where((ids >= 0) & (ids < world_size * L), ids // L, -1)
+    return (tl.sum((owner[:, :, None] == pp[None, None, :]).to(tl.int32), axis=1) > 0).to(tl.int32)
+
+
+@triton.jit
+def _pick(values, picked):
+    """The entry of [BLOCK_T, BLOCK_P] `values` where `picked` (one entry) is set."""
+    return tl.sum(tl.sum(tl.where(picked, values, 0), axis=1), axis=0)
+
+
+@triton.jit
+def _owed(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, rank, world_size, max_tokens,
+          L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
+          BLOCK_P: tl.constexpr):
+    """[BLOCK_P * MC] int32: the rows this rank is owed from each (source, chunk), at source * MC + chunk (the order
+    of its arrival flags): source s's tokens with an expert here, by their chunk of this rank's plan."""
+    owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
+    K_me = tl.load(chunks_ptr + rank * 4)
+    pp = tl.arange(0, BLOCK_P)
+    for source in range(0, world_size):
+        n_tok = tl.load(tokens_ptr + source * tokens_stride)
+        for first in range(0, n_tok, BLOCK_T):
+            goes = _destinations(ids_ptr, ids_stride, source, n_tok, first, world_size, max_tokens, L, K, KP,
+                                 BLOCK_T, BLOCK_P)
+            here = tl.sum(tl.where(pp[None, :] == rank, goes, 0), axis=1)
+            t = first + tl.arange(0, BLOCK_T)
+            chunk = tl.minimum((t * K_me) // tl.maximum(n_tok, 1), MC - 1)
+            owed += tl.histogram(source * MC + chunk, BLOCK_P * MC, mask=here != 0)
+    return owed
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
+def early_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, io_ptr, peer_base_ptr,
+                          recv_offset, flags_offset, arrival_ptr, status_ptr, rank, world_size, max_tokens, H,
+                          timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """ids_ptr: the gathered ids [EP, T_max, k] (`ids_stride` between ranks); tokens_ptr: T of every rank;
+    chunks_ptr: the K column of the [EP, 4] plans; io_ptr: the call's x address at word 0; peer_base_ptr,
+    recv_offset, flags_offset: the workspace's peer bases and the byte offsets of the receive rows and of the call's
+    arrival counters; arrival_ptr: this rank's arrival counters [EP, MC]; status_ptr: the live status word."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    # every load the sends need first, at once: T, the destinations' chunk counts, the ids, x's address
+    n_tok = tl.load(tokens_ptr + rank * tokens_stride)
+    K_dest = tl.load(chunks_ptr + tl.arange(0, BLOCK_P) * 4, mask=tl.arange(0, BLOCK_P) < world_size, other=1)
+    goes = _destinations(ids_ptr, ids_stride, rank, n_tok, 0, world_size, max_tokens, L, K, KP, BLOCK_T, BLOCK_P)
+    x = call_io_ptr(io_ptr, 0, True)
+    if sync.status_set(status_ptr) == 0:
+        t = tl.arange(0, BLOCK_T)
+        pp = tl.arange(0, BLOCK_P)
+        slot = tl.cumsum(goes, axis=0) - goes                                      # rank among the tokens to d
+        chunk = tl.minimum((t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1), MC - 1)
+        offs_h = tl.arange(0, BLOCK_H)
+        for pair in range(pid, n_tok * BLOCK_P, grid):
+            token = pair // BLOCK_P
+            dest = pair % BLOCK_P
+            picked = (t[:, None] == token) & (pp[None, :] == dest)
+            if _pick(goes, picked) != 0:
+                row = _pick(slot, picked)
+                dst = (peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True)
+                       + (tl.cast(rank, tl.int64) * max_tokens + row) * H)
+                src = x + tl.cast(token, tl.int64) * H
+                for h0 in range(0, H, BLOCK_H):
+                    cols = h0 + offs_h
+                    tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
+                flag = (peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC
+                        + _pick(chunk, picked))
+                sync.signal_add(flag, 1, True)
+        if pid == grid - 1:
+            owed = _owed(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, rank, world_size, max_tokens,
+                         L, K, KP, MC, BLOCK_T, BLOCK_P)
+            # a timeout names flag source * 16 + chunk, as the dispatch launch's wait does
+            sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
+                                 timeout_ns, BLOCK_P * MC, True, GROUP=MC)
+
+
+class EarlyDispatch:
+    """`early_dispatch_kernel`'s launch for one layer: `launch(...)` after the counts (and the plan) of a call of at
+    most `max_call_tokens` tokens on this rank."""
+
+    def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
+                 max_call_tokens: int, num_programs: int):
+        if not 1 <= max_call_tokens <= max_tokens:
+            raise ValueError(f"max_call_tokens must be in [1, max_tokens = {max_tokens}], got {max_call_tokens}")
+        if hidden_size % 8:
+            raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got "
+                             f"{hidden_size}")
+        self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
+        self.max_call_tokens, self.num_programs = max_call_tokens, num_programs
+        self.constants = dict(L=num_experts // world_size, K=top_k, KP=triton.next_power_of_2(top_k), MC=MAX_CHUNKS,
+                              BLOCK_T=triton.next_power_of_2(max_call_tokens),
+                              BLOCK_P=triton.next_power_of_2(world_size),
+                              BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
+
+    def _arguments(self, all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns) -> tuple:
+        P, T, k = all_ids.shape
+        if (P, T, k) != (self.world_size, self.max_tokens, self.constants["K"]) or all_ids.dtype != torch.int32 \
+                or all_ids.stride()[1:] != (k, 1):
+            raise ValueError(f"all_ids: expected int32 [{self.world_size}, {self.max_tokens}, {self.constants['K']}] "
+                             f"with contiguous rows, got {all_ids.dtype} {tuple(all_ids.shape)}")
+        if chunks.dtype != torch.int32 or chunks.numel() != P or chunks.stride(0) != 4:
+            raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
+        if tokens.dtype != torch.int32 or tokens.numel() != P:
+            raise ValueError("tokens must be int32 [EP]")
+        return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), chunks, io, workspace.peer_bases,
+                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, rank, P, T,
+                self.hidden_size, timeout_ns)
+
+    def launch(self, all_ids: torch.Tensor, tokens: torch.Tensor, chunks: torch.Tensor, io: torch.Tensor,
+               workspace, status: torch.Tensor, rank: int, timeout_ns: int) -> None:
+        """Enqueue the dispatch of this rank's rows (x at `io[0]`; at most `max_call_tokens` of them, which the
+        caller knows from x) into the call's parity-0 receive rows and arrival counters of `workspace` (a
+        WorkspaceView: the resident call's), and the bounded wait for every row owed to this rank."""
+        early_dispatch_kernel[(self.num_programs,)](
+            *self._arguments(all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns), **self.constants,
+            num_warps=NUM_WARPS)
+
+    def warmup(self, all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns) -> None:
+        """Compile for these arguments' specialisation without launching (the layer's first call, before it
+        enqueues anything)."""
+        early_dispatch_kernel.warmup(
+            *self._arguments(all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns), **self.constants,
+            grid=(self.num_programs,), num_warps=NUM_WARPS)
