@@ -290,7 +290,8 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     launched, compiled = [], []
     name = _compile_name
     monkeypatch.setattr(backend_module.mk_launch, "launch", lambda args, constants, **options:
-                        launched.append(name(constants)))
+                        launched.append(name(constants) if args.PHASE_FIRST == 0
+                                        else f"{name(constants)} from phase {args.PHASE_FIRST}"))
     monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
                         compiled.append(name(constants)))
     monkeypatch.setattr(backend_module.gemm_configs, "default_configs", lambda *args: [])
@@ -329,8 +330,17 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend._grouped_prologue = lambda offsets, keys, device_serial, side=False: (
         launched.append("fork") if side else None) or ({}, None, "event" if side else None)
     backend._gather_rows = lambda index, rows, count_ready: None
-    backend._grouped_gemms = lambda layout, configs, device_serial=False, early=None: launched.append(
-        "grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None else ""))
+    backend._grouped_gemms = lambda layout, configs, device_serial=False, early=None, gather_ahead=True: \
+        launched.append("grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None
+                                                                               else "")
+                        + ("" if gather_ahead else ", its gather waiting first"))
+    backend.early_dispatch = None
+
+    class Stream:
+        def wait_event(self, event):
+            launched.append(("join", event))
+
+    backend._current_stream = lambda: Stream()
     return backend, launched, compiled
 
 
@@ -413,6 +423,69 @@ def test_fork_prologue_only_beside_a_dispatch_only_launch(monkeypatch, policy, p
     backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(),
                     fixed, 0, configs, plan.endswith("decode"))
     assert launched == launches
+
+
+@pytest.mark.parametrize("policy, plan, launches", [
+    # a fixed serial plan: no dispatch launch; the grouped stage joins the early dispatch and the tile tables, and
+    # its row gather (the emit possibly its predecessor) loads the task tables' indices only after its wait
+    ("serial", "fixed decode", [("join", "dispatched"), "fork", "grouped after fork, its gather waiting first", "d4"]),
+    # an adaptive plan decided on the device: its first launch starts at its GEMM phase
+    ("weave", "device serial", [("join", "dispatched"), "-1gs from phase 1", "grouped if serial", "4gs"]),
+])
+def test_early_dispatch_replaces_the_dispatch_phase_and_is_joined_first(monkeypatch, policy, plan, launches):
+    """KernelConfig.early_dispatch (`_launch(dispatched=)`): the rows were sent beside the task tables; the call's
+    launches wait for that event first, the dispatch-only launch is left out, a launch of every phase starts at
+    phase 1."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+    from weave_moe.plan import Plan
+
+    fixed = Plan(4, 1, 0, 0.0, policy) if policy == "serial" else None
+    backend, launched, _ = _host_backend(monkeypatch, fixed, grouped=True, resident=True, decode=True, fork=True)
+    configs = (gc.analytical_configs(0)[0], gc.analytical_configs(1)[0])
+    backend._compile_before_call()
+    backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(),
+                    fixed, 0, configs, plan.endswith("decode"), dispatched="dispatched")
+    assert launched == launches
+
+
+def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_call(monkeypatch):
+    """KernelConfig.early_dispatch: a decode call's dispatch is forked once the counts (and an adaptive policy's
+    plan) are enqueued, before the task tables, with the gathered ids, T and the plans' chunk column; not for a call
+    past DECODE_TOKENS tokens."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.exchange import RoutingMessage
+
+    backend, launched, _ = _host_backend(monkeypatch, None, resident=True, decode=True)
+
+    class Counts:
+        planner = None
+
+        def build(self, *args, **options):
+            launched.append("counts")
+            return "counts vector"
+
+    class Planner:
+        def launch(self, counts, plans):
+            launched.append("planner")
+
+    class Early:
+        def launch(self, all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns):
+            assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr() and chunks.stride(0) == 4
+            assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
+            launched.append("early dispatch")
+
+    backend.device_counts, backend.device_planner, backend.early_dispatch = Counts(), Planner(), Early()
+    backend.message = RoutingMessage(8, 2)
+    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
+    backend.table_counters = None
+    backend._fork = lambda name, enqueue: enqueue() or f"{name} event"
+    monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
+    for decode, expected in ((True, ["counts", "planner", "early dispatch", "tables"]),
+                             (False, ["counts", "planner", "tables"])):
+        launched.clear()
+        dispatched = []
+        backend._resident_tables(decode=decode, joins=[], dispatched=dispatched)
+        assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch):
@@ -772,7 +845,8 @@ def test_resident_call_prefetches_weights_after_the_counts_and_joins_at_its_end(
             launched.append(("join", event))
 
     backend._current_stream = lambda: Stream()
-    backend._resident_tables = lambda decode, configs, early, joins: joins.append("prefetched") or "layout"
+    backend._resident_tables = lambda decode, configs, early, joins, dispatched: (joins.append("prefetched")
+                                                                                  or "layout")
     backend._launch = lambda *args, **options: launched.append("kernel")
     monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append("status"))
     backend.status_host = None

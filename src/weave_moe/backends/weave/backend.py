@@ -31,6 +31,7 @@ from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCou
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
+from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch
 from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES, STAGE_COMBINE_REDUCE
 from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
@@ -291,6 +292,10 @@ class WeaveBackend:
         # KernelConfig.decode_stages: resident calls of at most DECODE_TOKENS tokens (the graph of a call is per row
         # count, so per T: its launches and tables are fixed at capture)
         self.decode_tokens = DECODE_TOKENS if cfg.decode_stages and self.resident else 0
+        # KernelConfig.early_dispatch: a decode call's rows dispatched right after the counts, beside the tables
+        self.early_dispatch = (EarlyDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens,
+                                             self.decode_tokens, self.num_sms)
+                               if cfg.early_dispatch and self.decode_tokens and H % 8 == 0 else None)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -508,10 +513,11 @@ class WeaveBackend:
                               self.workspace.flags(0), self.spec.num_experts)
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
-        layout = self._resident_tables(decode, grouped_configs, early, joins)
+        dispatched = []   # the early dispatch's event (KernelConfig.early_dispatch), joined before the GEMMs
+        layout = self._resident_tables(decode, grouped_configs, early, joins, dispatched)
         dummy = self.workspace.y()[:1]
         self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode,
-                     early=early[0] if early else None)
+                     early=early[0] if early else None, dispatched=dispatched[0] if dispatched else None)
         for event in joins:
             self._current_stream().wait_event(event)
         # the status word to the host, read at the next call once the event recorded after the call has passed
@@ -519,7 +525,7 @@ class WeaveBackend:
         copy_status(self.status, self.status_host)
 
     def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None,
-                         joins: list | None = None):
+                         joins: list | None = None, dispatched: list | None = None):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the
         planned chunk counts (the pack launch before them zeroed the control block and the flags, the resident call
         always using parity 0, and advanced the call number). The grouped-GEMM tile tables of a layer whose serial
@@ -528,7 +534,9 @@ class WeaveBackend:
         leave the SMs (ending 4-7 us after it at 2048 tokens on an H200, bench/results/h200-42828c2), and an
         adaptive policy's ran after its first launch.
         With KernelConfig.prefetch_mib the weights' L2 prefetch is forked off after the counts (its event appended
-        to `joins`, which the caller joins at the end of the call)."""
+        to `joins`, which the caller joins at the end of the call). With KernelConfig.early_dispatch a decode call's
+        rows are dispatched on a side stream once the counts and the plan are written (its event appended to
+        `dispatched`, which the caller joins before the GEMMs: `_launch(dispatched=)`)."""
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
@@ -540,6 +548,10 @@ class WeaveBackend:
             self.device_planner.launch(counts, self.plans_device)
         cfg, spec = self.config, self.spec
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
+        if decode and self.early_dispatch is not None and dispatched is not None:
+            dispatched.append(self._fork("dispatch", lambda: self.early_dispatch.launch(
+                all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace, self.live_status, self.rank,
+                self.timeout_ns)))
         # the Triton tables count into the layer's persistent counters, which their bases kernel zeroes again
         # a fixed plan: the counts kernel just launched writes nothing the tables read, which then run beside it;
         # an adaptive plan: the launch just before (the planner, or the counts with it) writes only the chunk counts
@@ -743,12 +755,15 @@ class WeaveBackend:
                           num_stages=self.config.num_stages)
 
     def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None,
-                decode: bool = False, early=None) -> None:
+                decode: bool = False, early=None, dispatched=None) -> None:
         """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
         kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
         layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
         the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`). `early`: the grouped
         GEMMs' tile tables already forked off (`_grouped_prologue(side=True)`; None: forked here, when they are).
+        `dispatched`: the event after the early dispatch (KernelConfig.early_dispatch, `_resident_tables`): the rows
+        are sent and have arrived once it has passed, so a dispatch-only first launch is left out, a first launch
+        of every phase starts at its GEMM phase (PHASE_FIRST 1), and the launches wait for the event first.
         The layer has compiled before this call enqueued anything (`_compile_before_call`)."""
         if not self.kernel_variants <= self.compiled:
             raise RuntimeError("weave: internal error: a launch before the layer compiled its kernels (a call must "
@@ -767,17 +782,27 @@ class WeaveBackend:
             return
         device_serial = my_plan is None and grouped_configs is not None
         stages = self._stages(serial, device_serial, decode)
+        if dispatched is not None:
+            if stages[0] in (0, ("decode", 0)):
+                stages = stages[1:]
+            self._current_stream().wait_event(dispatched)
         configs = (grouped_configs or self._grouped_configs(self.local_rows)) if "grouped" in stages else None
         # a fixed serial plan's first launch is the dispatch alone, which the tile tables do not wait for: they are
         # built beside it, on a side stream, unless the resident call built them beside its emit already (`early`;
         # an adaptive plan's are built there or after its first launch)
         if early is None and configs is not None and not device_serial and self.fork_prologue:
             early = self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), False, side=True)
-        for stage in stages:
+        for index, stage in enumerate(stages):
             if stage == "grouped":
-                self._grouped_gemms(layout, configs, device_serial, early)
+                # the row gather loads its indices ahead of its wait only behind a launch after the emit's
+                self._grouped_gemms(layout, configs, device_serial, early, gather_ahead=index > 0 or
+                                    dispatched is None)
                 continue
-            mk_launch.launch(args=args, constants=self.stage_constants[stage], **launch_options)
+            # after the early dispatch, a first launch of every phase (STAGE -1) starts at the GEMMs (a launch
+            # compiled for one stage ignores PHASE_FIRST)
+            first = dispatched is not None and index == 0 and self.stage_constants[stage].STAGE < 0
+            mk_launch.launch(args=dataclasses.replace(args, PHASE_FIRST=1) if first else args,
+                             constants=self.stage_constants[stage], **launch_options)
 
     def _kernel_variants(self) -> frozenset:
         """The megakernel compiles (`stage_constants` values) a call of this layer can launch; `_compile_kernels`
@@ -874,14 +899,18 @@ class WeaveBackend:
             buffer = self.gemm_scratch[size] = torch.empty(size, dtype=torch.int8, device=self.device)
         return buffer
 
-    def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None) -> None:
+    def _grouped_gemms(self, layout, configs, device_serial: bool = False, early=None,
+                       gather_ahead: bool = True) -> None:
         """The serial GEMM stage as grouped GEMMs: gather the received rows into expert order (into y, which GEMM1
         overwrites afterwards; with KernelConfig.gemm0_gather GEMM0 reads them through the gather rows instead),
         GEMM0 + SiLU-mul -> h, GEMM1 -> y (the combine launch after them starts once they have ended: it needs no
         counters of their tiles). `device_serial`: only if this rank's device plan is serial;
         under another plan the gather copies no row and the tile tables hold no tile (the kernel's first launch did
         the GEMMs), all without a host sync. `early`: the side-stream prologue enqueued before the dispatch launch
-        (`_resident_tables` or `_launch`; the stage then waits for it)."""
+        (`_resident_tables` or `_launch`; the stage then waits for it). `gather_ahead`: a launch stands between the
+        task tables' emit and the row gather on this stream (the dispatch's), so the gather may load its indices
+        before it waits for its predecessor (`gather_rows(count_ready=)`); False with the early dispatch, where
+        the emit may be the gather's predecessor, still writing them."""
         keys = _tile_keys(configs)
         tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, device_serial)
         if filled is not None:
@@ -891,7 +920,7 @@ class WeaveBackend:
             grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
                                        configs[0], gather=layout.gather_rows, **launch)
         else:
-            self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None)
+            self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None and gather_ahead)
             grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
                                        **launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
@@ -943,8 +972,8 @@ class WeaveBackend:
                                   count_ready=count_ready)
 
     def _compile_kernels(self, args, launch_options) -> None:
-        """Compile every megakernel variant a call can launch (`kernel_variants`) and every grouped-GEMM config it may
-        pick, for these arguments' specialisation. Called by `_compile_before_call` before a call enqueues anything,
+        """Compile every megakernel variant a call can launch (`kernel_variants`), every grouped-GEMM config it may
+        pick and the early dispatch (KernelConfig.early_dispatch), for these arguments' specialisation. Called by `_compile_before_call` before a call enqueues anything,
         so what the warm-ups write (the layer's tile tables, filled with no tile) is rewritten by the call before it
         is read; its `_line_up` right after waits for the warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
@@ -972,6 +1001,10 @@ class WeaveBackend:
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
+        if self.early_dispatch is not None:
+            all_ids, _, tokens = self.message.unpack(self.all_routing)
+            self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
+                                       self.live_status, self.rank, self.timeout_ns)
         self.compiled |= self.kernel_variants
 
     def _line_up(self, what: str) -> None:

@@ -163,6 +163,14 @@ class KernelConfig:
             kernels/peers.py, ROW_ALIGNMENT), and the dispatch launch of the serial stages issues a step's loads
             before the previous step's stores (tiles.dispatch_rows PIPELINED). Off: one access per bf16 element and
             steps in series, as before 2323dbc; for A/B (`scripts/device_run.sh vector-rows`), unmeasured on a GPU.
+        early_dispatch: a resident call of at most DECODE_TOKENS tokens dispatches its rows right after the counts
+            (and the plan), on a side stream beside the task tables (kernels/early_dispatch.py: each row's slot and
+            flag follow from the ids alone), instead of in a launch after the tables, which then runs from its GEMM
+            phase on or not at all; the call's GEMMs wait for both. At decode sizes the dispatch launch was one
+            ~3.6 us link of the call's chain (Qwen3-30B-A3B at 1 token, one rank's work of EP=2,
+            bench/results/h200-39eda33). Needs `decode_stages` and H a multiple of 8. Off until measured on the GPU;
+            the rows and counters are the torch tables', bit for bit, under the interpreter
+            (tests/test_megakernel_cpu.py).
     """
 
     block_m: int = 128
@@ -198,6 +206,7 @@ class KernelConfig:
     prefetch_mib: int = 0
     interleave_w13: bool = True
     vector_rows: bool = True
+    early_dispatch: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -1,0 +1,54 @@
+"""The early dispatch (kernels/early_dispatch.py) compiled for sm_90 as the backend launches it. Its rows and
+counters are checked under the interpreter across processes in tests/test_megakernel_cpu.py
+(test_resident_call_sequence_across_processes, the early-dispatch cases)."""
+
+import re
+import types
+
+import pytest
+import torch
+
+
+def _compiled(world_size: int, num_experts: int, top_k: int, hidden: int):
+    from weave_moe.backends.weave.config import DECODE_TOKENS
+    from weave_moe.backends.weave.kernels import sm90
+    from weave_moe.backends.weave.kernels.early_dispatch import NUM_WARPS, EarlyDispatch, early_dispatch_kernel
+
+    max_tokens = 2048
+    early = EarlyDispatch(world_size, num_experts, top_k, hidden, max_tokens, DECODE_TOKENS, 132)
+    flags = torch.zeros(64, dtype=torch.int32)
+    workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), recv_offset=1 << 20,
+                                      flags_offsets=(0, 256), flags=lambda parity: flags)
+    plans = torch.zeros(world_size, 4, dtype=torch.int32)
+    args = early._arguments(torch.zeros(world_size, max_tokens, top_k, dtype=torch.int32),
+                            torch.zeros(world_size, dtype=torch.int32), plans[:, 1], torch.zeros(2, dtype=torch.int64),
+                            workspace, torch.zeros(4, dtype=torch.int32), 1, 10 ** 9)
+    return sm90.compile_for_sm90(early_dispatch_kernel, args, dict(early.constants, num_warps=NUM_WARPS))
+
+
+@pytest.mark.parametrize("world_size, num_experts, top_k, hidden", [(2, 128, 8, 2048), (2, 256, 8, 7168),
+                                                                    (8, 64, 6, 4096)])
+def test_early_dispatch_compiles_for_sm90_with_vector_rows_and_its_ordering(world_size, num_experts, top_k, hidden):
+    """No local memory; the rows in 16-byte vectors (x and the peers' receive rows declared aligned, peers.py); each
+    row released onto its flag at system scope, the owed rows acquired at system scope (sync.py's protocol)."""
+    ptx = _compiled(world_size, num_experts, top_k, hidden).asm["ptx"]
+    assert ".local" not in ptx
+    assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
+    assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row copied one element per access"
+    assert re.search(r"atom\.global\.sys\.release\.add", ptx)
+    assert re.search(r"atom\.global\.sys\.acquire\.add", ptx)
+
+
+def test_early_dispatch_refuses_what_it_cannot_send():
+    from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch
+
+    with pytest.raises(ValueError, match="hidden_size must be a multiple of 8"):
+        EarlyDispatch(2, 8, 2, 36, 16, 4, 4)
+    with pytest.raises(ValueError, match="max_call_tokens"):
+        EarlyDispatch(2, 8, 2, 32, 16, 17, 4)
+    early = EarlyDispatch(2, 8, 2, 32, 16, 4, 4)
+    with pytest.raises(ValueError, match="all_ids"):
+        early._arguments(torch.zeros(2, 15, 2, dtype=torch.int32), None, None, None, None, None, 0, 1)
+    with pytest.raises(ValueError, match="chunks"):
+        early._arguments(torch.zeros(2, 16, 2, dtype=torch.int32), None, torch.zeros(2, dtype=torch.int32), None,
+                         None, None, 0, 1)
