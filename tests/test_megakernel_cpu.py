@@ -817,7 +817,8 @@ def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, deco
     must be zero again after every call, the refused one included); and once with the plan written by each call's
     counts launch (KernelConfig.fused_planner, a serial device plan) and the tables' early scan; and with the rows
     dispatched right after the counts (KernelConfig.early_dispatch, `EarlyDispatch`) at EP 2 and 4, checked bitwise,
-    with 2-4 chunks per rank, the kernel starting at its GEMM phase (a call of one token per rank, of none, and one over a 12-row T_max)."""
+    with 2-4 chunks per rank, the kernel starting at its GEMM phase (calls of one token per rank, of none on one
+    rank, of all 12 rows of T_max)."""
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.testing import run_distributed
 

@@ -973,9 +973,10 @@ class WeaveBackend:
 
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`), every grouped-GEMM config it may
-        pick and the early dispatch (KernelConfig.early_dispatch), for these arguments' specialisation. Called by `_compile_before_call` before a call enqueues anything,
-        so what the warm-ups write (the layer's tile tables, filled with no tile) is rewritten by the call before it
-        is read; its `_line_up` right after waits for the warm-up launches to end."""
+        pick and the early dispatch (KernelConfig.early_dispatch), for these arguments' specialisation. Called by
+        `_compile_before_call` before a call enqueues anything, so what the warm-ups write (the layer's tile tables,
+        filled with no tile) is rewritten by the call before it is read; its `_line_up` right after waits for the
+        warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles

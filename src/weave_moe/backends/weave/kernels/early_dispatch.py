@@ -101,33 +101,37 @@ def early_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks
     K_dest = tl.load(chunks_ptr + tl.arange(0, BLOCK_P) * 4, mask=tl.arange(0, BLOCK_P) < world_size, other=1)
     goes = _destinations(ids_ptr, ids_stride, rank, n_tok, 0, world_size, max_tokens, L, K, KP, BLOCK_T, BLOCK_P)
     x = call_io_ptr(io_ptr, 0, True)
-    if sync.status_set(status_ptr) == 0:
-        t = tl.arange(0, BLOCK_T)
-        pp = tl.arange(0, BLOCK_P)
-        slot = tl.cumsum(goes, axis=0) - goes                                      # rank among the tokens to d
-        chunk = tl.minimum((t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1), MC - 1)
-        offs_h = tl.arange(0, BLOCK_H)
-        for pair in range(pid, n_tok * BLOCK_P, grid):
-            token = pair // BLOCK_P
-            dest = pair % BLOCK_P
-            picked = (t[:, None] == token) & (pp[None, :] == dest)
-            if _pick(goes, picked) != 0:
-                row = _pick(slot, picked)
-                dst = (peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True)
-                       + (tl.cast(rank, tl.int64) * max_tokens + row) * H)
-                src = x + tl.cast(token, tl.int64) * H
-                for h0 in range(0, H, BLOCK_H):
-                    cols = h0 + offs_h
-                    tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
-                flag = (peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC
-                        + _pick(chunk, picked))
-                sync.signal_add(flag, 1, True)
-        if pid == grid - 1:
-            owed = _owed(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, rank, world_size, max_tokens,
-                         L, K, KP, MC, BLOCK_T, BLOCK_P)
-            # a timeout names flag source * 16 + chunk, as the dispatch launch's wait does
-            sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
-                                 timeout_ns, BLOCK_P * MC, True, GROUP=MC)
+    # programs with no pair and not the last exit here, without the status word's atomic (at one token, all but
+    # BLOCK_P + 1 of them: 132 atomics on one word would queue the senders' behind them)
+    busy = (pid < n_tok * BLOCK_P) | (pid == grid - 1)
+    if busy:
+        if sync.status_set(status_ptr) == 0:
+            t = tl.arange(0, BLOCK_T)
+            pp = tl.arange(0, BLOCK_P)
+            slot = tl.cumsum(goes, axis=0) - goes                                      # rank among the tokens to d
+            chunk = tl.minimum((t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1), MC - 1)
+            offs_h = tl.arange(0, BLOCK_H)
+            for pair in range(pid, n_tok * BLOCK_P, grid):
+                token = pair // BLOCK_P
+                dest = pair % BLOCK_P
+                picked = (t[:, None] == token) & (pp[None, :] == dest)
+                if _pick(goes, picked) != 0:
+                    row = _pick(slot, picked)
+                    dst = (peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True)
+                           + (tl.cast(rank, tl.int64) * max_tokens + row) * H)
+                    src = x + tl.cast(token, tl.int64) * H
+                    for h0 in range(0, H, BLOCK_H):
+                        cols = h0 + offs_h
+                        tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
+                    flag = (peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC
+                            + _pick(chunk, picked))
+                    sync.signal_add(flag, 1, True)
+            if pid == grid - 1:
+                owed = _owed(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, rank, world_size, max_tokens,
+                             L, K, KP, MC, BLOCK_T, BLOCK_P)
+                # a timeout names flag source * 16 + chunk, as the dispatch launch's wait does
+                sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
+                                     timeout_ns, BLOCK_P * MC, True, GROUP=MC)
 
 
 class EarlyDispatch:
@@ -142,7 +146,10 @@ class EarlyDispatch:
             raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got "
                              f"{hidden_size}")
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
-        self.max_call_tokens, self.num_programs = max_call_tokens, num_programs
+        self.max_call_tokens = max_call_tokens
+        # no more programs than (token, destination) pairs
+        self.num_programs = min(num_programs, triton.next_power_of_2(max_call_tokens) * triton.next_power_of_2(
+            world_size))
         self.constants = dict(L=num_experts // world_size, K=top_k, KP=triton.next_power_of_2(top_k), MC=MAX_CHUNKS,
                               BLOCK_T=triton.next_power_of_2(max_call_tokens),
                               BLOCK_P=triton.next_power_of_2(world_size),
