@@ -328,7 +328,8 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
     spills.
 
     Measured with Triton 3.6 on `compile_sm`'s unspecialised compiles (REG / STACK bytes / dynamic shared bytes): the
-    one-launch kernel 255 / 248 / 147520, STAGE 0 244 / 0 / 4, STAGE 2 255 / 40 / 64, STAGE 3 206 / 0 / 64, STAGE 4
+    one-launch kernel 255 / 136 / 147520 (248 bytes of stack before GEMM0's epilogue addressed its rows from the
+    tile's first, tiles._rows_of), STAGE 0 244 / 0 / 4, STAGE 2 255 / 40 / 64, STAGE 3 206 / 0 / 64, STAGE 4
     255 / 40 / 64. As launched the stacks are smaller and the rows move in 16-byte vectors (STAGE 0: 83 registers,
     STAGE 4: 221, none spilled; test_megakernel_as_launched_on_sm90). The combine stage's registers are its own
     tile's (combine_rows: TOP_K gathers of COMBINE_ROWS x BLOCK_H in flight at once), not the GEMM's.
@@ -348,8 +349,9 @@ def test_serial_stage_kernels_compile_only_their_stage(stage_kernels):
         assert ".local" not in ptx, stage
         assert compiled.metadata.shared <= 1024, (stage, compiled.metadata.shared)
         assert len(ptx) < len(full_ptx) / 2, stage
-        if stage in (2, 4):  # the combine tile's own pressure: a few spilled registers, far fewer than the full kernel's
-            assert resources["STACK"] <= full_resources["STACK"] / 4, resources
+        if stage in (2, 4):  # the combine tile's own pressure: a few spilled registers (today's figure; the compiles
+            #                 as launched spill none, test_megakernel_as_launched_on_sm90)
+            assert resources["STACK"] <= 40, resources
         elif stage in (0, 3):  # unspecialised, their two steps (dispatch) or ranks (reduce) of rows in flight are
             #                   per-element loads, each with its own address: registers are read as launched
             #                   (test_megakernel_as_launched_on_sm90)
@@ -423,15 +425,17 @@ def _as_launched(stage_key, interleaved: bool, resident: bool, H: int = 2048, cf
     ("serial combine + reduce", 4, True, True, 0, 2048),
     ("serial decode combine + reduce", ("decode", 4), True, True, 0, 7168),
     # the host-driven call (EP > 1 by default): the one-launch kernel on the plain w13
-    ("host-driven one-launch", -1, False, False, 40, 2048),
+    ("host-driven one-launch", -1, False, False, 0, 2048),
 ])
 def test_megakernel_as_launched_on_sm90(name, stage_key, interleaved, resident, max_stack, H):
     """The kernels that run, compiled as launched (`compile_as_launched`), not `compile_sm`'s unspecialised variant:
     their registers, stack and shared memory. Measured with Triton 3.6 (REG / STACK bytes / shared KB): resident
-    one-launch 255 / 16 / 192, resident combine + reduce 221 / 0 / 8, host-driven one-launch 255 / 40 / 192
-    (`compile_sm`, unspecialised: 255 / 240-248 / 144 and 255 / 40 / 0). Spills are register spills (no `.local`
+    one-launch 255 / 16 / 192, resident combine + reduce 221 / 0 / 8, host-driven one-launch 255 / 0 / 192 (40
+    bytes of stack before GEMM0's epilogue addressed its rows from the tile's first row, tiles._rows_of)
+    (`compile_sm`, unspecialised: 255 / 136 / 144 and 255 / 40 / 0). Spills are register spills (no `.local`
     array in the PTX); the bounds are today's figures, so a change that spills more fails here. Not yet met: no
-    spills at all in the GEMM path (the one-launch kernels).
+    spills at all in the GEMM path: the resident one-launch kernel keeps four loop-invariant words, set at its start
+    from its plan and arguments, on the stack (sm_90 SASS: stored once, reloaded a few times per phase or tile).
     The launches without GEMM move rows with 16-byte vector accesses, not one access per bf16 element: x and out
     through their addresses in `io` and the peers' regions through `peer_base` are declared aligned
     (peers.ROW_ALIGNMENT), which the compiler cannot infer from an address loaded from memory."""

@@ -111,6 +111,16 @@ def _k_loop(a_ptrs, b_ptrs, K, b_desc, b_row, BLOCK_M: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _rows_of(base_ptr, row_start, offs, width):
+    """[len(offs), 1] pointers to rows row_start + offs of a [*, width] matrix: the tile's first row in 64 bits (one
+    scalar), the offsets within the tile in 32 (offs < BLOCK_M, so offs * width fits), instead of a 64-bit product
+    per row. GEMM0's epilogue stores through it: the host-driven one-launch kernel, which spilled 40 bytes of
+    registers (its h-store row addresses among them), spills none with it (sm_90, as launched). GEMM1's epilogues
+    keep the 64-bit products: through this, ptxas spilled ~300 bytes more in both one-launch compiles."""
+    return (base_ptr + tl.cast(row_start, tl.int64) * width) + (offs * width)[:, None]
+
+
+@triton.jit
 def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n_start, H, I,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
                STAGES: tl.constexpr = 3, w13_desc=None, USE_TMA: tl.constexpr = False,
@@ -161,7 +171,7 @@ def gemm0_tile(a_ptr, gather_ptr, w13_ptr, h_ptr, expert, row_start, num_rows, n
         acc_gate, acc_up = _paired_k_loop(a_ptrs, gate_ptrs, up_ptrs, H, w13_desc, gate_row, up_row,
                                           BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32, STAGES, USE_TMA, INTERLEAVED)
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    out_ptrs = h_ptr + (row_start + offs_m)[:, None].to(tl.int64) * I + offs_n[None, :]
+    out_ptrs = _rows_of(h_ptr, row_start, offs_m, I) + offs_n[None, :]
     tl.store(out_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
