@@ -12,8 +12,9 @@ So this launch runs right after the counts (and the plan), on a side stream, bes
 call's GEMMs wait for both (the backend joins it before its first launch that reads the receive buffer, which then
 skips its own dispatch phase).
 
-Work. Every program computes this rank's destinations per token and the slots (a cumsum over <= BLOCK_T tokens); the
-(token, destination) pairs t * BLOCK_P + d are dealt round-robin to the programs; each pair that is sent is one row
+Work. The (token, destination) pairs t * BLOCK_P + d are dealt round-robin to the programs (no more programs than
+pairs); a program with none, unless it is the last, exits after its first loads. Every other one computes this
+rank's destinations per token and the slots (a cumsum over <= BLOCK_T tokens); each of its pairs that is sent is one row
 copied in 16-byte vectors (x from `io`, as the megakernel reads it) and one release-add of 1 onto its arrival flag
 at d (sync.py's protocol: the CTA's stores, a barrier, one release atomic at system scope). Then the LAST program
 waits, bounded, until every (source, chunk) flag of this rank holds the rows it is owed (counted from the gathered
