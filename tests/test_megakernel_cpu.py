@@ -733,7 +733,7 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     ring = CallSlots(message, torch.device("cpu"), num_slots=2)
     if early_dispatch:
         from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch
-        early = EarlyDispatch(world_size, E, k, H, max_tokens, max_call_tokens=max_tokens, num_programs=grid)
+        early = EarlyDispatch(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=grid)   # blocks of 4
     rows = 1 if decode else 4
     counters = torch.zeros(counter_words(world_size, E), dtype=torch.int32) if decode else None
     # one set of tables rewritten by every call, as the backend keeps them (tables.TableBuffers)

@@ -469,8 +469,10 @@ class WeaveBackend:
         configs = self._grouped_configs(rows)
         decode = self._decode_call(x.shape[0])   # a function of rows, as the graph's name is
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
+            # ... and whether the call is a decode call: its graph (decode compiles, the early dispatch of at most
+            # DECODE_TOKENS tokens) must not serve a longer call whose configs are the same
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
-                f"resident.{self.workspace.generation}.{configs}")
+                f"resident.{self.workspace.generation}.{configs}.{'decode' if decode else 'full'}")
         if capturing:
             # the pack with this call's tensors as arguments, recorded into the caller's graph: the routing message,
             # the addresses, the call number, the status word's carried rejection, and the zeroed control block and

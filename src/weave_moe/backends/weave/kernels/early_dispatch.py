@@ -23,8 +23,8 @@ unguarded, as after the dispatch launch it replaces). The last, not the first: u
 order, and the last one's wait then follows every send of this process.
 
 A call refused before it (the status word set by the counts' verdict, on every rank alike) sends nothing and waits
-for nothing. This rank's tokens must fit one block (T <= BLOCK_T: the host sends only decode calls here); the
-receive side walks any peer's T in blocks.
+for nothing. The host sends only decode calls here (T <= BLOCK_T: one block of tokens); a longer call is walked in
+blocks of BLOCK_T, the slots carried across them (right, not fast), and so is any peer's T on the receive side.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def early_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks
     arrival counters; arrival_ptr: this rank's arrival counters [EP, MC]; status_ptr: the live status word."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    # every load the sends need first, at once: T, the destinations' chunk counts, the ids, x's address
+    # every load the sends need first, at once: T, the destinations' chunk counts, the first block's ids, x's address
     n_tok = tl.load(tokens_ptr + rank * tokens_stride)
     K_dest = tl.load(chunks_ptr + tl.arange(0, BLOCK_P) * 4, mask=tl.arange(0, BLOCK_P) < world_size, other=1)
     goes = _destinations(ids_ptr, ids_stride, rank, n_tok, 0, world_size, max_tokens, L, K, KP, BLOCK_T, BLOCK_P)
@@ -107,26 +107,33 @@ def early_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks
     busy = (pid < n_tok * BLOCK_P) | (pid == grid - 1)
     if busy:
         if sync.status_set(status_ptr) == 0:
-            t = tl.arange(0, BLOCK_T)
             pp = tl.arange(0, BLOCK_P)
-            slot = tl.cumsum(goes, axis=0) - goes                                      # rank among the tokens to d
-            chunk = tl.minimum((t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1), MC - 1)
             offs_h = tl.arange(0, BLOCK_H)
-            for pair in range(pid, n_tok * BLOCK_P, grid):
-                token = pair // BLOCK_P
-                dest = pair % BLOCK_P
-                picked = (t[:, None] == token) & (pp[None, :] == dest)
-                if _pick(goes, picked) != 0:
-                    row = _pick(slot, picked)
-                    dst = (peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True)
-                           + (tl.cast(rank, tl.int64) * max_tokens + row) * H)
-                    src = x + tl.cast(token, tl.int64) * H
-                    for h0 in range(0, H, BLOCK_H):
-                        cols = h0 + offs_h
-                        tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
-                    flag = (peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC
-                            + _pick(chunk, picked))
-                    sync.signal_add(flag, 1, True)
+            sent = tl.zeros([BLOCK_P], dtype=tl.int32)   # rows to each destination in the blocks before
+            # blocks of BLOCK_T tokens (one at the decode sizes the host sends here; more only if a call is longer)
+            for first in range(0, n_tok, BLOCK_T):
+                if first > 0:
+                    goes = _destinations(ids_ptr, ids_stride, rank, n_tok, first, world_size, max_tokens, L, K, KP,
+                                         BLOCK_T, BLOCK_P)
+                t = first + tl.arange(0, BLOCK_T)
+                slot = sent[None, :] + tl.cumsum(goes, axis=0) - goes                # rank among the tokens to d
+                chunk = tl.minimum((t[:, None] * K_dest[None, :]) // tl.maximum(n_tok, 1), MC - 1)
+                for pair in range(pid, BLOCK_T * BLOCK_P, grid):
+                    token = first + pair // BLOCK_P
+                    dest = pair % BLOCK_P
+                    picked = (t[:, None] == token) & (pp[None, :] == dest)
+                    if _pick(goes, picked) != 0:
+                        row = _pick(slot, picked)
+                        dst = (peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True)
+                               + (tl.cast(rank, tl.int64) * max_tokens + row) * H)
+                        src = x + tl.cast(token, tl.int64) * H
+                        for h0 in range(0, H, BLOCK_H):
+                            cols = h0 + offs_h
+                            tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
+                        flag = (peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC
+                                + _pick(chunk, picked))
+                        sync.signal_add(flag, 1, True)
+                sent += tl.sum(goes, axis=0)
             if pid == grid - 1:
                 owed = _owed(ids_ptr, ids_stride, tokens_ptr, tokens_stride, chunks_ptr, rank, world_size, max_tokens,
                              L, K, KP, MC, BLOCK_T, BLOCK_P)
