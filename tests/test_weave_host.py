@@ -752,6 +752,10 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend.debug_skip_launch = False
     backend.forward(torch.cat([x, x]), torch.cat([ids, ids]), torch.cat([w, w]))   # 6 tokens: not a decode call
     assert built[-1] == "not decode" and backend.slots.written == 3
+    # a decode call's graph never serves a longer call with the same grouped configs (here: none for both): its
+    # early dispatch covers at most DECODE_TOKENS tokens (an H100 run at 4b27543 timed out on that)
+    names = [name for name, _ in backend.graphs.runs]
+    assert names[0] != names[-1] and names[0].endswith(".decode") and names[-1].endswith(".full"), names
     backend.graphs.fail = True
     with pytest.raises(RuntimeError, match="launch failed"):
         backend.forward(x, ids, w)
