@@ -293,8 +293,10 @@ class WeaveBackend:
         # count, so per T: its launches and tables are fixed at capture)
         self.decode_tokens = DECODE_TOKENS if cfg.decode_stages and self.resident else 0
         # KernelConfig.early_dispatch: a decode call's rows dispatched right after the counts, beside the tables
+        # (a layer of fewer than DECODE_TOKENS tokens per rank: its every call; seen on an H200 at 3ec8976, where
+        # such a layer refused to build)
         self.early_dispatch = (EarlyDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens,
-                                             self.decode_tokens, self.num_sms)
+                                             min(self.decode_tokens, self.max_tokens), self.num_sms)
                                if cfg.early_dispatch and self.decode_tokens and H % 8 == 0 else None)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
