@@ -168,9 +168,11 @@ class KernelConfig:
             flag follow from the ids alone), instead of in a launch after the tables, which then runs from its GEMM
             phase on or not at all; the call's GEMMs wait for both. At decode sizes the dispatch launch was one
             ~3.6 us link of the call's chain (Qwen3-30B-A3B at 1 token, one rank's work of EP=2,
-            bench/results/h200-39eda33). Needs `decode_stages` and H a multiple of 8. Off until measured on the GPU;
-            the rows and counters are the torch tables', bit for bit, under the interpreter
-            (tests/test_megakernel_cpu.py).
+            bench/results/h200-39eda33). Needs `decode_stages` and H a multiple of 8. On an H200 (one pass of 5
+            calls, bench/results/h200-3ec8976): every check passed and every decode size was faster (Qwen3-30B-A3B
+            at 1 token 58.7 -> 53.8 us, DeepSeek-V3 206.9 -> 205.2). Off until the resident check passes with it
+            (its run there found the bug of layers under 64 tokens, since fixed) and EP=2 on two GPUs; the rows
+            and counters are the torch tables', bit for bit, under the interpreter (tests/test_megakernel_cpu.py).
     """
 
     block_m: int = 128
