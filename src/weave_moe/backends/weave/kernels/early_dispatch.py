@@ -35,6 +35,7 @@ import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
+from weave_moe.backends.weave.kernels.tables_scan import token_destinations
 from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["EarlyDispatch", "early_dispatch_kernel"]
@@ -51,12 +52,10 @@ def _destinations(ids_ptr, ids_stride, source, n_tok, first, world_size, max_tok
     are read up to T_max and cut at n_tok afterwards: the load does not wait for n_tok's."""
     t = first + tl.arange(0, BLOCK_T)
     jj = tl.arange(0, KP)
-    pp = tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
                   mask=(t < max_tokens)[:, None] & (jj < K)[None, :], other=-1)
     ids = tl.where((t < n_tok)[:, None], ids, -1)
-    owner = tl.where((ids >= 0) & (ids < world_size * L), ids // L, -1)
-    return (tl.sum((owner[:, :, None] == pp[None, None, :]).to(tl.int32), axis=1) > 0).to(tl.int32)
+    return token_destinations(ids, world_size, L, BLOCK_P).to(tl.int32)
 
 
 @triton.jit

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
 
-__all__ = ["scan_kernel", "chunk_of", "WAIT_FIRST", "WAIT_BEFORE_CHUNKS", "WAIT_LAST"]
+__all__ = ["scan_kernel", "chunk_of", "token_destinations", "WAIT_FIRST", "WAIT_BEFORE_CHUNKS", "WAIT_LAST"]
 
 
 @triton.jit
@@ -143,6 +143,15 @@ def _scan_received(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, q
 
 
 @triton.jit
+def token_destinations(ids, P, L, BLOCK_P: tl.constexpr):
+    """[T, BLOCK_P] bool: token t (ids [T, k]) has an expert on rank d (L local experts per rank, P ranks). Ids
+    outside [0, P * L) go nowhere (-1: none; >= E: the counts kernel refuses the call)."""
+    pp = tl.arange(0, BLOCK_P)
+    owner = tl.where((ids >= 0) & (ids < P * L), ids // L, -1)
+    return tl.sum((owner[:, :, None] == pp[None, None, :]).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
 def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_local_ptr, send_hist_ptr,
                key_counts_ptr, mask_ptr, b, rank, P, T, L, NB, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
                BT: tl.constexpr, BLOCK_P: tl.constexpr, WAIT: tl.constexpr):
@@ -160,8 +169,7 @@ def _scan_sent(ids_ptr, ids_stride, chunks_ptr, tokens_ptr, tokens_stride, send_
     ids = tl.load(ids_ptr + rank.to(tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
                   mask=(t < T)[:, None] & (jj[None, :] < K), other=-1)
     ids = tl.where((t < n_tok)[:, None], ids, -1)
-    owner = tl.where((ids >= 0) & (ids < P * L), ids // L, -1)   # ids >= E: none (the counts reject the call)
-    goes = tl.sum((owner[:, :, None] == pp[None, None, :]).to(tl.int32), axis=1) > 0      # [BT, P]
+    goes = token_destinations(ids, P, L, BLOCK_P)                                        # [BT, P]
     hit = goes.to(tl.int32)
     tl.store(send_local_ptr + pp[None, :] * T + t[:, None], tl.cumsum(hit, axis=0) - hit, mask=goes)
     tl.store(send_hist_ptr + pp * NB + b, tl.sum(hit, axis=0), mask=pp < P)
