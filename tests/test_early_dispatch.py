@@ -52,3 +52,56 @@ def test_early_dispatch_refuses_what_it_cannot_send():
     with pytest.raises(ValueError, match="chunks"):
         early._arguments(torch.zeros(2, 16, 2, dtype=torch.int32), None, torch.zeros(2, dtype=torch.int32), None,
                          None, None, 0, 1)
+
+
+def _compiled_tables_dispatch(world_size: int, num_experts: int, top_k: int, hidden: int):
+    from weave_moe.backends.weave.kernels import sm90
+    from weave_moe.backends.weave.kernels.early_dispatch import NUM_WARPS, TablesDispatch, tables_dispatch_kernel
+    from weave_moe.backends.weave.kernels.tables import TableBuffers
+
+    max_tokens = 2048
+    dispatch = TablesDispatch(world_size, hidden, max_tokens, 132)
+    tables = TableBuffers.for_layer(world_size, max_tokens, top_k, num_experts, hidden_size=hidden,
+                                    intermediate_size=1024, block_m=64, block_n0=128, block_n1=128, dispatch_rows=16,
+                                    combine_rows=16, device="cpu")
+    flags = torch.zeros(64, dtype=torch.int32)
+    workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), recv_offset=1 << 20,
+                                      flags_offsets=(0, 256), flags=lambda parity: flags)
+    plans = torch.zeros(world_size, 4, dtype=torch.int32)
+    args = dispatch._arguments(tables, torch.zeros(world_size, dtype=torch.int32), plans[:, 1],
+                               torch.zeros(2, dtype=torch.int64), workspace, torch.zeros(4, dtype=torch.int32), 1,
+                               10 ** 9)
+    return sm90.compile_for_sm90(tables_dispatch_kernel, args,
+                                 dict(dispatch.constants, BT=tables.shapes.BT, num_warps=NUM_WARPS))
+
+
+@pytest.mark.parametrize("world_size, num_experts, top_k, hidden", [(2, 128, 8, 2048), (2, 256, 8, 7168),
+                                                                    (8, 64, 6, 4096)])
+def test_tables_dispatch_compiles_for_sm90_with_vector_rows_and_its_ordering(world_size, num_experts, top_k,
+                                                                             hidden):
+    """The dispatch beside the emit, as the backend launches it: no local memory; rows in 16-byte vectors; each
+    (destination, chunk)'s rows released at system scope, the owed rows acquired at system scope."""
+    compiled = _compiled_tables_dispatch(world_size, num_experts, top_k, hidden)
+    ptx = compiled.asm["ptx"]
+    assert ".local" not in ptx
+    assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
+    assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row copied one element per access"
+    assert re.search(r"atom\.global\.sys\.release\.add", ptx)
+    assert re.search(r"atom\.global\.sys\.acquire\.add", ptx)
+
+
+def test_tables_dispatch_refuses_what_it_cannot_send():
+    from weave_moe.backends.weave.kernels.early_dispatch import TablesDispatch
+    from weave_moe.backends.weave.kernels.tables import TableBuffers
+
+    with pytest.raises(ValueError, match="hidden_size must be a multiple of 8"):
+        TablesDispatch(2, 36, 16, 4)
+    with pytest.raises(ValueError, match="rows must be a power of two"):
+        TablesDispatch(2, 32, 16, 4, rows=3)
+    tables = TableBuffers.for_layer(2, 12, 2, 8, hidden_size=32, intermediate_size=16, block_m=16, block_n0=16,
+                                    block_n1=16, dispatch_rows=4, combine_rows=4, device="cpu")
+    with pytest.raises(ValueError, match="T_max 12"):
+        TablesDispatch(2, 32, 16, 4)._arguments(tables, None, None, None, None, None, 0, 1)
+    with pytest.raises(ValueError, match="chunks"):
+        TablesDispatch(2, 32, 12, 4)._arguments(tables, torch.zeros(2, dtype=torch.int32),
+                                                torch.zeros(2, dtype=torch.int32), None, None, None, 0, 1)

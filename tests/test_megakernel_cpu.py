@@ -660,7 +660,7 @@ def _check_dispatched(ws, all_ids, all_tokens, plans, rank: int, E: int, call: i
 
 def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None,
                      slots: bool = False, decode: bool = False, plan_in_counts: bool = False,
-                     early_dispatch: bool = False) -> list:
+                     early_dispatch: str = "") -> list:
     """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph.
     `slots`: the pack as an eager call makes it (CallSlots: the arguments through a ring of two slots, which the
@@ -669,9 +669,10 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     backend builds them (`_resident_tables`), read by the one-launch kernel of 4-row blocks. `plan_in_counts`: the
     plan is not the layer's but written by the counts launch (KernelConfig.fused_planner, with a device planner of
     the serial policy on a profile of `grid` SMs), read by the tables after their early scan (`early_scan`) and by
-    the kernel. `early_dispatch`: the rows dispatched by `EarlyDispatch` right after the counts (receive rows and
-    arrival counters checked bitwise against the torch tables: every row owed here, each at its slot, in a receive
-    region poisoned before the call), and the kernel from its GEMM phase on (PHASE_FIRST 1)."""
+    the kernel. `early_dispatch`: the rows dispatched beside the tables, "counts": by `EarlyDispatch` right after
+    the counts, "bases": by `TablesDispatch` right after the bases kernel (`build_layout_triton(beside_emit=)`)
+    (receive rows and arrival counters checked bitwise against the torch tables: every row owed here, each at its
+    slot, in a receive region poisoned before the call), and the kernel from its GEMM phase on (PHASE_FIRST 1)."""
     import dataclasses
 
     import torch
@@ -731,15 +732,21 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
                                 block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
     ctrl = torch.zeros(16 + probe.num_mtiles_bound, dtype=torch.int32)
     ring = CallSlots(message, torch.device("cpu"), num_slots=2)
-    if early_dispatch:
+    if early_dispatch == "counts":
         from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch
         early = EarlyDispatch(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=grid)   # blocks of 4
+    elif early_dispatch == "bases":
+        from weave_moe.backends.weave.kernels.early_dispatch import TablesDispatch
+        # steps of 2 tokens in scan blocks of 4 (block_tokens below): several steps per program and per block, and
+        # block bases that are not 0
+        early = TablesDispatch(world_size, H, max_tokens, num_programs=2, rows=2)
+    block_tokens = 4 if early_dispatch == "bases" else None
     rows = 1 if decode else 4
     counters = torch.zeros(counter_words(world_size, E), dtype=torch.int32) if decode else None
     # one set of tables rewritten by every call, as the backend keeps them (tables.TableBuffers)
     buffers = TableBuffers.for_layer(world_size, max_tokens, k, E, hidden_size=H, intermediate_size=I, block_m=16,
                                      block_n0=16, block_n1=16, dispatch_rows=rows, combine_rows=rows,
-                                     device=torch.device("cpu"))
+                                     device=torch.device("cpu"), block_tokens=block_tokens)
     results = []
     dist.barrier()
     for call, (tokens, bad_rank) in enumerate(calls):
@@ -768,17 +775,26 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
         if plan_in_counts:
             assert plans[:, :3].tolist() == [[grid, 1, 0]] * world_size, plans.tolist()
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
-        if early_dispatch:
-            early.launch(all_ids, all_tokens, plans[:, 1], io, ws, status[:sync.STATUS_WORDS], rank,
-                         min(timeout_ns, 10 ** 9))
+        def dispatch(tables=None):
+            if early_dispatch == "counts":
+                early.launch(all_ids, all_tokens, plans[:, 1], io, ws, status[:sync.STATUS_WORDS], rank,
+                             min(timeout_ns, 10 ** 9))
+            else:
+                early.launch(tables, all_tokens, plans[:, 1], io, ws, status[:sync.STATUS_WORDS], rank,
+                             min(timeout_ns, 10 ** 9))
             if bad_rank is None:
                 _check_dispatched(ws, all_ids, all_tokens, plans, rank, E, call, H)
             else:   # refused: nothing sent, nothing waited for
                 assert not ws.flags(0)[:world_size * MAX_CHUNKS].any() and ws.recv().isnan().all(), rank
+
+        if early_dispatch == "counts":
+            dispatch()
         layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
                                      intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows,
                                      combine_rows=rows, reduce_rows=rows, counters=counters, buffers=buffers,
-                                     previous_writes="chunks" if plan_in_counts else "any")
+                                     previous_writes="chunks" if plan_in_counts else "any",
+                                     beside_emit=dispatch if early_dispatch == "bases" else None,
+                                     block_tokens=block_tokens)
         dummy = y[:1]
         args = MegakernelArgs(
             x_ptr=dummy, out_ptr=dummy, w13_ptr=w13[rank * local:(rank + 1) * local],
@@ -805,10 +821,12 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, True, False, False),
     ([([9, 6], None), ([4, 11], None), ([7, 5], 1), ([6, 9], None), ([3, 0], None)], True, False, True, False),
     ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([2, 5, 6, 0], None)], False, False, False, False),
-    ([([1, 1], None), ([4, 11], None), ([7, 5], 1), ([0, 9], None), ([12, 1], None)], True, True, False, True),
-    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([1, 1, 1, 1], None)], False, True, False, True)],
+    ([([1, 1], None), ([4, 11], None), ([7, 5], 1), ([0, 9], None), ([12, 1], None)], True, True, False, "counts"),
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([1, 1, 1, 1], None)], False, True, False, "counts"),
+    ([([1, 1], None), ([4, 11], None), ([7, 5], 1), ([0, 9], None), ([12, 10], None)], True, False, False, "bases"),
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([9, 12, 1, 0], None)], False, False, False, "bases")],
     ids=["ep2", "ep2-slots", "ep2-slots-decode", "ep2-plan-in-counts", "ep4", "ep2-early-dispatch",
-         "ep4-early-dispatch"])
+         "ep4-early-dispatch", "ep2-dispatch-beside-emit", "ep4-dispatch-beside-emit"])
 def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, decode, plan_in_counts, early_dispatch):
     """The device-resident call's launches at EP 2 and 4 between real processes (ipc transport on the CPU, kernels
     under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call

@@ -334,7 +334,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         launched.append("grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
-    backend.early_dispatch = None
+    backend.early_dispatch = backend.tables_dispatch = None
 
     class Stream:
         def wait_event(self, event):
@@ -486,6 +486,53 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         dispatched = []
         backend._resident_tables(decode=decode, joins=[], dispatched=dispatched)
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
+
+
+def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
+    """KernelConfig.dispatch_beside_emit: a call that is not a decode call has its dispatch forked between the bases
+    and the emit (`build_layout_triton(beside_emit=)`), given the call's tables, T and the plans' chunk column; a
+    decode call has none (its early dispatch, when on, is forked after the counts)."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.exchange import RoutingMessage
+
+    backend, launched, _ = _host_backend(monkeypatch, None, resident=True, decode=True)
+
+    class Counts:
+        planner = None
+
+        def build(self, *args, **options):
+            launched.append("counts")
+            return "counts vector"
+
+    class Planner:
+        def launch(self, counts, plans):
+            launched.append("planner")
+
+    class Beside:
+        def launch(self, tables, tokens, chunks, io, workspace, status, rank, timeout_ns):
+            assert tables == "the layer's tables" and tokens.numel() == 1 and io is backend.io
+            assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr() and chunks.stride(0) == 4
+            launched.append("dispatch beside the emit")
+
+    backend.device_counts, backend.device_planner, backend.tables_dispatch = Counts(), Planner(), Beside()
+    backend.message = RoutingMessage(8, 2)
+    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
+    backend.table_counters = None
+    backend._fork = lambda name, enqueue: enqueue() or f"{name} event"
+
+    def tables(*args, buffers, beside_emit=None, **options):
+        launched.append("scan, bases")
+        if beside_emit is not None:
+            beside_emit(buffers)
+        launched.append("emit")
+
+    monkeypatch.setattr(backend_module, "build_layout_triton", tables)
+    for decode, expected in ((False, ["counts", "planner", "scan, bases", "dispatch beside the emit", "emit"]),
+                             (True, ["counts", "planner", "scan, bases", "emit"])):
+        launched.clear()
+        dispatched = []
+        backend._resident_tables(decode=decode, joins=[], dispatched=dispatched)
+        assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch):

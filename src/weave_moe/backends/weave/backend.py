@@ -31,7 +31,7 @@ from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCou
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
-from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch
+from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, TablesDispatch
 from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES, STAGE_COMBINE_REDUCE
 from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
@@ -298,6 +298,10 @@ class WeaveBackend:
         self.early_dispatch = (EarlyDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens,
                                              min(self.decode_tokens, self.max_tokens), self.num_sms)
                                if cfg.early_dispatch and self.decode_tokens and H % 8 == 0 else None)
+        # KernelConfig.dispatch_beside_emit: a longer call's rows dispatched right after the bases, beside the emit
+        self.tables_dispatch = (TablesDispatch(world_size, H, self.max_tokens, self.num_sms)
+                                if cfg.dispatch_beside_emit and self.resident and cfg.triton_tables and H % 8 == 0
+                                else None)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -565,16 +569,21 @@ class WeaveBackend:
             previous_writes = "chunks" if cfg.early_scan else "any"
         # a layer whose serial plans run the grouped GEMMs: no GEMM task rows under a serial plan (nothing reads them);
         # a fixed serial policy's plan is serial whatever its c (Plan.is_serial), the device plan's by its c
-        serial = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
-                       num_sms=self.num_sms)
-                  if self.grouped or self.grouped_serial else {})
-        if serial and grouped_configs is not None and early is not None and self.fork_prologue:
-            def beside_emit(offsets):
-                early.append(self._grouped_prologue(offsets, _tile_keys(grouped_configs), self.grouped_serial,
-                                                    side=True))
-            serial["beside_emit"] = beside_emit
+        options = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
+                        num_sms=self.num_sms)
+                   if self.grouped or self.grouped_serial else {})
+        beside = []   # what is forked off between the bases and the emit, given the tables
+        if options and grouped_configs is not None and early is not None and self.fork_prologue:
+            beside.append(lambda tables: early.append(self._grouped_prologue(
+                tables.tensors["expert_offsets"], _tile_keys(grouped_configs), self.grouped_serial, side=True)))
+        if not decode and self.tables_dispatch is not None and dispatched is not None:
+            beside.append(lambda tables: dispatched.append(self._fork("dispatch", lambda: self.tables_dispatch.launch(
+                tables, tokens, self.plans_device[:, 1], self.io, self.workspace, self.live_status, self.rank,
+                self.timeout_ns))))
+        if beside:
+            options["beside_emit"] = lambda tables: [fork(tables) for fork in beside]
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
-                                   previous_writes=previous_writes, buffers=self.table_buffers[decode], **serial)
+                                   previous_writes=previous_writes, buffers=self.table_buffers[decode], **options)
                  if cfg.triton_tables
                  else self.layout_builder)
         return build(
@@ -977,7 +986,8 @@ class WeaveBackend:
 
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`), every grouped-GEMM config it may
-        pick and the early dispatch (KernelConfig.early_dispatch), for these arguments' specialisation. Called by
+        pick and the dispatches beside the tables (KernelConfig.early_dispatch, dispatch_beside_emit), for these
+        arguments' specialisation. Called by
         `_compile_before_call` before a call enqueues anything, so what the warm-ups write (the layer's tile tables,
         filled with no tile) is rewritten by the call before it is read; its `_line_up` right after waits for the
         warm-up launches to end."""
@@ -1006,10 +1016,14 @@ class WeaveBackend:
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
-        if self.early_dispatch is not None:
+        if self.early_dispatch is not None or self.tables_dispatch is not None:
             all_ids, _, tokens = self.message.unpack(self.all_routing)
+        if self.early_dispatch is not None:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
+        if self.tables_dispatch is not None:
+            self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
+                                        self.workspace, self.live_status, self.rank, self.timeout_ns)
         self.compiled |= self.kernel_variants
 
     def _line_up(self, what: str) -> None:

@@ -173,6 +173,16 @@ class KernelConfig:
             at 1 token 58.7 -> 53.8 us, DeepSeek-V3 206.9 -> 205.2). Off until the resident check passes with it
             (its run there found the bug of layers under 64 tokens, since fixed) and EP=2 on two GPUs; the rows
             and counters are the torch tables', bit for bit, under the interpreter (tests/test_megakernel_cpu.py).
+        dispatch_beside_emit: a resident call that is not a decode call (more than DECODE_TOKENS tokens, or any
+            call without `decode_stages`) dispatches its rows right after the bases kernel of its task tables, on a side stream beside the emit
+            (kernels/early_dispatch.py, `tables_dispatch_kernel`: each row's slot from the scan's and the bases'
+            entries, a few release atomics per 16-token step), instead of in a launch after the emit, which then
+            runs from its GEMM phase on or not at all; the call's GEMMs wait for both. At 2048 tokens the dispatch
+            launch began after a 14 us emit and its CTAs kept the grouped GEMMs' tile tables, forked beside the
+            emit, off the SMs until it ended: the first GEMM's work began at 45.6 us, the emit ended at 31.3
+            (Qwen3-30B-A3B, one rank's work of EP=2, bench/results/h200-f2442a9). Needs `triton_tables` and H a
+            multiple of 8. Off until measured on the GPU; an adaptive plan that splits the SMs then overlaps its
+            GEMMs with the tables, not with its dispatch.
     """
 
     block_m: int = 128
@@ -209,6 +219,7 @@ class KernelConfig:
     interleave_w13: bool = True
     vector_rows: bool = True
     early_dispatch: bool = False
+    dispatch_beside_emit: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -1,30 +1,44 @@
-"""A decode call's dispatch from the routing alone, beside the task tables (KernelConfig.early_dispatch).
+"""The dispatch beside the task tables: a call's rows sent by a launch on a side stream, not after the tables
+(KernelConfig.early_dispatch for decode calls, KernelConfig.dispatch_beside_emit for longer ones).
 
-Why. At decode sizes a call is a chain of small dependent launches, ~3 us each on an H200 (docs/perf-notes.md,
-entries 21 and 32): counts, scan, bases, emit, then the dispatch launch, which reads the emit's task rows. But a
-dispatched row needs none of the task tables:
+Why. A call is a chain of dependent launches: counts, scan, bases, emit, then the dispatch launch, which reads the
+emit's task rows, then the GEMMs. But a dispatched row needs none of the emit's rows:
 - its receive slot at destination d is the number of this rank's earlier tokens that go to d (the slot
   `layout.build_layout` gives it: the receive region holds source s's rows at [s * T_max, (s + 1) * T_max), in
   token order);
 - its arrival flag at d is (this rank, the token's chunk of d's plan), chunk(t) = t * K_d // max(T, 1);
 - the rows a rank waits for follow from every rank's routing, which the exchange has delivered before the counts.
-So this launch runs right after the counts (and the plan), on a side stream, beside the scan, bases and emit; the
-call's GEMMs wait for both (the backend joins it before its first launch that reads the receive buffer, which then
-skips its own dispatch phase).
+So the dispatch can run on a side stream beside the tables, and the call's GEMMs wait for both: the backend joins it
+before its first launch that reads the receive buffer, which then skips its own dispatch phase (or is left out).
+At decode sizes a launch is ~3 us of dependent loads (docs/perf-notes.md, entries 21 and 32); at 2048 tokens the
+dispatch launch ran after a 14 us emit and its CTAs (one per SM, every register) kept the grouped GEMMs' tile tables,
+forked beside the emit, off the SMs until it ended (Qwen3-30B-A3B, bench/results/h200-f2442a9).
 
-Work. The (token, destination) pairs t * BLOCK_P + d are dealt round-robin to the programs (no more programs than
-pairs); a program with none, unless it is the last, exits after its first loads. Every other one computes this
-rank's destinations per token and the slots (a cumsum over <= BLOCK_T tokens); each of its pairs that is sent is one row
-copied in 16-byte vectors (x from `io`, as the megakernel reads it) and one release-add of 1 onto its arrival flag
-at d (sync.py's protocol: the CTA's stores, a barrier, one release atomic at system scope). Then the LAST program
-waits, bounded, until every (source, chunk) flag of this rank holds the rows it is owed (counted from the gathered
-ids), so that the launch ends only once every row has arrived (the kernels after the join read the receive buffer
+Two launches, for two sizes of call:
+- `early_dispatch_kernel` (decode calls, right after the counts and the plan, beside the scan, bases and emit):
+  each row's slot and flag from the ids alone (a cumsum over <= BLOCK_T tokens), the rows owed here counted from
+  every rank's ids.
+- `tables_dispatch_kernel` (longer calls, right after the bases, beside the emit): each row's slot is the scan's
+  rank within its token block plus the bases' block base (`send_local`, `send_block_base`, as the emit computes it),
+  its destinations the scan's bit mask; the rows owed here are the bases' `arrival_expected`.
+
+Work of `early_dispatch_kernel`. The (token, destination) pairs t * BLOCK_P + d are dealt round-robin to the
+programs (no more programs than pairs); a program with none, unless it is the last, exits after its first loads.
+Every other one computes this rank's destinations per token and the slots; each of its pairs that is sent is one
+row copied in 16-byte vectors (x from `io`, as the megakernel reads it) and one release-add of 1 onto its arrival
+flag at d (sync.py's protocol: the CTA's stores, a barrier, one release atomic at system scope).
+
+Work of `tables_dispatch_kernel`. Steps of ROWS tokens are dealt round-robin to the programs; a step copies its
+tokens' rows to each destination as [ROWS, BLOCK_H] tiles (16-byte vectors) and releases, per (destination, chunk)
+the step touches, the number of its rows there onto that flag: a few atomics per step, not one per row.
+
+In both, the LAST program then waits, bounded, until every (source, chunk) flag of this rank holds the rows it is
+owed, so that the launch ends only once every row has arrived (the kernels after the join read the receive buffer
 unguarded, as after the dispatch launch it replaces). The last, not the first: under the interpreter programs run in
-order, and the last one's wait then follows every send of this process.
-
-A call refused before it (the status word set by the counts' verdict, on every rank alike) sends nothing and waits
-for nothing. The host sends only decode calls here (T <= BLOCK_T: one block of tokens); a longer call is walked in
-blocks of BLOCK_T, the slots carried across them (right, not fast), and so is any peer's T on the receive side.
+order, and the last one's wait then follows every send of this process. A call refused before it (the status word
+set by the counts' verdict, on every rank alike) sends nothing and waits for nothing. The host sends only decode
+calls to the first (T <= BLOCK_T: one block of tokens); a longer call is walked in blocks of BLOCK_T, the slots
+carried across them (right, not fast), and so is any peer's T on the receive side.
 """
 
 from __future__ import annotations
@@ -38,7 +52,7 @@ from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
 from weave_moe.backends.weave.kernels.tables_scan import token_destinations
 from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["EarlyDispatch", "early_dispatch_kernel"]
+__all__ = ["EarlyDispatch", "TablesDispatch", "early_dispatch_kernel", "tables_dispatch_kernel"]
 
 NUM_WARPS = 4
 
@@ -191,3 +205,96 @@ class EarlyDispatch:
         early_dispatch_kernel.warmup(
             *self._arguments(all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns), **self.constants,
             grid=(self.num_programs,), num_warps=NUM_WARPS)
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
+def tables_dispatch_kernel(mask_ptr, send_local_ptr, send_block_base_ptr, expected_ptr, tokens_ptr, tokens_stride,
+                           chunks_ptr, io_ptr, peer_base_ptr, recv_offset, flags_offset, arrival_ptr, status_ptr,
+                           rank, world_size, max_tokens, NB, H, timeout_ns, MC: tl.constexpr, BT: tl.constexpr,
+                           ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """mask_ptr: the scan's destination bit mask per token [T_max]; send_local_ptr: [EP, T_max] a token's rank among
+    its scan block's tokens to d; send_block_base_ptr: [EP, NB] the tokens to d in earlier blocks (the bases');
+    expected_ptr: the bases' arrival_expected [EP, MC]; the others as in `early_dispatch_kernel`."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    n_tok = tl.load(tokens_ptr + rank * tokens_stride)
+    x = call_io_ptr(io_ptr, 0, True)
+    if sync.status_set(status_ptr) == 0:
+        offs_r = tl.arange(0, ROWS)
+        offs_h = tl.arange(0, BLOCK_H)
+        cc = tl.arange(0, MC)
+        for first in range(pid * ROWS, n_tok, grid * ROWS):
+            t = first + offs_r
+            valid = t < n_tok
+            bits = tl.load(mask_ptr + t, mask=valid, other=0)
+            src = x + t.to(tl.int64)[:, None] * H
+            for d in range(0, world_size):
+                goes = valid & (((bits >> d) & 1) != 0)
+                slot = (tl.load(send_local_ptr + d * max_tokens + t, mask=goes, other=0)
+                        + tl.load(send_block_base_ptr + d * NB + t // BT, mask=goes, other=0))
+                dst = (peer_ptr(peer_base_ptr, d, recv_offset, tl.bfloat16, True)
+                       + (tl.cast(rank, tl.int64) * max_tokens + slot.to(tl.int64))[:, None] * H)
+                for h0 in range(0, H, BLOCK_H):
+                    cols = h0 + offs_h
+                    both = goes[:, None] & (cols < H)[None, :]
+                    tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=both), mask=both)
+                K_d = tl.load(chunks_ptr + d * 4)
+                rows = tl.histogram(tl.minimum((t * K_d) // tl.maximum(n_tok, 1), MC - 1), MC, mask=goes)
+                flag = peer_ptr(peer_base_ptr, d, flags_offset, tl.int32) + rank * MC
+                for c in range(0, MC):
+                    count = tl.sum(tl.where(cc == c, rows, 0), axis=0)
+                    if count > 0:
+                        sync.signal_add(flag + c, count, True)
+        if pid == grid - 1:
+            # a timeout names flag source * 16 + chunk, as the dispatch launch's wait does
+            sync.wait_all_at_least(arrival_ptr, expected_ptr, world_size * MC, status_ptr,
+                                   sync.ERROR_ARRIVAL_TIMEOUT, 0, timeout_ns, BLOCK_P * MC, True, GROUP=MC)
+
+
+class TablesDispatch:
+    """`tables_dispatch_kernel`'s launch for one layer: `launch(...)` after the bases kernel of a call's task tables
+    (`tables.build_layout_triton(beside_emit=)`), on a side stream beside the emit."""
+
+    def __init__(self, world_size: int, hidden_size: int, max_tokens: int, num_programs: int, rows: int = 16):
+        """`rows`: tokens per step (a power of two), each step a [rows, BLOCK_H] tile of x per destination."""
+        if rows < 1 or rows & (rows - 1):
+            raise ValueError(f"rows must be a power of two, got {rows}")
+        if hidden_size % 8:
+            raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got "
+                             f"{hidden_size}")
+        self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
+        # no more programs than steps of the longest call
+        self.num_programs = max(1, min(num_programs, triton.cdiv(max_tokens, rows)))
+        self.constants = dict(MC=MAX_CHUNKS, ROWS=rows, BLOCK_P=triton.next_power_of_2(world_size),
+                              BLOCK_H=min(512, triton.next_power_of_2(hidden_size)))
+
+    def _arguments(self, tables, tokens, chunks, io, workspace, status, rank, timeout_ns) -> tuple:
+        t = tables.tensors
+        P, T = t["send_local"].shape
+        if (P, T) != (self.world_size, self.max_tokens):
+            raise ValueError(f"tables: for EP {P} and T_max {T}, this launch for EP {self.world_size} and T_max "
+                             f"{self.max_tokens}")
+        if chunks.dtype != torch.int32 or chunks.numel() != P or chunks.stride(0) != 4:
+            raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
+        if tokens.dtype != torch.int32 or tokens.numel() != P:
+            raise ValueError("tokens must be int32 [EP]")
+        return (t["token_dest_mask"], t["send_local"], t["send_block_base"], t["arrival_expected"], tokens,
+                tokens.stride(0), chunks, io, workspace.peer_bases, workspace.recv_offset, workspace.flags_offsets[0],
+                workspace.flags(0), status, rank, P, T, tables.shapes.NB, self.hidden_size, timeout_ns)
+
+    def launch(self, tables, tokens: torch.Tensor, chunks: torch.Tensor, io: torch.Tensor, workspace,
+               status: torch.Tensor, rank: int, timeout_ns: int) -> None:
+        """Enqueue the dispatch of this rank's rows (x at `io[0]`) into the call's parity-0 receive rows and arrival
+        counters of `workspace` (a WorkspaceView: the resident call's), reading `tables` (the call's
+        `tables.TableBuffers`, once its scan and bases kernels are enqueued), and the bounded wait for every row owed
+        to this rank."""
+        tables_dispatch_kernel[(self.num_programs,)](
+            *self._arguments(tables, tokens, chunks, io, workspace, status, rank, timeout_ns),
+            BT=tables.shapes.BT, **self.constants, num_warps=NUM_WARPS)
+
+    def warmup(self, tables, tokens, chunks, io, workspace, status, rank, timeout_ns) -> None:
+        """Compile for these arguments' specialisation without launching (the layer's first call, before it
+        enqueues anything)."""
+        tables_dispatch_kernel.warmup(
+            *self._arguments(tables, tokens, chunks, io, workspace, status, rank, timeout_ns),
+            BT=tables.shapes.BT, **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)

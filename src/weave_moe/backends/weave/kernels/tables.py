@@ -214,8 +214,10 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
     task row is written (`gemm_tasks` holds whatever was there; `meta` still counts them), under another plan
     every one is. Those rows are most of the emit's stores at prefill sizes (72 per M tile at DeepSeek-V3's
     shape).
-    `beside_emit`: called between the bases and the emit launches with expert_offsets, final by then: what needs
-    only them can be enqueued on another stream, beside the emit (the weave backend's grouped-GEMM tile tables).
+    `beside_emit`: called between the bases and the emit launches with the `TableBuffers`, whose scan and bases
+    entries (expert_offsets, send_local, send_block_base, token_dest_mask, arrival_expected, ...) are final by
+    then: what needs only them can be enqueued on another stream, beside the emit (the weave backend's grouped-GEMM
+    tile tables, from expert_offsets; the dispatch of a longer call, `early_dispatch.TablesDispatch`).
     `buffers`: the tables' memory (`TableBuffers` for these shapes), kept by the caller and rewritten by every call
     (the entries past each table's counts hold whatever an earlier call left, as in fresh memory); None: allocated
     here. A layer's resident calls pass theirs, so that the CUDA graph of each row count it captures holds no
@@ -293,7 +295,7 @@ def build_layout_triton(all_ids: torch.Tensor, all_weights: torch.Tensor, tokens
         MC=MC, BLOCK_L=BLOCK_L, BLOCK_P=BLOCK_P, BLOCK_PMC=BLOCK_PMC, BLOCK_B=64, BLOCK_C=block_c,
         CLEAR_COUNTS=counters is not None, **sync.LAUNCH)
     if beside_emit is not None:
-        beside_emit(expert_offsets)
+        beside_emit(buffers)
     grid = P * per_block + P * per_block + triton.cdiv(task_slots, block_j)
     emit_kernel[(grid,)](
         all_ids, all_weights, all_ids.stride(0), tokens, tokens.stride(0), chunks, q, recv_local, send_local,
