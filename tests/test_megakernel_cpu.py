@@ -660,7 +660,7 @@ def _check_dispatched(ws, all_ids, all_tokens, plans, rank: int, E: int, call: i
 
 def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | None = None,
                      slots: bool = False, decode: bool = False, plan_in_counts: bool = False,
-                     early_dispatch: str = "") -> list:
+                     early_dispatch: str = "", dies_before_dispatch: tuple | None = None) -> list:
     """One rank of test_resident_call_sequence_across_processes: the device-resident call's launches in
     the backend's order (WeaveBackend._forward_resident, _resident_tables, _launch), without the CUDA graph.
     `slots`: the pack as an eager call makes it (CallSlots: the arguments through a ring of two slots, which the
@@ -672,7 +672,9 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     the kernel. `early_dispatch`: the rows dispatched beside the tables, "counts": by `EarlyDispatch` right after
     the counts, "bases": by `TablesDispatch` right after the bases kernel (`build_layout_triton(beside_emit=)`)
     (receive rows and arrival counters checked bitwise against the torch tables: every row owed here, each at its
-    slot, in a receive region poisoned before the call), and the kernel from its GEMM phase on (PHASE_FIRST 1)."""
+    slot, in a receive region poisoned before the call), and the kernel from its GEMM phase on (PHASE_FIRST 1).
+    `dies_before_dispatch` (rank, call), with `early_dispatch`: that rank makes the call's exchange and counts, then
+    stops before its dispatch."""
     import dataclasses
 
     import torch
@@ -750,8 +752,9 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     results = []
     dist.barrier()
     for call, (tokens, bad_rank) in enumerate(calls):
-        stalled_call = stall is not None and call == stall[1]
-        if stalled_call and rank == stall[0]:
+        dying = dies_before_dispatch is not None and call == dies_before_dispatch[1]
+        stalled_call = stall is not None and call == stall[1] or dying
+        if stall is not None and call == stall[1] and rank == stall[0]:
             results.append(dict(status=None, error=None, nan=None))   # this rank never makes the call
             break
         # the waits of a call with a stalled peer end after 2 * 10^4 polls (the interpreter counts 100 ns a poll)
@@ -775,6 +778,10 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
         if plan_in_counts:
             assert plans[:, :3].tolist() == [[grid, 1, 0]] * world_size, plans.tolist()
         all_ids, all_weights, all_tokens = message.unpack(all_routing)
+        if dying and rank == dies_before_dispatch[0]:
+            results.append(dict(status=None, error=None, nan=None))   # this rank never dispatches
+            break
+
         def dispatch(tables=None):
             if early_dispatch == "counts":
                 early.launch(all_ids, all_tokens, plans[:, 1], io, ws, status[:sync.STATUS_WORDS], rank,
@@ -782,7 +789,9 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
             else:
                 early.launch(tables, all_tokens, plans[:, 1], io, ws, status[:sync.STATUS_WORDS], rank,
                              min(timeout_ns, 10 ** 9))
-            if bad_rank is None:
+            if dying:   # the rows of the rank that died never arrive
+                assert status[0] == sync.ERROR_ARRIVAL_TIMEOUT.value, (rank, status.tolist())
+            elif bad_rank is None:
                 _check_dispatched(ws, all_ids, all_tokens, plans, rank, E, call, H)
             else:   # refused: nothing sent, nothing waited for
                 assert not ws.flags(0)[:world_size * MAX_CHUNKS].any() and ws.recv().isnan().all(), rank
@@ -882,6 +891,29 @@ def test_stalled_peer_at_ep4_ends_in_a_timeout_on_every_waiting_rank(monkeypatch
         assert stalled["status"][2] < stalled["status"][3], (rank, stalled)   # seen below expected
         assert stalled["nan"], (rank, stalled)
     assert results[3][1]["status"] is None
+
+
+@pytest.mark.parametrize("early_dispatch", ["counts", "bases"])
+def test_peer_dying_before_its_dispatch_ends_in_a_timeout_of_the_dispatch_beside_the_tables(monkeypatch,
+                                                                                          early_dispatch):
+    """EP 2 between real processes: rank 1 makes call 1's routing exchange and counts, then never dispatches. Rank
+    0's dispatch beside the tables (the early dispatch after the counts, or the one after the bases) gives up at its
+    deadline with [arrival timeout, a flag of source 1, seen, expected] in its status word, and its kernel, started
+    after it, does nothing and leaves NaN rows: no hang, the caller's tensors not written."""
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
+    calls = [([3, 2], None), ([4, 3], None)]
+    results = run_distributed(_resident_worker, 2, calls, None, False, early_dispatch == "counts", False,
+                              early_dispatch, (1, 1), backend="gloo", timeout_s=600, env=dict(TRITON_INTERPRET="1"),
+                              shared_device=True)
+    first, stalled = results[0]
+    assert first["status"][:4] == [0, 0, 0, 0] and first["error"] < 2e-2, first
+    assert stalled["status"][0] == sync.ERROR_ARRIVAL_TIMEOUT.value and stalled["status"][1] // 16 == 1, stalled
+    assert stalled["status"][2] < stalled["status"][3], stalled   # seen below expected
+    assert stalled["nan"], stalled
+    assert results[1][1]["status"] is None
 
 
 TAKE_SCRIPT = textwrap.dedent(
