@@ -28,9 +28,10 @@ Every other one computes this rank's destinations per token and the slots; each 
 row copied in 16-byte vectors (x from `io`, as the megakernel reads it) and one release-add of 1 onto its arrival
 flag at d (sync.py's protocol: the CTA's stores, a barrier, one release atomic at system scope).
 
-Work of `tables_dispatch_kernel`. Steps of ROWS tokens are dealt round-robin to the programs; a step copies its
-tokens' rows to each destination as [ROWS, BLOCK_H] tiles (16-byte vectors) and releases, per (destination, chunk)
-the step touches, the number of its rows there onto that flag: a few atomics per step, not one per row.
+Work of `tables_dispatch_kernel`. Steps of ROWS tokens are dealt round-robin to the programs; a step reads its
+tokens' rows as [ROWS, BLOCK_H] tiles (16-byte vectors), writes each tile to every destination of its tokens, then
+releases, per (destination, chunk) the step touches, the number of its rows there onto that flag: a few atomics per
+step, not one per row.
 
 In both, the LAST program then waits, bounded, until every (source, chunk) flag of this rank holds the rows it is
 owed, so that the launch ends only once every row has arrived (the kernels after the join read the receive buffer
@@ -228,16 +229,21 @@ def tables_dispatch_kernel(mask_ptr, send_local_ptr, send_block_base_ptr, expect
             valid = t < n_tok
             bits = tl.load(mask_ptr + t, mask=valid, other=0)
             src = x + t.to(tl.int64)[:, None] * H
+            sent = valid & (bits != 0)
+            # a tile of x read once, then written to each of its destinations (their slots reloaded per tile: a few
+            # words from L1, where a loop over destinations outside would read x once per destination)
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + offs_h
+                tile = tl.load(src + cols[None, :], mask=sent[:, None] & (cols < H)[None, :])
+                for d in range(0, world_size):
+                    goes = valid & (((bits >> d) & 1) != 0)
+                    slot = (tl.load(send_local_ptr + d * max_tokens + t, mask=goes, other=0)
+                            + tl.load(send_block_base_ptr + d * NB + t // BT, mask=goes, other=0))
+                    dst = (peer_ptr(peer_base_ptr, d, recv_offset, tl.bfloat16, True)
+                           + (tl.cast(rank, tl.int64) * max_tokens + slot.to(tl.int64))[:, None] * H)
+                    tl.store(dst + cols[None, :], tile, mask=goes[:, None] & (cols < H)[None, :])
             for d in range(0, world_size):
                 goes = valid & (((bits >> d) & 1) != 0)
-                slot = (tl.load(send_local_ptr + d * max_tokens + t, mask=goes, other=0)
-                        + tl.load(send_block_base_ptr + d * NB + t // BT, mask=goes, other=0))
-                dst = (peer_ptr(peer_base_ptr, d, recv_offset, tl.bfloat16, True)
-                       + (tl.cast(rank, tl.int64) * max_tokens + slot.to(tl.int64))[:, None] * H)
-                for h0 in range(0, H, BLOCK_H):
-                    cols = h0 + offs_h
-                    both = goes[:, None] & (cols < H)[None, :]
-                    tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=both), mask=both)
                 K_d = tl.load(chunks_ptr + d * 4)
                 rows = tl.histogram(tl.minimum((t * K_d) // tl.maximum(n_tok, 1), MC - 1), MC, mask=goes)
                 flag = peer_ptr(peer_base_ptr, d, flags_offset, tl.int32) + rank * MC
