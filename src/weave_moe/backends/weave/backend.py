@@ -521,7 +521,8 @@ class WeaveBackend:
                               self.workspace.flags(0), self.spec.num_experts)
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
-        dispatched = []   # the early dispatch's event (KernelConfig.early_dispatch), joined before the GEMMs
+        dispatched = []   # the event of the dispatch beside the tables (early_dispatch, dispatch_beside_emit),
+        #                   joined before the GEMMs
         layout = self._resident_tables(decode, grouped_configs, early, joins, dispatched)
         dummy = self.workspace.y()[:1]
         self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode,
@@ -543,7 +544,8 @@ class WeaveBackend:
         adaptive policy's ran after its first launch.
         With KernelConfig.prefetch_mib the weights' L2 prefetch is forked off after the counts (its event appended
         to `joins`, which the caller joins at the end of the call). With KernelConfig.early_dispatch a decode call's
-        rows are dispatched on a side stream once the counts and the plan are written (its event appended to
+        rows are dispatched on a side stream once the counts and the plan are written, with
+        KernelConfig.dispatch_beside_emit a longer call's once the bases kernel is (its event appended to
         `dispatched`, which the caller joins before the GEMMs: `_launch(dispatched=)`)."""
         if self.world_size > 1:  # through the symmetric workspace, bounded (kernels/routing_exchange.py); at EP = 1
             #                        send_routing is all_routing[0]
@@ -774,8 +776,8 @@ class WeaveBackend:
         layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
         the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`). `early`: the grouped
         GEMMs' tile tables already forked off (`_grouped_prologue(side=True)`; None: forked here, when they are).
-        `dispatched`: the event after the early dispatch (KernelConfig.early_dispatch, `_resident_tables`): the rows
-        are sent and have arrived once it has passed, so a dispatch-only first launch is left out, a first launch
+        `dispatched`: the event after the dispatch beside the tables (KernelConfig.early_dispatch or
+        dispatch_beside_emit, `_resident_tables`): the rows are sent and have arrived once it has passed, so a dispatch-only first launch is left out, a first launch
         of every phase starts at its GEMM phase (PHASE_FIRST 1), and the launches wait for the event first.
         The layer has compiled before this call enqueued anything (`_compile_before_call`)."""
         if not self.kernel_variants <= self.compiled:
@@ -987,8 +989,7 @@ class WeaveBackend:
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`), every grouped-GEMM config it may
         pick and the dispatches beside the tables (KernelConfig.early_dispatch, dispatch_beside_emit), for these
-        arguments' specialisation. Called by
-        `_compile_before_call` before a call enqueues anything, so what the warm-ups write (the layer's tile tables,
+        arguments' specialisation. Called by `_compile_before_call` before a call enqueues anything, so what the warm-ups write (the layer's tile tables,
         filled with no tile) is rewritten by the call before it is read; its `_line_up` right after waits for the
         warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):

@@ -174,15 +174,16 @@ class KernelConfig:
             (its run there found the bug of layers under 64 tokens, since fixed) and EP=2 on two GPUs; the rows
             and counters are the torch tables', bit for bit, under the interpreter (tests/test_megakernel_cpu.py).
         dispatch_beside_emit: a resident call that is not a decode call (more than DECODE_TOKENS tokens, or any
-            call without `decode_stages`) dispatches its rows right after the bases kernel of its task tables, on a side stream beside the emit
-            (kernels/early_dispatch.py, `tables_dispatch_kernel`: each row's slot from the scan's and the bases'
-            entries, a few release atomics per 16-token step), instead of in a launch after the emit, which then
-            runs from its GEMM phase on or not at all; the call's GEMMs wait for both. At 2048 tokens the dispatch
-            launch began after a 14 us emit and its CTAs kept the grouped GEMMs' tile tables, forked beside the
-            emit, off the SMs until it ended: the first GEMM's work began at 45.6 us, the emit ended at 31.3
-            (Qwen3-30B-A3B, one rank's work of EP=2, bench/results/h200-f2442a9). Needs `triton_tables` and H a
-            multiple of 8. Off until measured on the GPU; an adaptive plan that splits the SMs then overlaps its
-            GEMMs with the tables, not with its dispatch.
+            call without `decode_stages`) dispatches its rows right after the bases kernel of its task tables, on a
+            side stream beside the emit (kernels/early_dispatch.py, `tables_dispatch_kernel`: each row's slot from
+            the scan's and the bases' entries, a few release atomics per 16-token step), instead of in a launch
+            after the emit, which then runs from its GEMM phase on or not at all; the call's GEMMs wait for both.
+            At 2048 tokens the dispatch launch's CTAs (one per SM, every register) are resident from the emit's
+            start and keep the grouped GEMMs' tile tables, forked beside the emit, off the SMs until they leave:
+            DeepSeek-V2, one rank's work of EP=2, emit ends 42.3 us, dispatch 63.8, tile tables 69.4, GEMM0 (after
+            the row gather) 115.3 (bench/results/h200-ee75b53). Needs `triton_tables` and H a multiple of 8. Off
+            until measured on the GPU; an adaptive plan that splits the SMs then overlaps its GEMMs with the tables,
+            not with its dispatch.
     """
 
     block_m: int = 128

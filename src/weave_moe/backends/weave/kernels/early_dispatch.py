@@ -11,8 +11,9 @@ emit's task rows, then the GEMMs. But a dispatched row needs none of the emit's 
 So the dispatch can run on a side stream beside the tables, and the call's GEMMs wait for both: the backend joins it
 before its first launch that reads the receive buffer, which then skips its own dispatch phase (or is left out).
 At decode sizes a launch is ~3 us of dependent loads (docs/perf-notes.md, entries 21 and 32); at 2048 tokens the
-dispatch launch ran after a 14 us emit and its CTAs (one per SM, every register) kept the grouped GEMMs' tile tables,
-forked beside the emit, off the SMs until it ended (Qwen3-30B-A3B, bench/results/h200-f2442a9).
+dispatch launch works for ~20 us after the emit, and its CTAs (one per SM, every register), resident from the emit's
+start, keep the grouped GEMMs' tile tables forked beside the emit off the SMs until they leave (DeepSeek-V2, one
+rank's work of EP=2, bench/results/h200-ee75b53; docs/perf-notes.md entry 35).
 
 Two launches, for two sizes of call:
 - `early_dispatch_kernel` (decode calls, right after the counts and the plan, beside the scan, bases and emit):
