@@ -105,3 +105,39 @@ def test_tables_dispatch_refuses_what_it_cannot_send():
     with pytest.raises(ValueError, match="chunks"):
         TablesDispatch(2, 32, 12, 4)._arguments(tables, torch.zeros(2, dtype=torch.int32),
                                                 torch.zeros(2, dtype=torch.int32), None, None, None, 0, 1)
+
+
+@pytest.mark.parametrize("world_size, num_experts, top_k, hidden", [(2, 128, 8, 2048), (8, 256, 8, 7168)])
+def test_pair_dispatch_compiles_for_sm90_with_vector_rows_and_its_ordering(world_size, num_experts, top_k, hidden):
+    """The pair rows in expert order (docs/perf-notes.md entry 36's building block): no local memory, rows in
+    16-byte vectors, each pair released at system scope, the owed pairs acquired at system scope."""
+    from weave_moe.backends.weave.config import DECODE_TOKENS
+    from weave_moe.backends.weave.kernels import sm90
+    from weave_moe.backends.weave.kernels.early_dispatch import NUM_WARPS, PairDispatch, pair_dispatch_kernel
+
+    max_tokens = 2048
+    dispatch = PairDispatch(world_size, num_experts, top_k, hidden, max_tokens, DECODE_TOKENS, 132)
+    flags = torch.zeros(64, dtype=torch.int32)
+    ids = torch.zeros(world_size, max_tokens, top_k, dtype=torch.int32)
+    tokens = torch.zeros(world_size, dtype=torch.int32)
+    args = (ids, ids.stride(0), tokens, tokens.stride(0), torch.zeros(num_experts, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int64), torch.zeros(world_size, dtype=torch.int64), 1 << 20, 0, flags,
+            torch.zeros(4, dtype=torch.int32), 1, world_size, max_tokens, hidden, 10 ** 9)
+    ptx = sm90.compile_for_sm90(pair_dispatch_kernel, args,
+                                dict(dispatch.constants, num_warps=NUM_WARPS)).asm["ptx"]
+    assert ".local" not in ptx
+    assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
+    assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row copied one element per access"
+    assert re.search(r"atom\.global\.sys\.release\.add", ptx)
+    assert re.search(r"atom\.global\.sys\.acquire\.add", ptx)
+
+
+def test_pair_dispatch_refuses_what_the_tables_would_not_match():
+    from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
+
+    with pytest.raises(ValueError, match="local experts"):
+        PairDispatch(2, 8, 6, 32, 64, 4, 4)
+    with pytest.raises(ValueError, match="max_call_tokens"):
+        PairDispatch(2, 16, 4, 32, 16, 8, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        PairDispatch(2, 16, 4, 36, 64, 4, 4)

@@ -916,6 +916,97 @@ def test_peer_dying_before_its_dispatch_ends_in_a_timeout_of_the_dispatch_beside
     assert results[1][1]["status"] is None
 
 
+def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: int) -> list:
+    """One rank of test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order: routing exchange and counts as the
+    resident call makes them, then `PairDispatch`; the receive region (poisoned first) against the torch tables:
+    row p holds the x row of the pair the tables put at p (`gather_rows[p]` names its dedup receive row, i.e. its
+    source and token), bitwise, and nothing past the pairs is written; each source's flag holds its pairs."""
+    import torch
+    import torch.distributed as dist
+
+    from weave_moe.backends.coordination import HEADER_WORDS
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage, hit_matrix
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts
+    from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
+    from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
+    from weave_moe.backends.weave.layout import build_layout
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+    from weave_moe.plan import MAX_CHUNKS
+
+    H, max_tokens = 40, 16
+    message = RoutingMessage(max_tokens, k)
+    fmt = CountsFormat(world_size, E, sync.STATUS_WORDS)
+    counts = DeviceCounts(fmt, message, torch.device("cpu"))
+    ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
+        max_tokens, H, routing_words=message.words)
+    send = torch.empty(message.words, dtype=torch.int32)
+    all_routing = torch.zeros(world_size, message.words, dtype=torch.int32)
+    status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
+    header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]
+    io = torch.zeros(2, dtype=torch.int64)
+    ctrl = torch.zeros(64, dtype=torch.int32)
+    dispatch = PairDispatch(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=5)
+    results = []
+    dist.barrier()
+    for call, tokens in enumerate(calls):
+        T = tokens[rank]
+        ids, weights, x = _call_inputs(call, rank, T, E, k, H)
+        if call == 1 and rank == 0 and T >= 2:   # a token with the same expert twice: two pairs, by top-k slot
+            ids[1, 1] = ids[1, 0]
+        out = torch.empty(max(T, 1), H).bfloat16()
+        ws.recv().fill_(float("nan"))
+        message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
+        exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=120 * 10**9, parts=1,
+                         block=8)
+        vector = counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
+        all_ids, _, all_tokens = message.unpack(all_routing)
+        pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
+        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9)
+        ref = build_layout(all_ids, torch.zeros(all_ids.shape), all_tokens, torch.ones(world_size, dtype=torch.int32),
+                           rank, E, hidden_size=H, intermediate_size=16, block_m=16, block_n0=16, block_n1=16,
+                           dispatch_rows=1, combine_rows=1, reduce_rows=1)
+        local = E // world_size
+        total = int(pairs[rank * local:(rank + 1) * local].sum())
+        hit = hit_matrix(all_ids, local)
+        recv = ws.recv()
+        wrong = []
+        for p in range(total):
+            source, slot = divmod(int(ref.gather_rows[p]), max_tokens)
+            token = int(hit[source, :, rank].nonzero()[slot])
+            _, _, x_source = _call_inputs(call, source, int(all_tokens[source]), E, k, H)
+            if not torch.equal(recv[p].view(torch.int16), x_source[token].view(torch.int16)):
+                wrong.append((p, source, token))
+        owed = [int(((all_ids[s, :int(all_tokens[s])] >= rank * local)
+                     & (all_ids[s, :int(all_tokens[s])] < (rank + 1) * local)).sum()) for s in range(world_size)]
+        flags = ws.flags(0)[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS)
+        results.append(dict(status=status[:4].tolist(), wrong=wrong, total=total,
+                            unwritten_past=bool(recv[total:].isnan().all()),
+                            flags=flags[:, 0].tolist(), owed=owed, other_chunks=int(flags[:, 1:].abs().sum())))
+        dist.barrier()   # every rank has checked its rows before any rank's next call overwrites them
+    dist.barrier()
+    return results
+
+
+@pytest.mark.parametrize("calls, E, k", [([[3, 2], [4, 1], [0, 4]], 8, 2), ([[2, 1, 3, 0], [4, 4, 1, 2]], 16, 3)],
+                         ids=["ep2", "ep4"])
+def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, calls, E, k):
+    """`PairDispatch` (docs/perf-notes.md entry 36's rows in expert order) at EP 2 and 4 between real processes,
+    under the interpreter: every pair row of every rank lands at the row the torch tables' expert order gives it
+    (bitwise), nothing else is written, and each source's flag counts the pairs it owes; calls with a rank of no
+    tokens and a token naming one expert twice."""
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
+    results = run_distributed(_pair_dispatch_worker, len(calls[0]), calls, E, k, backend="gloo", timeout_s=600,
+                              env=dict(TRITON_INTERPRET="1"), shared_device=True)
+    for rank, per_call in enumerate(results):
+        for call, got in enumerate(per_call):
+            assert got["status"] == [0, 0, 0, 0] and not got["wrong"] and got["unwritten_past"], (rank, call, got)
+            assert got["flags"] == got["owed"] and got["other_chunks"] == 0, (rank, call, got)
+            assert sum(got["owed"]) == got["total"], (rank, call, got)
+
+
 TAKE_SCRIPT = textwrap.dedent(
     r"""
     import torch

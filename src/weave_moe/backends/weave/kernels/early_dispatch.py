@@ -54,7 +54,8 @@ from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
 from weave_moe.backends.weave.kernels.tables_scan import token_destinations
 from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["EarlyDispatch", "TablesDispatch", "early_dispatch_kernel", "tables_dispatch_kernel"]
+__all__ = ["EarlyDispatch", "TablesDispatch", "PairDispatch", "early_dispatch_kernel", "tables_dispatch_kernel",
+           "pair_dispatch_kernel"]
 
 NUM_WARPS = 4
 
@@ -305,3 +306,110 @@ class TablesDispatch:
         tables_dispatch_kernel.warmup(
             *self._arguments(tables, tokens, chunks, io, workspace, status, rank, timeout_ns),
             BT=tables.shapes.BT, **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)
+
+
+@triton.jit
+def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K: tl.constexpr,
+              KP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """[BLOCK_T, KP] the expert ids of `source`'s first BLOCK_T tokens, -1 past its T and past k."""
+    t = tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, KP)
+    n_tok = tl.load(tokens_ptr + source * tokens_stride)
+    ids = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
+                  mask=(t < max_tokens)[:, None] & (jj < K)[None, :], other=-1)
+    return tl.where((t < n_tok)[:, None], ids, -1)
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
+def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
+                         recv_offset, flags_offset, arrival_ptr, status_ptr, rank, world_size, max_tokens, H,
+                         timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
+    (docs/perf-notes.md entry 36; not yet used by the backend). Under one chunk the task tables order a rank's pairs
+    by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
+    expert e on rank d goes to receive row
+        sum(pairs of d's experts before e) + (pairs of e from sources < s) + (pairs of e in s's (t', j') < (t, j)).
+    pairs_ptr: the counts vector's pairs per expert [E] (every rank's); the others as in `early_dispatch_kernel`.
+    Each pair sent releases 1 onto flag (this rank, chunk 0) at d; the last program waits until each source's flag
+    holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    ee = tl.arange(0, BLOCK_E)
+    t = tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, KP)
+    flat = t[:, None] * KP + jj[None, :]
+    mine = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, rank, max_tokens, K, KP, BLOCK_T)
+    pairs = tl.load(pairs_ptr + ee, mask=ee < world_size * L, other=0)
+    x = call_io_ptr(io_ptr, 0, True)
+    busy = (pid < BLOCK_T * KP) | (pid == grid - 1)
+    if busy:
+        if sync.status_set(status_ptr) == 0:
+            offs_h = tl.arange(0, BLOCK_H)
+            for pair in range(pid, BLOCK_T * KP, grid):
+                expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
+                if expert >= 0:
+                    dest = expert // L
+                    row = tl.sum(tl.where((ee >= dest * L) & (ee < expert), pairs, 0), axis=0)
+                    for source in range(0, rank):
+                        theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K,
+                                           KP, BLOCK_T)
+                        row += tl.sum(tl.sum((theirs == expert).to(tl.int32), axis=1), axis=0)
+                    row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)
+                    token = pair // KP
+                    dst = peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True) + tl.cast(row, tl.int64) * H
+                    src = x + tl.cast(token, tl.int64) * H
+                    for h0 in range(0, H, BLOCK_H):
+                        cols = h0 + offs_h
+                        tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
+                    sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
+            if pid == grid - 1:
+                pp = tl.arange(0, BLOCK_P * MC)
+                owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
+                for source in range(0, world_size):
+                    theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K, KP,
+                                       BLOCK_T)
+                    here = tl.sum(tl.sum(((theirs >= rank * L) & (theirs < (rank + 1) * L)).to(tl.int32), axis=1),
+                                  axis=0)
+                    owed = tl.where(pp == source * MC, here, owed)
+                sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
+                                     timeout_ns, BLOCK_P * MC, True, GROUP=MC)
+
+
+class PairDispatch:
+    """`pair_dispatch_kernel`'s launch for one layer (a building block of docs/perf-notes.md entry 36, not yet used
+    by the backend): `launch(...)` after the counts of a decode call of at most `max_call_tokens` tokens on every
+    rank, under a serial plan (one chunk), with top_k <= E_local (the tables drop no pair)."""
+
+    def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
+                 max_call_tokens: int, num_programs: int):
+        local = num_experts // world_size
+        if top_k > local:
+            raise ValueError(f"top_k = {top_k} > {local} local experts: the task tables drop pairs there")
+        if not 1 <= max_call_tokens or max_call_tokens * top_k > max_tokens:
+            raise ValueError(f"max_call_tokens must be in [1, max_tokens / top_k = {max_tokens // top_k}] (the pair "
+                             f"rows fill the receive region), got {max_call_tokens}")
+        if hidden_size % 8:
+            raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got "
+                             f"{hidden_size}")
+        self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
+        KP = triton.next_power_of_2(top_k)
+        BLOCK_T = triton.next_power_of_2(max_call_tokens)
+        self.num_programs = min(num_programs, BLOCK_T * KP)
+        self.constants = dict(L=local, K=top_k, KP=KP, MC=MAX_CHUNKS, BLOCK_T=BLOCK_T,
+                              BLOCK_E=triton.next_power_of_2(num_experts),
+                              BLOCK_P=triton.next_power_of_2(world_size),
+                              BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
+
+    def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int) -> None:
+        """`pairs`: the counts vector's pairs per expert (E int32)."""
+        P, T, k = all_ids.shape
+        if (P, T, k) != (self.world_size, self.max_tokens, self.constants["K"]) or all_ids.dtype != torch.int32 \
+                or all_ids.stride()[1:] != (k, 1):
+            raise ValueError(f"all_ids: expected int32 [{self.world_size}, {self.max_tokens}, {self.constants['K']}] "
+                             f"with contiguous rows, got {all_ids.dtype} {tuple(all_ids.shape)}")
+        pair_dispatch_kernel[(self.num_programs,)](
+            all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
+            workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, rank, P, T,
+            self.hidden_size, timeout_ns, **self.constants, num_warps=NUM_WARPS)
