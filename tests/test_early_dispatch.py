@@ -122,7 +122,8 @@ def test_pair_dispatch_compiles_for_sm90_with_vector_rows_and_its_ordering(world
     tokens = torch.zeros(world_size, dtype=torch.int32)
     args = (ids, ids.stride(0), tokens, tokens.stride(0), torch.zeros(num_experts, dtype=torch.int32),
             torch.zeros(2, dtype=torch.int64), torch.zeros(world_size, dtype=torch.int64), 1 << 20, 0, flags,
-            torch.zeros(4, dtype=torch.int32), 1, world_size, max_tokens, hidden, 10 ** 9)
+            torch.zeros(4, dtype=torch.int32), torch.zeros(num_experts // world_size + 1, dtype=torch.int32), 1,
+            world_size, max_tokens, hidden, 10 ** 9)
     ptx = sm90.compile_for_sm90(pair_dispatch_kernel, args,
                                 dict(dispatch.constants, num_warps=NUM_WARPS)).asm["ptx"]
     assert ".local" not in ptx

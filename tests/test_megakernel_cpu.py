@@ -920,7 +920,8 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
     """One rank of test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order: routing exchange and counts as the
     resident call makes them, then `PairDispatch`; the receive region (poisoned first) against the torch tables:
     row p holds the x row of the pair the tables put at p (`gather_rows[p]` names its dedup receive row, i.e. its
-    source and token), bitwise, and nothing past the pairs is written; each source's flag holds its pairs."""
+    source and token), bitwise, and nothing past the pairs is written; each source's flag holds its pairs; the
+    expert offsets it writes equal the tables' `expert_offsets`."""
     import torch
     import torch.distributed as dist
 
@@ -962,7 +963,8 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
         vector = counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
         all_ids, _, all_tokens = message.unpack(all_routing)
         pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
-        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9)
+        offsets = torch.full((E // world_size + 1,), -7, dtype=torch.int32)
+        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9, offsets)
         ref = build_layout(all_ids, torch.zeros(all_ids.shape), all_tokens, torch.ones(world_size, dtype=torch.int32),
                            rank, E, hidden_size=H, intermediate_size=16, block_m=16, block_n0=16, block_n1=16,
                            dispatch_rows=1, combine_rows=1, reduce_rows=1)
@@ -981,6 +983,7 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
                      & (all_ids[s, :int(all_tokens[s])] < (rank + 1) * local)).sum()) for s in range(world_size)]
         flags = ws.flags(0)[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS)
         results.append(dict(status=status[:4].tolist(), wrong=wrong, total=total,
+                            offsets=offsets.tolist(), expert_offsets=ref.expert_offsets.tolist(),
                             unwritten_past=bool(recv[total:].isnan().all()),
                             flags=flags[:, 0].tolist(), owed=owed, other_chunks=int(flags[:, 1:].abs().sum())))
         dist.barrier()   # every rank has checked its rows before any rank's next call overwrites them
@@ -1005,6 +1008,7 @@ def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, c
             assert got["status"] == [0, 0, 0, 0] and not got["wrong"] and got["unwritten_past"], (rank, call, got)
             assert got["flags"] == got["owed"] and got["other_chunks"] == 0, (rank, call, got)
             assert sum(got["owed"]) == got["total"], (rank, call, got)
+            assert got["offsets"] == got["expert_offsets"], (rank, call, got)   # the tile tables' input
 
 
 TAKE_SCRIPT = textwrap.dedent(

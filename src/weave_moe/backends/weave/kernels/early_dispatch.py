@@ -322,10 +322,10 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
-                         recv_offset, flags_offset, arrival_ptr, status_ptr, rank, world_size, max_tokens, H,
-                         timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rank, world_size,
+                         max_tokens, H, timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                         MC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
     (docs/perf-notes.md entry 36; not yet used by the backend). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
@@ -333,7 +333,10 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
         sum(pairs of d's experts before e) + (pairs of e from sources < s) + (pairs of e in s's (t', j') < (t, j)).
     pairs_ptr: the counts vector's pairs per expert [E] (every rank's); the others as in `early_dispatch_kernel`.
     Each pair sent releases 1 onto flag (this rank, chunk 0) at d; the last program waits until each source's flag
-    holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T."""
+    holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T. The last program also writes
+    this rank's expert offsets [L + 1] into `offsets_ptr` (the exclusive prefix sum of its experts' pairs, what the
+    bases kernel writes into the tables' `expert_offsets` under one chunk), from which the grouped GEMMs' tile tables
+    can be built (`grouped_tiles.fill_tile_tables`) without the task tables."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
@@ -365,6 +368,10 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                         tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
                     sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
             if pid == grid - 1:
+                ll = tl.arange(0, BLOCK_L)
+                offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]),
+                                          pairs[None, :], 0), axis=1)
+                tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
                 pp = tl.arange(0, BLOCK_P * MC)
                 owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
                 for source in range(0, world_size):
@@ -399,11 +406,15 @@ class PairDispatch:
         self.num_programs = min(num_programs, BLOCK_T * KP)
         self.constants = dict(L=local, K=top_k, KP=KP, MC=MAX_CHUNKS, BLOCK_T=BLOCK_T,
                               BLOCK_E=triton.next_power_of_2(num_experts),
-                              BLOCK_P=triton.next_power_of_2(world_size),
+                              BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
                               BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
 
-    def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int) -> None:
-        """`pairs`: the counts vector's pairs per expert (E int32)."""
+    def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
+               offsets: torch.Tensor) -> None:
+        """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
+        rank's expert offsets (unless the call is refused)."""
+        if offsets.dtype != torch.int32 or offsets.numel() != self.constants["L"] + 1:
+            raise ValueError(f"offsets must be int32 [{self.constants['L'] + 1}]")
         P, T, k = all_ids.shape
         if (P, T, k) != (self.world_size, self.max_tokens, self.constants["K"]) or all_ids.dtype != torch.int32 \
                 or all_ids.stride()[1:] != (k, 1):
@@ -411,5 +422,5 @@ class PairDispatch:
                              f"with contiguous rows, got {all_ids.dtype} {tuple(all_ids.shape)}")
         pair_dispatch_kernel[(self.num_programs,)](
             all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
-            workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, rank, P, T,
+            workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rank, P, T,
             self.hidden_size, timeout_ns, **self.constants, num_warps=NUM_WARPS)
