@@ -22,6 +22,9 @@ Two launches, for two sizes of call:
 - `tables_dispatch_kernel` (longer calls, right after the bases, beside the emit): each row's slot is the scan's
   rank within its token block plus the bases' block base (`send_local`, `send_block_base`, as the emit computes it),
   its destinations the scan's bit mask; the rows owed here are the bases' `arrival_expected`.
+And a third, not used by the backend yet (docs/perf-notes.md entry 36): `pair_dispatch_kernel` sends a decode call's
+rows once per (token, expert) pair, each to its row in the destination's expert order, so that GEMM0 could read them
+contiguous without the emit's gather rows.
 
 Work of `early_dispatch_kernel`. The (token, destination) pairs t * BLOCK_P + d are dealt round-robin to the
 programs (no more programs than pairs); a program with none, unless it is the last, exits after its first loads.
