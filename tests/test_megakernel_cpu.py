@@ -672,7 +672,9 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     the kernel. `early_dispatch`: the rows dispatched beside the tables, "counts": by `EarlyDispatch` right after
     the counts, "bases": by `TablesDispatch` right after the bases kernel (`build_layout_triton(beside_emit=)`)
     (receive rows and arrival counters checked bitwise against the torch tables: every row owed here, each at its
-    slot, in a receive region poisoned before the call), and the kernel from its GEMM phase on (PHASE_FIRST 1).
+    slot, in a receive region poisoned before the call), and the kernel from its GEMM phase on (PHASE_FIRST 1);
+    "mixed": even ranks as "counts", odd ranks as "bases" (a decode call on some ranks, a longer one on others: the
+    senders must agree on the rows' slots and counts).
     `dies_before_dispatch` (rank, call), with `early_dispatch`: that rank makes the call's exchange and counts, then
     stops before its dispatch."""
     import dataclasses
@@ -734,15 +736,16 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
                                 block_m=16, block_n0=16, block_n1=16, dispatch_rows=4, combine_rows=4, reduce_rows=4)
     ctrl = torch.zeros(16 + probe.num_mtiles_bound, dtype=torch.int32)
     ring = CallSlots(message, torch.device("cpu"), num_slots=2)
-    if early_dispatch == "counts":
+    mode = ("counts" if rank % 2 == 0 else "bases") if early_dispatch == "mixed" else early_dispatch
+    if mode == "counts":
         from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch
         early = EarlyDispatch(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=grid)   # blocks of 4
-    elif early_dispatch == "bases":
+    elif mode == "bases":
         from weave_moe.backends.weave.kernels.early_dispatch import TablesDispatch
         # steps of 2 tokens in scan blocks of 4 (block_tokens below): several steps per program and per block, and
         # block bases that are not 0
         early = TablesDispatch(world_size, H, max_tokens, num_programs=2, rows=2)
-    block_tokens = 4 if early_dispatch == "bases" else None
+    block_tokens = 4 if mode == "bases" else None
     rows = 1 if decode else 4
     counters = torch.zeros(counter_words(world_size, E), dtype=torch.int32) if decode else None
     # one set of tables rewritten by every call, as the backend keeps them (tables.TableBuffers)
@@ -783,7 +786,7 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
             break
 
         def dispatch(tables=None):
-            if early_dispatch == "counts":
+            if mode == "counts":
                 early.launch(all_ids, all_tokens, plans[:, 1], io, ws, status[:sync.STATUS_WORDS], rank,
                              min(timeout_ns, 10 ** 9))
             else:
@@ -796,13 +799,13 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
             else:   # refused: nothing sent, nothing waited for
                 assert not ws.flags(0)[:world_size * MAX_CHUNKS].any() and ws.recv().isnan().all(), rank
 
-        if early_dispatch == "counts":
+        if mode == "counts":
             dispatch()
         layout = build_layout_triton(all_ids, all_weights, all_tokens, plans[:, 1], rank, E, hidden_size=H,
                                      intermediate_size=I, block_m=16, block_n0=16, block_n1=16, dispatch_rows=rows,
                                      combine_rows=rows, reduce_rows=rows, counters=counters, buffers=buffers,
                                      previous_writes="chunks" if plan_in_counts else "any",
-                                     beside_emit=dispatch if early_dispatch == "bases" else None,
+                                     beside_emit=dispatch if mode == "bases" else None,
                                      block_tokens=block_tokens)
         dummy = y[:1]
         args = MegakernelArgs(
@@ -833,9 +836,10 @@ def _resident_worker(rank: int, world_size: int, calls: list, stall: tuple | Non
     ([([1, 1], None), ([4, 11], None), ([7, 5], 1), ([0, 9], None), ([12, 1], None)], True, True, False, "counts"),
     ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([1, 1, 1, 1], None)], False, True, False, "counts"),
     ([([1, 1], None), ([4, 11], None), ([7, 5], 1), ([0, 9], None), ([12, 10], None)], True, False, False, "bases"),
-    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([9, 12, 1, 0], None)], False, False, False, "bases")],
+    ([([5, 2, 0, 7], None), ([3, 6, 4, 1], 1), ([9, 12, 1, 0], None)], False, False, False, "bases"),
+    ([([1, 9, 0, 12], None), ([3, 6, 4, 1], 1), ([4, 12, 1, 7], None)], False, False, False, "mixed")],
     ids=["ep2", "ep2-slots", "ep2-slots-decode", "ep2-plan-in-counts", "ep4", "ep2-early-dispatch",
-         "ep4-early-dispatch", "ep2-dispatch-beside-emit", "ep4-dispatch-beside-emit"])
+         "ep4-early-dispatch", "ep2-dispatch-beside-emit", "ep4-dispatch-beside-emit", "mixed-dispatches"])
 def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, decode, plan_in_counts, early_dispatch):
     """The device-resident call's launches at EP 2 and 4 between real processes (ipc transport on the CPU, kernels
     under the interpreter): pack (with the carried rejection, the zeroed control block and flags, the next call
@@ -849,7 +853,8 @@ def test_resident_call_sequence_across_processes(monkeypatch, calls, slots, deco
     counts launch (KernelConfig.fused_planner, a serial device plan) and the tables' early scan; and with the rows
     dispatched right after the counts (KernelConfig.early_dispatch, `EarlyDispatch`) at EP 2 and 4, checked bitwise,
     with 2-4 chunks per rank, the kernel starting at its GEMM phase (calls of one token per rank, of none on one
-    rank, of all 12 rows of T_max)."""
+    rank, of all 12 rows of T_max); and with the dispatch beside the emit (after the bases kernel) at EP 2 and 4,
+    and at EP 4 with the two dispatches mixed (even ranks after the counts, odd ranks after the bases)."""
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.testing import run_distributed
 
