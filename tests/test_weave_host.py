@@ -448,11 +448,9 @@ def test_early_dispatch_replaces_the_dispatch_phase_and_is_joined_first(monkeypa
     assert launched == launches
 
 
-def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_call(monkeypatch):
-    """KernelConfig.early_dispatch: a decode call's dispatch is forked once the counts (and an adaptive policy's
-    plan) are enqueued, before the task tables, with the gathered ids, T and the plans' chunk column; not for a call
-    past DECODE_TOKENS tokens."""
-    from weave_moe.backends.weave import backend as backend_module
+def _tables_host(monkeypatch):
+    """A host backend of a resident decode-capable layer whose counts and planner launches only record themselves
+    (`_resident_tables`' order), its forks run inline and named "<name> event"."""
     from weave_moe.backends.weave.exchange import RoutingMessage
 
     backend, launched, _ = _host_backend(monkeypatch, None, resident=True, decode=True)
@@ -468,17 +466,29 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         def launch(self, counts, plans):
             launched.append("planner")
 
+    backend.device_counts, backend.device_planner = Counts(), Planner()
+    backend.message = RoutingMessage(8, 2)
+    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
+    backend.table_counters = None
+    backend._fork = lambda name, enqueue: enqueue() or f"{name} event"
+    return backend, launched
+
+
+def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_call(monkeypatch):
+    """KernelConfig.early_dispatch: a decode call's dispatch is forked once the counts (and an adaptive policy's
+    plan) are enqueued, before the task tables, with the gathered ids, T and the plans' chunk column; not for a call
+    past DECODE_TOKENS tokens."""
+    from weave_moe.backends.weave import backend as backend_module
+
+    backend, launched = _tables_host(monkeypatch)
+
     class Early:
         def launch(self, all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns):
             assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr() and chunks.stride(0) == 4
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
             launched.append("early dispatch")
 
-    backend.device_counts, backend.device_planner, backend.early_dispatch = Counts(), Planner(), Early()
-    backend.message = RoutingMessage(8, 2)
-    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
-    backend.table_counters = None
-    backend._fork = lambda name, enqueue: enqueue() or f"{name} event"
+    backend.early_dispatch = Early()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
     for decode, expected in ((True, ["counts", "planner", "early dispatch", "tables"]),
                              (False, ["counts", "planner", "tables"])):
@@ -493,20 +503,8 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
     and the emit (`build_layout_triton(beside_emit=)`), given the call's tables, T and the plans' chunk column; a
     decode call has none (its early dispatch, when on, is forked after the counts)."""
     from weave_moe.backends.weave import backend as backend_module
-    from weave_moe.backends.weave.exchange import RoutingMessage
 
-    backend, launched, _ = _host_backend(monkeypatch, None, resident=True, decode=True)
-
-    class Counts:
-        planner = None
-
-        def build(self, *args, **options):
-            launched.append("counts")
-            return "counts vector"
-
-    class Planner:
-        def launch(self, counts, plans):
-            launched.append("planner")
+    backend, launched = _tables_host(monkeypatch)
 
     class Beside:
         def launch(self, tables, tokens, chunks, io, workspace, status, rank, timeout_ns):
@@ -514,11 +512,7 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
             assert chunks.data_ptr() == backend.plans_device[:, 1].data_ptr() and chunks.stride(0) == 4
             launched.append("dispatch beside the emit")
 
-    backend.device_counts, backend.device_planner, backend.tables_dispatch = Counts(), Planner(), Beside()
-    backend.message = RoutingMessage(8, 2)
-    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
-    backend.table_counters = None
-    backend._fork = lambda name, enqueue: enqueue() or f"{name} event"
+    backend.tables_dispatch = Beside()
 
     def tables(*args, buffers, beside_emit=None, **options):
         launched.append("scan, bases")

@@ -63,18 +63,46 @@ __all__ = ["EarlyDispatch", "TablesDispatch", "PairDispatch", "early_dispatch_ke
 NUM_WARPS = 4
 
 
+def _check_hidden(hidden_size: int) -> None:
+    if hidden_size % 8:
+        raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got {hidden_size}")
+
+
+def _check_ids(all_ids: torch.Tensor, world_size: int, max_tokens: int, top_k: int) -> None:
+    """The gathered ids as `RoutingMessage.unpack` views them: int32 [EP, T_max, k] with contiguous rows."""
+    if tuple(all_ids.shape) != (world_size, max_tokens, top_k) or all_ids.dtype != torch.int32 \
+            or all_ids.stride()[1:] != (top_k, 1):
+        raise ValueError(f"all_ids: expected int32 [{world_size}, {max_tokens}, {top_k}] with contiguous rows, got "
+                         f"{all_ids.dtype} {tuple(all_ids.shape)}")
+
+
+def _check_plan_columns(tokens: torch.Tensor, chunks: torch.Tensor | None, world_size: int) -> None:
+    """T of every rank, and the K column of the [EP, 4] plans (None: not read)."""
+    if chunks is not None and (chunks.dtype != torch.int32 or chunks.numel() != world_size or chunks.stride(0) != 4):
+        raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
+    if tokens.dtype != torch.int32 or tokens.numel() != world_size:
+        raise ValueError("tokens must be int32 [EP]")
+
+
+@triton.jit
+def _ids_block(ids_ptr, ids_stride, source, n_tok, first, max_tokens, K: tl.constexpr, KP: tl.constexpr,
+               BLOCK_T: tl.constexpr):
+    """[BLOCK_T, KP] the expert ids of `source`'s tokens first + i, -1 past its n_tok and past k. The ids are read up
+    to T_max and cut at n_tok afterwards: the load does not wait for n_tok's."""
+    t = first + tl.arange(0, BLOCK_T)
+    jj = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
+                  mask=(t < max_tokens)[:, None] & (jj < K)[None, :], other=-1)
+    return tl.where((t < n_tok)[:, None], ids, -1)
+
+
 @triton.jit
 def _destinations(ids_ptr, ids_stride, source, n_tok, first, world_size, max_tokens,
                   L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_P: tl.constexpr):
     """[BLOCK_T, BLOCK_P] int32: 1 where token first + i of `source` (< n_tok) has an expert on rank d. Ids outside
-    [0, E) go nowhere (the counts kernel before this launch has replaced them by -1, or refused the call). The ids
-    are read up to T_max and cut at n_tok afterwards: the load does not wait for n_tok's."""
-    t = first + tl.arange(0, BLOCK_T)
-    jj = tl.arange(0, KP)
-    ids = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
-                  mask=(t < max_tokens)[:, None] & (jj < K)[None, :], other=-1)
-    ids = tl.where((t < n_tok)[:, None], ids, -1)
+    [0, E) go nowhere (the counts kernel before this launch has replaced them by -1, or refused the call)."""
+    ids = _ids_block(ids_ptr, ids_stride, source, n_tok, first, max_tokens, K, KP, BLOCK_T)
     return token_destinations(ids, world_size, L, BLOCK_P).to(tl.int32)
 
 
@@ -169,9 +197,7 @@ class EarlyDispatch:
                  max_call_tokens: int, num_programs: int):
         if not 1 <= max_call_tokens <= max_tokens:
             raise ValueError(f"max_call_tokens must be in [1, max_tokens = {max_tokens}], got {max_call_tokens}")
-        if hidden_size % 8:
-            raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got "
-                             f"{hidden_size}")
+        _check_hidden(hidden_size)
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
         self.max_call_tokens = max_call_tokens
         # no more programs than (token, destination) pairs
@@ -183,15 +209,9 @@ class EarlyDispatch:
                               BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
 
     def _arguments(self, all_ids, tokens, chunks, io, workspace, status, rank, timeout_ns) -> tuple:
-        P, T, k = all_ids.shape
-        if (P, T, k) != (self.world_size, self.max_tokens, self.constants["K"]) or all_ids.dtype != torch.int32 \
-                or all_ids.stride()[1:] != (k, 1):
-            raise ValueError(f"all_ids: expected int32 [{self.world_size}, {self.max_tokens}, {self.constants['K']}] "
-                             f"with contiguous rows, got {all_ids.dtype} {tuple(all_ids.shape)}")
-        if chunks.dtype != torch.int32 or chunks.numel() != P or chunks.stride(0) != 4:
-            raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
-        if tokens.dtype != torch.int32 or tokens.numel() != P:
-            raise ValueError("tokens must be int32 [EP]")
+        P, T = self.world_size, self.max_tokens
+        _check_ids(all_ids, P, T, self.constants["K"])
+        _check_plan_columns(tokens, chunks, P)
         return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), chunks, io, workspace.peer_bases,
                 workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, rank, P, T,
                 self.hidden_size, timeout_ns)
@@ -270,9 +290,7 @@ class TablesDispatch:
         """`rows`: tokens per step (a power of two), each step a [rows, BLOCK_H] tile of x per destination."""
         if rows < 1 or rows & (rows - 1):
             raise ValueError(f"rows must be a power of two, got {rows}")
-        if hidden_size % 8:
-            raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got "
-                             f"{hidden_size}")
+        _check_hidden(hidden_size)
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
         # no more programs than steps of the longest call
         self.num_programs = max(1, min(num_programs, triton.cdiv(max_tokens, rows)))
@@ -285,10 +303,7 @@ class TablesDispatch:
         if (P, T) != (self.world_size, self.max_tokens):
             raise ValueError(f"tables: for EP {P} and T_max {T}, this launch for EP {self.world_size} and T_max "
                              f"{self.max_tokens}")
-        if chunks.dtype != torch.int32 or chunks.numel() != P or chunks.stride(0) != 4:
-            raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
-        if tokens.dtype != torch.int32 or tokens.numel() != P:
-            raise ValueError("tokens must be int32 [EP]")
+        _check_plan_columns(tokens, chunks, P)
         return (t["token_dest_mask"], t["send_local"], t["send_block_base"], t["arrival_expected"], tokens,
                 tokens.stride(0), chunks, io, workspace.peer_bases, workspace.recv_offset, workspace.flags_offsets[0],
                 workspace.flags(0), status, rank, P, T, tables.shapes.NB, self.hidden_size, timeout_ns)
@@ -314,13 +329,9 @@ class TablesDispatch:
 @triton.jit
 def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K: tl.constexpr,
               KP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """[BLOCK_T, KP] the expert ids of `source`'s first BLOCK_T tokens, -1 past its T and past k."""
-    t = tl.arange(0, BLOCK_T)
-    jj = tl.arange(0, KP)
+    """[BLOCK_T, KP] the expert ids of `source`'s first BLOCK_T tokens (`_ids_block` with its T)."""
     n_tok = tl.load(tokens_ptr + source * tokens_stride)
-    ids = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + t[:, None] * K + jj[None, :],
-                  mask=(t < max_tokens)[:, None] & (jj < K)[None, :], other=-1)
-    return tl.where((t < n_tok)[:, None], ids, -1)
+    return _ids_block(ids_ptr, ids_stride, source, n_tok, 0, max_tokens, K, KP, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
@@ -349,42 +360,40 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     mine = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, rank, max_tokens, K, KP, BLOCK_T)
     pairs = tl.load(pairs_ptr + ee, mask=ee < world_size * L, other=0)
     x = call_io_ptr(io_ptr, 0, True)
-    busy = (pid < BLOCK_T * KP) | (pid == grid - 1)
-    if busy:
-        if sync.status_set(status_ptr) == 0:
-            offs_h = tl.arange(0, BLOCK_H)
-            for pair in range(pid, BLOCK_T * KP, grid):
-                expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
-                if expert >= 0:
-                    dest = expert // L
-                    row = tl.sum(tl.where((ee >= dest * L) & (ee < expert), pairs, 0), axis=0)
-                    for source in range(0, rank):
-                        theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K,
-                                           KP, BLOCK_T)
-                        row += tl.sum(tl.sum((theirs == expert).to(tl.int32), axis=1), axis=0)
-                    row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)
-                    token = pair // KP
-                    dst = peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True) + tl.cast(row, tl.int64) * H
-                    src = x + tl.cast(token, tl.int64) * H
-                    for h0 in range(0, H, BLOCK_H):
-                        cols = h0 + offs_h
-                        tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
-                    sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
-            if pid == grid - 1:
-                ll = tl.arange(0, BLOCK_L)
-                offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]),
-                                          pairs[None, :], 0), axis=1)
-                tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
-                pp = tl.arange(0, BLOCK_P * MC)
-                owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
-                for source in range(0, world_size):
-                    theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K, KP,
-                                       BLOCK_T)
-                    here = tl.sum(tl.sum(((theirs >= rank * L) & (theirs < (rank + 1) * L)).to(tl.int32), axis=1),
-                                  axis=0)
-                    owed = tl.where(pp == source * MC, here, owed)
-                sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
-                                     timeout_ns, BLOCK_P * MC, True, GROUP=MC)
+    if sync.status_set(status_ptr) == 0:   # every program has pairs to walk: no more programs than pairs
+        offs_h = tl.arange(0, BLOCK_H)
+        for pair in range(pid, BLOCK_T * KP, grid):
+            expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
+            if expert >= 0:
+                dest = expert // L
+                row = tl.sum(tl.where((ee >= dest * L) & (ee < expert), pairs, 0), axis=0)
+                for source in range(0, rank):
+                    theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K,
+                                       KP, BLOCK_T)
+                    row += tl.sum(tl.sum((theirs == expert).to(tl.int32), axis=1), axis=0)
+                row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)
+                token = pair // KP
+                dst = peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True) + tl.cast(row, tl.int64) * H
+                src = x + tl.cast(token, tl.int64) * H
+                for h0 in range(0, H, BLOCK_H):
+                    cols = h0 + offs_h
+                    tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
+                sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
+        if pid == grid - 1:
+            ll = tl.arange(0, BLOCK_L)
+            offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]),
+                                      pairs[None, :], 0), axis=1)
+            tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
+            pp = tl.arange(0, BLOCK_P * MC)
+            owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
+            for source in range(0, world_size):
+                theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K, KP,
+                                   BLOCK_T)
+                here = tl.sum(tl.sum(((theirs >= rank * L) & (theirs < (rank + 1) * L)).to(tl.int32), axis=1),
+                              axis=0)
+                owed = tl.where(pp == source * MC, here, owed)
+            sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
+                                 timeout_ns, BLOCK_P * MC, True, GROUP=MC)
 
 
 class PairDispatch:
@@ -400,9 +409,7 @@ class PairDispatch:
         if not 1 <= max_call_tokens or max_call_tokens * top_k > max_tokens:
             raise ValueError(f"max_call_tokens must be in [1, max_tokens / top_k = {max_tokens // top_k}] (the pair "
                              f"rows fill the receive region), got {max_call_tokens}")
-        if hidden_size % 8:
-            raise ValueError(f"hidden_size must be a multiple of 8 (rows copied in 16-byte vectors), got "
-                             f"{hidden_size}")
+        _check_hidden(hidden_size)
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
         KP = triton.next_power_of_2(top_k)
         BLOCK_T = triton.next_power_of_2(max_call_tokens)
@@ -412,18 +419,22 @@ class PairDispatch:
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
                               BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
 
+    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets) -> tuple:
+        P, T, L = self.world_size, self.max_tokens, self.constants["L"]
+        _check_ids(all_ids, P, T, self.constants["K"])
+        _check_plan_columns(tokens, None, P)
+        if pairs.dtype != torch.int32 or pairs.numel() != P * L:
+            raise ValueError(f"pairs must be the counts vector's int32 pairs per expert [{P * L}]")
+        if offsets.dtype != torch.int32 or offsets.numel() != L + 1:
+            raise ValueError(f"offsets must be int32 [{L + 1}]")
+        return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
+                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rank, P, T,
+                self.hidden_size, timeout_ns)
+
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
                offsets: torch.Tensor) -> None:
         """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
         rank's expert offsets (unless the call is refused)."""
-        if offsets.dtype != torch.int32 or offsets.numel() != self.constants["L"] + 1:
-            raise ValueError(f"offsets must be int32 [{self.constants['L'] + 1}]")
-        P, T, k = all_ids.shape
-        if (P, T, k) != (self.world_size, self.max_tokens, self.constants["K"]) or all_ids.dtype != torch.int32 \
-                or all_ids.stride()[1:] != (k, 1):
-            raise ValueError(f"all_ids: expected int32 [{self.world_size}, {self.max_tokens}, {self.constants['K']}] "
-                             f"with contiguous rows, got {all_ids.dtype} {tuple(all_ids.shape)}")
         pair_dispatch_kernel[(self.num_programs,)](
-            all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
-            workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rank, P, T,
-            self.hidden_size, timeout_ns, **self.constants, num_warps=NUM_WARPS)
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets),
+            **self.constants, num_warps=NUM_WARPS)
