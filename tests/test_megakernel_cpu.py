@@ -926,7 +926,8 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
     resident call makes them, then `PairDispatch`; the receive region (poisoned first) against the torch tables:
     row p holds the x row of the pair the tables put at p (`gather_rows[p]` names its dedup receive row, i.e. its
     source and token), bitwise, and nothing past the pairs is written; each source's flag holds its pairs; the
-    expert offsets it writes equal the tables' `expert_offsets`."""
+    expert offsets it writes equal the tables' `expert_offsets`. The last call has a bad expert id on rank 0, which
+    the counts' verdict refuses on every rank: then nothing is sent and the offsets are zeros (no tile)."""
     import torch
     import torch.distributed as dist
 
@@ -960,6 +961,9 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
         ids, weights, x = _call_inputs(call, rank, T, E, k, H)
         if call == 1 and rank == 0 and T >= 2:   # a token with the same expert twice: two pairs, by top-k slot
             ids[1, 1] = ids[1, 0]
+        refused = call == len(calls) - 1
+        if refused and rank == 0:
+            ids[0, 0] = E
         out = torch.empty(max(T, 1), H).bfloat16()
         ws.recv().fill_(float("nan"))
         message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
@@ -974,9 +978,14 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
                            rank, E, hidden_size=H, intermediate_size=16, block_m=16, block_n0=16, block_n1=16,
                            dispatch_rows=1, combine_rows=1, reduce_rows=1)
         local = E // world_size
+        recv = ws.recv()
+        flags = ws.flags(0)[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS)
+        if refused:
+            results.append(dict(refused=True, status=status[:4].tolist(), offsets=offsets.tolist(),
+                                unwritten=bool(recv.isnan().all()), flags=int(flags.abs().sum())))
+            break
         total = int(pairs[rank * local:(rank + 1) * local].sum())
         hit = hit_matrix(all_ids, local)
-        recv = ws.recv()
         wrong = []
         for p in range(total):
             source, slot = divmod(int(ref.gather_rows[p]), max_tokens)
@@ -986,8 +995,7 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
                 wrong.append((p, source, token))
         owed = [int(((all_ids[s, :int(all_tokens[s])] >= rank * local)
                      & (all_ids[s, :int(all_tokens[s])] < (rank + 1) * local)).sum()) for s in range(world_size)]
-        flags = ws.flags(0)[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS)
-        results.append(dict(status=status[:4].tolist(), wrong=wrong, total=total,
+        results.append(dict(refused=False, status=status[:4].tolist(), wrong=wrong, total=total,
                             offsets=offsets.tolist(), expert_offsets=ref.expert_offsets.tolist(),
                             unwritten_past=bool(recv[total:].isnan().all()),
                             flags=flags[:, 0].tolist(), owed=owed, other_chunks=int(flags[:, 1:].abs().sum())))
@@ -996,20 +1004,28 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
     return results
 
 
-@pytest.mark.parametrize("calls, E, k", [([[3, 2], [4, 1], [0, 4]], 8, 2), ([[2, 1, 3, 0], [4, 4, 1, 2]], 16, 3)],
-                         ids=["ep2", "ep4"])
+@pytest.mark.parametrize("calls, E, k", [([[3], [4], [0], [2]], 8, 2),
+                                         ([[3, 2], [4, 1], [0, 4], [1, 1]], 8, 2),
+                                         ([[2, 1, 3, 0], [4, 4, 1, 2], [1, 2, 1, 1]], 16, 3)],
+                         ids=["ep1", "ep2", "ep4"])
 def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, calls, E, k):
-    """`PairDispatch` (docs/perf-notes.md entry 36's rows in expert order) at EP 2 and 4 between real processes,
-    under the interpreter: every pair row of every rank lands at the row the torch tables' expert order gives it
-    (bitwise), nothing else is written, and each source's flag counts the pairs it owes; calls with a rank of no
-    tokens and a token naming one expert twice."""
+    """`PairDispatch` (KernelConfig.pair_dispatch; docs/perf-notes.md entry 36's rows in expert order) at EP 1 (where
+    the backend uses it), 2 and 4 between real processes, under the interpreter: every pair row of every rank lands
+    at the row the torch tables' expert order gives it (bitwise), nothing else is written, each source's flag counts
+    the pairs it owes and the expert offsets are the tables'; calls with a rank of no tokens and a token naming one
+    expert twice; a refused last call (a bad id on rank 0) sends nothing and writes zero offsets on every rank."""
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
     results = run_distributed(_pair_dispatch_worker, len(calls[0]), calls, E, k, backend="gloo", timeout_s=600,
                               env=dict(TRITON_INTERPRET="1"), shared_device=True)
     for rank, per_call in enumerate(results):
-        for call, got in enumerate(per_call):
+        assert len(per_call) == len(calls), (rank, per_call)
+        *served, refused = per_call
+        assert refused["refused"] and refused["status"][0] != 0, (rank, refused)
+        assert refused["offsets"] == [0] * (E // len(calls[0]) + 1) and refused["unwritten"], (rank, refused)
+        assert refused["flags"] == 0, (rank, refused)
+        for call, got in enumerate(served):
             assert got["status"] == [0, 0, 0, 0] and not got["wrong"] and got["unwritten_past"], (rank, call, got)
             assert got["flags"] == got["owed"] and got["other_chunks"] == 0, (rank, call, got)
             assert sum(got["owed"]) == got["total"], (rank, call, got)

@@ -334,7 +334,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         launched.append("grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
-    backend.early_dispatch = backend.tables_dispatch = None
+    backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
 
     class Stream:
         def wait_event(self, event):
@@ -448,6 +448,53 @@ def test_early_dispatch_replaces_the_dispatch_phase_and_is_joined_first(monkeypa
     assert launched == launches
 
 
+def test_pair_dispatch_leaves_out_the_dispatch_launch_and_joins_the_tables_before_the_combine(monkeypatch):
+    """KernelConfig.pair_dispatch (`_launch(paired=)`): the rows were sent in expert order on this stream, so there is
+    no dispatch launch and no prologue forked from the task tables' offsets; the grouped GEMMs read the pair rows,
+    then the combine + reduce launch waits for the tables built beside them."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+    from weave_moe.plan import Plan
+
+    fixed = Plan(4, 1, 0, 0.0, "serial")
+    backend, launched, _ = _host_backend(monkeypatch, fixed, grouped=True, resident=True, decode=True, fork=True)
+    backend._paired_gemms = lambda configs: launched.append(("paired gemms", configs))
+    configs = (gc.analytical_configs(0)[0], gc.analytical_configs(1)[0])
+    backend._compile_before_call()
+    backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(), fixed, 0, configs,
+                    True, paired="tables event")
+    assert launched == [("paired gemms", configs), ("join", "tables event"), "d4"]
+
+
+def test_paired_gemms_read_the_pair_rows_through_tma_with_tiles_from_the_pair_offsets(monkeypatch):
+    """`_paired_gemms`: the tile tables from the offsets the pair dispatch wrote, on this stream (not forked), then
+    GEMM0 on the receive rows as they lie (no gather) into h, GEMM1 from h into y."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.plan import Plan
+
+    backend, launched, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True, resident=True,
+                                         decode=True, fork=True)
+    backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
+    backend._grouped_prologue = lambda offsets, keys, device_serial, side=False: launched.append(
+        ("tile tables", offsets is backend.pair_offsets, device_serial, side)) or (
+        {key: f"tiles {key}" for key in keys}, None, None)
+
+    def gemm(index):
+        def run(a, w, out, tiles, config, gather=None, **launch):
+            assert launch == backend.gemm_launch
+            ws = backend.workspace
+            source, target = (ws.recv(), ws.h()) if index == 0 else (ws.h(), ws.y())
+            assert a.data_ptr() == source.data_ptr() and a.shape == source.shape and gather is None
+            assert out.data_ptr() == target.data_ptr() and w is (backend.w13, backend.w2)[index]
+            launched.append((f"gemm{index}", tiles, config))
+        return run
+
+    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
+    monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
+    monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
+    backend._paired_gemms(("c0", "c1"))
+    assert launched == [("tile tables", True, False, False), ("gemm0", "tiles k0", "c0"), ("gemm1", "tiles k1", "c1")]
+
+
 def _tables_host(monkeypatch):
     """A host backend of a resident decode-capable layer whose counts and planner launches only record themselves
     (`_resident_tables`' order), its forks run inline and named "<name> event"."""
@@ -496,6 +543,41 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         dispatched = []
         backend._resident_tables(decode=decode, joins=[], dispatched=dispatched)
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
+
+
+def test_resident_paired_forks_the_tables_first_and_sends_the_pairs_after_the_counts(monkeypatch):
+    """`_resident_paired` (KernelConfig.pair_dispatch): the task tables are forked onto a side stream before the
+    counts (nothing on the call's stream waits for them until the combine), then the counts, the pair dispatch on
+    the counts vector's pairs per expert with the layer's offsets, then the launches, given the tables and the
+    event after them."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.exchange import CountsFormat
+
+    backend, launched = _tables_host(monkeypatch)
+    backend.counts_format = CountsFormat(1, 8, 4)
+    vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
+    backend.device_counts.build = lambda *args, **options: launched.append("counts") or vector
+    backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
+
+    class Pairs:
+        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets):
+            start = backend.counts_format.expert_pairs_offset
+            assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
+            assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
+            assert offsets is backend.pair_offsets and status is backend.live_status
+            launched.append("pair dispatch")
+
+    def tables(*args, buffers, previous_writes, **options):
+        assert buffers == "the layer's decode tables" and previous_writes == "any" and "beside_emit" not in options
+        launched.append("tables")
+        return "layout"
+
+    backend.pair_dispatch = Pairs()
+    monkeypatch.setattr(backend_module, "build_layout_triton", tables)
+    backend._launch = lambda x, out, layout, plan, parity, configs, decode, paired: launched.append(
+        ("launch", layout, configs, decode, paired))
+    backend._resident_paired("configs")
+    assert launched == ["tables", "counts", "pair dispatch", ("launch", "layout", "configs", True, "tables event")]
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -631,6 +713,7 @@ def test_resident_and_host_driven_calls_compile_before_their_first_enqueue(monke
 
     backend.spec, backend.num_local_experts, backend.device = MoESpec(8, 2, 32, 16), 8, torch.device("cpu")
     backend.resident_graph_names, backend.decode_tokens, backend.debug_skip_launch = {}, 0, False
+    backend.pair_dispatch = None
     backend.workspace = type("W", (), {"generation": 1})()
     backend._grouped_configs = lambda rows: None
     backend.slots = type("S", (), {"write": enqueue})()   # the resident call's first enqueue: its slot
@@ -755,7 +838,7 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend.broken, backend.coordinator, backend.timeout_s = None, Coordinator(), 5.0
     backend.kernel_variants, backend.compiled = frozenset({"k"}), {"k"}
     backend.status_copied, backend.status_numpy = Event(), torch.zeros(8, dtype=torch.int32).numpy()
-    backend.slots, backend.message = CallSlots(RoutingMessage(8, 2), torch.device("cpu"), num_slots=4), Message()
+    backend.slots, backend.message = CallSlots(RoutingMessage(8, 2), torch.device("cpu"), num_slots=8), Message()
     backend.graphs, backend.resident_graph_names = Graphs(), {}
     backend.workspace = type("W", (), {"generation": 1, "flags": lambda self, parity: None})()
     backend.send_routing = backend.header_device = backend.io = backend.status = backend.ctrl = None
@@ -764,7 +847,9 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend._current_stream = lambda: None
     built = []
     backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
-    backend._resident_call = lambda configs, from_slot, decode: built.append(from_slot if decode else "not decode")
+    backend.pair_dispatch = None
+    backend._resident_call = lambda configs, from_slot, decode, paired: built.append(
+        "paired" if paired else from_slot if decode else "not decode")
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
@@ -797,10 +882,17 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     # early dispatch covers at most DECODE_TOKENS tokens (an H100 run at 4b27543 timed out on that)
     names = [name for name, _ in backend.graphs.runs]
     assert names[0] != names[-1] and names[0].endswith(".decode") and names[-1].endswith(".full"), names
+    # KernelConfig.pair_dispatch: calls of at most its tokens run the paired graph, longer decode calls the other
+    backend.pair_dispatch = type("Pairs", (), {"max_call_tokens": 2})()
+    backend.resident_graph_names.clear()
+    backend.forward(x[:2], ids[:2], w[:2])
+    backend.forward(x, ids, w)
+    names = [name for name, _ in backend.graphs.runs]
+    assert built[-2:] == ["paired", True] and names[-2].endswith(".paired") and names[-1].endswith(".decode"), names
     backend.graphs.fail = True
     with pytest.raises(RuntimeError, match="launch failed"):
         backend.forward(x, ids, w)
-    assert backend.slots.written == 4 and backend.broken and "enqueued" in backend.broken
+    assert backend.slots.written == 6 and backend.broken and "enqueued" in backend.broken
     with pytest.raises(WeaveError, match="failed earlier"):
         backend.forward(x, ids, w)
 

@@ -31,7 +31,7 @@ from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCou
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
-from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, TablesDispatch
+from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, PairDispatch, TablesDispatch
 from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES, STAGE_COMBINE_REDUCE
 from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
@@ -302,6 +302,15 @@ class WeaveBackend:
         self.tables_dispatch = (TablesDispatch(world_size, H, self.max_tokens, self.num_sms)
                                 if cfg.dispatch_beside_emit and self.resident and cfg.triton_tables and H % 8 == 0
                                 else None)
+        # KernelConfig.pair_dispatch: at EP = 1 a decode call's rows sent once per (token, expert) pair, in expert
+        # order, right after the counts; GEMM0 reads them through TMA, the task tables run beside (_resident_paired)
+        pair_tokens = min(self.decode_tokens, self.max_tokens // spec.top_k)
+        self.pair_dispatch = (PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, pair_tokens,
+                                           self.num_sms)
+                              if (cfg.pair_dispatch and world_size == 1 and self.grouped and self.fork_prologue
+                                  and cfg.triton_tables and pair_tokens >= 1 and spec.top_k <= self.num_local_experts
+                                  and H % 8 == 0) else None)
+        self.pair_offsets = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=device)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -474,18 +483,20 @@ class WeaveBackend:
         name = self.resident_graph_names.get((self.workspace.generation, rows))
         configs = self._grouped_configs(rows)
         decode = self._decode_call(x.shape[0])   # a function of rows, as the graph's name is
+        paired = self._paired_call(x.shape[0])   # so is this
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
-            # ... and whether the call is a decode call: its graph (decode compiles, the early dispatch of at most
+            # ... and the kind of call: a decode call's graph (decode compiles, the early or pair dispatch of at most
             # DECODE_TOKENS tokens) must not serve a longer call whose configs are the same
+            kind = "paired" if paired else "decode" if decode else "full"
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
-                f"resident.{self.workspace.generation}.{configs}.{'decode' if decode else 'full'}")
+                f"resident.{self.workspace.generation}.{configs}.{kind}")
         if capturing:
             # the pack with this call's tensors as arguments, recorded into the caller's graph: the routing message,
             # the addresses, the call number, the status word's carried rejection, and the zeroed control block and
             # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-            self.graphs.run(name, lambda: self._resident_call(configs, False, decode), in_capture=True)
+            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired), in_capture=True)
         elif self.debug_skip_launch:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
@@ -494,7 +505,7 @@ class WeaveBackend:
                                                               timeout_s=self.timeout_s + coordinator.timeout_s))
             clock.lap("pack")
             try:
-                self.graphs.run(name, lambda: self._resident_call(configs, True, decode), in_capture=False)
+                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired), in_capture=False)
             except BaseException as error:
                 # the slot may or may not have been read: the ring and the device cursor could have parted
                 self.broken = f"a call failed while it was enqueued: {type(error).__name__}: {error}"
@@ -512,13 +523,17 @@ class WeaveBackend:
             raise failure
         return out
 
-    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool) -> None:
+    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: bool = False) -> None:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
-        `io`); `decode`: `_decode_call`."""
+        `io`); `decode`: `_decode_call`; `paired`: `_paired_call` (then `_resident_paired`)."""
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
+        if paired:
+            self._resident_paired(grouped_configs)
+            copy_status(self.status, self.status_host)
+            return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
         dispatched = []   # the event of the dispatch beside the tables (early_dispatch, dispatch_beside_emit),
@@ -532,6 +547,31 @@ class WeaveBackend:
         # the status word to the host, read at the next call once the event recorded after the call has passed
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
+
+    def _resident_paired(self, configs) -> None:
+        """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
+        GEMMs), after the pack: the task tables (scan, bases, emit) forked onto a side stream at once, since only
+        the combine reads them; on the call's stream the counts (and their verdict), the pair dispatch (each
+        (token, expert) pair's row at its place in expert order, and the expert offsets), the grouped GEMMs' tile
+        tables from those offsets, GEMM0 reading the rows through TMA, GEMM1, then, once the tables have joined,
+        the combine + reduce launch (`_launch(paired=)`). The chain to GEMM0 is pack -> counts -> pair dispatch ->
+        tile tables, not pack -> counts -> bases -> emit (docs/perf-notes.md entry 37)."""
+        held = []
+        tables = self._fork("tables", lambda: held.append(self._build_tables(True, previous_writes="any")))
+        counts = self._counts(verdict=True)
+        joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
+        all_ids, _, tokens = self.message.unpack(self.all_routing)
+        pairs = self.counts_format.expert_pairs_offset
+        self.pair_dispatch.launch(all_ids, tokens, counts[pairs:pairs + self.spec.num_experts], self.io,
+                                  self.workspace, self.live_status, self.rank, self.timeout_ns, self.pair_offsets)
+        dummy = self.workspace.y()[:1]
+        self._launch(dummy, dummy, held[0], self.fixed_plan, 0, configs, decode=True, paired=tables)
+        for event in joins:
+            self._current_stream().wait_event(event)
+
+    def _paired_call(self, tokens: int) -> bool:
+        """Whether a resident call of `tokens` tokens runs `_resident_paired` (KernelConfig.pair_dispatch)."""
+        return self.pair_dispatch is not None and tokens <= self.pair_dispatch.max_call_tokens
 
     def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None,
                          joins: list | None = None, dispatched: list | None = None):
@@ -556,8 +596,8 @@ class WeaveBackend:
             joins.append(self._prefetch_weights(counts))
         if self.device_planner is not None and self.device_counts.planner is None:
             self.device_planner.launch(counts, self.plans_device)
-        cfg, spec = self.config, self.spec
-        all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
+        cfg = self.config
+        all_ids, _, tokens = self.message.unpack(self.all_routing)
         if decode and self.early_dispatch is not None and dispatched is not None:
             dispatched.append(self._fork("dispatch", lambda: self.early_dispatch.launch(
                 all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace, self.live_status, self.rank,
@@ -569,19 +609,29 @@ class WeaveBackend:
             previous_writes = "none" if cfg.independent_scan else "any"
         else:
             previous_writes = "chunks" if cfg.early_scan else "any"
-        # a layer whose serial plans run the grouped GEMMs: no GEMM task rows under a serial plan (nothing reads them);
-        # a fixed serial policy's plan is serial whatever its c (Plan.is_serial), the device plan's by its c
-        options = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
-                        num_sms=self.num_sms)
-                   if self.grouped or self.grouped_serial else {})
         beside = []   # what is forked off between the bases and the emit, given the tables
-        if options and grouped_configs is not None and early is not None and self.fork_prologue:
+        if (self.grouped or self.grouped_serial) and grouped_configs is not None and early is not None \
+                and self.fork_prologue:
             beside.append(lambda tables: early.append(self._grouped_prologue(
                 tables.tensors["expert_offsets"], _tile_keys(grouped_configs), self.grouped_serial, side=True)))
         if not decode and self.tables_dispatch is not None and dispatched is not None:
             beside.append(lambda tables: dispatched.append(self._fork("dispatch", lambda: self.tables_dispatch.launch(
                 tables, tokens, self.plans_device[:, 1], self.io, self.workspace, self.live_status, self.rank,
                 self.timeout_ns))))
+        return self._build_tables(decode, previous_writes, beside)
+
+    def _build_tables(self, decode: bool, previous_writes: str, beside: list = ()):
+        """Enqueue this call's task tables on the current stream (kernels/tables.py; the torch op chain without
+        KernelConfig.triton_tables) and return the layout. `previous_writes`: what the launch enqueued just before
+        writes that the tables read (`build_layout_triton`); `beside`: what to fork off between the bases and the
+        emit, each given the tables (Triton tables only)."""
+        cfg, spec = self.config, self.spec
+        all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
+        # a layer whose serial plans run the grouped GEMMs: no GEMM task rows under a serial plan (nothing reads them);
+        # a fixed serial policy's plan is serial whatever its c (Plan.is_serial), the device plan's by its c
+        options = (dict(serial_plan=self.plans_device[self.rank, 0:1] if self.grouped_serial else self.grid_c,
+                        num_sms=self.num_sms)
+                   if self.grouped or self.grouped_serial else {})
         if beside:
             options["beside_emit"] = lambda tables: [fork(tables) for fork in beside]
         build = (functools.partial(build_layout_triton, counters=self.table_counters,
@@ -770,15 +820,18 @@ class WeaveBackend:
                           num_stages=self.config.num_stages)
 
     def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None,
-                decode: bool = False, early=None, dispatched=None) -> None:
+                decode: bool = False, early=None, dispatched=None, paired=None) -> None:
         """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
         kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
         layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
         the decode compiles of the launches without GEMM (`layout` cut for them, `_table_rows`). `early`: the grouped
         GEMMs' tile tables already forked off (`_grouped_prologue(side=True)`; None: forked here, when they are).
         `dispatched`: the event after the dispatch beside the tables (KernelConfig.early_dispatch or
-        dispatch_beside_emit, `_resident_tables`): the rows are sent and have arrived once it has passed, so a dispatch-only first launch is left out, a first launch
-        of every phase starts at its GEMM phase (PHASE_FIRST 1), and the launches wait for the event first.
+        dispatch_beside_emit, `_resident_tables`): the rows are sent and have arrived once it has passed, so a
+        dispatch-only first launch is left out, a first launch of every phase starts at its GEMM phase (PHASE_FIRST
+        1), and the launches wait for the event first. `paired`: the event after `layout`'s tables, built on a side
+        stream beside a pair dispatch the current stream ran (`_resident_paired`): the dispatch launch is left out,
+        the grouped GEMMs read the pair rows (`_paired_gemms`), and the launch after them waits for the event.
         The layer has compiled before this call enqueued anything (`_compile_before_call`)."""
         if not self.kernel_variants <= self.compiled:
             raise RuntimeError("weave: internal error: a launch before the layer compiled its kernels (a call must "
@@ -797,17 +850,22 @@ class WeaveBackend:
             return
         device_serial = my_plan is None and grouped_configs is not None
         stages = self._stages(serial, device_serial, decode)
-        if dispatched is not None:
+        if dispatched is not None or paired is not None:
             if stages[0] in (0, ("decode", 0)):
                 stages = stages[1:]
+        if dispatched is not None:
             self._current_stream().wait_event(dispatched)
         configs = (grouped_configs or self._grouped_configs(self.local_rows)) if "grouped" in stages else None
         # a fixed serial plan's first launch is the dispatch alone, which the tile tables do not wait for: they are
         # built beside it, on a side stream, unless the resident call built them beside its emit already (`early`;
         # an adaptive plan's are built there or after its first launch)
-        if early is None and configs is not None and not device_serial and self.fork_prologue:
+        if early is None and configs is not None and not device_serial and self.fork_prologue and paired is None:
             early = self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), False, side=True)
         for index, stage in enumerate(stages):
+            if stage == "grouped" and paired is not None:
+                self._paired_gemms(configs)
+                self._current_stream().wait_event(paired)
+                continue
             if stage == "grouped":
                 # the row gather loads its indices ahead of its wait only behind a launch after the emit's
                 self._grouped_gemms(layout, configs, device_serial, early, gather_ahead=index > 0 or
@@ -941,6 +999,18 @@ class WeaveBackend:
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
 
+    def _paired_gemms(self, configs) -> None:
+        """The grouped GEMMs after a pair dispatch (`_resident_paired`): the tile tables from the offsets it wrote,
+        on this stream, then GEMM0 reading the receive rows, which are in expert order, contiguously through TMA
+        (no gather), and GEMM1 into y, which the combine reads as after `_grouped_gemms`."""
+        keys = _tile_keys(configs)
+        tables, _, _ = self._grouped_prologue(self.pair_offsets, keys, False)
+        launch = self.gemm_launch
+        grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
+                                   **launch)
+        grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
+                                   **launch)
+
     def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False) -> tuple:
         """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
         (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
@@ -1003,9 +1073,13 @@ class WeaveBackend:
             launch = self.gemm_launch
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
+            sources = [(a, gather)]
+            if self.pair_dispatch is not None:   # the pair rows, read in place (_paired_gemms)
+                sources.append((self.workspace.recv(), None))
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
+                for a, gather in sources:
+                    grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
@@ -1017,11 +1091,16 @@ class WeaveBackend:
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
-        if self.early_dispatch is not None or self.tables_dispatch is not None:
+        if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatch is not None:
             all_ids, _, tokens = self.message.unpack(self.all_routing)
         if self.early_dispatch is not None:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
+        if self.pair_dispatch is not None:
+            pairs = self.counts_format.expert_pairs_offset
+            self.pair_dispatch.warmup(all_ids, tokens, self.device_counts.counts[pairs:pairs + self.spec.num_experts],
+                                      self.io, self.workspace, self.live_status, self.rank, self.timeout_ns,
+                                      self.pair_offsets)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

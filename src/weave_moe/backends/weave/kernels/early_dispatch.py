@@ -22,9 +22,9 @@ Two launches, for two sizes of call:
 - `tables_dispatch_kernel` (longer calls, right after the bases, beside the emit): each row's slot is the scan's
   rank within its token block plus the bases' block base (`send_local`, `send_block_base`, as the emit computes it),
   its destinations the scan's bit mask; the rows owed here are the bases' `arrival_expected`.
-And a third, not used by the backend yet (docs/perf-notes.md entry 36): `pair_dispatch_kernel` sends a decode call's
-rows once per (token, expert) pair, each to its row in the destination's expert order, so that GEMM0 could read them
-contiguous without the emit's gather rows.
+And a third (KernelConfig.pair_dispatch, EP = 1; docs/perf-notes.md entries 36-37): `pair_dispatch_kernel` sends a
+decode call's rows once per (token, expert) pair, each to its row in the destination's expert order, and writes the
+expert offsets, so that GEMM0 reads them contiguous, its tile tables built from those offsets, without the emit.
 
 Work of `early_dispatch_kernel`. The (token, destination) pairs t * BLOCK_P + d are dealt round-robin to the
 programs (no more programs than pairs); a program with none, unless it is the last, exits after its first loads.
@@ -341,7 +341,7 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                          MC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
-    (docs/perf-notes.md entry 36; not yet used by the backend). Under one chunk the task tables order a rank's pairs
+    (KernelConfig.pair_dispatch; docs/perf-notes.md entries 36-37). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
     expert e on rank d goes to receive row
         sum(pairs of d's experts before e) + (pairs of e from sources < s) + (pairs of e in s's (t', j') < (t, j)).
@@ -349,8 +349,8 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     Each pair sent releases 1 onto flag (this rank, chunk 0) at d; the last program waits until each source's flag
     holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T. The last program also writes
     this rank's expert offsets [L + 1] into `offsets_ptr` (the exclusive prefix sum of its experts' pairs, what the
-    bases kernel writes into the tables' `expert_offsets` under one chunk), from which the grouped GEMMs' tile tables
-    can be built (`grouped_tiles.fill_tile_tables`) without the task tables."""
+    bases kernel writes into the tables' `expert_offsets` under one chunk; zeros when the call is refused), from
+    which the grouped GEMMs' tile tables can be built (`grouped_tiles.fill_tile_tables`) without the task tables."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
@@ -360,7 +360,13 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     mine = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, rank, max_tokens, K, KP, BLOCK_T)
     pairs = tl.load(pairs_ptr + ee, mask=ee < world_size * L, other=0)
     x = call_io_ptr(io_ptr, 0, True)
-    if sync.status_set(status_ptr) == 0:   # every program has pairs to walk: no more programs than pairs
+    refused = sync.status_set(status_ptr)
+    if pid == grid - 1:   # a refused call's offsets hold no row: the tile tables built from them hold no tile
+        ll = tl.arange(0, BLOCK_L)
+        offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]) & (refused == 0),
+                                  pairs[None, :], 0), axis=1)
+        tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
+    if refused == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         for pair in range(pid, BLOCK_T * KP, grid):
             expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
@@ -380,10 +386,6 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                     tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
                 sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
         if pid == grid - 1:
-            ll = tl.arange(0, BLOCK_L)
-            offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]),
-                                      pairs[None, :], 0), axis=1)
-            tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
             pp = tl.arange(0, BLOCK_P * MC)
             owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
             for source in range(0, world_size):
@@ -397,9 +399,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
 
 
 class PairDispatch:
-    """`pair_dispatch_kernel`'s launch for one layer (a building block of docs/perf-notes.md entry 36, not yet used
-    by the backend): `launch(...)` after the counts of a decode call of at most `max_call_tokens` tokens on every
-    rank, under a serial plan (one chunk), with top_k <= E_local (the tables drop no pair)."""
+    """`pair_dispatch_kernel`'s launch for one layer (KernelConfig.pair_dispatch): `launch(...)` after the counts of
+    a decode call of at most `max_call_tokens` tokens on every rank, under a serial plan (one chunk), with
+    top_k <= E_local (the tables drop no pair)."""
 
     def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
                  max_call_tokens: int, num_programs: int):
@@ -411,6 +413,7 @@ class PairDispatch:
                              f"rows fill the receive region), got {max_call_tokens}")
         _check_hidden(hidden_size)
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
+        self.max_call_tokens = max_call_tokens
         KP = triton.next_power_of_2(top_k)
         BLOCK_T = triton.next_power_of_2(max_call_tokens)
         self.num_programs = min(num_programs, BLOCK_T * KP)
@@ -438,3 +441,10 @@ class PairDispatch:
         pair_dispatch_kernel[(self.num_programs,)](
             *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets),
             **self.constants, num_warps=NUM_WARPS)
+
+    def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets) -> None:
+        """Compile for these arguments' specialisation without launching (the layer's first call, before it
+        enqueues anything)."""
+        pair_dispatch_kernel.warmup(
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets),
+            **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)
