@@ -611,9 +611,12 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch):
+@pytest.mark.parametrize("paired", [False, True])
+def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
-    included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds."""
+    included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
+    `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the receive rows read in place, and the pair
+    dispatch on the counts vector's pairs and the layer's offsets."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -630,7 +633,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     def gemm(index):
         def run(a, w, out, tiles, config, early_release, pdl, scratch, gather=None, **stream_k_options):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
-            assert (gather is not None) is (index == 0 and backend.gemm0_gather)
+            in_place = paired and gather is None and a.data_ptr() == backend.workspace.recv().data_ptr()
+            assert (gather is not None) is (index == 0 and backend.gemm0_gather) or in_place and index == 0
             # a stream-K config's scratch (the layer's, per size), status word and deadline, as in the calls
             assert stream_k_options == dict(stream_k_scratch=backend.stream_k_scratch, status=backend.live_status,
                                             timeout_ns=backend.timeout_ns)
@@ -638,7 +642,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
             assert early_release is backend.config.gemm_early_release
             assert pdl is backend.config.grouped_pdl
             assert scratch == backend._gemm_scratch   # the layer's Triton scratch, as in the calls
-            warmed.append((index, config))
+            warmed.append((index, config) + (("in place",) if in_place else ()))
         return run
 
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
@@ -648,8 +652,28 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     backend._grouped_prologue = lambda offsets, keys, *rest, side=False: prologues.append(
         (tuple(sorted(set(keys))), side)) or ({}, None, None)
     backend._gather_rows = lambda index, rows, count_ready: None
+    if paired:
+        from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+
+        backend.message, backend.counts_format = RoutingMessage(8, 2), CountsFormat(1, 8, 4)
+        backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
+        backend.device_counts = type("Counts", (), {"counts": torch.zeros(backend.counts_format.size,
+                                                                          dtype=torch.int32)})()
+        backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
+
+        class Pairs:
+            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets):
+                start = backend.counts_format.expert_pairs_offset
+                assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
+                assert offsets is backend.pair_offsets
+                warmed.append("pair dispatch")
+
+        backend.pair_dispatch = Pairs()
     backend._compile_before_call()
-    assert warmed == [(0, c) for c in configs[0]] + [(1, c) for c in configs[1]]
+    gemm0 = [(0, c) for c in configs[0]]
+    if paired:   # each config on both sources, the pair rows second
+        gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
+    assert warmed == gemm0 + [(1, c) for c in configs[1]] + (["pair dispatch"] if paired else [])
     g1 = (configs[1][0].block_m, False)
     assert sorted(prologues) == sorted((kinds, False) for kinds in {tuple(sorted({(128, False), g1})),
                                                                     tuple(sorted({(64, True), g1}))})
