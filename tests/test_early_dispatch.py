@@ -41,7 +41,8 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
         launcher, kernel = ed.PairDispatch(world_size, num_experts, top_k, hidden, max_tokens, DECODE_TOKENS, 132), \
             ed.pair_dispatch_kernel
         args = launcher._arguments(ids, tokens, torch.zeros(num_experts, **i32), io, workspace, status, 1, 10 ** 9,
-                                   torch.zeros(num_experts // world_size + 1, **i32))
+                                   torch.zeros(num_experts // world_size + 1, **i32),
+                                   torch.zeros(launcher.rows_shape, **i32))
     return sm90.compile_for_sm90(kernel, args, dict(launcher.constants, **extra, num_warps=ed.NUM_WARPS))
 
 
@@ -102,3 +103,115 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
         PairDispatch(2, 16, 4, 32, 16, 8, 4)
     with pytest.raises(ValueError, match="multiple of 8"):
         PairDispatch(2, 16, 4, 36, 64, 4, 4)
+
+
+@pytest.mark.parametrize("top_k, hidden", [(8, 2048), (8, 7168), (6, 4096)])
+def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
+    """The paired call's combine as launched: no local memory, y read and out written in 16-byte vectors (out's
+    address from `io`, declared aligned)."""
+    from weave_moe.backends.weave.config import DECODE_TOKENS
+    from weave_moe.backends.weave.kernels import pair_combine, sm90
+
+    combine = pair_combine.PairCombine(hidden, top_k, DECODE_TOKENS, 132)
+    i32 = dict(dtype=torch.int32)
+    args = combine._arguments(torch.zeros(64, hidden, dtype=torch.bfloat16), torch.zeros(DECODE_TOKENS, top_k, **i32),
+                              torch.zeros(1, 2048, top_k), torch.zeros(1, **i32), torch.zeros(2, dtype=torch.int64),
+                              torch.zeros(4, **i32), 0)
+    ptx = sm90.compile_for_sm90(pair_combine.pair_combine_kernel, args,
+                                dict(combine.constants, num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
+    assert ".local" not in ptx
+    assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
+    assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row accessed one element per access"
+
+
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False):
+    """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
+    pack, counts (verdict), `PairDispatch`, then y made from the receive rows by a stand-in for the experts (row p of
+    expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
+    poisoned out of T + 1 rows. Returns (out, rows table, offsets, receive region, status)."""
+    from weave_moe.backends.coordination import HEADER_WORDS
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts
+    from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
+    from weave_moe.backends.weave.kernels.pair_combine import PairCombine
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+    message = RoutingMessage(max_tokens, k)
+    fmt = CountsFormat(1, E, sync.STATUS_WORDS)
+    counts = DeviceCounts(fmt, message, torch.device("cpu"))
+    ws = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(max_tokens, H, routing_words=message.words)
+    all_routing = torch.zeros(1, message.words, dtype=torch.int32)
+    status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
+    header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]
+    io, ctrl = torch.zeros(2, dtype=torch.int64), torch.zeros(64, dtype=torch.int32)
+    out = torch.full((T + 1, H), -3.0, dtype=torch.bfloat16)
+    ws.recv().fill_(float("nan"))
+    message.pack_call(all_routing[0], ids, weights, header, io, x, out, 0, status, ctrl, ws.flags(0), E)
+    if refuse:
+        status[0] = sync.ERROR_ARRIVAL_TIMEOUT.value   # any error: the call is refused
+    vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True)
+    all_ids, all_weights, tokens = message.unpack(all_routing)
+    dispatch = PairDispatch(1, E, k, H, max_tokens, max_call_tokens=8, num_programs=5)
+    rows = torch.full(dispatch.rows_shape, -9, dtype=torch.int32)
+    offsets = torch.full((E + 1,), -7, dtype=torch.int32)
+    dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
+                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows)
+    recv = ws.recv()
+    y = torch.full((max_tokens, H), float("nan"), dtype=torch.bfloat16)
+    for e in range(E):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        y[lo:hi] = (recv[lo:hi].float() * (e + 1) / 8).bfloat16()
+    PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0)
+    return out, rows, offsets, recv, status
+
+
+def test_pair_combine_after_the_pair_dispatch_at_ep1(monkeypatch):
+    """KernelConfig.pair_dispatch's call at EP = 1 under the interpreter, the GEMMs replaced by a per-expert stand-in:
+    each token's out row is the sum over its top-k slots, in slot order in fp32, of weight * (its expert's row),
+    rounded once to bf16, as the megakernel's combine + reduce computes it at EP = 1 (bitwise); slots with no expert
+    add nothing and a token naming one expert twice counts it twice; the rows table names, for each (token, slot),
+    a receive row that holds the token's x; out's rows past T are not written. A refused call writes NaN rows and
+    sends nothing."""
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned process, before it imports triton
+    assert run_distributed(_pair_combine_worker, 1, backend="gloo", timeout_s=600, env=dict(TRITON_INTERPRET="1"),
+                           shared_device=True) == ["checked"]
+
+
+def _pair_combine_worker(rank: int, world_size: int) -> str:
+    """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
+    E, k, H, max_tokens = 8, 3, 40, 24
+    generator = torch.Generator().manual_seed(5)
+    for T in (0, 1, 2, 5, 8):
+        ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
+            torch.zeros(0, k, dtype=torch.int32)
+        if T >= 2:
+            ids[0, 1] = ids[0, 0]    # one expert twice
+            ids[1, 2] = -1           # a slot with no expert
+        weights = torch.rand(T, k, generator=generator)
+        x = torch.randn(T, H, generator=generator).bfloat16()
+        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x)
+        assert status[:4].tolist() == [0, 0, 0, 0]
+        assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
+        for t in range(T):
+            acc = torch.zeros(H)
+            for j in range(k):
+                e, row = int(ids[t, j]), int(rows[t, j])
+                if e < 0:
+                    assert row == -1, (T, t, j, row)
+                    continue
+                assert offsets[e] <= row < offsets[e + 1], (T, t, j, row)
+                assert torch.equal(recv[row].view(torch.int16), x[t].view(torch.int16)), (T, t, j)
+                acc += weights[t, j] * (x[t].float() * (e + 1) / 8).bfloat16().float()
+            # the interpreter converts fp32 to bf16 by truncation (the GPU rounds to nearest), in this kernel as in
+            # the megakernel's combine
+            truncated = (acc.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+            assert torch.equal(out[t].view(torch.int16), truncated.view(torch.int16)), (T, t)
+        assert len({int(r) for r in rows[:T].flatten() if r >= 0}) == int((ids >= 0).sum())   # one row per pair
+        assert (out[T] == -3.0).all()
+    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], refuse=True)
+    assert out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all()
+    assert offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
+    return "checked"

@@ -973,7 +973,9 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
         all_ids, _, all_tokens = message.unpack(all_routing)
         pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
         offsets = torch.full((E // world_size + 1,), -7, dtype=torch.int32)
-        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9, offsets)
+        rows = torch.full(dispatch.rows_shape, -9, dtype=torch.int32)
+        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9, offsets,
+                        rows)
         ref = build_layout(all_ids, torch.zeros(all_ids.shape), all_tokens, torch.ones(world_size, dtype=torch.int32),
                            rank, E, hidden_size=H, intermediate_size=16, block_m=16, block_n0=16, block_n1=16,
                            dispatch_rows=1, combine_rows=1, reduce_rows=1)
@@ -982,20 +984,23 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
         flags = ws.flags(0)[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS)
         if refused:
             results.append(dict(refused=True, status=status[:4].tolist(), offsets=offsets.tolist(),
-                                unwritten=bool(recv.isnan().all()), flags=int(flags.abs().sum())))
+                                unwritten=bool(recv.isnan().all()), flags=int(flags.abs().sum()),
+                                rows_untouched=bool((rows == -9).all())))
             break
         total = int(pairs[rank * local:(rank + 1) * local].sum())
         hit = hit_matrix(all_ids, local)
-        wrong = []
+        wrong, placed = [], []
         for p in range(total):
             source, slot = divmod(int(ref.gather_rows[p]), max_tokens)
             token = int(hit[source, :, rank].nonzero()[slot])
+            placed.append((p, source, token))
             _, _, x_source = _call_inputs(call, source, int(all_tokens[source]), E, k, H)
             if not torch.equal(recv[p].view(torch.int16), x_source[token].view(torch.int16)):
                 wrong.append((p, source, token))
         owed = [int(((all_ids[s, :int(all_tokens[s])] >= rank * local)
                      & (all_ids[s, :int(all_tokens[s])] < (rank + 1) * local)).sum()) for s in range(world_size)]
-        results.append(dict(refused=False, status=status[:4].tolist(), wrong=wrong, total=total,
+        results.append(dict(refused=False, rows=rows[:T].tolist(), ids=all_ids[rank, :T].tolist(), placed=placed,
+                            rows_past=bool((rows[T:] == -9).all()), status=status[:4].tolist(), wrong=wrong, total=total,
                             offsets=offsets.tolist(), expert_offsets=ref.expert_offsets.tolist(),
                             unwritten_past=bool(recv[total:].isnan().all()),
                             flags=flags[:, 0].tolist(), owed=owed, other_chunks=int(flags[:, 1:].abs().sum())))
@@ -1024,12 +1029,25 @@ def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, c
         *served, refused = per_call
         assert refused["refused"] and refused["status"][0] != 0, (rank, refused)
         assert refused["offsets"] == [0] * (E // len(calls[0]) + 1) and refused["unwritten"], (rank, refused)
-        assert refused["flags"] == 0, (rank, refused)
+        assert refused["flags"] == 0 and refused["rows_untouched"], (rank, refused)
         for call, got in enumerate(served):
             assert got["status"] == [0, 0, 0, 0] and not got["wrong"] and got["unwritten_past"], (rank, call, got)
             assert got["flags"] == got["owed"] and got["other_chunks"] == 0, (rank, call, got)
             assert sum(got["owed"]) == got["total"], (rank, call, got)
             assert got["offsets"] == got["expert_offsets"], (rank, call, got)   # the tile tables' input
+    # the rows table: each pair (t, j) of source s names the row at its destination d where d placed (s, t)'s row
+    # (as many rows there as s's token has slots on d); no expert: -1; past T: not written
+    local = E // len(calls[0])
+    for call in range(len(calls) - 1):
+        for source, per_call in enumerate(results):
+            got = per_call[call]
+            assert got["rows_past"], (source, call)
+            for t, (ids, rows) in enumerate(zip(got["ids"], got["rows"])):
+                for dest in range(len(calls[0])):
+                    named = sorted(r for e, r in zip(ids, rows) if e >= 0 and e // local == dest)
+                    placed = sorted(p for p, s, token in results[dest][call]["placed"] if (s, token) == (source, t))
+                    assert named == placed, (source, call, t, dest, named, placed)
+                assert all(r == -1 for e, r in zip(ids, rows) if e < 0), (source, call, t)
 
 
 TAKE_SCRIPT = textwrap.dedent(

@@ -448,23 +448,6 @@ def test_early_dispatch_replaces_the_dispatch_phase_and_is_joined_first(monkeypa
     assert launched == launches
 
 
-def test_pair_dispatch_leaves_out_the_dispatch_launch_and_joins_the_tables_before_the_combine(monkeypatch):
-    """KernelConfig.pair_dispatch (`_launch(paired=)`): the rows were sent in expert order on this stream, so there is
-    no dispatch launch and no prologue forked from the task tables' offsets; the grouped GEMMs read the pair rows,
-    then the combine + reduce launch waits for the tables built beside them."""
-    from weave_moe.backends.weave.kernels import gemm_configs as gc
-    from weave_moe.plan import Plan
-
-    fixed = Plan(4, 1, 0, 0.0, "serial")
-    backend, launched, _ = _host_backend(monkeypatch, fixed, grouped=True, resident=True, decode=True, fork=True)
-    backend._paired_gemms = lambda configs: launched.append(("paired gemms", configs))
-    configs = (gc.analytical_configs(0)[0], gc.analytical_configs(1)[0])
-    backend._compile_before_call()
-    backend._launch(torch.zeros(3, 32).bfloat16(), torch.zeros(3, 32).bfloat16(), _AnyTable(), fixed, 0, configs,
-                    True, paired="tables event")
-    assert launched == [("paired gemms", configs), ("join", "tables event"), "d4"]
-
-
 def test_paired_gemms_read_the_pair_rows_through_tma_with_tiles_from_the_pair_offsets(monkeypatch):
     """`_paired_gemms`: the tile tables from the offsets the pair dispatch wrote, on this stream (not forked), then
     GEMM0 on the receive rows as they lie (no gather) into h, GEMM1 from h into y."""
@@ -545,11 +528,10 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
-def test_resident_paired_forks_the_tables_first_and_sends_the_pairs_after_the_counts(monkeypatch):
-    """`_resident_paired` (KernelConfig.pair_dispatch): the task tables are forked onto a side stream before the
-    counts (nothing on the call's stream waits for them until the combine), then the counts, the pair dispatch on
-    the counts vector's pairs per expert with the layer's offsets, then the launches, given the tables and the
-    event after them."""
+def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch):
+    """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): on the call's stream the counts, the pair dispatch on
+    the counts vector's pairs per expert with the layer's offsets and rows table, the grouped GEMMs, then the pair
+    combine of y by those rows with the message's weights; no task tables, no megakernel launch, no fork."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
 
@@ -557,27 +539,29 @@ def test_resident_paired_forks_the_tables_first_and_sends_the_pairs_after_the_co
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
     backend.device_counts.build = lambda *args, **options: launched.append("counts") or vector
-    backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
+    backend.pair_offsets, backend.pair_rows = torch.zeros(9, dtype=torch.int32), torch.zeros(64, 2, dtype=torch.int32)
 
     class Pairs:
-        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets):
+        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows):
             start = backend.counts_format.expert_pairs_offset
             assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
-            assert offsets is backend.pair_offsets and status is backend.live_status
+            assert offsets is backend.pair_offsets and rows is backend.pair_rows and status is backend.live_status
             launched.append("pair dispatch")
 
-    def tables(*args, buffers, previous_writes, **options):
-        assert buffers == "the layer's decode tables" and previous_writes == "any" and "beside_emit" not in options
-        launched.append("tables")
-        return "layout"
+    class Combine:
+        def launch(self, y, rows, all_weights, tokens, io, status, rank):
+            assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
+            assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
+            launched.append("pair combine")
 
-    backend.pair_dispatch = Pairs()
-    monkeypatch.setattr(backend_module, "build_layout_triton", tables)
-    backend._launch = lambda x, out, layout, plan, parity, configs, decode, paired: launched.append(
-        ("launch", layout, configs, decode, paired))
+    backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
+    monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
+    backend._launch = lambda *args, **options: launched.append("megakernel")
+    backend._paired_gemms = lambda configs: launched.append(("gemms", configs))
+    backend._fork = lambda name, enqueue: launched.append(("fork", name))
     backend._resident_paired("configs")
-    assert launched == ["tables", "counts", "pair dispatch", ("launch", "layout", "configs", True, "tables event")]
+    assert launched == ["counts", "pair dispatch", ("gemms", "configs"), "pair combine"]
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -662,18 +646,24 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
         backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
 
         class Pairs:
-            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets):
+            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows):
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
-                assert offsets is backend.pair_offsets
+                assert offsets is backend.pair_offsets and rows is backend.pair_rows
                 warmed.append("pair dispatch")
 
-        backend.pair_dispatch = Pairs()
+        class Combine:
+            def warmup(self, y, rows, all_weights, tokens, io, status, rank):
+                assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
+                warmed.append("pair combine")
+
+        backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
+        backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
     backend._compile_before_call()
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
-    assert warmed == gemm0 + [(1, c) for c in configs[1]] + (["pair dispatch"] if paired else [])
+    assert warmed == gemm0 + [(1, c) for c in configs[1]] + (["pair dispatch", "pair combine"] if paired else [])
     g1 = (configs[1][0].block_m, False)
     assert sorted(prologues) == sorted((kinds, False) for kinds in {tuple(sorted({(128, False), g1})),
                                                                     tuple(sorted({(64, True), g1}))})

@@ -32,6 +32,7 @@ from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, PairDispatch, TablesDispatch
+from weave_moe.backends.weave.kernels.pair_combine import PairCombine
 from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES, STAGE_COMBINE_REDUCE
 from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
@@ -303,14 +304,17 @@ class WeaveBackend:
                                 if cfg.dispatch_beside_emit and self.resident and cfg.triton_tables and H % 8 == 0
                                 else None)
         # KernelConfig.pair_dispatch: at EP = 1 a decode call's rows sent once per (token, expert) pair, in expert
-        # order, right after the counts; GEMM0 reads them through TMA, the task tables run beside (_resident_paired)
+        # order, right after the counts; GEMM0 reads them through TMA, the combine reads y by the pairs' rows, no
+        # task tables (_resident_paired)
         pair_tokens = min(self.decode_tokens, self.max_tokens // spec.top_k)
         self.pair_dispatch = (PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, pair_tokens,
                                            self.num_sms)
-                              if (cfg.pair_dispatch and world_size == 1 and self.grouped and self.fork_prologue
-                                  and cfg.triton_tables and pair_tokens >= 1 and spec.top_k <= self.num_local_experts
-                                  and H % 8 == 0) else None)
-        self.pair_offsets = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=device)
+                              if (cfg.pair_dispatch and world_size == 1 and self.grouped and pair_tokens >= 1
+                                  and spec.top_k <= self.num_local_experts and H % 8 == 0) else None)
+        if self.pair_dispatch is not None:
+            self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
+            self.pair_offsets = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=device)
+            self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -550,22 +554,22 @@ class WeaveBackend:
 
     def _resident_paired(self, configs) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
-        GEMMs), after the pack: the task tables (scan, bases, emit) forked onto a side stream at once, since only
-        the combine reads them; on the call's stream the counts (and their verdict), the pair dispatch (each
-        (token, expert) pair's row at its place in expert order, and the expert offsets), the grouped GEMMs' tile
-        tables from those offsets, GEMM0 reading the rows through TMA, GEMM1, then, once the tables have joined,
-        the combine + reduce launch (`_launch(paired=)`). The chain to GEMM0 is pack -> counts -> pair dispatch ->
-        tile tables, not pack -> counts -> bases -> emit (docs/perf-notes.md entry 37)."""
-        held = []
-        tables = self._fork("tables", lambda: held.append(self._build_tables(True, previous_writes="any")))
+        GEMMs), after the pack, on the call's stream: the counts (and their verdict), the pair dispatch (each
+        (token, expert) pair's row at its place in expert order, the expert offsets and the pairs' rows), the grouped
+        GEMMs' tile tables from those offsets, GEMM0 reading the rows in place through TMA, GEMM1, and the combine
+        of y by the pairs' rows into out (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1
+        nothing else needs them. The chain to GEMM0 is pack -> counts -> pair dispatch -> tile tables, not
+        pack -> counts -> bases -> emit (-> gather) (docs/perf-notes.md entry 37)."""
         counts = self._counts(verdict=True)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
-        all_ids, _, tokens = self.message.unpack(self.all_routing)
+        all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         pairs = self.counts_format.expert_pairs_offset
         self.pair_dispatch.launch(all_ids, tokens, counts[pairs:pairs + self.spec.num_experts], self.io,
-                                  self.workspace, self.live_status, self.rank, self.timeout_ns, self.pair_offsets)
-        dummy = self.workspace.y()[:1]
-        self._launch(dummy, dummy, held[0], self.fixed_plan, 0, configs, decode=True, paired=tables)
+                                  self.workspace, self.live_status, self.rank, self.timeout_ns, self.pair_offsets,
+                                  self.pair_rows)
+        self._paired_gemms(configs)
+        self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
+                                 self.rank)
         for event in joins:
             self._current_stream().wait_event(event)
 
@@ -820,7 +824,7 @@ class WeaveBackend:
                           num_stages=self.config.num_stages)
 
     def _launch(self, x, out, layout, my_plan: Plan | None, parity: int, grouped_configs=None,
-                decode: bool = False, early=None, dispatched=None, paired=None) -> None:
+                decode: bool = False, early=None, dispatched=None) -> None:
         """Launch the kernel (its stages) for `my_plan`; None: the plan is on the device (`plans_device`, read by the
         kernel: KernelConfig.resident with an adaptive policy), in one launch, or with `grouped_configs` given (a
         layer with `grouped_serial`) as the launches that run the grouped GEMMs if that plan is serial. `decode`:
@@ -829,9 +833,7 @@ class WeaveBackend:
         `dispatched`: the event after the dispatch beside the tables (KernelConfig.early_dispatch or
         dispatch_beside_emit, `_resident_tables`): the rows are sent and have arrived once it has passed, so a
         dispatch-only first launch is left out, a first launch of every phase starts at its GEMM phase (PHASE_FIRST
-        1), and the launches wait for the event first. `paired`: the event after `layout`'s tables, built on a side
-        stream beside a pair dispatch the current stream ran (`_resident_paired`): the dispatch launch is left out,
-        the grouped GEMMs read the pair rows (`_paired_gemms`), and the launch after them waits for the event.
+        1), and the launches wait for the event first.
         The layer has compiled before this call enqueued anything (`_compile_before_call`)."""
         if not self.kernel_variants <= self.compiled:
             raise RuntimeError("weave: internal error: a launch before the layer compiled its kernels (a call must "
@@ -850,22 +852,17 @@ class WeaveBackend:
             return
         device_serial = my_plan is None and grouped_configs is not None
         stages = self._stages(serial, device_serial, decode)
-        if dispatched is not None or paired is not None:
+        if dispatched is not None:
             if stages[0] in (0, ("decode", 0)):
                 stages = stages[1:]
-        if dispatched is not None:
             self._current_stream().wait_event(dispatched)
         configs = (grouped_configs or self._grouped_configs(self.local_rows)) if "grouped" in stages else None
         # a fixed serial plan's first launch is the dispatch alone, which the tile tables do not wait for: they are
         # built beside it, on a side stream, unless the resident call built them beside its emit already (`early`;
         # an adaptive plan's are built there or after its first launch)
-        if early is None and configs is not None and not device_serial and self.fork_prologue and paired is None:
+        if early is None and configs is not None and not device_serial and self.fork_prologue:
             early = self._grouped_prologue(layout.expert_offsets, _tile_keys(configs), False, side=True)
         for index, stage in enumerate(stages):
-            if stage == "grouped" and paired is not None:
-                self._paired_gemms(configs)
-                self._current_stream().wait_event(paired)
-                continue
             if stage == "grouped":
                 # the row gather loads its indices ahead of its wait only behind a launch after the emit's
                 self._grouped_gemms(layout, configs, device_serial, early, gather_ahead=index > 0 or
@@ -1002,7 +999,7 @@ class WeaveBackend:
     def _paired_gemms(self, configs) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`): the tile tables from the offsets it wrote,
         on this stream, then GEMM0 reading the receive rows, which are in expert order, contiguously through TMA
-        (no gather), and GEMM1 into y, which the combine reads as after `_grouped_gemms`."""
+        (no gather), and GEMM1 into y (rows in the same expert order)."""
         keys = _tile_keys(configs)
         tables, _, _ = self._grouped_prologue(self.pair_offsets, keys, False)
         launch = self.gemm_launch
@@ -1092,7 +1089,7 @@ class WeaveBackend:
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
         if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatch is not None:
-            all_ids, _, tokens = self.message.unpack(self.all_routing)
+            all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         if self.early_dispatch is not None:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
@@ -1100,7 +1097,9 @@ class WeaveBackend:
             pairs = self.counts_format.expert_pairs_offset
             self.pair_dispatch.warmup(all_ids, tokens, self.device_counts.counts[pairs:pairs + self.spec.num_experts],
                                       self.io, self.workspace, self.live_status, self.rank, self.timeout_ns,
-                                      self.pair_offsets)
+                                      self.pair_offsets, self.pair_rows)
+            self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
+                                     self.live_status, self.rank)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

@@ -336,8 +336,8 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
-                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rank, world_size,
-                         max_tokens, H, timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, rank,
+                         world_size, max_tokens, H, timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                          MC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
                          BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
@@ -350,7 +350,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T. The last program also writes
     this rank's expert offsets [L + 1] into `offsets_ptr` (the exclusive prefix sum of its experts' pairs, what the
     bases kernel writes into the tables' `expert_offsets` under one chunk; zeros when the call is refused), from
-    which the grouped GEMMs' tile tables can be built (`grouped_tiles.fill_tile_tables`) without the task tables."""
+    which the grouped GEMMs' tile tables can be built (`grouped_tiles.fill_tile_tables`) without the task tables.
+    rows_ptr: int32 [BLOCK_T, K], row (t, j) written with pair (t, j)'s row at its destination (-1: no expert), for
+    t < this rank's T (unless the call is refused): at EP = 1 what `pair_combine.PairCombine` reads y by."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
@@ -368,9 +370,14 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
         tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
     if refused == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
+        n_tok = tl.load(tokens_ptr + rank * tokens_stride)
         for pair in range(pid, BLOCK_T * KP, grid):
             expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
-            if expert >= 0:
+            named = ((pair % KP) < K) & ((pair // KP) < n_tok)   # a (token, slot) of this call
+            pair_row = rows_ptr + (pair // KP) * K + pair % KP
+            if expert < 0:
+                tl.store(pair_row, expert * 0 - 1, mask=named)
+            else:
                 dest = expert // L
                 row = tl.sum(tl.where((ee >= dest * L) & (ee < expert), pairs, 0), axis=0)
                 for source in range(0, rank):
@@ -379,6 +386,7 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                     row += tl.sum(tl.sum((theirs == expert).to(tl.int32), axis=1), axis=0)
                 row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)
                 token = pair // KP
+                tl.store(pair_row, row, mask=named)
                 dst = peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True) + tl.cast(row, tl.int64) * H
                 src = x + tl.cast(token, tl.int64) * H
                 for h0 in range(0, H, BLOCK_H):
@@ -414,6 +422,7 @@ class PairDispatch:
         _check_hidden(hidden_size)
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
         self.max_call_tokens = max_call_tokens
+        self.rows_shape = (triton.next_power_of_2(max_call_tokens), top_k)   # `launch(rows=)`
         KP = triton.next_power_of_2(top_k)
         BLOCK_T = triton.next_power_of_2(max_call_tokens)
         self.num_programs = min(num_programs, BLOCK_T * KP)
@@ -422,7 +431,7 @@ class PairDispatch:
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
                               BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
 
-    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets) -> tuple:
+    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows) -> tuple:
         P, T, L = self.world_size, self.max_tokens, self.constants["L"]
         _check_ids(all_ids, P, T, self.constants["K"])
         _check_plan_columns(tokens, None, P)
@@ -430,21 +439,25 @@ class PairDispatch:
             raise ValueError(f"pairs must be the counts vector's int32 pairs per expert [{P * L}]")
         if offsets.dtype != torch.int32 or offsets.numel() != L + 1:
             raise ValueError(f"offsets must be int32 [{L + 1}]")
+        if rows.dtype != torch.int32 or rows.numel() != self.rows_shape[0] * self.rows_shape[1] \
+                or not rows.is_contiguous():
+            raise ValueError(f"rows must be contiguous int32 {list(self.rows_shape)}")
         return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
-                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rank, P, T,
-                self.hidden_size, timeout_ns)
+                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rows, rank, P,
+                T, self.hidden_size, timeout_ns)
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
-               offsets: torch.Tensor) -> None:
+               offsets: torch.Tensor, rows: torch.Tensor) -> None:
         """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
-        rank's expert offsets (unless the call is refused)."""
+        rank's expert offsets (zeros if the call is refused); `rows`: int32 `rows_shape`, row (t, j) written with
+        pair (t, j)'s row at its destination, -1 for no expert (t < T; unless the call is refused)."""
         pair_dispatch_kernel[(self.num_programs,)](
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets),
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows),
             **self.constants, num_warps=NUM_WARPS)
 
-    def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets) -> None:
+    def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows) -> None:
         """Compile for these arguments' specialisation without launching (the layer's first call, before it
         enqueues anything)."""
         pair_dispatch_kernel.warmup(
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets),
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows),
             **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)
