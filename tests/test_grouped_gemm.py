@@ -494,6 +494,16 @@ PROLOGUE_SCRIPT = textwrap.dedent(
                 dst = torch.full((P, H), float("nan")).bfloat16()
                 tables = gt.grouped_prologue(offsets, keys, P, src, index, dst, 3, plan=plan, num_sms=NUM_SMS)
                 assert sorted(tables) == sorted(keys), (tables.keys(), keys)
+                # the same tables from rows per expert (fill_tile_tables(counts=True), the paired decode call's)
+                from_counts, total = gt.empty_tile_tables(offsets, keys, P), torch.full((1,), -5, dtype=torch.int32)
+                gt.fill_tile_tables(from_counts, torch.tensor(counts, dtype=torch.int32), total, plan=plan,
+                                    num_sms=NUM_SMS, counts=True)
+                assert int(total) == (rows if on else 0), (counts, keys, plan_c, int(total))
+                for key, got in from_counts.items():
+                    assert torch.equal(got.num_tiles, tables[key].num_tiles), (counts, keys, plan_c, "counts")
+                    for section, n in enumerate(got.num_tiles.tolist()):
+                        cols = slice(section * got.max_tiles, section * got.max_tiles + n)
+                        assert torch.equal(got.table[:, cols], tables[key].table[:, cols]), (counts, keys, plan_c)
                 for (block_m, split_tail), got in tables.items():
                     ref = gt.build_tile_table_torch(offsets if on else torch.zeros_like(offsets), block_m, P,
                                                     split_tail)
@@ -549,6 +559,7 @@ def test_gather_loads_its_indices_before_its_wait_only_when_the_count_is_ready(c
 
 def test_grouped_prologue_under_interpreter():
     """The grouped GEMMs' one-launch prologue: tile tables equal build_tile_table_torch's, rows gathered bitwise,
-    rows past the count untouched; under a split plan nothing at all (no tile, no row). The gather alone too, with
+    rows past the count untouched; under a split plan nothing at all (no tile, no row); the tables made from rows per
+    expert (`fill_tile_tables(counts=True)`) equal those made from their prefix sum. The gather alone too, with
     its count read before or after its wait, over one, several and partial steps of its programs."""
     run_interpreted(PROLOGUE_SCRIPT, "GROUPED PROLOGUE INTERPRETER OK", timeout=600)

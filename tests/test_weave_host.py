@@ -449,17 +449,13 @@ def test_early_dispatch_replaces_the_dispatch_phase_and_is_joined_first(monkeypa
 
 
 def test_paired_gemms_read_the_pair_rows_through_tma_with_tiles_from_the_pair_offsets(monkeypatch):
-    """`_paired_gemms`: the tile tables from the offsets the pair dispatch wrote, on this stream (not forked), then
-    GEMM0 on the receive rows as they lie (no gather) into h, GEMM1 from h into y."""
+    """`_paired_gemms`: on the tile tables given, GEMM0 on the receive rows as they lie (no gather) into h, GEMM1 from
+    h into y."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.plan import Plan
 
     backend, launched, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True, resident=True,
                                          decode=True, fork=True)
-    backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
-    backend._grouped_prologue = lambda offsets, keys, device_serial, side=False: launched.append(
-        ("tile tables", offsets is backend.pair_offsets, device_serial, side)) or (
-        {key: f"tiles {key}" for key in keys}, None, None)
 
     def gemm(index):
         def run(a, w, out, tiles, config, gather=None, **launch):
@@ -474,8 +470,8 @@ def test_paired_gemms_read_the_pair_rows_through_tma_with_tiles_from_the_pair_of
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm0", gemm(0))
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
     monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
-    backend._paired_gemms(("c0", "c1"))
-    assert launched == [("tile tables", True, False, False), ("gemm0", "tiles k0", "c0"), ("gemm1", "tiles k1", "c1")]
+    backend._paired_gemms(("c0", "c1"), {"k0": "tiles k0", "k1": "tiles k1"})
+    assert launched == [("gemm0", "tiles k0", "c0"), ("gemm1", "tiles k1", "c1")]
 
 
 def _tables_host(monkeypatch):
@@ -529,9 +525,10 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
 
 
 def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch):
-    """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): on the call's stream the counts, the pair dispatch on
-    the counts vector's pairs per expert with the layer's offsets and rows table, the grouped GEMMs, then the pair
-    combine of y by those rows with the message's weights; no task tables, no megakernel launch, no fork."""
+    """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
+    pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
+    and rows table); the join; the grouped GEMMs on those tables; the pair combine of y by the rows with the
+    message's weights. No task tables, no megakernel launch."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
 
@@ -557,11 +554,24 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
 
     backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
+    monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
     backend._launch = lambda *args, **options: launched.append("megakernel")
-    backend._paired_gemms = lambda configs: launched.append(("gemms", configs))
+    backend._paired_gemms = lambda configs, tables: launched.append(("gemms", configs, tables))
     backend._fork = lambda name, enqueue: launched.append(("fork", name))
+    backend.fork_prologue = True
+
+    def prologue(offsets, keys, device_serial, side=False, counts=False):
+        start = backend.counts_format.expert_pairs_offset   # this rank's experts' pairs (rank 0, EP = 1: all 8)
+        assert offsets.data_ptr() == vector[start:].data_ptr() and offsets.numel() == 8
+        assert keys == ["k0", "k1"] and not device_serial and counts
+        launched.append(("tile tables", "beside" if side else "in line"))
+        return "tile tables", None, "filled"
+
+    backend._grouped_prologue = prologue
+    backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend._resident_paired("configs")
-    assert launched == ["counts", "pair dispatch", ("gemms", "configs"), "pair combine"]
+    assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
+                        ("gemms", "configs", "tile tables"), "pair combine"]
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -633,8 +643,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
     # the warm-up fills the layer's tile tables (on the stream, not beside it), before the call enqueues anything:
     # the call's own fill comes after it (test_first_call_compiles_and_lines_up_before_it_enqueues_anything)
-    backend._grouped_prologue = lambda offsets, keys, *rest, side=False: prologues.append(
-        (tuple(sorted(set(keys))), side)) or ({}, None, None)
+    backend._grouped_prologue = lambda offsets, keys, *rest, side=False, counts=False: prologues.append(
+        (tuple(sorted(set(keys))), side) + (("from the counts", offsets.numel()) if counts else ())) or ({}, None, None)
     backend._gather_rows = lambda index, rows, count_ready: None
     if paired:
         from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
@@ -665,8 +675,11 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
     assert warmed == gemm0 + [(1, c) for c in configs[1]] + (["pair dispatch", "pair combine"] if paired else [])
     g1 = (configs[1][0].block_m, False)
-    assert sorted(prologues) == sorted((kinds, False) for kinds in {tuple(sorted({(128, False), g1})),
-                                                                    tuple(sorted({(64, True), g1}))})
+    kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
+    # paired: each pair also from the counts vector's pairs of the local experts (8 here)
+    assert sorted(prologues, key=str) == sorted([(k, False) for k in kinds] + ([(k, False, "from the counts", 8)
+                                                                               for k in kinds] if paired else []),
+                                                key=str)
 
 
 def test_first_call_compiles_and_lines_up_before_it_enqueues_anything(monkeypatch):

@@ -554,24 +554,35 @@ class WeaveBackend:
 
     def _resident_paired(self, configs) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
-        GEMMs), after the pack, on the call's stream: the counts (and their verdict), the pair dispatch (each
-        (token, expert) pair's row at its place in expert order, the expert offsets and the pairs' rows), the grouped
-        GEMMs' tile tables from those offsets, GEMM0 reading the rows in place through TMA, GEMM1, and the combine
-        of y by the pairs' rows into out (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1
-        nothing else needs them. The chain to GEMM0 is pack -> counts -> pair dispatch -> tile tables, not
-        pack -> counts -> bases -> emit (-> gather) (docs/perf-notes.md entry 37)."""
+        GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
+        vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
+        (token, expert) pair's row at its place in expert order, and the pairs' rows); GEMM0 reading the rows in
+        place through TMA once both are done, GEMM1, and the combine of y by the pairs' rows into out
+        (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1 nothing else needs them. The
+        chain to GEMM0 is pack -> counts -> pair dispatch (the tile tables beside it), not pack -> counts -> bases
+        -> emit (-> gather) (docs/perf-notes.md entry 37)."""
         counts = self._counts(verdict=True)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
+        tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs), False,
+                                                   side=self.fork_prologue, counts=True)
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
-        pairs = self.counts_format.expert_pairs_offset
-        self.pair_dispatch.launch(all_ids, tokens, counts[pairs:pairs + self.spec.num_experts], self.io,
-                                  self.workspace, self.live_status, self.rank, self.timeout_ns, self.pair_offsets,
-                                  self.pair_rows)
-        self._paired_gemms(configs)
+        self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
+                                  self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows)
+        if filled is not None:
+            self._current_stream().wait_event(filled)
+        self._paired_gemms(configs, tables)
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
                                  self.rank)
         for event in joins:
             self._current_stream().wait_event(event)
+
+    def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
+        """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
+        (`local`)."""
+        start, size = self.counts_format.expert_pairs_offset, self.spec.num_experts
+        if local:
+            start, size = start + self.rank * self.num_local_experts, self.num_local_experts
+        return counts[start:start + size]
 
     def _paired_call(self, tokens: int) -> bool:
         """Whether a resident call of `tokens` tokens runs `_resident_paired` (KernelConfig.pair_dispatch)."""
@@ -996,19 +1007,18 @@ class WeaveBackend:
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
 
-    def _paired_gemms(self, configs) -> None:
-        """The grouped GEMMs after a pair dispatch (`_resident_paired`): the tile tables from the offsets it wrote,
-        on this stream, then GEMM0 reading the receive rows, which are in expert order, contiguously through TMA
-        (no gather), and GEMM1 into y (rows in the same expert order)."""
+    def _paired_gemms(self, configs, tables) -> None:
+        """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s):
+        GEMM0 reading the receive rows, which are in expert order, contiguously through TMA (no gather), and GEMM1
+        into y (rows in the same expert order)."""
         keys = _tile_keys(configs)
-        tables, _, _ = self._grouped_prologue(self.pair_offsets, keys, False)
         launch = self.gemm_launch
         grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
                                    **launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
 
-    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False) -> tuple:
+    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, counts: bool = False) -> tuple:
         """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
         (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
         this rank's device plan is serial. `side`: on the layer's side stream, after the work enqueued so far, beside
@@ -1017,16 +1027,18 @@ class WeaveBackend:
         (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs. The tables
         are the layer's for these tile kinds (rewritten by every call, as the task tables are: no allocation inside
         the CUDA graph of a row count); the first call's compile fills them too, before that call enqueues anything
-        (`_compile_before_call`)."""
+        (`_compile_before_call`). `counts`: `offsets` holds each local expert's rows, not their prefix sum
+        (`fill_tile_tables(counts=)`)."""
         kinds = tuple(sorted(set(keys)))
         buffers = self.tile_buffers.get(kinds)
-        if buffers is None:
-            buffers = self.tile_buffers[kinds] = (grouped_tiles.empty_tile_tables(offsets, kinds, self.max_pairs),
+        if buffers is None:   # sized by E_local + 1 offsets, whichever form this call's are in
+            shape = torch.empty(self.num_local_experts + 1, dtype=torch.int32, device=offsets.device)
+            buffers = self.tile_buffers[kinds] = (grouped_tiles.empty_tile_tables(shape, kinds, self.max_pairs),
                                                   torch.empty(1, dtype=torch.int32, device=offsets.device))
         tables, rows = buffers
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,
-                                 num_sms=self.num_sms)
+                                 num_sms=self.num_sms, counts=counts)
         if not side:
             fill()
             return tables, rows, None
@@ -1083,6 +1095,9 @@ class WeaveBackend:
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
+                if self.pair_dispatch is not None:   # from the counts' pairs (_resident_paired)
+                    self._grouped_prologue(self._pairs(self.device_counts.counts, local=True), pair, False,
+                                           counts=True)
                 if not self.gemm0_gather:   # otherwise a call makes no gather launch
                     # both compiles: after a forked prologue (its count read ahead: here a count written long
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
@@ -1094,10 +1109,8 @@ class WeaveBackend:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
-            pairs = self.counts_format.expert_pairs_offset
-            self.pair_dispatch.warmup(all_ids, tokens, self.device_counts.counts[pairs:pairs + self.spec.num_experts],
-                                      self.io, self.workspace, self.live_status, self.rank, self.timeout_ns,
-                                      self.pair_offsets, self.pair_rows)
+            self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
+                                      self.live_status, self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows)
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
                                      self.live_status, self.rank)
         if self.tables_dispatch is not None:

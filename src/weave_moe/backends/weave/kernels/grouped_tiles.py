@@ -110,19 +110,20 @@ def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_t
                        BLOCK_T: tl.constexpr):
     sync.pdl_enter()
     _tile_table_block(tl.program_id(0), offsets_ptr, 1, table_ptr, num_tiles_ptr, num_experts, max_tiles,
-                      BLOCK_M, SPLIT_TAIL, BLOCK_E, BLOCK_T)
+                      BLOCK_M, SPLIT_TAIL, BLOCK_E, BLOCK_T, False)
 
 
 @triton.jit
 def _tile_table_block(pid, offsets_ptr, scale, table_ptr, num_tiles_ptr, num_experts, max_tiles,
-                      BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+                      BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                      COUNTS: tl.constexpr):
     """Entries [pid * BLOCK_T, +BLOCK_T) of both sections; every program recomputes the tile prefix sums over the
     experts (E_local <= BLOCK_E numbers), so there is no cross-program dependency. Entries past a section's count
-    repeat its last expert and are never read. `scale` 0 reads every offset as 0 (no tiles), 1 as given."""
+    repeat its last expert and are never read. `scale` 0 reads every offset as 0 (no tiles), 1 as given. COUNTS:
+    `offsets_ptr` holds each expert's rows [num_experts], not their prefix sum [num_experts + 1]."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    start = tl.load(offsets_ptr + experts, mask=valid, other=0) * scale
-    end = tl.load(offsets_ptr + experts + 1, mask=valid, other=0) * scale
+    start, end = _expert_bounds(offsets_ptr, experts, valid, scale, COUNTS)
     rows = end - start
     remainder = rows % BLOCK_M
     if SPLIT_TAIL:
@@ -214,27 +215,43 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor, count
     return dst
 
 
+@triton.jit
+def _expert_bounds(offsets_ptr, experts, valid, scale, COUNTS: tl.constexpr):
+    """(start, end) rows of each expert of `experts`: read off the prefix sum, or summed from the rows per expert
+    (COUNTS); 0 past `valid` and everywhere when `scale` is 0."""
+    if COUNTS:
+        rows = tl.load(offsets_ptr + experts, mask=valid, other=0) * scale
+        end = tl.cumsum(rows, 0)
+        return end - rows, end
+    start = tl.load(offsets_ptr + experts, mask=valid, other=0) * scale
+    end = tl.load(offsets_ptr + experts + 1, mask=valid, other=0) * scale
+    return start, end
+
+
 @triton.jit(do_not_specialize=["num_sms", "num_experts", "max_tiles0", "max_tiles1"])
 def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_tiles0_ptr, table1_ptr, num_tiles1_ptr,
                      num_experts, max_tiles0, max_tiles1,
                      TABLE0_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
                      BLOCK_M1: tl.constexpr, SPLIT_TAIL1: tl.constexpr, DEVICE_SERIAL: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, COUNTS: tl.constexpr):
     """`grouped_prologue`'s first launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the rest the
-    second; program 0 also writes the rows to gather."""
+    second; program 0 also writes the rows to gather. COUNTS: `offsets_ptr` holds rows per expert
+    (`fill_tile_tables(counts=True)`)."""
     sync.pdl_enter()
     pid = tl.program_id(0)
     scale = 1
     if DEVICE_SERIAL:  # rows only under a serial plan (plan_ptr: this rank's c)
         scale = (tl.load(plan_ptr) >= num_sms).to(tl.int32)
     if pid == 0:
-        tl.store(rows_ptr, tl.load(offsets_ptr + num_experts) * scale)
+        experts = tl.arange(0, BLOCK_E)
+        _, end = _expert_bounds(offsets_ptr, experts, experts < num_experts, scale, COUNTS)
+        tl.store(rows_ptr, tl.max(end, 0))
     if pid < TABLE0_PROGRAMS:
         _tile_table_block(pid, offsets_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0,
-                          BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T)
+                          BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T, COUNTS)
     else:
         _tile_table_block(pid - TABLE0_PROGRAMS, offsets_ptr, scale, table1_ptr, num_tiles1_ptr, num_experts,
-                          max_tiles1, BLOCK_M1, SPLIT_TAIL1, BLOCK_E, BLOCK_T)
+                          max_tiles1, BLOCK_M1, SPLIT_TAIL1, BLOCK_E, BLOCK_T, COUNTS)
 
 
 def _check_tiles_keys(tiles) -> None:
@@ -252,19 +269,20 @@ def empty_tile_tables(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool
 
 
 def fill_tile_tables(built: dict[tuple[int, bool], TileTable], expert_offsets: torch.Tensor, rows: torch.Tensor,
-                     plan: torch.Tensor | None = None, num_sms: int = 0) -> None:
+                     plan: torch.Tensor | None = None, num_sms: int = 0, counts: bool = False) -> None:
     """`grouped_prologue`'s first launch: every table of `built` (`empty_tile_tables`) and `rows[0]` = the rows to
     gather (expert_offsets[-1], or 0 under `plan` when it is not serial). It writes nothing a split plan's kernel
-    reads, so it may run before or beside that kernel."""
+    reads, so it may run before or beside that kernel. `counts`: `expert_offsets` holds each expert's rows
+    [E_local] (e.g. the counts vector's pairs of this rank's experts) instead of their prefix sum [E_local + 1]."""
     first, second = list(built.values()) + list(built.values())[:2 - len(built)]
     programs = [triton.cdiv(table.max_tiles, _BLOCK_T) for table in built.values()]
-    num_experts = expert_offsets.numel() - 1
+    num_experts = expert_offsets.numel() - (0 if counts else 1)
     _prologue_kernel[(sum(programs),)](
         expert_offsets, expert_offsets if plan is None else plan, num_sms, rows, first.table, first.num_tiles,
         second.table, second.num_tiles, num_experts, first.max_tiles, second.max_tiles,
         TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
         BLOCK_M1=second.block_m, SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, **sync.LAUNCH)
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, COUNTS=counts, **sync.LAUNCH)
 
 
 def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...], max_rows: int,
