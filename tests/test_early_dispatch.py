@@ -40,15 +40,18 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
     else:
         launcher, kernel = ed.PairDispatch(world_size, num_experts, top_k, hidden, max_tokens, DECODE_TOKENS, 132), \
             ed.pair_dispatch_kernel
-        args = launcher._arguments(ids, tokens, torch.zeros(num_experts, **i32), io, workspace, status, 1, 10 ** 9,
-                                   torch.zeros(num_experts // world_size + 1, **i32),
-                                   torch.zeros(launcher.rows_shape, **i32))
+        # at EP = 1 into local rows (the backend's y), as the backend launches it; else into the peers' regions
+        local = torch.zeros(DECODE_TOKENS * top_k, hidden, dtype=torch.bfloat16) if world_size == 1 else None
+        args = launcher._arguments(ids, tokens, torch.zeros(num_experts, **i32), io, workspace, status,
+                                   min(1, world_size - 1), 10 ** 9, torch.zeros(num_experts // world_size + 1, **i32),
+                                   torch.zeros(launcher.rows_shape, **i32), local)
+        extra = dict(LOCAL=local is not None)
     return sm90.compile_for_sm90(kernel, args, dict(launcher.constants, **extra, num_warps=ed.NUM_WARPS))
 
 
 @pytest.mark.parametrize("kind", ["early", "tables", "pairs"])
 @pytest.mark.parametrize("world_size, num_experts, top_k, hidden", [(2, 128, 8, 2048), (2, 256, 8, 7168),
-                                                                    (8, 64, 6, 4096)])
+                                                                    (8, 64, 6, 4096), (1, 64, 8, 2048)])
 def test_dispatch_beside_the_tables_compiles_for_sm90_with_vector_rows_and_its_ordering(kind, world_size,
                                                                                       num_experts, top_k, hidden):
     """Each dispatch beside the tables, as launched: no local memory; the rows in 16-byte vectors (x and the peers'
@@ -103,6 +106,19 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
         PairDispatch(2, 16, 4, 32, 16, 8, 4)
     with pytest.raises(ValueError, match="multiple of 8"):
         PairDispatch(2, 16, 4, 36, 64, 4, 4)
+    with pytest.raises(ValueError, match="max_tokens = 16"):
+        PairDispatch(1, 16, 4, 32, 16, 17, 4)
+    # at EP = 1 the pairs of more than T_max / k tokens go to local rows (the GEMMs' y), which must hold them all
+    alone = PairDispatch(1, 16, 4, 32, 16, 8, 4)
+    i32 = dict(dtype=torch.int32)
+    args = (torch.zeros(1, 16, 4, **i32), torch.zeros(1, **i32), torch.zeros(16, **i32), None,
+            types.SimpleNamespace(peer_bases=None, recv_offset=0, flags_offsets=(0, 0), flags=lambda parity: None),
+            None, 0, 1, torch.zeros(17, **i32), torch.zeros(alone.rows_shape, **i32))
+    with pytest.raises(ValueError, match="do not fit the receive region"):
+        alone._arguments(*args, None)
+    with pytest.raises(ValueError, match="local rows"):
+        alone._arguments(*args, torch.zeros(31, 32, dtype=torch.bfloat16))
+    alone._arguments(*args, torch.zeros(32, 32, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("top_k, hidden", [(8, 2048), (8, 7168), (6, 4096)])
@@ -155,10 +171,13 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False):
     dispatch = PairDispatch(1, E, k, H, max_tokens, max_call_tokens=8, num_programs=5)
     rows = torch.full(dispatch.rows_shape, -9, dtype=torch.int32)
     offsets = torch.full((E + 1,), -7, dtype=torch.int32)
+    # the pair rows into the GEMMs' y ([max_pairs, H]), as the backend writes them: 8 tokens x k pairs do not fit
+    # the receive region's T_max rows
+    recv = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
-                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows)
-    recv = ws.recv()
-    y = torch.full((max_tokens, H), float("nan"), dtype=torch.bfloat16)
+                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv)
+    assert ws.recv().isnan().all()
+    y = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     for e in range(E):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         y[lo:hi] = (recv[lo:hi].float() * (e + 1) / 8).bfloat16()
@@ -182,7 +201,7 @@ def test_pair_combine_after_the_pair_dispatch_at_ep1(monkeypatch):
 
 def _pair_combine_worker(rank: int, world_size: int) -> str:
     """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
-    E, k, H, max_tokens = 8, 3, 40, 24
+    E, k, H, max_tokens = 8, 3, 40, 12   # calls of up to 8 tokens: 24 pairs, more than T_max
     generator = torch.Generator().manual_seed(5)
     for T in (0, 1, 2, 5, 8):
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \

@@ -461,7 +461,7 @@ def test_paired_gemms_read_the_pair_rows_through_tma_with_tiles_from_the_pair_of
         def run(a, w, out, tiles, config, gather=None, **launch):
             assert launch == backend.gemm_launch
             ws = backend.workspace
-            source, target = (ws.recv(), ws.h()) if index == 0 else (ws.h(), ws.y())
+            source, target = (ws.y(), ws.h()) if index == 0 else (ws.h(), ws.y())
             assert a.data_ptr() == source.data_ptr() and a.shape == source.shape and gather is None
             assert out.data_ptr() == target.data_ptr() and w is (backend.w13, backend.w2)[index]
             launched.append((f"gemm{index}", tiles, config))
@@ -539,9 +539,10 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend.pair_offsets, backend.pair_rows = torch.zeros(9, dtype=torch.int32), torch.zeros(64, 2, dtype=torch.int32)
 
     class Pairs:
-        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows):
+        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
             start = backend.counts_format.expert_pairs_offset
             assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
+            assert local.data_ptr() == backend.workspace.y().data_ptr()   # the pair rows into y
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
             assert offsets is backend.pair_offsets and rows is backend.pair_rows and status is backend.live_status
             launched.append("pair dispatch")
@@ -627,7 +628,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     def gemm(index):
         def run(a, w, out, tiles, config, early_release, pdl, scratch, gather=None, **stream_k_options):
             assert (tiles.block_m, tiles.split_tail) == (config.block_m, config.split_tail), (tiles, config)
-            in_place = paired and gather is None and a.data_ptr() == backend.workspace.recv().data_ptr()
+            in_place = paired and gather is None and a.data_ptr() == backend.workspace.y().data_ptr()
             assert (gather is not None) is (index == 0 and backend.gemm0_gather) or in_place and index == 0
             # a stream-K config's scratch (the layer's, per size), status word and deadline, as in the calls
             assert stream_k_options == dict(stream_k_scratch=backend.stream_k_scratch, status=backend.live_status,
@@ -656,7 +657,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
         backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
 
         class Pairs:
-            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows):
+            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
+                assert local.data_ptr() == backend.workspace.y().data_ptr()
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
                 assert offsets is backend.pair_offsets and rows is backend.pair_rows

@@ -306,7 +306,7 @@ class WeaveBackend:
         # KernelConfig.pair_dispatch: at EP = 1 a decode call's rows sent once per (token, expert) pair, in expert
         # order, right after the counts; GEMM0 reads them through TMA, the combine reads y by the pairs' rows, no
         # task tables (_resident_paired)
-        pair_tokens = min(self.decode_tokens, self.max_tokens // spec.top_k)
+        pair_tokens = min(self.decode_tokens, self.max_tokens)   # its rows go to y, which holds every pair
         self.pair_dispatch = (PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, pair_tokens,
                                            self.num_sms)
                               if (cfg.pair_dispatch and world_size == 1 and self.grouped and pair_tokens >= 1
@@ -556,8 +556,8 @@ class WeaveBackend:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
         GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
-        (token, expert) pair's row at its place in expert order, and the pairs' rows); GEMM0 reading the rows in
-        place through TMA once both are done, GEMM1, and the combine of y by the pairs' rows into out
+        (token, expert) pair's row at its place in expert order, into y, and the pairs' rows); GEMM0 reading those
+        rows in place through TMA once both are done, GEMM1 into y, and the combine of y by the pairs' rows into out
         (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1 nothing else needs them. The
         chain to GEMM0 is pack -> counts -> pair dispatch (the tile tables beside it), not pack -> counts -> bases
         -> emit (-> gather) (docs/perf-notes.md entry 37)."""
@@ -567,7 +567,7 @@ class WeaveBackend:
                                                    side=self.fork_prologue, counts=True)
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
-                                  self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows)
+                                  self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows, self.workspace.y())
         if filled is not None:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables)
@@ -1009,11 +1009,11 @@ class WeaveBackend:
 
     def _paired_gemms(self, configs, tables) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s):
-        GEMM0 reading the receive rows, which are in expert order, contiguously through TMA (no gather), and GEMM1
-        into y (rows in the same expert order)."""
+        GEMM0 reading the pair rows (in y, in expert order) contiguously through TMA (no gather), and GEMM1 into y
+        (rows in the same expert order; it starts once GEMM0 has ended)."""
         keys = _tile_keys(configs)
         launch = self.gemm_launch
-        grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
+        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
                                    **launch)
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
@@ -1083,8 +1083,8 @@ class WeaveBackend:
             # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
             a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
             sources = [(a, gather)]
-            if self.pair_dispatch is not None:   # the pair rows, read in place (_paired_gemms)
-                sources.append((self.workspace.recv(), None))
+            if self.pair_dispatch is not None and self.gemm0_gather:   # the pair rows in y (_paired_gemms)
+                sources.append((y, None))
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 for a, gather in sources:
@@ -1110,7 +1110,8 @@ class WeaveBackend:
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
             self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
-                                      self.live_status, self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows)
+                                      self.live_status, self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows,
+                                      self.workspace.y())
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
                                      self.live_status, self.rank)
         if self.tables_dispatch is not None:

@@ -186,15 +186,14 @@ class KernelConfig:
             not with its dispatch.
         pair_dispatch: at EP = 1 (one GPU, or `--emulate-ep`), a resident decode call of a fixed serial plan (the
             grouped GEMMs) sends its rows right after the counts once per (token, expert) pair, straight to the
-            pair's row in expert order (kernels/early_dispatch.py, `pair_dispatch_kernel`, which also writes the
-            expert offsets); the grouped GEMMs' tile tables are built from those offsets and GEMM0 reads the rows
-            contiguously through TMA, while the task tables (scan, bases, emit), which only the combine then needs,
-            run on a side stream beside the GEMMs. The chain to GEMM0 becomes pack -> counts -> pair dispatch ->
-            tile tables instead of pack -> counts -> bases -> emit (Qwen3-30B-A3B at 1 token: counts end at 8.3
-            us, emit at 19.2; bench/results/h200-39eda33). Takes the place of `early_dispatch` on those calls. Needs
-            top_k <= E_local and at most max_tokens_per_rank pair rows (calls of more tokens take the other path).
-            At EP > 1 each rank would pick the row layout by its own T, which its peers must agree with, so it is
-            not used there. Off until measured on the GPU.
+            pair's row in expert order in y (kernels/early_dispatch.py, `pair_dispatch_kernel`, which also writes
+            each pair's row into a [T, k] table); the grouped GEMMs' tile tables are built beside it from the counts'
+            pairs per expert, GEMM0 reads the rows contiguously through TMA, and the combine sums y by the pairs'
+            rows (kernels/pair_combine.py): no task tables (scan, bases, emit) and no megakernel launch. The chain
+            to GEMM0 becomes pack -> counts -> pair dispatch instead of pack -> counts -> bases -> emit (Qwen3-30B-A3B
+            at 1 token: counts end at 8.3 us, emit at 19.2; bench/results/h200-39eda33). Takes the place of
+            `early_dispatch` on those calls. Needs top_k <= E_local. At EP > 1 each rank would pick the row layout
+            by its own T, which its peers must agree with, so it is not used there. Off until measured on the GPU.
     """
 
     block_m: int = 128

@@ -336,10 +336,10 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
-                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, rank,
+                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr, rank,
                          world_size, max_tokens, H, timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                          MC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
+                         BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, LOCAL: tl.constexpr):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
     (KernelConfig.pair_dispatch; docs/perf-notes.md entries 36-37). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
@@ -352,7 +352,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     bases kernel writes into the tables' `expert_offsets` under one chunk; zeros when the call is refused), from
     which the grouped GEMMs' tile tables can be built (`grouped_tiles.fill_tile_tables`) without the task tables.
     rows_ptr: int32 [BLOCK_T, K], row (t, j) written with pair (t, j)'s row at its destination (-1: no expert), for
-    t < this rank's T (unless the call is refused): at EP = 1 what `pair_combine.PairCombine` reads y by."""
+    t < this rank's T (unless the call is refused): at EP = 1 what `pair_combine.PairCombine` reads y by.
+    LOCAL (EP = 1 only): the rows go to `local_ptr` ([rows, H] bf16 of this rank, e.g. the GEMMs' y, which holds
+    every pair of a call) instead of the receive region, which holds only T_max rows."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
@@ -387,7 +389,10 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                 row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)
                 token = pair // KP
                 tl.store(pair_row, row, mask=named)
-                dst = peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True) + tl.cast(row, tl.int64) * H
+                if LOCAL:
+                    dst = local_ptr + tl.cast(row, tl.int64) * H
+                else:
+                    dst = peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True) + tl.cast(row, tl.int64) * H
                 src = x + tl.cast(token, tl.int64) * H
                 for h0 in range(0, H, BLOCK_H):
                     cols = h0 + offs_h
@@ -416,9 +421,11 @@ class PairDispatch:
         local = num_experts // world_size
         if top_k > local:
             raise ValueError(f"top_k = {top_k} > {local} local experts: the task tables drop pairs there")
-        if not 1 <= max_call_tokens or max_call_tokens * top_k > max_tokens:
+        if not 1 <= max_call_tokens or (max_call_tokens * top_k > max_tokens and world_size > 1):
             raise ValueError(f"max_call_tokens must be in [1, max_tokens / top_k = {max_tokens // top_k}] (the pair "
                              f"rows fill the receive region), got {max_call_tokens}")
+        if max_call_tokens > max_tokens:
+            raise ValueError(f"max_call_tokens must be in [1, max_tokens = {max_tokens}], got {max_call_tokens}")
         _check_hidden(hidden_size)
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
         self.max_call_tokens = max_call_tokens
@@ -431,8 +438,18 @@ class PairDispatch:
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
                               BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
 
-    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows) -> tuple:
+    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
+                   local) -> tuple:
         P, T, L = self.world_size, self.max_tokens, self.constants["L"]
+        need = self.max_call_tokens * self.rows_shape[1]   # rows of the longest call's pairs
+        if local is None and need > P * T:
+            raise ValueError(f"the pairs of {self.max_call_tokens} tokens ({need} rows) do not fit the receive region "
+                             f"({P * T} rows): give local rows (EP = 1)")
+        if local is not None:
+            if P != 1 or local.dtype != torch.bfloat16 or local.dim() != 2 or local.shape[1] != self.hidden_size \
+                    or local.shape[0] < need or not local.is_contiguous():
+                raise ValueError(f"local rows: EP = 1 and contiguous bf16 [>= {need}, {self.hidden_size}], got EP = "
+                                 f"{P}, {local.dtype} {tuple(local.shape)}")
         _check_ids(all_ids, P, T, self.constants["K"])
         _check_plan_columns(tokens, None, P)
         if pairs.dtype != torch.int32 or pairs.numel() != P * L:
@@ -443,21 +460,24 @@ class PairDispatch:
                 or not rows.is_contiguous():
             raise ValueError(f"rows must be contiguous int32 {list(self.rows_shape)}")
         return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
-                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rows, rank, P,
-                T, self.hidden_size, timeout_ns)
+                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rows,
+                rows if local is None else local, rank, P, T, self.hidden_size, timeout_ns)
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
-               offsets: torch.Tensor, rows: torch.Tensor) -> None:
+               offsets: torch.Tensor, rows: torch.Tensor, local: torch.Tensor | None = None) -> None:
         """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
         rank's expert offsets (zeros if the call is refused); `rows`: int32 `rows_shape`, row (t, j) written with
-        pair (t, j)'s row at its destination, -1 for no expert (t < T; unless the call is refused)."""
+        pair (t, j)'s row at its destination, -1 for no expert (t < T; unless the call is refused). `local`: at EP =
+        1, bf16 [>= max_call_tokens * top_k, H] rows of this rank to write the pairs' rows into instead of the receive
+        region."""
         pair_dispatch_kernel[(self.num_programs,)](
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows),
-            **self.constants, num_warps=NUM_WARPS)
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
+            **self.constants, LOCAL=local is not None, num_warps=NUM_WARPS)
 
-    def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows) -> None:
+    def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
+               local=None) -> None:
         """Compile for these arguments' specialisation without launching (the layer's first call, before it
         enqueues anything)."""
         pair_dispatch_kernel.warmup(
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows),
-            **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
+            **self.constants, LOCAL=local is not None, grid=(self.num_programs,), num_warps=NUM_WARPS)
