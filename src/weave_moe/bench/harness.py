@@ -768,11 +768,13 @@ def _make_row(config, model, spec, variant, inputs, world_size, error, skipped, 
         )
         if inputs.lib_compute_ms:
             row["x_lib_compute"] = median_ms / inputs.lib_compute_ms
-    first_plan = next((p for p in (result["plans"][0] if result["plans"] else []) if p), None)
+    # a row whose variant failed may hold no plans, or None for a set it never reached
+    first_plan = next((p for p in ((result["plans"][0] if result["plans"] else None) or []) if p), None)
     if first_plan:
         row.update(c=first_plan["c"], K=first_plan["K"], n_steal=first_plan["n_steal"])
         # a plan without a prediction (fixed policies carry NaN: they never model the call's workload) counts as none
-        predicted = [max(_finite((p or {}).get("predicted_us")) for p in per_set) for per_set in result["plans"]]
+        predicted = [max(_finite((p or {}).get("predicted_us")) for p in per_set) for per_set in result["plans"]
+                     if per_set]
         if any(predicted):
             row["predicted_ms"] = statistics.fmean(predicted) * 1e-3
             if row["median_ms"]:
