@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -270,20 +272,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--calls", type=int, default=10_000)
+    parser.add_argument("--checks", default="",
+                        help="comma-separated names of the checks to run (e.g. check_no_sync_and_host_time); all if empty")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     rows: list[dict] = []
-    for check in (check_policies, check_grouped_serial, check_no_sync_and_host_time, check_deferred_errors,
-                  check_graph_capture, check_graph_memory):
+    checks = [check_policies, check_grouped_serial, check_no_sync_and_host_time, check_deferred_errors,
+              check_graph_capture, check_graph_memory, functools.partial(check_back_to_back, calls=args.calls)]
+    names = {getattr(check, "func", check).__name__: check for check in checks}
+    chosen = [name for name in args.checks.split(",") if name] or list(names)
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        raise SystemExit(f"unknown checks {unknown}; known: {sorted(names)}")
+    for name in chosen:
         try:
-            check(rows, device)
+            names[name](rows, device)
         except Exception as e:  # noqa: BLE001 - one failing check must not hide the others
-            rows.append(dict(check=check.__name__, passed=False, error=f"{type(e).__name__}: {str(e)[:500]}"))
+            # the traceback's end names the launch that failed (with CUDA_LAUNCH_BLOCKING=1, the faulting one)
+            rows.append(dict(check=name, passed=False, error=f"{type(e).__name__}: {str(e)[:500]}",
+                             traceback=traceback.format_exc()[-2000:]))
         print(json.dumps(rows[-1]), flush=True)
-    try:
-        check_back_to_back(rows, device, args.calls)
-    except Exception as e:  # noqa: BLE001
-        rows.append(dict(check="back_to_back", passed=False, error=f"{type(e).__name__}: {str(e)[:500]}"))
     commit = git_commit()
     record = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(device), commit=commit,
                   command="python scripts/resident_check.py", torch=torch.__version__,
