@@ -1095,14 +1095,18 @@ class WeaveBackend:
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
-                if self.pair_dispatch is not None:   # from the counts' pairs (_resident_paired)
-                    self._grouped_prologue(self._pairs(self.device_counts.counts, local=True), pair, False,
-                                           counts=True)
                 if not self.gemm0_gather:   # otherwise a call makes no gather launch
                     # both compiles: after a forked prologue (its count read ahead: here a count written long
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
+                if self.pair_dispatch is not None:
+                    # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
+                    # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose
+                    # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
+                    # there made the gather warm-up after it read past the buffers)
+                    self._grouped_prologue(self._pairs(torch.zeros_like(self.device_counts.counts), local=True),
+                                           pair, False, counts=True)
         if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatch is not None:
             all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         if self.early_dispatch is not None:
