@@ -42,10 +42,12 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
             ed.pair_dispatch_kernel
         # at EP = 1 into local rows (the backend's y), as the backend launches it; else into the peers' regions
         local = torch.zeros(DECODE_TOKENS * top_k, hidden, dtype=torch.bfloat16) if world_size == 1 else None
+        # ... and gated by the device plan (an adaptive policy's paired call)
+        plan = torch.zeros(1, **i32) if world_size == 1 else None
         args = launcher._arguments(ids, tokens, torch.zeros(num_experts, **i32), io, workspace, status,
                                    min(1, world_size - 1), 10 ** 9, torch.zeros(num_experts // world_size + 1, **i32),
-                                   torch.zeros(launcher.rows_shape, **i32), local)
-        extra = dict(LOCAL=local is not None)
+                                   torch.zeros(launcher.rows_shape, **i32), local, plan, 132)
+        extra = dict(LOCAL=local is not None, PLANNED=plan is not None)
     return sm90.compile_for_sm90(kernel, args, dict(launcher.constants, **extra, num_warps=ed.NUM_WARPS))
 
 
@@ -115,14 +117,19 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
             types.SimpleNamespace(peer_bases=None, recv_offset=0, flags_offsets=(0, 0), flags=lambda parity: None),
             None, 0, 1, torch.zeros(17, **i32), torch.zeros(alone.rows_shape, **i32))
     with pytest.raises(ValueError, match="do not fit the receive region"):
-        alone._arguments(*args, None)
+        alone._arguments(*args, None, None, 0)
     with pytest.raises(ValueError, match="local rows"):
-        alone._arguments(*args, torch.zeros(31, 32, dtype=torch.bfloat16))
-    alone._arguments(*args, torch.zeros(32, 32, dtype=torch.bfloat16))
+        alone._arguments(*args, torch.zeros(31, 32, dtype=torch.bfloat16), None, 0)
+    local = torch.zeros(32, 32, dtype=torch.bfloat16)
+    alone._arguments(*args, local, None, 0)
+    with pytest.raises(ValueError, match="plan must be int32"):
+        alone._arguments(*args, local, torch.zeros(2, **i32), 4)
+    with pytest.raises(ValueError, match="plan must be int32"):
+        alone._arguments(*args, local, torch.zeros(1, **i32), 0)
 
 
-@pytest.mark.parametrize("top_k, hidden", [(8, 2048), (8, 7168), (6, 4096)])
-def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
+@pytest.mark.parametrize("top_k, hidden, planned", [(8, 2048, False), (8, 7168, True), (6, 4096, False)])
+def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden, planned):
     """The paired call's combine as launched: no local memory, y read and out written in 16-byte vectors (out's
     address from `io`, declared aligned)."""
     from weave_moe.backends.weave.config import DECODE_TOKENS
@@ -132,19 +139,20 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
     i32 = dict(dtype=torch.int32)
     args = combine._arguments(torch.zeros(64, hidden, dtype=torch.bfloat16), torch.zeros(DECODE_TOKENS, top_k, **i32),
                               torch.zeros(1, 2048, top_k), torch.zeros(1, **i32), torch.zeros(2, dtype=torch.int64),
-                              torch.zeros(4, **i32), 0)
+                              torch.zeros(4, **i32), 0, torch.zeros(1, **i32) if planned else None, 132)
     ptx = sm90.compile_for_sm90(pair_combine.pair_combine_kernel, args,
-                                dict(combine.constants, num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
+                                dict(combine.constants, PLANNED=planned, num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
     assert ".local" not in ptx
     assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row accessed one element per access"
 
 
-def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False):
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=None):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
     pack, counts (verdict), `PairDispatch`, then y made from the receive rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
-    poisoned out of T + 1 rows. Returns (out, rows table, offsets, receive region, status)."""
+    poisoned out of T + 1 rows. `plan_c`: both launches gated by a device plan of that c (a serial one: c >= 4, the
+    SMs here). Returns (out, rows table, offsets, receive region, status)."""
     from weave_moe.backends.coordination import HEADER_WORDS
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
@@ -174,14 +182,15 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False):
     # the pair rows into the GEMMs' y ([max_pairs, H]), as the backend writes them: 8 tokens x k pairs do not fit
     # the receive region's T_max rows
     recv = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
+    gate = {} if plan_c is None else dict(plan=torch.tensor([plan_c], dtype=torch.int32), num_sms=4)
     dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
-                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv)
+                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv, **gate)
     assert ws.recv().isnan().all()
     y = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     for e in range(E):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         y[lo:hi] = (recv[lo:hi].float() * (e + 1) / 8).bfloat16()
-    PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0)
+    PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0, **gate)
     return out, rows, offsets, recv, status
 
 
@@ -203,7 +212,7 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
     E, k, H, max_tokens = 8, 3, 40, 12   # calls of up to 8 tokens: 24 pairs, more than T_max
     generator = torch.Generator().manual_seed(5)
-    for T in (0, 1, 2, 5, 8):
+    for T, plan_c in ((0, None), (1, None), (2, 4), (5, None), (8, 9)):   # ungated, or a serial device plan
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
             torch.zeros(0, k, dtype=torch.int32)
         if T >= 2:
@@ -211,7 +220,7 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             ids[1, 2] = -1           # a slot with no expert
         weights = torch.rand(T, k, generator=generator)
         x = torch.randn(T, H, generator=generator).bfloat16()
-        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x)
+        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, plan_c=plan_c)
         assert status[:4].tolist() == [0, 0, 0, 0]
         assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
         for t in range(T):
@@ -233,4 +242,7 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], refuse=True)
     assert out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all()
     assert offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
+    # a device plan that is not serial (c 3 < 4 SMs): neither launch writes anything (the kernel does that call)
+    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], plan_c=3)
+    assert (out == -3.0).all() and recv.isnan().all() and offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
     return "checked"

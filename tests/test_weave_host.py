@@ -335,6 +335,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
     backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
+    backend.pairs_planned = False
 
     class Stream:
         def wait_event(self, event):
@@ -524,33 +525,45 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
-def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch):
+@pytest.mark.parametrize("planned", [False, True])
+def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch, planned):
     """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
     pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
     and rows table); the join; the grouped GEMMs on those tables; the pair combine of y by the rows with the
-    message's weights. No task tables, no megakernel launch."""
+    message's weights. No task tables, no megakernel launch on the call's stream. `planned` (KernelConfig.
+    adaptive_pairs): the planner's launch first, then the split side forked, and every paired launch gated by this
+    rank's device plan (the tile tables by DEVICE_SERIAL); the side joined at the end."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
 
     backend, launched = _tables_host(monkeypatch)
+    backend.pairs_planned, backend.num_sms = planned, 4
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
     backend.device_counts.build = lambda *args, **options: launched.append("counts") or vector
     backend.pair_offsets, backend.pair_rows = torch.zeros(9, dtype=torch.int32), torch.zeros(64, 2, dtype=torch.int32)
 
+    def gated(plan, num_sms):
+        assert (plan is None) is not planned
+        if planned:   # this rank's c in the plans, and the SM count a serial plan names
+            assert plan.data_ptr() == backend.plans_device[0, 0:1].data_ptr() and num_sms == 4
+
     class Pairs:
-        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
+        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                   plan=None, num_sms=0):
             start = backend.counts_format.expert_pairs_offset
             assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
             assert local.data_ptr() == backend.workspace.y().data_ptr()   # the pair rows into y
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
             assert offsets is backend.pair_offsets and rows is backend.pair_rows and status is backend.live_status
+            gated(plan, num_sms)
             launched.append("pair dispatch")
 
     class Combine:
-        def launch(self, y, rows, all_weights, tokens, io, status, rank):
+        def launch(self, y, rows, all_weights, tokens, io, status, rank, plan=None, num_sms=0):
             assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
+            gated(plan, num_sms)
             launched.append("pair combine")
 
     backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
@@ -558,21 +571,45 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
     backend._launch = lambda *args, **options: launched.append("megakernel")
     backend._paired_gemms = lambda configs, tables: launched.append(("gemms", configs, tables))
-    backend._fork = lambda name, enqueue: launched.append(("fork", name))
+    backend._fork = lambda name, enqueue: launched.append(("fork", name)) or f"{name} event"
     backend.fork_prologue = True
 
     def prologue(offsets, keys, device_serial, side=False, counts=False):
         start = backend.counts_format.expert_pairs_offset   # this rank's experts' pairs (rank 0, EP = 1: all 8)
         assert offsets.data_ptr() == vector[start:].data_ptr() and offsets.numel() == 8
-        assert keys == ["k0", "k1"] and not device_serial and counts
+        assert keys == ["k0", "k1"] and device_serial is planned and counts
         launched.append(("tile tables", "beside" if side else "in line"))
         return "tile tables", None, "filled"
 
     backend._grouped_prologue = prologue
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend._resident_paired("configs")
-    assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
-                        ("gemms", "configs", "tile tables"), "pair combine"]
+    paired = [("tile tables", "beside"), "pair dispatch", ("join", "filled"), ("gemms", "configs", "tile tables"),
+              "pair combine"]
+    if planned:
+        assert launched == ["counts", "planner", ("fork", "split")] + paired + [("join", "split event")], launched
+    else:
+        assert launched == ["counts"] + paired, launched
+
+
+def test_split_call_builds_the_decode_tables_and_launches_the_grouped_serial_first_launch(monkeypatch):
+    """`_split_call` (the side of an adaptive paired call): the decode task tables for the plan on the device (the
+    previous launch, the planner, is on the other stream: previous_writes "any"), then one megakernel launch, its
+    GROUPED_SERIAL all-phase compile, with the device plan (no host plan) from phase 0."""
+    from weave_moe.backends.weave import backend as backend_module
+
+    backend, launched = _tables_host(monkeypatch)
+    backend.grouped_serial = True
+
+    def tables(*args, buffers, previous_writes, serial_plan, **options):
+        assert buffers == "the layer's decode tables" and previous_writes == "any"
+        assert serial_plan.data_ptr() == backend.plans_device[0, 0:1].data_ptr()
+        launched.append("tables")
+        return _AnyTable()
+
+    monkeypatch.setattr(backend_module, "build_layout_triton", tables)
+    backend._split_call()
+    assert launched == ["tables", "-1gs"], launched
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):

@@ -305,12 +305,16 @@ class WeaveBackend:
                                 else None)
         # KernelConfig.pair_dispatch: at EP = 1 a decode call's rows sent once per (token, expert) pair, in expert
         # order, right after the counts; GEMM0 reads them through TMA, the combine reads y by the pairs' rows, no
-        # task tables (_resident_paired)
+        # task tables (_resident_paired). KernelConfig.adaptive_pairs: an adaptive policy's too, gated on the device
+        # by its plan (`pairs_planned`)
         pair_tokens = min(self.decode_tokens, self.max_tokens)   # its rows go to y, which holds every pair
+        self.pairs_planned = bool(cfg.adaptive_pairs and self.grouped_serial)
         self.pair_dispatch = (PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, pair_tokens,
                                            self.num_sms)
-                              if (cfg.pair_dispatch and world_size == 1 and self.grouped and pair_tokens >= 1
-                                  and spec.top_k <= self.num_local_experts and H % 8 == 0) else None)
+                              if (cfg.pair_dispatch and world_size == 1 and (self.grouped or self.pairs_planned)
+                                  and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0)
+                              else None)
+        self.pairs_planned = self.pairs_planned and self.pair_dispatch is not None
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
             self.pair_offsets = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=device)
@@ -560,21 +564,43 @@ class WeaveBackend:
         rows in place through TMA once both are done, GEMM1 into y, and the combine of y by the pairs' rows into out
         (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1 nothing else needs them. The
         chain to GEMM0 is pack -> counts -> pair dispatch (the tile tables beside it), not pack -> counts -> bases
-        -> emit (-> gather) (docs/perf-notes.md entry 37)."""
+        -> emit (-> gather) (docs/perf-notes.md entry 37).
+        An adaptive policy's call (`pairs_planned`, KernelConfig.adaptive_pairs) plans on the device first; every
+        launch above then reads this rank's plan and does nothing unless it is serial, and beside them, forked once
+        the plan is written, the task tables and the kernel's GROUPED_SERIAL first launch do the call under any
+        other plan (under a serial one that launch only dispatches, into rows nothing reads: `_split_call`)."""
         counts = self._counts(verdict=True)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
-        tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs), False,
-                                                   side=self.fork_prologue, counts=True)
+        gate = {}
+        if self.pairs_planned:
+            if self.device_counts.planner is None:
+                self.device_planner.launch(counts, self.plans_device)
+            gate = dict(plan=self.plans_device[self.rank, 0:1], num_sms=self.num_sms)
+            joins.append(self._fork("split", lambda: self._split_call()))
+        tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs),
+                                                   self.pairs_planned, side=self.fork_prologue, counts=True)
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
-                                  self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows, self.workspace.y())
+                                  self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows, self.workspace.y(),
+                                  **gate)
         if filled is not None:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables)
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank)
+                                 self.rank, **gate)
         for event in joins:
             self._current_stream().wait_event(event)
+
+    def _split_call(self) -> None:
+        """An adaptive paired call's side (`_resident_paired`): the decode task tables for the plan just written,
+        then the kernel's GROUPED_SERIAL first launch, which under a plan that is not serial does the whole call and
+        under a serial one only its dispatch phase (rows of the receive region that nothing reads then: the pair
+        launches did that call)."""
+        layout = self._build_tables(True, previous_writes="any")
+        dummy = self.workspace.y()[:1]
+        args, launch_options = self._megakernel_args(dummy, dummy, layout, None, 0)
+        if not self.debug_skip_launch:
+            mk_launch.launch(args=args, constants=self.stage_constants[(-1, "grouped serial")], **launch_options)
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -1106,18 +1132,20 @@ class WeaveBackend:
                     # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
                     # there made the gather warm-up after it read past the buffers)
                     self._grouped_prologue(self._pairs(torch.zeros_like(self.device_counts.counts), local=True),
-                                           pair, False, counts=True)
+                                           pair, self.pairs_planned, counts=True)
         if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatch is not None:
             all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         if self.early_dispatch is not None:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
+            gate = (dict(plan=self.plans_device[self.rank, 0:1], num_sms=self.num_sms) if self.pairs_planned
+                    else {})
             self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
                                       self.live_status, self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows,
-                                      self.workspace.y())
+                                      self.workspace.y(), **gate)
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
-                                     self.live_status, self.rank)
+                                     self.live_status, self.rank, **gate)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

@@ -198,6 +198,13 @@ class KernelConfig:
             bench check passed, and it was the fastest serial variant at every size measured (Qwen3-30B-A3B, one
             rank's work of EP=2, at 1 / 8 / 32 tokens 89.0 / 178.8 / 253.4 us -> 77.5 / 166.0 / 243.4; DeepSeek-V3
             288.8 / 1640.5 / 3451.2 -> 279.9 / 1622.1 / 3441.7; 5 rounds).
+        adaptive_pairs: with `pair_dispatch`, an adaptive policy's decode calls at EP = 1 take the paired path too:
+            the device plan is made first (as for every resident adaptive call), the pair dispatch, the tile tables,
+            the grouped GEMMs and the pair combine each read it and do nothing unless it is serial, and beside them
+            the task tables and the kernel's first launch (its GROUPED_SERIAL compile) do the call under any other
+            plan (under a serial one that launch only dispatches, into rows nothing reads). The default policy
+            plans serial for nearly every decode call (docs/perf-notes.md entry 39) and paid ~11 us over the serial
+            policy at 1 token (entries 28 and 34). Off until measured on the GPU.
     """
 
     block_m: int = 128
@@ -236,6 +243,7 @@ class KernelConfig:
     early_dispatch: bool = False
     dispatch_beside_emit: bool = False
     pair_dispatch: bool = True
+    adaptive_pairs: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -84,6 +84,13 @@ def _check_plan_columns(tokens: torch.Tensor, chunks: torch.Tensor | None, world
         raise ValueError("tokens must be int32 [EP]")
 
 
+def _check_plan(plan: torch.Tensor | None, num_sms: int) -> None:
+    """A device plan's c for the pair launches (`plans_device[rank, 0:1]`) and the SM count a serial one names."""
+    if plan is not None and (plan.dtype != torch.int32 or plan.numel() != 1 or num_sms < 1):
+        raise ValueError(f"plan must be int32 [1] (this rank's c) with num_sms >= 1, got {plan.dtype} "
+                         f"{tuple(plan.shape)}, num_sms = {num_sms}")
+
+
 @triton.jit
 def _ids_block(ids_ptr, ids_stride, source, n_tok, first, max_tokens, K: tl.constexpr, KP: tl.constexpr,
                BLOCK_T: tl.constexpr):
@@ -336,10 +343,11 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
-                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr, rank,
-                         world_size, max_tokens, H, timeout_ns, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                         MC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-                         BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, LOCAL: tl.constexpr):
+                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr,
+                         plan_ptr, num_sms, rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
+                         K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+                         LOCAL: tl.constexpr, PLANNED: tl.constexpr):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
     (KernelConfig.pair_dispatch; docs/perf-notes.md entries 36-37). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
@@ -354,7 +362,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     rows_ptr: int32 [BLOCK_T, K], row (t, j) written with pair (t, j)'s row at its destination (-1: no expert), for
     t < this rank's T (unless the call is refused): at EP = 1 what `pair_combine.PairCombine` reads y by.
     LOCAL (EP = 1 only): the rows go to `local_ptr` ([rows, H] bf16 of this rank, e.g. the GEMMs' y, which holds
-    every pair of a call) instead of the receive region, which holds only T_max rows."""
+    every pair of a call) instead of the receive region, which holds only T_max rows. PLANNED: `plan_ptr` holds this
+    rank's device plan's c (`plans_device[rank, 0]`); under a plan that is not serial (c < num_sms) the launch does
+    what it does for a refused call (nothing sent, no rows table, zero offsets): that call's kernel dispatches."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
@@ -364,13 +374,15 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     mine = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, rank, max_tokens, K, KP, BLOCK_T)
     pairs = tl.load(pairs_ptr + ee, mask=ee < world_size * L, other=0)
     x = call_io_ptr(io_ptr, 0, True)
-    refused = sync.status_set(status_ptr)
-    if pid == grid - 1:   # a refused call's offsets hold no row: the tile tables built from them hold no tile
+    idle = sync.status_set(status_ptr)   # a refused call
+    if PLANNED:   # ... or a device plan that is not serial
+        idle = idle | (tl.load(plan_ptr) < num_sms).to(tl.int32)
+    if pid == grid - 1:   # an idle launch's offsets hold no row: the tile tables built from them hold no tile
         ll = tl.arange(0, BLOCK_L)
-        offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]) & (refused == 0),
+        offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]) & (idle == 0),
                                   pairs[None, :], 0), axis=1)
         tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
-    if refused == 0:   # every program has pairs to walk: no more programs than pairs
+    if idle == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         n_tok = tl.load(tokens_ptr + rank * tokens_stride)
         for pair in range(pid, BLOCK_T * KP, grid):
@@ -438,8 +450,8 @@ class PairDispatch:
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
                               BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
 
-    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
-                   local) -> tuple:
+    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                   plan, num_sms) -> tuple:
         P, T, L = self.world_size, self.max_tokens, self.constants["L"]
         need = self.max_call_tokens * self.rows_shape[1]   # rows of the longest call's pairs
         if local is None and need > P * T:
@@ -459,25 +471,31 @@ class PairDispatch:
         if rows.dtype != torch.int32 or rows.numel() != self.rows_shape[0] * self.rows_shape[1] \
                 or not rows.is_contiguous():
             raise ValueError(f"rows must be contiguous int32 {list(self.rows_shape)}")
+        _check_plan(plan, num_sms)
         return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
                 workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rows,
-                rows if local is None else local, rank, P, T, self.hidden_size, timeout_ns)
+                rows if local is None else local, rows if plan is None else plan, num_sms, rank, P, T,
+                self.hidden_size, timeout_ns)
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
-               offsets: torch.Tensor, rows: torch.Tensor, local: torch.Tensor | None = None) -> None:
+               offsets: torch.Tensor, rows: torch.Tensor, local: torch.Tensor | None = None,
+               plan: torch.Tensor | None = None, num_sms: int = 0) -> None:
         """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
         rank's expert offsets (zeros if the call is refused); `rows`: int32 `rows_shape`, row (t, j) written with
         pair (t, j)'s row at its destination, -1 for no expert (t < T; unless the call is refused). `local`: at EP =
         1, bf16 [>= max_call_tokens * top_k, H] rows of this rank to write the pairs' rows into instead of the receive
-        region."""
+        region. `plan`: int32 [1], this rank's device plan's c: the launch sends only if c >= `num_sms` (serial)."""
         pair_dispatch_kernel[(self.num_programs,)](
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
-            **self.constants, LOCAL=local is not None, num_warps=NUM_WARPS)
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                             plan, num_sms),
+            **self.constants, LOCAL=local is not None, PLANNED=plan is not None, num_warps=NUM_WARPS)
 
     def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
-               local=None) -> None:
+               local=None, plan=None, num_sms=0) -> None:
         """Compile for these arguments' specialisation without launching (the layer's first call, before it
         enqueues anything)."""
         pair_dispatch_kernel.warmup(
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
-            **self.constants, LOCAL=local is not None, grid=(self.num_programs,), num_warps=NUM_WARPS)
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                             plan, num_sms),
+            **self.constants, LOCAL=local is not None, PLANNED=plan is not None, grid=(self.num_programs,),
+            num_warps=NUM_WARPS)

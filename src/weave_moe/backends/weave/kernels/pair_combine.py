@@ -29,14 +29,18 @@ __all__ = ["PairCombine", "pair_combine_kernel"]
 NUM_WARPS = 2   # 64 threads x 8 bf16 = one BLOCK_H of 512 columns: 16-byte accesses
 
 
-@triton.jit(do_not_specialize=["rank"])
+@triton.jit(do_not_specialize=["rank", "num_sms"])
 def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr, tokens_stride, io_ptr, status_ptr,
-                        rank, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+                        plan_ptr, num_sms, rank, H, K: tl.constexpr, BLOCK_H: tl.constexpr, PLANNED: tl.constexpr):
     """out[t, cols] for the items (t, column block) dealt to this program; y: [pairs, H] bf16; rows: int32 [*, K]
-    (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`."""
+    (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`.
+    PLANNED: `plan_ptr` holds this rank's device plan's c; under a plan that is not serial (c < num_sms) nothing is
+    written (that call's kernel combines)."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_tok = tl.load(tokens_ptr + rank * tokens_stride)
+    if PLANNED:
+        n_tok = tl.where(tl.load(plan_ptr) >= num_sms, n_tok, 0)
     blocks = tl.cdiv(H, BLOCK_H)
     out = call_io_ptr(io_ptr, 1, True)
     refused = sync.status_set(status_ptr)
@@ -70,7 +74,7 @@ class PairCombine:
         self.num_programs = max(1, min(num_programs, max_call_tokens * triton.cdiv(hidden_size, block_h)))
         self.constants = dict(K=top_k, BLOCK_H=block_h)
 
-    def _arguments(self, y, rows, all_weights, tokens, io, status, rank) -> tuple:
+    def _arguments(self, y, rows, all_weights, tokens, io, status, rank, plan, num_sms) -> tuple:
         H, K = self.hidden_size, self.top_k
         if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != H or not y.is_contiguous():
             raise ValueError(f"y must be contiguous bf16 [pairs, {H}], got {y.dtype} {tuple(y.shape)}")
@@ -80,15 +84,23 @@ class PairCombine:
                 or all_weights.stride(2) != 1 or all_weights.stride(1) != K:
             raise ValueError(f"all_weights must be fp32 [EP, T_max, {K}] with contiguous rows, got "
                              f"{all_weights.dtype} {tuple(all_weights.shape)}")
-        return (y, rows, all_weights, all_weights.stride(0), tokens, tokens.stride(0), io, status, rank, H)
+        if plan is not None and (plan.dtype != torch.int32 or plan.numel() != 1 or num_sms < 1):
+            raise ValueError(f"plan must be int32 [1] (this rank's c) with num_sms >= 1, got {plan.dtype} "
+                             f"{tuple(plan.shape)}, num_sms = {num_sms}")
+        return (y, rows, all_weights, all_weights.stride(0), tokens, tokens.stride(0), io, status,
+                rows if plan is None else plan, num_sms, rank, H)
 
     def launch(self, y: torch.Tensor, rows: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
-               io: torch.Tensor, status: torch.Tensor, rank: int) -> None:
-        """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`)."""
-        pair_combine_kernel[(self.num_programs,)](*self._arguments(y, rows, all_weights, tokens, io, status, rank),
-                                                  **self.constants, num_warps=NUM_WARPS)
+               io: torch.Tensor, status: torch.Tensor, rank: int, plan: torch.Tensor | None = None,
+               num_sms: int = 0) -> None:
+        """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`). `plan`: int32 [1],
+        this rank's device plan's c: the launch writes only if c >= `num_sms` (serial)."""
+        pair_combine_kernel[(self.num_programs,)](
+            *self._arguments(y, rows, all_weights, tokens, io, status, rank, plan, num_sms), **self.constants,
+            PLANNED=plan is not None, num_warps=NUM_WARPS)
 
-    def warmup(self, y, rows, all_weights, tokens, io, status, rank) -> None:
+    def warmup(self, y, rows, all_weights, tokens, io, status, rank, plan=None, num_sms=0) -> None:
         """Compile for these arguments' specialisation without launching."""
-        pair_combine_kernel.warmup(*self._arguments(y, rows, all_weights, tokens, io, status, rank),
-                                   **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)
+        pair_combine_kernel.warmup(*self._arguments(y, rows, all_weights, tokens, io, status, rank, plan, num_sms),
+                                   **self.constants, PLANNED=plan is not None, grid=(self.num_programs,),
+                                   num_warps=NUM_WARPS)
