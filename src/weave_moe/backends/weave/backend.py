@@ -317,6 +317,7 @@ class WeaveBackend:
         self.pairs_planned = self.pairs_planned and self.pair_dispatch is not None
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
+            # the expert offsets the pair dispatch writes (the tile tables come from the counts: these are for checks)
             self.pair_offsets = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=device)
             self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
@@ -571,12 +572,11 @@ class WeaveBackend:
         other plan (under a serial one that launch only dispatches, into rows nothing reads: `_split_call`)."""
         counts = self._counts(verdict=True)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
-        gate = {}
         if self.pairs_planned:
             if self.device_counts.planner is None:
                 self.device_planner.launch(counts, self.plans_device)
-            gate = dict(plan=self.plans_device[self.rank, 0:1], num_sms=self.num_sms)
-            joins.append(self._fork("split", lambda: self._split_call()))
+            joins.append(self._fork("split", self._split_call))
+        gate = self._pair_gate()
         tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs),
                                                    self.pairs_planned, side=self.fork_prologue, counts=True)
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
@@ -601,6 +601,10 @@ class WeaveBackend:
         args, launch_options = self._megakernel_args(dummy, dummy, layout, None, 0)
         if not self.debug_skip_launch:
             mk_launch.launch(args=args, constants=self.stage_constants[(-1, "grouped serial")], **launch_options)
+
+    def _pair_gate(self) -> dict:
+        """The pair launches' gate (`plan`, `num_sms`): this rank's device plan under `pairs_planned`, else none."""
+        return dict(plan=self.plans_device[self.rank, 0:1], num_sms=self.num_sms) if self.pairs_planned else {}
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -1139,8 +1143,7 @@ class WeaveBackend:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
-            gate = (dict(plan=self.plans_device[self.rank, 0:1], num_sms=self.num_sms) if self.pairs_planned
-                    else {})
+            gate = self._pair_gate()
             self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
                                       self.live_status, self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows,
                                       self.workspace.y(), **gate)
