@@ -22,9 +22,10 @@ Two launches, for two sizes of call:
 - `tables_dispatch_kernel` (longer calls, right after the bases, beside the emit): each row's slot is the scan's
   rank within its token block plus the bases' block base (`send_local`, `send_block_base`, as the emit computes it),
   its destinations the scan's bit mask; the rows owed here are the bases' `arrival_expected`.
-And a third (KernelConfig.pair_dispatch, EP = 1; docs/perf-notes.md entries 36-37): `pair_dispatch_kernel` sends a
-decode call's rows once per (token, expert) pair, each to its row in the destination's expert order, and writes the
-expert offsets, so that GEMM0 reads them contiguous, its tile tables built from those offsets, without the emit.
+And a third (KernelConfig.pair_dispatch, EP = 1; docs/perf-notes.md entries 36-39): `pair_dispatch_kernel` sends a
+decode call's rows once per (token, expert) pair, each to its row in the destination's expert order, and writes each
+pair's row into a [T, k] table, so that GEMM0 reads the rows contiguous (its tile tables built from the counts) and
+the combine reads y by that table (kernels/pair_combine.py), without the task tables.
 
 Work of `early_dispatch_kernel`. The (token, destination) pairs t * BLOCK_P + d are dealt round-robin to the
 programs (no more programs than pairs); a program with none, unless it is the last, exits after its first loads.
@@ -58,7 +59,7 @@ from weave_moe.backends.weave.kernels.tables_scan import token_destinations
 from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["EarlyDispatch", "TablesDispatch", "PairDispatch", "early_dispatch_kernel", "tables_dispatch_kernel",
-           "pair_dispatch_kernel"]
+           "pair_dispatch_kernel", "check_plan_gate"]
 
 NUM_WARPS = 4
 
@@ -84,8 +85,8 @@ def _check_plan_columns(tokens: torch.Tensor, chunks: torch.Tensor | None, world
         raise ValueError("tokens must be int32 [EP]")
 
 
-def _check_plan(plan: torch.Tensor | None, num_sms: int) -> None:
-    """A device plan's c for the pair launches (`plans_device[rank, 0:1]`) and the SM count a serial one names."""
+def check_plan_gate(plan: torch.Tensor | None, num_sms: int) -> None:
+    """The pair launches' gate: a device plan's c (`plans_device[rank, 0:1]`) and the SM count a serial one names."""
     if plan is not None and (plan.dtype != torch.int32 or plan.numel() != 1 or num_sms < 1):
         raise ValueError(f"plan must be int32 [1] (this rank's c) with num_sms >= 1, got {plan.dtype} "
                          f"{tuple(plan.shape)}, num_sms = {num_sms}")
@@ -471,7 +472,7 @@ class PairDispatch:
         if rows.dtype != torch.int32 or rows.numel() != self.rows_shape[0] * self.rows_shape[1] \
                 or not rows.is_contiguous():
             raise ValueError(f"rows must be contiguous int32 {list(self.rows_shape)}")
-        _check_plan(plan, num_sms)
+        check_plan_gate(plan, num_sms)
         return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
                 workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status, offsets, rows,
                 rows if local is None else local, rows if plan is None else plan, num_sms, rank, P, T,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
+from weave_moe.backends.weave.kernels.early_dispatch import check_plan_gate
 from weave_moe.backends.weave.kernels.peers import call_io_ptr
 
 __all__ = ["PairCombine", "pair_combine_kernel"]
@@ -84,9 +85,7 @@ class PairCombine:
                 or all_weights.stride(2) != 1 or all_weights.stride(1) != K:
             raise ValueError(f"all_weights must be fp32 [EP, T_max, {K}] with contiguous rows, got "
                              f"{all_weights.dtype} {tuple(all_weights.shape)}")
-        if plan is not None and (plan.dtype != torch.int32 or plan.numel() != 1 or num_sms < 1):
-            raise ValueError(f"plan must be int32 [1] (this rank's c) with num_sms >= 1, got {plan.dtype} "
-                             f"{tuple(plan.shape)}, num_sms = {num_sms}")
+        check_plan_gate(plan, num_sms)
         return (y, rows, all_weights, all_weights.stride(0), tokens, tokens.stride(0), io, status,
                 rows if plan is None else plan, num_sms, rank, H)
 
