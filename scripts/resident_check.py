@@ -11,7 +11,8 @@ What it checks (each a row with passed = True/False and the numbers behind it):
      ValueError on this rank, and the layer is correct again afterwards;
   5. capture in a caller's CUDA graph after one eager call, then 100 replays with fresh routing written into the
      captured inputs, each checked against the reference;
-  6. 10^4 back-to-back calls (alternating routing sets), then synchronize and check the last outputs;
+  6. 10^4 back-to-back calls (alternating routing sets of 200, 201, 1 and 8 tokens: decode and longer calls'
+     graphs in turn), then synchronize and check the last outputs;
   7. the default policy's calls (every resident adaptive call has the grouped GEMMs in its graph) under both
      kinds of device plan: serial (the grouped GEMMs run) and split (the first launch does the whole call, the
      grouped launches see no rows), alternating, each against the reference, with the plans the device made;
@@ -188,7 +189,9 @@ def check_deferred_errors(rows, device):
 
 def check_graph_capture(rows, device):
     spec = MoESpec(64, 8, 2048, 768, name="q3-emu")
-    for policy, T in (("serial", 128), ("weave", 128), ("weave", 8)):
+    # ("serial", 8): a decode call at EP = 1, the paired call (KernelConfig.pair_dispatch) with its forks recorded
+    # into the caller's graph
+    for policy, T in (("serial", 128), ("weave", 128), ("weave", 8), ("serial", 8)):
         layer, w13, w2 = _layer(spec, policy, 256, device)
         x_s = torch.randn(T, spec.hidden_size, device=device).bfloat16()
         ids_s, w_s = uniform(T, spec.num_experts, spec.top_k, seed=0, device=device)
@@ -229,7 +232,8 @@ def check_back_to_back(rows, device, calls):
         layer, w13, w2 = _layer(spec, policy, 256, device)
         sets = []
         for seed in range(4):
-            x = torch.randn(200 + seed, spec.hidden_size, device=device).bfloat16()
+            # two decode calls among them: graphs of both kinds (the paired call's at EP = 1) alternate
+            x = torch.randn((200, 201, 1, 8)[seed], spec.hidden_size, device=device).bfloat16()
             ids, w = _routing(("uniform", "skewed", "holes", "uniform")[seed], x.shape[0], spec, seed, device)
             sets.append((x, ids, w))
         outs = [layer(*inputs) for inputs in sets]   # the first calls compile and capture: not timed
