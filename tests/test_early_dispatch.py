@@ -42,18 +42,22 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
             ed.pair_dispatch_kernel
         # at EP = 1 into local rows (the backend's y), as the backend launches it; else into the peers' regions
         local = torch.zeros(DECODE_TOKENS * top_k, hidden, dtype=torch.bfloat16) if world_size == 1 else None
-        # ... and gated by the device plan (an adaptive policy's paired call)
-        plan = torch.zeros(1, **i32) if world_size == 1 else None
-        args = launcher._arguments(ids, tokens, torch.zeros(num_experts, **i32), io, workspace, status,
-                                   min(1, world_size - 1), 10 ** 9, torch.zeros(num_experts // world_size + 1, **i32),
-                                   torch.zeros(launcher.rows_shape, **i32), local, plan, 132)
-        extra = dict(LOCAL=local is not None, PLANNED=plan is not None)
+        # ... gated by the device plan (an adaptive policy's paired call, H 2048), or from the ids alone (beside the
+        # counts, H 7168)
+        plan = torch.zeros(1, **i32) if world_size == 1 and hidden == 2048 else None
+        from_ids = world_size == 1 and hidden == 7168
+        pairs, offsets = (None, None) if from_ids else (torch.zeros(num_experts, **i32),
+                                                        torch.zeros(num_experts // world_size + 1, **i32))
+        args = launcher._arguments(ids, tokens, pairs, io, workspace, status, min(1, world_size - 1), 10 ** 9,
+                                   offsets, torch.zeros(launcher.rows_shape, **i32), local, plan, 132, from_ids)
+        extra = launcher._variant(local, plan, from_ids, offsets)
     return sm90.compile_for_sm90(kernel, args, dict(launcher.constants, **extra, num_warps=ed.NUM_WARPS))
 
 
 @pytest.mark.parametrize("kind", ["early", "tables", "pairs"])
 @pytest.mark.parametrize("world_size, num_experts, top_k, hidden", [(2, 128, 8, 2048), (2, 256, 8, 7168),
-                                                                    (8, 64, 6, 4096), (1, 64, 8, 2048)])
+                                                                    (8, 64, 6, 4096), (1, 64, 8, 2048),
+                                                                    (1, 128, 8, 7168)])
 def test_dispatch_beside_the_tables_compiles_for_sm90_with_vector_rows_and_its_ordering(kind, world_size,
                                                                                       num_experts, top_k, hidden):
     """Each dispatch beside the tables, as launched: no local memory; the rows in 16-byte vectors (x and the peers'
@@ -117,15 +121,17 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
             types.SimpleNamespace(peer_bases=None, recv_offset=0, flags_offsets=(0, 0), flags=lambda parity: None),
             None, 0, 1, torch.zeros(17, **i32), torch.zeros(alone.rows_shape, **i32))
     with pytest.raises(ValueError, match="do not fit the receive region"):
-        alone._arguments(*args, None, None, 0)
+        alone._arguments(*args, None, None, 0, False)
     with pytest.raises(ValueError, match="local rows"):
-        alone._arguments(*args, torch.zeros(31, 32, dtype=torch.bfloat16), None, 0)
+        alone._arguments(*args, torch.zeros(31, 32, dtype=torch.bfloat16), None, 0, False)
     local = torch.zeros(32, 32, dtype=torch.bfloat16)
-    alone._arguments(*args, local, None, 0)
+    alone._arguments(*args, local, None, 0, False)
     with pytest.raises(ValueError, match="plan must be int32"):
-        alone._arguments(*args, local, torch.zeros(2, **i32), 4)
+        alone._arguments(*args, local, torch.zeros(2, **i32), 4, False)
     with pytest.raises(ValueError, match="plan must be int32"):
-        alone._arguments(*args, local, torch.zeros(1, **i32), 0)
+        alone._arguments(*args, local, torch.zeros(1, **i32), 0, False)
+    with pytest.raises(ValueError, match="from_ids"):   # offsets come from the counts, which from_ids goes without
+        alone._arguments(*args, local, None, 0, True)
 
 
 @pytest.mark.parametrize("top_k, hidden, planned", [(8, 2048, False), (8, 7168, True), (6, 4096, False)])
@@ -147,12 +153,14 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden, planned)
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row accessed one element per access"
 
 
-def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=None):
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=None, from_ids=False):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
     pack, counts (verdict), `PairDispatch`, then y made from the receive rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
     poisoned out of T + 1 rows. `plan_c`: both launches gated by a device plan of that c (a serial one: c >= 4, the
-    SMs here). Returns (out, rows table, offsets, receive region, status)."""
+    SMs here). `from_ids` (KernelConfig.pairs_beside_counts): the dispatch counts from the ids alone and runs before
+    the counts kernel (the backend forks it beside), so its offsets come from the ids here. Returns (out, rows table,
+    offsets, receive region, status)."""
     from weave_moe.backends.coordination import HEADER_WORDS
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
@@ -174,7 +182,6 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=N
     message.pack_call(all_routing[0], ids, weights, header, io, x, out, 0, status, ctrl, ws.flags(0), E)
     if refuse:
         status[0] = sync.ERROR_ARRIVAL_TIMEOUT.value   # any error: the call is refused
-    vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True)
     all_ids, all_weights, tokens = message.unpack(all_routing)
     dispatch = PairDispatch(1, E, k, H, max_tokens, max_call_tokens=8, num_programs=5)
     rows = torch.full(dispatch.rows_shape, -9, dtype=torch.int32)
@@ -183,8 +190,15 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=N
     # the receive region's T_max rows
     recv = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     gate = {} if plan_c is None else dict(plan=torch.tensor([plan_c], dtype=torch.int32), num_sms=4)
-    dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
-                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv, **gate)
+    if from_ids:   # before the counts, which have not yet replaced a bad id by -1 nor refused the call
+        dispatch.launch(all_ids, tokens, None, io, ws, status[:sync.STATUS_WORDS], 0, 10 ** 9, None, rows, recv,
+                        from_ids=True)
+        valid = ids[(ids >= 0) & (ids < E)].long()
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.bincount(valid, minlength=E).cumsum(0)]).int()
+    vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True)
+    if not from_ids:
+        dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
+                        status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv, **gate)
     assert ws.recv().isnan().all()
     y = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     for e in range(E):
@@ -212,7 +226,9 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
     E, k, H, max_tokens = 8, 3, 40, 12   # calls of up to 8 tokens: 24 pairs, more than T_max
     generator = torch.Generator().manual_seed(5)
-    for T, plan_c in ((0, None), (1, None), (2, 4), (5, None), (8, 9)):   # ungated, or a serial device plan
+    # ungated, or a serial device plan; from the ids alone, before the counts (pairs_beside_counts)
+    for T, plan_c, from_ids in ((0, None, False), (1, None, False), (2, 4, False), (5, None, False), (8, 9, False),
+                                (0, None, True), (1, None, True), (5, None, True), (8, None, True)):
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
             torch.zeros(0, k, dtype=torch.int32)
         if T >= 2:
@@ -220,7 +236,8 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             ids[1, 2] = -1           # a slot with no expert
         weights = torch.rand(T, k, generator=generator)
         x = torch.randn(T, H, generator=generator).bfloat16()
-        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, plan_c=plan_c)
+        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, plan_c=plan_c,
+                                                        from_ids=from_ids)
         assert status[:4].tolist() == [0, 0, 0, 0]
         assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
         for t in range(T):
@@ -242,6 +259,13 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], refuse=True)
     assert out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all()
     assert offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
+    # from the ids, with a bad id the counts then refuse: that slot goes nowhere, the others are sent (rows nothing
+    # will read), and out is NaN
+    bad = ids[:2].clone()
+    bad[0, 0] = E
+    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, bad, weights[:2], x[:2], from_ids=True)
+    assert status[0] != 0 and out[:2].isnan().all() and (out[2] == -3.0).all(), status[:4]
+    assert int(rows[0, 0]) == -1 and (rows[:2].flatten()[1:] >= 0).sum() == int((bad[:2] >= 0).sum()) - 1
     # a device plan that is not serial (c 3 < 4 SMs): neither launch writes anything (the kernel does that call)
     out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], plan_c=3)
     assert (out == -3.0).all() and recv.isnan().all() and offsets.tolist() == [0] * (E + 1) and (rows == -9).all()

@@ -335,7 +335,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
     backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
-    backend.pairs_planned = False
+    backend.pairs_planned = backend.pairs_beside_counts = False
 
     class Stream:
         def wait_event(self, event):
@@ -537,7 +537,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     from weave_moe.backends.weave.exchange import CountsFormat
 
     backend, launched = _tables_host(monkeypatch)
-    backend.pairs_planned, backend.num_sms = planned, 4
+    backend.pairs_planned, backend.pairs_beside_counts, backend.num_sms = planned, False, 4
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
     backend.device_counts.build = lambda *args, **options: launched.append("counts") or vector
@@ -574,10 +574,10 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._fork = lambda name, enqueue: launched.append(("fork", name)) or f"{name} event"
     backend.fork_prologue = True
 
-    def prologue(offsets, keys, device_serial, side=False, counts=False):
+    def prologue(offsets, keys, device_serial, side=False, form="offsets", tokens=None):
         start = backend.counts_format.expert_pairs_offset   # this rank's experts' pairs (rank 0, EP = 1: all 8)
         assert offsets.data_ptr() == vector[start:].data_ptr() and offsets.numel() == 8
-        assert keys == ["k0", "k1"] and device_serial is planned and counts
+        assert keys == ["k0", "k1"] and device_serial is planned and form == "counts" and tokens is None
         launched.append(("tile tables", "beside" if side else "in line"))
         return "tile tables", None, "filled"
 
@@ -590,6 +590,52 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
         assert launched == ["counts", "planner", ("fork", "split")] + paired + [("join", "split event")], launched
     else:
         assert launched == ["counts"] + paired, launched
+
+
+def test_paired_call_beside_the_counts_forks_the_pairs_and_tiles_from_the_ids(monkeypatch):
+    """KernelConfig.pairs_beside_counts (`_resident_paired_beside_counts`): the tile tables from the routing ids
+    (form "ids", this rank's ids and T) and the pair dispatch from the ids (no pairs, no offsets) are each forked
+    before the counts kernel is enqueued; GEMM0 joins both; then the pair combine."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.exchange import CountsFormat
+
+    backend, launched = _tables_host(monkeypatch)
+    backend.pairs_planned, backend.pairs_beside_counts = False, True
+    backend.counts_format = CountsFormat(1, 8, 4)
+    backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
+    all_ids, _, tokens = backend.message.unpack(backend.all_routing)
+
+    class Pairs:
+        def launch(self, ids, T, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local, from_ids):
+            assert from_ids and pairs is None and offsets is None and rows is backend.pair_rows
+            assert ids.data_ptr() == all_ids.data_ptr() and T.data_ptr() == tokens.data_ptr()
+            assert local.data_ptr() == backend.workspace.y().data_ptr()
+            launched.append("pair dispatch from the ids")
+
+    class Combine:
+        def launch(self, y, rows, all_weights, T, io, status, rank):
+            launched.append("pair combine")
+
+    def prologue(offsets, keys, device_serial, side=False, form="offsets", tokens=None):
+        assert form == "ids" and side and not device_serial and offsets.data_ptr() == all_ids.data_ptr()
+        assert tuple(offsets.shape) == (8, 2) and tokens.numel() == 1
+        launched.append("tile tables from the ids (forked)")
+        return "tile tables", None, "filled"
+
+    def fork(name, enqueue):
+        launched.append(("fork", name))
+        enqueue()
+        return f"{name} event"
+
+    backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
+    backend._grouped_prologue, backend._fork = prologue, fork
+    monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
+    backend._paired_gemms = lambda configs, tables: launched.append(("gemms", tables))
+    backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
+    backend._resident_paired("configs")
+    assert launched == ["tile tables from the ids (forked)", ("fork", "pairs"), "pair dispatch from the ids",
+                        "counts", ("join", "filled"), ("join", "pairs event"), ("gemms", "tile tables"),
+                        "pair combine"], launched
 
 
 def test_split_call_builds_the_decode_tables_and_launches_the_grouped_serial_first_launch(monkeypatch):
@@ -643,12 +689,13 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("paired", [False, True, "beside"])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
     `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the receive rows read in place, and the pair
-    dispatch on the counts vector's pairs and the layer's offsets."""
+    dispatch on the counts vector's pairs and the layer's offsets; "beside" (KernelConfig.pairs_beside_counts): the
+    pair dispatch and the prologue from the ids too, on zeros."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -681,9 +728,10 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
     # the warm-up fills the layer's tile tables (on the stream, not beside it), before the call enqueues anything:
     # the call's own fill comes after it (test_first_call_compiles_and_lines_up_before_it_enqueues_anything)
-    backend._grouped_prologue = lambda offsets, keys, *rest, side=False, counts=False: prologues.append(
-        (tuple(sorted(set(keys))), side) + (("from the counts", offsets.numel(), bool((offsets == 0).all()))
-                                            if counts else ())) or ({}, None, None)
+    backend._grouped_prologue = lambda offsets, keys, *rest, side=False, form="offsets", tokens=None: (
+        prologues.append((tuple(sorted(set(keys))), side) + (
+            () if form == "offsets" else (f"from the {form}", offsets.numel(), bool((offsets == 0).all()))))
+        or ({}, None, None))
     backend._gather_rows = lambda index, rows, count_ready: None
     if paired:
         from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
@@ -695,11 +743,16 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
         backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
 
         class Pairs:
-            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
-                assert local.data_ptr() == backend.workspace.y().data_ptr()
+            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                       from_ids=False):
+                assert local.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
+                if from_ids:   # the counts' outputs are not read
+                    assert pairs is None and offsets is None
+                    warmed.append("pair dispatch from the ids")
+                    return
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
-                assert offsets is backend.pair_offsets and rows is backend.pair_rows
+                assert offsets is backend.pair_offsets
                 warmed.append("pair dispatch")
 
         class Combine:
@@ -709,18 +762,23 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
+        backend.pairs_beside_counts = paired == "beside"
     backend._compile_before_call()
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
-    assert warmed == gemm0 + [(1, c) for c in configs[1]] + (["pair dispatch", "pair combine"] if paired else [])
+    pairs = (["pair dispatch"] + (["pair dispatch from the ids"] if paired == "beside" else []) + ["pair combine"]
+             if paired else [])
+    assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
     g1 = (configs[1][0].block_m, False)
     kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
-    assert sorted(prologues, key=str) == sorted([(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True)
-                                                                               for k in kinds] if paired else []),
-                                                key=str)
+    # "beside": from the ids too (T_max 8 x k 2), zeros
+    expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds] if paired
+                                              else [])
+    expected += [(k, False, "from the ids", 16, True) for k in kinds] if paired == "beside" else []
+    assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 
 def test_first_call_compiles_and_lines_up_before_it_enqueues_anything(monkeypatch):

@@ -315,6 +315,10 @@ class WeaveBackend:
                                   and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0)
                               else None)
         self.pairs_planned = self.pairs_planned and self.pair_dispatch is not None
+        # KernelConfig.pairs_beside_counts: a fixed serial plan's pair dispatch and tile tables from the ids, beside
+        # the counts (forks: CUDA streams)
+        self.pairs_beside_counts = bool(cfg.pairs_beside_counts and self.pair_dispatch is not None
+                                        and not self.pairs_planned and self.fork_prologue)
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
             # the expert offsets the pair dispatch writes (the tile tables come from the counts: these are for checks)
@@ -570,6 +574,9 @@ class WeaveBackend:
         launch above then reads this rank's plan and does nothing unless it is serial, and beside them, forked once
         the plan is written, the task tables and the kernel's GROUPED_SERIAL first launch do the call under any
         other plan (under a serial one that launch only dispatches, into rows nothing reads: `_split_call`)."""
+        all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
+        if self.pairs_beside_counts:   # both from the routing alone, forked beside the counts
+            return self._resident_paired_beside_counts(configs, all_ids, all_weights, tokens)
         counts = self._counts(verdict=True)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
         if self.pairs_planned:
@@ -578,8 +585,7 @@ class WeaveBackend:
             joins.append(self._fork("split", self._split_call))
         gate = self._pair_gate()
         tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs),
-                                                   self.pairs_planned, side=self.fork_prologue, counts=True)
-        all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
+                                                   self.pairs_planned, side=self.fork_prologue, form="counts")
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
                                   self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows, self.workspace.y(),
                                   **gate)
@@ -588,6 +594,27 @@ class WeaveBackend:
         self._paired_gemms(configs, tables)
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
                                  self.rank, **gate)
+        for event in joins:
+            self._current_stream().wait_event(event)
+
+    def _resident_paired_beside_counts(self, configs, all_ids, all_weights, tokens) -> None:
+        """`_resident_paired` under KernelConfig.pairs_beside_counts (a fixed serial plan, EP = 1): the pair dispatch
+        and the tile tables counted from the routing ids alone (`PairDispatch(from_ids=True)`, `fill_tile_tables(
+        form="ids")`), each forked right after the pack, beside the counts kernel on the call's stream; GEMM0 joins
+        all three (the counts' verdict is the call's: a refused call's rows, sent before it was known, land in y
+        and the pair combine writes NaN rows). The chain to GEMM0 is pack -> the longest of the three."""
+        tables, _, filled = self._grouped_prologue(all_ids[0], _tile_keys(configs), False, side=True, form="ids",
+                                                   tokens=tokens)
+        sent = self._fork("pairs", lambda: self.pair_dispatch.launch(
+            all_ids, tokens, None, self.io, self.workspace, self.live_status, self.rank, self.timeout_ns, None,
+            self.pair_rows, self.workspace.y(), from_ids=True))
+        counts = self._counts(verdict=True)
+        joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
+        for event in (filled, sent):
+            self._current_stream().wait_event(event)
+        self._paired_gemms(configs, tables)
+        self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
+                                 self.rank)
         for event in joins:
             self._current_stream().wait_event(event)
 
@@ -1048,7 +1075,8 @@ class WeaveBackend:
         grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
                                    **launch)
 
-    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, counts: bool = False) -> tuple:
+    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, form: str = "offsets",
+                          tokens: torch.Tensor | None = None) -> tuple:
         """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
         (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
         this rank's device plan is serial. `side`: on the layer's side stream, after the work enqueued so far, beside
@@ -1057,8 +1085,8 @@ class WeaveBackend:
         (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs. The tables
         are the layer's for these tile kinds (rewritten by every call, as the task tables are: no allocation inside
         the CUDA graph of a row count); the first call's compile fills them too, before that call enqueues anything
-        (`_compile_before_call`). `counts`: `offsets` holds each local expert's rows, not their prefix sum
-        (`fill_tile_tables(counts=)`)."""
+        (`_compile_before_call`). `form`, `tokens`: what `offsets` holds (`fill_tile_tables(form=)`: the prefix sum
+        of rows per local expert, the rows themselves, or the routing ids with T at `tokens`)."""
         kinds = tuple(sorted(set(keys)))
         buffers = self.tile_buffers.get(kinds)
         if buffers is None:   # sized by E_local + 1 offsets, whichever form this call's are in
@@ -1068,7 +1096,7 @@ class WeaveBackend:
         tables, rows = buffers
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,
-                                 num_sms=self.num_sms, counts=counts)
+                                 num_sms=self.num_sms, form=form, tokens=tokens, num_experts=self.num_local_experts)
         if not side:
             fill()
             return tables, rows, None
@@ -1136,7 +1164,10 @@ class WeaveBackend:
                     # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
                     # there made the gather warm-up after it read past the buffers)
                     self._grouped_prologue(self._pairs(torch.zeros_like(self.device_counts.counts), local=True),
-                                           pair, self.pairs_planned, counts=True)
+                                           pair, self.pairs_planned, form="counts")
+                    if self.pairs_beside_counts:   # ... or from the ids, on none
+                        ids, _, tokens = self.message.unpack(torch.zeros_like(self.all_routing))
+                        self._grouped_prologue(ids[0], pair, False, form="ids", tokens=tokens)
         if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatch is not None:
             all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         if self.early_dispatch is not None:
@@ -1147,6 +1178,10 @@ class WeaveBackend:
             self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
                                       self.live_status, self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows,
                                       self.workspace.y(), **gate)
+            if self.pairs_beside_counts:
+                self.pair_dispatch.warmup(all_ids, tokens, None, self.io, self.workspace, self.live_status,
+                                          self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
+                                          from_ids=True)
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
                                      self.live_status, self.rank, **gate)
         if self.tables_dispatch is not None:

@@ -205,6 +205,11 @@ class KernelConfig:
             plan (under a serial one that launch only dispatches, into rows nothing reads). The default policy
             plans serial for nearly every decode call (docs/perf-notes.md entry 39) and paid ~11 us over the serial
             policy at 1 token (entries 28 and 34). Off until measured on the GPU.
+        pairs_beside_counts: with `pair_dispatch`, a fixed serial plan's paired call counts its pairs' rows and its
+            tile tables from the routing ids alone (EP = 1: the pairs of the experts before e are the ids in
+            [0, e)), so the pair dispatch and the tile tables are forked right after the pack, beside the counts
+            kernel, instead of after it: the chain to GEMM0 loses one link (~3-4 us at 1 token: the counts ended at
+            8.3 us in bench/results/h200-39eda33). Off until measured on the GPU.
     """
 
     block_m: int = 128
@@ -244,6 +249,7 @@ class KernelConfig:
     dispatch_beside_emit: bool = False
     pair_dispatch: bool = True
     adaptive_pairs: bool = False
+    pairs_beside_counts: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
