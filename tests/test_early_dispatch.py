@@ -270,3 +270,33 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], plan_c=3)
     assert (out == -3.0).all() and recv.isnan().all() and offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
     return "checked"
+
+
+@pytest.mark.parametrize("world_size, num_experts, top_k, hidden", [(2, 128, 8, 2048), (2, 256, 8, 7168),
+                                                                    (8, 64, 6, 4096)])
+def test_peer_pair_combine_compiles_for_sm90(world_size, num_experts, top_k, hidden):
+    """The paired call's combine at EP > 1 (`PeerPairCombine`, docs/perf-notes.md entry 41) as launched: no local
+    memory in either launch; rows in 16-byte vectors (y read, the peers' combine rows written; the combine rows read,
+    out written); each row released at system scope, the owed rows acquired at system scope."""
+    from weave_moe.backends.weave.config import DECODE_TOKENS
+    from weave_moe.backends.weave.kernels import pair_combine, sm90
+
+    combine = pair_combine.PeerPairCombine(world_size, num_experts, top_k, hidden, 2048, DECODE_TOKENS, 132)
+    i32 = dict(dtype=torch.int32)
+    rows = world_size * 2048
+    workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), comb_offsets=(0, 0),
+                                      flags_offsets=(0, 0), comb=lambda parity: torch.zeros(rows, hidden,
+                                                                                            dtype=torch.bfloat16),
+                                      comb_flags=lambda parity: torch.zeros(world_size, **i32))
+    ids, tokens = torch.zeros(world_size, 2048, top_k, **i32), torch.zeros(world_size, **i32)
+    weights, status = torch.zeros(world_size, 2048, top_k), torch.zeros(4, **i32)
+    send = combine.send_arguments(ids, weights, tokens, torch.zeros(num_experts, **i32),
+                                  torch.zeros(rows, hidden, dtype=torch.bfloat16), workspace, status, 1)
+    reduce = combine.reduce_arguments(ids, tokens, torch.zeros(2, dtype=torch.int64), workspace, status, 1, 10 ** 9)
+    for kernel, (args, options), scope in ((pair_combine.pair_combine_send_kernel, send, "release"),
+                                          (pair_combine.pair_reduce_kernel, reduce, "acquire")):
+        ptx = sm90.compile_for_sm90(kernel, args, options).asm["ptx"]
+        assert ".local" not in ptx, kernel
+        assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx), kernel
+        assert not re.search(r"(ld|st)\.global\.b16", ptx), kernel
+        assert re.search(rf"atom\.global\.sys\.{scope}", ptx), kernel

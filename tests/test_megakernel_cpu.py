@@ -1050,6 +1050,133 @@ def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, c
                 assert all(r == -1 for e, r in zip(ids, rows) if e < 0), (source, call, t)
 
 
+def _peer_pair_combine_worker(rank: int, world_size: int, calls: list, E: int, k: int, stall: bool) -> list:
+    """One rank of test_peer_pair_combine_after_the_pair_dispatch: routing exchange and counts as the resident call
+    makes them, `PairDispatch` into the peers' receive regions, a per-expert stand-in for the GEMMs (y row p of
+    expert e = bf16(recv[p] * (e + 1) / 8), e read off the offsets), then `PeerPairCombine.send` and `.reduce`
+    into a poisoned out. Returns out, this rank's ids, weights and x for the parent's reference; the last call has a
+    bad id on rank 0 (refused on every rank), or with `stall` rank 1 sends nothing in it (every rank that waits for
+    it gives up at the reduce's deadline)."""
+    import torch
+    import torch.distributed as dist
+
+    from weave_moe.backends.coordination import HEADER_WORDS
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels import sync
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts
+    from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
+    from weave_moe.backends.weave.kernels.pair_combine import PeerPairCombine
+    from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+    H, max_tokens, local = 40, 16, E // world_size
+    message = RoutingMessage(max_tokens, k)
+    fmt = CountsFormat(world_size, E, sync.STATUS_WORDS)
+    counts = DeviceCounts(fmt, message, torch.device("cpu"))
+    ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
+        max_tokens, H, routing_words=message.words)
+    send = torch.empty(message.words, dtype=torch.int32)
+    all_routing = torch.zeros(world_size, message.words, dtype=torch.int32)
+    status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
+    header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]
+    io = torch.zeros(2, dtype=torch.int64)
+    ctrl = torch.zeros(64, dtype=torch.int32)
+    dispatch = PairDispatch(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=5)
+    combine = PeerPairCombine(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=3)
+    results = []
+    dist.barrier()
+    for call, tokens in enumerate(calls):
+        T = tokens[rank]
+        ids, weights, x = _call_inputs(call, rank, T, E, k, H)
+        if call == 1 and rank == 0 and T >= 2:   # a token with the same expert twice
+            ids[1, 1] = ids[1, 0]
+        last = call == len(calls) - 1
+        refused = last and not stall
+        if refused and rank == 0:
+            ids[0, 0] = E
+        out = torch.full((T + 1, H), -3.0).bfloat16()
+        ws.recv().fill_(float("nan"))
+        ws.comb(0).fill_(float("nan"))
+        message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
+        exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=120 * 10**9, parts=1,
+                         block=8)
+        vector = counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
+        all_ids, all_weights, all_tokens = message.unpack(all_routing)
+        pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
+        offsets = torch.zeros(local + 1, dtype=torch.int32)
+        rows = torch.zeros(dispatch.rows_shape, dtype=torch.int32)
+        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9, offsets,
+                        rows)
+        recv = ws.recv()
+        y = torch.full((world_size * max_tokens, H), float("nan")).bfloat16()
+        for e in range(local):
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            y[lo:hi] = (recv[lo:hi].float() * (rank * local + e + 1) / 8).bfloat16()
+        if not (stall and last and rank == 1):
+            combine.send(all_ids, all_weights, all_tokens, pairs, y, ws, status[:sync.STATUS_WORDS], rank)
+        # the interpreter's deadline counts polls (100 ns each): 10^6 ns is 10^4 polls
+        combine.reduce(all_ids, all_tokens, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 6)
+        owed_by_1 = bool(((ids >= local) & (ids < 2 * local)).any())
+        results.append(dict(out=out.float().tolist(), ids=ids.tolist(), weights=weights.tolist(),
+                            x=x.float().tolist(), refused=refused, stalled=stall and last and owed_by_1,
+                            status=status[:4].tolist()))
+        dist.barrier()   # every rank has reduced before any rank's next call zeroes the flags
+    dist.barrier()
+    return results
+
+
+def _truncated(values):
+    """fp32 -> bf16 as the interpreter converts (truncation), back to fp32."""
+    import torch
+
+    return (values.view(torch.int32) & -65536).view(torch.float32)
+
+
+@pytest.mark.parametrize("calls, E, k, stall", [([[3, 2], [4, 1], [0, 4], [1, 1]], 8, 2, False),
+                                                ([[2, 1, 3, 0], [4, 4, 1, 2], [1, 2, 1, 1]], 16, 3, False),
+                                                ([[2, 3], [3, 2]], 8, 2, True)], ids=["ep2", "ep4", "ep2-stalled"])
+def test_peer_pair_combine_after_the_pair_dispatch(monkeypatch, calls, E, k, stall):
+    """`PeerPairCombine` (docs/perf-notes.md entry 41, the paired call's combine at EP > 1) at EP 2 and 4 between real
+    processes, under the interpreter, after `PairDispatch` and a per-expert stand-in for the GEMMs: every rank's out
+    row is, bitwise, the sum over the destinations of its token (ascending) of that destination's slot-ordered fp32
+    sum of weight x (expert's row), each rounded as the megakernel's combine and reduce round; rows past T are not
+    written; a token naming one expert twice counts it twice; a rank with no tokens; a refused last call writes NaN
+    rows on every rank and hangs nowhere; a destination that never sends (rank 1, "stalled") makes every rank it owes
+    rows give up at the reduce's deadline with the combine timeout and NaN rows, no hang."""
+    import torch
+
+    from weave_moe.testing import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
+    world = len(calls[0])
+    results = run_distributed(_peer_pair_combine_worker, world, calls, E, k, stall, backend="gloo", timeout_s=600,
+                              env=dict(TRITON_INTERPRET="1"), shared_device=True)
+    local = E // world
+    for rank, per_call in enumerate(results):
+        for call, got in enumerate(per_call):
+            T = calls[call][rank]
+            out = torch.tensor(got["out"])
+            assert (out[T] == -3.0).all(), (rank, call)   # past T: not written
+            if got["refused"]:
+                assert out[:T].isnan().all() and got["status"][0] != 0, (rank, call, got["status"])
+                continue
+            if got["stalled"]:
+                assert out[:T].isnan().all() and got["status"][0] == 4, (rank, call, got["status"])   # COMBINE
+                continue
+            ids, weights, x = torch.tensor(got["ids"]), torch.tensor(got["weights"]), torch.tensor(got["x"])
+            for t in range(T):
+                total = torch.zeros(x.shape[1])
+                for d in range(world):
+                    part = torch.zeros(x.shape[1])
+                    for j in range(k):
+                        e = int(ids[t, j])
+                        if d * local <= e < (d + 1) * local:
+                            part += weights[t, j] * (x[t] * (e + 1) / 8).bfloat16().float()
+                    if any(d * local <= int(e) < (d + 1) * local for e in ids[t]):
+                        total += _truncated(part)
+                assert torch.equal(out[t], _truncated(total)), (rank, call, t)
+
+
 TAKE_SCRIPT = textwrap.dedent(
     r"""
     import torch

@@ -93,7 +93,7 @@ def check_plan_gate(plan: torch.Tensor | None, num_sms: int) -> None:
 
 
 @triton.jit
-def _ids_block(ids_ptr, ids_stride, source, n_tok, first, max_tokens, K: tl.constexpr, KP: tl.constexpr,
+def ids_block(ids_ptr, ids_stride, source, n_tok, first, max_tokens, K: tl.constexpr, KP: tl.constexpr,
                BLOCK_T: tl.constexpr):
     """[BLOCK_T, KP] the expert ids of `source`'s tokens first + i, -1 past its n_tok and past k. The ids are read up
     to T_max and cut at n_tok afterwards: the load does not wait for n_tok's."""
@@ -110,7 +110,7 @@ def _destinations(ids_ptr, ids_stride, source, n_tok, first, world_size, max_tok
                   BLOCK_P: tl.constexpr):
     """[BLOCK_T, BLOCK_P] int32: 1 where token first + i of `source` (< n_tok) has an expert on rank d. Ids outside
     [0, E) go nowhere (the counts kernel before this launch has replaced them by -1, or refused the call)."""
-    ids = _ids_block(ids_ptr, ids_stride, source, n_tok, first, max_tokens, K, KP, BLOCK_T)
+    ids = ids_block(ids_ptr, ids_stride, source, n_tok, first, max_tokens, K, KP, BLOCK_T)
     return token_destinations(ids, world_size, L, BLOCK_P).to(tl.int32)
 
 
@@ -337,9 +337,9 @@ class TablesDispatch:
 @triton.jit
 def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K: tl.constexpr,
               KP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """[BLOCK_T, KP] the expert ids of `source`'s first BLOCK_T tokens (`_ids_block` with its T)."""
+    """[BLOCK_T, KP] the expert ids of `source`'s first BLOCK_T tokens (`ids_block` with its T)."""
     n_tok = tl.load(tokens_ptr + source * tokens_stride)
-    return _ids_block(ids_ptr, ids_stride, source, n_tok, 0, max_tokens, K, KP, BLOCK_T)
+    return ids_block(ids_ptr, ids_stride, source, n_tok, 0, max_tokens, K, KP, BLOCK_T)
 
 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])

@@ -22,10 +22,12 @@ import triton
 import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
-from weave_moe.backends.weave.kernels.early_dispatch import check_plan_gate
-from weave_moe.backends.weave.kernels.peers import call_io_ptr
+from weave_moe.backends.weave.kernels.early_dispatch import ids_block, check_plan_gate
+from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
+from weave_moe.plan.workload import MAX_CHUNKS
 
-__all__ = ["PairCombine", "pair_combine_kernel"]
+__all__ = ["PairCombine", "pair_combine_kernel", "PeerPairCombine", "pair_combine_send_kernel",
+           "pair_reduce_kernel"]
 
 NUM_WARPS = 2   # 64 threads x 8 bf16 = one BLOCK_H of 512 columns: 16-byte accesses
 
@@ -103,3 +105,159 @@ class PairCombine:
         pair_combine_kernel.warmup(*self._arguments(y, rows, all_weights, tokens, io, status, rank, plan, num_sms),
                                    **self.constants, PLANNED=plan is not None, grid=(self.num_programs,),
                                    num_warps=NUM_WARPS)
+
+
+# ---- at EP > 1 (docs/perf-notes.md entry 41; a building block, not used by the backend yet) -------------------------
+# After `PairDispatch` (without local rows) each destination d holds every pair of its experts in expert order in its
+# receive region and, after the grouped GEMMs, y in that order. The combine is then the megakernel's, with positions
+# computed from the ids instead of read from the emit's tables:
+# - at d (`pair_combine_send_kernel`): for each (source s, token t) with an expert on d, the sum over t's slots j on
+#   d, in slot order, of w[s, t, j] * y[row(s, t, j)] in fp32, rounded once, written to s's combine region at row
+#   d * T_max + t, and one count released onto s's combine flag d (`tiles.combine_rows` and the megakernel's combine
+#   phase do the same with the tables' positions);
+# - at s (`pair_reduce_kernel`): once every flag d holds the rows d owes (s's tokens with an expert on d: its own
+#   ids), out[t] = the sum over those d, ascending, of the rows (fp32, rounded once), as `tiles.reduce_rows`.
+
+
+@triton.jit
+def _pair_row(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, source, token, slot, expert, rank,
+              max_tokens, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_E: tl.constexpr):
+    """The receive row at this rank (expert `expert`'s destination) of pair (source, token, slot): the pairs of this
+    rank's experts before `expert`, those of `expert` from earlier sources, those of `expert` in the source's earlier
+    (token, slot) (`early_dispatch.pair_dispatch_kernel`'s formula)."""
+    ee = tl.arange(0, BLOCK_E)
+    pairs = tl.load(pairs_ptr + ee, mask=(ee >= rank * L) & (ee < expert), other=0)
+    row = tl.sum(pairs, axis=0)
+    for earlier in range(0, source):
+        n_tok = tl.load(tokens_ptr + earlier * tokens_stride)
+        theirs = ids_block(ids_ptr, ids_stride, earlier, n_tok, 0, max_tokens, K, KP, BLOCK_T)
+        row += tl.sum(tl.sum((theirs == expert).to(tl.int32), axis=1), axis=0)
+    n_tok = tl.load(tokens_ptr + source * tokens_stride)
+    mine = ids_block(ids_ptr, ids_stride, source, n_tok, 0, max_tokens, K, KP, BLOCK_T)
+    flat = tl.arange(0, BLOCK_T)[:, None] * KP + tl.arange(0, KP)[None, :]
+    row += tl.sum(tl.sum(((mine == expert) & (flat < token * KP + slot)).to(tl.int32), axis=1), axis=0)
+    return row
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "comb_offset", "flags_offset"])
+def pair_combine_send_kernel(ids_ptr, ids_stride, weights_ptr, weights_stride, tokens_ptr, tokens_stride, pairs_ptr,
+                             y_ptr, peer_base_ptr, comb_offset, flags_offset, status_ptr, rank, world_size,
+                             max_tokens, H, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The destination side: items (source, token) dealt round-robin to the programs; see the block comment above.
+    A refused call sends nothing (the sources' reduce writes NaN rows)."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    if sync.status_set(status_ptr) == 0:
+        for item in range(pid, world_size * BLOCK_T, grid):
+            source = item // BLOCK_T
+            token = item % BLOCK_T
+            n_tok = tl.load(tokens_ptr + source * tokens_stride)
+            if token < n_tok:
+                slots = tl.arange(0, KP)
+                ids = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + token * K + slots, mask=slots < K,
+                              other=-1)
+                here = (ids >= rank * L) & (ids < (rank + 1) * L)
+                if tl.sum(here.to(tl.int32), axis=0) > 0:
+                    dst = (peer_ptr(peer_base_ptr, source, comb_offset, tl.bfloat16, True)
+                           + (tl.cast(rank, tl.int64) * max_tokens + token) * H)
+                    for h0 in range(0, H, BLOCK_H):
+                        cols = h0 + offs_h
+                        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+                        for j in tl.static_range(K):
+                            expert = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + token * K + j)
+                            if (expert >= rank * L) & (expert < (rank + 1) * L):
+                                row = _pair_row(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, source,
+                                                token, j, expert, rank, max_tokens, L, K, KP, BLOCK_T, BLOCK_E)
+                                weight = tl.load(weights_ptr + tl.cast(source, tl.int64) * weights_stride
+                                                 + token * K + j)
+                                values = tl.load(y_ptr + tl.cast(row, tl.int64) * H + cols, mask=cols < H, other=0.0)
+                                acc += weight * values.to(tl.float32)
+                        tl.store(dst + cols, acc.to(tl.bfloat16), mask=cols < H)
+                    sync.signal_add(peer_ptr(peer_base_ptr, source, flags_offset, tl.int32) + world_size * MC + rank,
+                                    1, True)
+
+
+@triton.jit(do_not_specialize=["rank", "world_size", "timeout_ns"])
+def pair_reduce_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, comb_ptr, comb_flag_ptr, io_ptr, status_ptr,
+                       rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr, K: tl.constexpr,
+                       KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The source side: every program waits (bounded) until each destination's combine flag holds the rows it owes
+    here, then reduces its items (token, column block) of out (at `io[1]`). A refused call, or a wait that failed,
+    writes NaN rows."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    n_tok = tl.load(tokens_ptr + rank * tokens_stride)
+    mine = ids_block(ids_ptr, ids_stride, rank, n_tok, 0, max_tokens, K, KP, BLOCK_T)
+    dests = tl.arange(0, BLOCK_P)
+    # rows owed by destination d: this rank's tokens with an expert on d
+    owed = tl.zeros([BLOCK_P], dtype=tl.int32)
+    for d in range(0, world_size):
+        on_d = tl.sum(((mine >= d * L) & (mine < (d + 1) * L)).to(tl.int32), axis=1) > 0
+        owed = tl.where(dests == d, tl.sum(on_d.to(tl.int32), axis=0), owed)
+    if sync.status_set(status_ptr) == 0:
+        sync.wait_all_values(comb_flag_ptr, owed, world_size, status_ptr, sync.ERROR_COMBINE_TIMEOUT, 0, timeout_ns,
+                             BLOCK_P, True)
+    failed = sync.status_set(status_ptr)
+    out = call_io_ptr(io_ptr, 1, True)
+    blocks = tl.cdiv(H, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H)
+    for item in range(pid, n_tok * blocks, grid):
+        token = item // blocks
+        cols = (item % blocks) * BLOCK_H + offs_h
+        slots = tl.arange(0, KP)
+        ids = tl.load(ids_ptr + tl.cast(rank, tl.int64) * ids_stride + token * K + slots, mask=slots < K, other=-1)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for d in range(0, world_size):
+            if tl.sum(((ids >= d * L) & (ids < (d + 1) * L)).to(tl.int32), axis=0) > 0:
+                values = tl.load(comb_ptr + (tl.cast(d, tl.int64) * max_tokens + token) * H + cols, mask=cols < H,
+                                 other=0.0)
+                acc += values.to(tl.float32)
+        if failed != 0:
+            acc += float("nan")
+        tl.store(out + tl.cast(token, tl.int64) * H + cols, acc.to(tl.bfloat16), mask=cols < H)
+
+
+class PeerPairCombine:
+    """The combine after a pair dispatch at EP > 1 (`send` at every destination after its GEMMs, then `reduce` at
+    every source); a building block of docs/perf-notes.md entry 41, not used by the backend yet. Decode calls of at
+    most `max_call_tokens` tokens on every rank."""
+
+    def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
+                 max_call_tokens: int, num_programs: int):
+        if not 1 <= max_call_tokens <= max_tokens:
+            raise ValueError(f"max_call_tokens must be in [1, max_tokens = {max_tokens}], got {max_call_tokens}")
+        self.world_size, self.max_tokens, self.hidden_size, self.top_k = world_size, max_tokens, hidden_size, top_k
+        BLOCK_T = triton.next_power_of_2(max_call_tokens)
+        block_h = min(512, triton.next_power_of_2(hidden_size))
+        self.send_programs = max(1, min(num_programs, world_size * BLOCK_T))
+        self.reduce_programs = max(1, min(num_programs, max_call_tokens * triton.cdiv(hidden_size, block_h)))
+        self.constants = dict(L=num_experts // world_size, K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_T=BLOCK_T,
+                              BLOCK_H=block_h)
+        self.block_e = triton.next_power_of_2(num_experts)
+
+    def send_arguments(self, all_ids, all_weights, tokens, pairs, y, workspace, status, rank: int) -> tuple:
+        """(arguments, compile-time switches) of `send`'s launch."""
+        return ((all_ids, all_ids.stride(0), all_weights, all_weights.stride(0), tokens, tokens.stride(0), pairs, y,
+                 workspace.peer_bases, workspace.comb_offsets[0], workspace.flags_offsets[0], status, rank,
+                 self.world_size, self.max_tokens, self.hidden_size),
+                dict(self.constants, MC=MAX_CHUNKS, BLOCK_E=self.block_e, num_warps=NUM_WARPS))
+
+    def reduce_arguments(self, all_ids, tokens, io, workspace, status, rank: int, timeout_ns: int) -> tuple:
+        """(arguments, compile-time switches) of `reduce`'s launch."""
+        return ((all_ids, all_ids.stride(0), tokens, tokens.stride(0), workspace.comb(0), workspace.comb_flags(0), io,
+                 status, rank, self.world_size, self.max_tokens, self.hidden_size, timeout_ns),
+                dict(self.constants, BLOCK_P=triton.next_power_of_2(self.world_size), num_warps=NUM_WARPS))
+
+    def send(self, all_ids, all_weights, tokens, pairs, y, workspace, status, rank: int) -> None:
+        """At this rank (a destination): its rows of every source's tokens, from y (its pairs in expert order, as
+        the GEMMs leave them after `PairDispatch`), into the sources' parity-0 combine regions of `workspace`."""
+        args, options = self.send_arguments(all_ids, all_weights, tokens, pairs, y, workspace, status, rank)
+        pair_combine_send_kernel[(self.send_programs,)](*args, **options)
+
+    def reduce(self, all_ids, tokens, io, workspace, status, rank: int, timeout_ns: int) -> None:
+        """At this rank (a source): out (at `io[1]`) from the rows its destinations sent, after a bounded wait."""
+        args, options = self.reduce_arguments(all_ids, tokens, io, workspace, status, rank, timeout_ns)
+        pair_reduce_kernel[(self.reduce_programs,)](*args, **options)
