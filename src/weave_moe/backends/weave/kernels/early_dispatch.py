@@ -59,7 +59,7 @@ from weave_moe.backends.weave.kernels.tables_scan import token_destinations
 from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["EarlyDispatch", "TablesDispatch", "PairDispatch", "early_dispatch_kernel", "tables_dispatch_kernel",
-           "pair_dispatch_kernel", "check_plan_gate"]
+           "pair_dispatch_kernel", "check_plan_gate", "ids_block"]
 
 NUM_WARPS = 4
 

@@ -1,4 +1,5 @@
-"""The combine of a paired call at EP = 1 (KernelConfig.pair_dispatch): out[t] = sum_j w[t, j] * y[row(t, j)].
+"""The combine of a paired call: at EP = 1 (KernelConfig.pair_dispatch) out[t] = sum_j w[t, j] * y[row(t, j)]; at
+EP > 1 (`PeerPairCombine`, below; not used by the backend yet) the same in two levels, through the peers.
 
 Why. After the pair dispatch (kernels/early_dispatch.py, `pair_dispatch_kernel`) each (token, expert) pair has its
 own row in expert order, and that kernel wrote the row of pair (t, j) into a [T, k] table. At EP = 1 every pair is
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
-from weave_moe.backends.weave.kernels.early_dispatch import ids_block, check_plan_gate
+from weave_moe.backends.weave.kernels.early_dispatch import check_plan_gate, ids_block
 from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
 from weave_moe.plan.workload import MAX_CHUNKS
 
