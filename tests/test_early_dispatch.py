@@ -155,7 +155,7 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden, planned)
 
 def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=None, from_ids=False):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
-    pack, counts (verdict), `PairDispatch`, then y made from the receive rows by a stand-in for the experts (row p of
+    pack, counts (verdict), `PairDispatch`, then y made from the pair rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
     poisoned out of T + 1 rows. `plan_c`: both launches gated by a device plan of that c (a serial one: c >= 4, the
     SMs here). `from_ids` (KernelConfig.pairs_beside_counts): the dispatch counts from the ids alone and runs before

@@ -449,9 +449,9 @@ def test_early_dispatch_replaces_the_dispatch_phase_and_is_joined_first(monkeypa
     assert launched == launches
 
 
-def test_paired_gemms_read_the_pair_rows_through_tma_with_tiles_from_the_pair_offsets(monkeypatch):
-    """`_paired_gemms`: on the tile tables given, GEMM0 on the receive rows as they lie (no gather) into h, GEMM1 from
-    h into y."""
+def test_paired_gemms_read_the_pair_rows_in_place_on_the_tile_tables_given(monkeypatch):
+    """`_paired_gemms`: on the tile tables given, GEMM0 on the pair rows as they lie in y (no gather) into h, GEMM1
+    from h into y."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.plan import Plan
 
@@ -693,7 +693,7 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
-    `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the receive rows read in place, and the pair
+    `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the pair rows in y read in place, and the pair
     dispatch on the counts vector's pairs and the layer's offsets; "beside" (KernelConfig.pairs_beside_counts): the
     pair dispatch and the prologue from the ids too, on zeros."""
     from weave_moe.backends.weave import backend as backend_module
