@@ -46,8 +46,9 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
         # counts, H 7168)
         plan = torch.zeros(1, **i32) if world_size == 1 and hidden == 2048 else None
         from_ids = world_size == 1 and hidden == 7168
-        pairs, offsets = (None, None) if from_ids else (torch.zeros(num_experts, **i32),
-                                                        torch.zeros(num_experts // world_size + 1, **i32))
+        # at EP = 1 without the offsets, as the backend launches it (the tile tables come from the counts)
+        pairs = None if from_ids else torch.zeros(num_experts, **i32)
+        offsets = None if world_size == 1 else torch.zeros(num_experts // world_size + 1, **i32)
         args = launcher._arguments(ids, tokens, pairs, io, workspace, status, min(1, world_size - 1), 10 ** 9,
                                    offsets, torch.zeros(launcher.rows_shape, **i32), local, plan, 132, from_ids)
         extra = launcher._variant(local, plan, from_ids, offsets)

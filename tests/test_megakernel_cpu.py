@@ -921,65 +921,99 @@ def test_peer_dying_before_its_dispatch_ends_in_a_timeout_of_the_dispatch_beside
     assert results[1][1]["status"] is None
 
 
+class _PairRig:
+    """One rank's share of the pair tests (under the interpreter, across processes): the routing exchange and counts
+    as the resident call makes them, then `PairDispatch` into the peers' receive regions. `call` makes one call:
+    the call's inputs (`_call_inputs`, a token naming one expert twice in call 1 on rank 0, a bad id on rank 0 when
+    `bad_id`), the receive region poisoned, the pack, the exchange, the counts, the dispatch into poisoned offsets
+    (-7) and rows (-9) tables."""
+
+    H, MAX_TOKENS, MAX_CALL_TOKENS = 40, 16, 4
+
+    def __init__(self, rank: int, world_size: int, E: int, k: int):
+        import torch
+        import torch.distributed as dist
+
+        from weave_moe.backends.coordination import HEADER_WORDS
+        from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+        from weave_moe.backends.weave.kernels import sync
+        from weave_moe.backends.weave.kernels.counts import DeviceCounts
+        from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
+        from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+        self.rank, self.world_size, self.E, self.k = rank, world_size, E, k
+        self.message = RoutingMessage(self.MAX_TOKENS, k)
+        self.fmt = CountsFormat(world_size, E, sync.STATUS_WORDS)
+        self.counts = DeviceCounts(self.fmt, self.message, torch.device("cpu"))
+        self.ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
+            self.MAX_TOKENS, self.H, routing_words=self.message.words)
+        self.send = torch.empty(self.message.words, dtype=torch.int32)
+        self.all_routing = torch.zeros(world_size, self.message.words, dtype=torch.int32)
+        self.status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
+        self.live_status = self.status[:sync.STATUS_WORDS]
+        self.header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]
+        self.io = torch.zeros(2, dtype=torch.int64)
+        self.ctrl = torch.zeros(64, dtype=torch.int32)
+        self.dispatch = PairDispatch(world_size, E, k, self.H, self.MAX_TOKENS, self.MAX_CALL_TOKENS,
+                                     num_programs=5)
+
+    def call(self, call: int, T: int, out, bad_id: bool):
+        """One call of T tokens on this rank with `out` as its output; returns a namespace of its ids, weights and x,
+        the unpacked routing (all_ids, all_weights, all_tokens), the counts' pairs per expert, offsets and rows."""
+        import types
+
+        import torch
+
+        from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
+
+        E, rank = self.E, self.rank
+        ids, weights, x = _call_inputs(call, rank, T, E, self.k, self.H)
+        if call == 1 and rank == 0 and T >= 2:   # a token with the same expert twice: two pairs, by top-k slot
+            ids[1, 1] = ids[1, 0]
+        if bad_id and rank == 0:
+            ids[0, 0] = E
+        self.ws.recv().fill_(float("nan"))
+        self.message.pack_call(self.send, ids, weights, self.header, self.io, x if T else out, out, 0, self.status,
+                               self.ctrl, self.ws.flags(0), E)
+        exchange_routing(self.ws, self.message, self.send, self.all_routing, self.live_status,
+                         timeout_ns=120 * 10**9, parts=1, block=8)
+        vector = self.counts.build(self.all_routing, self.live_status, rank, verdict=True)
+        all_ids, all_weights, all_tokens = self.message.unpack(self.all_routing)
+        pairs = vector[self.fmt.expert_pairs_offset:self.fmt.expert_pairs_offset + E]
+        offsets = torch.full((E // self.world_size + 1,), -7, dtype=torch.int32)
+        rows = torch.full(self.dispatch.rows_shape, -9, dtype=torch.int32)
+        self.dispatch.launch(all_ids, all_tokens, pairs, self.io, self.ws, self.live_status, rank, 10 ** 9, offsets,
+                             rows)
+        return types.SimpleNamespace(ids=ids, weights=weights, x=x, all_ids=all_ids, all_weights=all_weights,
+                                     all_tokens=all_tokens, pairs=pairs, offsets=offsets, rows=rows)
+
+
 def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: int) -> list:
-    """One rank of test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order: routing exchange and counts as the
-    resident call makes them, then `PairDispatch`; the receive region (poisoned first) against the torch tables:
-    row p holds the x row of the pair the tables put at p (`gather_rows[p]` names its dedup receive row, i.e. its
-    source and token), bitwise, and nothing past the pairs is written; each source's flag holds its pairs; the
-    expert offsets it writes equal the tables' `expert_offsets`. The last call has a bad expert id on rank 0, which
-    the counts' verdict refuses on every rank: then nothing is sent and the offsets are zeros (no tile)."""
+    """One rank of test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order (`_PairRig`): the receive region
+    (poisoned first) against the torch tables: row p holds the x row of the pair the tables put at p (`gather_rows[p]`
+    names its dedup receive row, i.e. its source and token), bitwise, and nothing past the pairs is written; each
+    source's flag holds its pairs; the expert offsets it writes equal the tables' `expert_offsets`. The last call has
+    a bad expert id on rank 0, which the counts' verdict refuses on every rank: then nothing is sent and the offsets
+    are zeros (no tile)."""
     import torch
     import torch.distributed as dist
 
-    from weave_moe.backends.coordination import HEADER_WORDS
-    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage, hit_matrix
-    from weave_moe.backends.weave.kernels import sync
-    from weave_moe.backends.weave.kernels.counts import DeviceCounts
-    from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
-    from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
+    from weave_moe.backends.weave.exchange import hit_matrix
     from weave_moe.backends.weave.layout import build_layout
-    from weave_moe.backends.weave.workspace import SymmetricWorkspace
     from weave_moe.plan import MAX_CHUNKS
 
-    H, max_tokens = 40, 16
-    message = RoutingMessage(max_tokens, k)
-    fmt = CountsFormat(world_size, E, sync.STATUS_WORDS)
-    counts = DeviceCounts(fmt, message, torch.device("cpu"))
-    ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
-        max_tokens, H, routing_words=message.words)
-    send = torch.empty(message.words, dtype=torch.int32)
-    all_routing = torch.zeros(world_size, message.words, dtype=torch.int32)
-    status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
-    header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]
-    io = torch.zeros(2, dtype=torch.int64)
-    ctrl = torch.zeros(64, dtype=torch.int32)
-    dispatch = PairDispatch(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=5)
+    rig = _PairRig(rank, world_size, E, k)
+    H, max_tokens, local, status, ws = rig.H, rig.MAX_TOKENS, E // world_size, rig.status, rig.ws
     results = []
     dist.barrier()
     for call, tokens in enumerate(calls):
         T = tokens[rank]
-        ids, weights, x = _call_inputs(call, rank, T, E, k, H)
-        if call == 1 and rank == 0 and T >= 2:   # a token with the same expert twice: two pairs, by top-k slot
-            ids[1, 1] = ids[1, 0]
         refused = call == len(calls) - 1
-        if refused and rank == 0:
-            ids[0, 0] = E
-        out = torch.empty(max(T, 1), H).bfloat16()
-        ws.recv().fill_(float("nan"))
-        message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
-        exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=120 * 10**9, parts=1,
-                         block=8)
-        vector = counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
-        all_ids, _, all_tokens = message.unpack(all_routing)
-        pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
-        offsets = torch.full((E // world_size + 1,), -7, dtype=torch.int32)
-        rows = torch.full(dispatch.rows_shape, -9, dtype=torch.int32)
-        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9, offsets,
-                        rows)
+        got = rig.call(call, T, torch.empty(max(T, 1), H).bfloat16(), bad_id=refused)
+        all_ids, all_tokens, pairs, offsets, rows = got.all_ids, got.all_tokens, got.pairs, got.offsets, got.rows
         ref = build_layout(all_ids, torch.zeros(all_ids.shape), all_tokens, torch.ones(world_size, dtype=torch.int32),
                            rank, E, hidden_size=H, intermediate_size=16, block_m=16, block_n0=16, block_n1=16,
                            dispatch_rows=1, combine_rows=1, reduce_rows=1)
-        local = E // world_size
         recv = ws.recv()
         flags = ws.flags(0)[:world_size * MAX_CHUNKS].view(world_size, MAX_CHUNKS)
         if refused:
@@ -1051,75 +1085,41 @@ def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, c
 
 
 def _peer_pair_combine_worker(rank: int, world_size: int, calls: list, E: int, k: int, stall: bool) -> list:
-    """One rank of test_peer_pair_combine_after_the_pair_dispatch: routing exchange and counts as the resident call
-    makes them, `PairDispatch` into the peers' receive regions, a per-expert stand-in for the GEMMs (y row p of
-    expert e = bf16(recv[p] * (e + 1) / 8), e read off the offsets), then `PeerPairCombine.send` and `.reduce`
-    into a poisoned out. Returns out, this rank's ids, weights and x for the parent's reference; the last call has a
-    bad id on rank 0 (refused on every rank), or with `stall` rank 1 sends nothing in it (every rank that waits for
-    it gives up at the reduce's deadline)."""
+    """One rank of test_peer_pair_combine_after_the_pair_dispatch (`_PairRig`'s calls): after the pair dispatch, a
+    per-expert stand-in for the GEMMs (y row p of expert e = bf16(recv[p] * (e + 1) / 8), e read off the offsets),
+    then `PeerPairCombine.send` and `.reduce` into a poisoned out. Returns out, this rank's ids, weights and x for
+    the parent's reference; the last call has a bad id on rank 0 (refused on every rank), or with `stall` rank 1
+    sends nothing in it (every rank that waits for it gives up at the reduce's deadline)."""
     import torch
     import torch.distributed as dist
 
-    from weave_moe.backends.coordination import HEADER_WORDS
-    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
-    from weave_moe.backends.weave.kernels import sync
-    from weave_moe.backends.weave.kernels.counts import DeviceCounts
-    from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
     from weave_moe.backends.weave.kernels.pair_combine import PeerPairCombine
-    from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
-    from weave_moe.backends.weave.workspace import SymmetricWorkspace
 
-    H, max_tokens, local = 40, 16, E // world_size
-    message = RoutingMessage(max_tokens, k)
-    fmt = CountsFormat(world_size, E, sync.STATUS_WORDS)
-    counts = DeviceCounts(fmt, message, torch.device("cpu"))
-    ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
-        max_tokens, H, routing_words=message.words)
-    send = torch.empty(message.words, dtype=torch.int32)
-    all_routing = torch.zeros(world_size, message.words, dtype=torch.int32)
-    status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
-    header = torch.tensor([77, 0, 0, 0], dtype=torch.int32)[:HEADER_WORDS]
-    io = torch.zeros(2, dtype=torch.int64)
-    ctrl = torch.zeros(64, dtype=torch.int32)
-    dispatch = PairDispatch(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=5)
-    combine = PeerPairCombine(world_size, E, k, H, max_tokens, max_call_tokens=4, num_programs=3)
+    rig = _PairRig(rank, world_size, E, k)
+    H, max_tokens, local, ws = rig.H, rig.MAX_TOKENS, E // world_size, rig.ws
+    combine = PeerPairCombine(world_size, E, k, H, max_tokens, rig.MAX_CALL_TOKENS, num_programs=3)
     results = []
     dist.barrier()
     for call, tokens in enumerate(calls):
         T = tokens[rank]
-        ids, weights, x = _call_inputs(call, rank, T, E, k, H)
-        if call == 1 and rank == 0 and T >= 2:   # a token with the same expert twice
-            ids[1, 1] = ids[1, 0]
         last = call == len(calls) - 1
         refused = last and not stall
-        if refused and rank == 0:
-            ids[0, 0] = E
         out = torch.full((T + 1, H), -3.0).bfloat16()
-        ws.recv().fill_(float("nan"))
         ws.comb(0).fill_(float("nan"))
-        message.pack_call(send, ids, weights, header, io, x if T else out, out, 0, status, ctrl, ws.flags(0), E)
-        exchange_routing(ws, message, send, all_routing, status[:sync.STATUS_WORDS], timeout_ns=120 * 10**9, parts=1,
-                         block=8)
-        vector = counts.build(all_routing, status[:sync.STATUS_WORDS], rank, verdict=True)
-        all_ids, all_weights, all_tokens = message.unpack(all_routing)
-        pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
-        offsets = torch.zeros(local + 1, dtype=torch.int32)
-        rows = torch.zeros(dispatch.rows_shape, dtype=torch.int32)
-        dispatch.launch(all_ids, all_tokens, pairs, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 9, offsets,
-                        rows)
+        got = rig.call(call, T, out, bad_id=refused)
         recv = ws.recv()
         y = torch.full((world_size * max_tokens, H), float("nan")).bfloat16()
         for e in range(local):
-            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            lo, hi = int(got.offsets[e]), int(got.offsets[e + 1])
             y[lo:hi] = (recv[lo:hi].float() * (rank * local + e + 1) / 8).bfloat16()
         if not (stall and last and rank == 1):
-            combine.send(all_ids, all_weights, all_tokens, pairs, y, ws, status[:sync.STATUS_WORDS], rank)
+            combine.send(got.all_ids, got.all_weights, got.all_tokens, got.pairs, y, ws, rig.live_status, rank)
         # the interpreter's deadline counts polls (100 ns each): 10^6 ns is 10^4 polls
-        combine.reduce(all_ids, all_tokens, io, ws, status[:sync.STATUS_WORDS], rank, 10 ** 6)
-        owed_by_1 = bool(((ids >= local) & (ids < 2 * local)).any())
-        results.append(dict(out=out.float().tolist(), ids=ids.tolist(), weights=weights.tolist(),
-                            x=x.float().tolist(), refused=refused, stalled=stall and last and owed_by_1,
-                            status=status[:4].tolist()))
+        combine.reduce(got.all_ids, got.all_tokens, rig.io, ws, rig.live_status, rank, 10 ** 6)
+        owed_by_1 = bool(((got.ids >= local) & (got.ids < 2 * local)).any())
+        results.append(dict(out=out.float().tolist(), ids=got.ids.tolist(), weights=got.weights.tolist(),
+                            x=got.x.float().tolist(), refused=refused, stalled=stall and last and owed_by_1,
+                            status=rig.status[:4].tolist()))
         dist.barrier()   # every rank has reduced before any rank's next call zeroes the flags
     dist.barrier()
     return results

@@ -541,7 +541,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
     backend.device_counts.build = lambda *args, **options: launched.append("counts") or vector
-    backend.pair_offsets, backend.pair_rows = torch.zeros(9, dtype=torch.int32), torch.zeros(64, 2, dtype=torch.int32)
+    backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
 
     def gated(plan, num_sms):
         assert (plan is None) is not planned
@@ -555,7 +555,8 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
             assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
             assert local.data_ptr() == backend.workspace.y().data_ptr()   # the pair rows into y
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
-            assert offsets is backend.pair_offsets and rows is backend.pair_rows and status is backend.live_status
+            # no expert offsets: the tile tables come from the counts, nothing would read them
+            assert offsets is None and rows is backend.pair_rows and status is backend.live_status
             gated(plan, num_sms)
             launched.append("pair dispatch")
 
@@ -740,7 +741,6 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
         backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
         backend.device_counts = type("Counts", (), {"counts": torch.full((backend.counts_format.size,), 7,
                                                                          dtype=torch.int32)})()
-        backend.pair_offsets = torch.zeros(9, dtype=torch.int32)
 
         class Pairs:
             def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
@@ -752,7 +752,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
                     return
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
-                assert offsets is backend.pair_offsets
+                assert offsets is None
                 warmed.append("pair dispatch")
 
         class Combine:

@@ -321,8 +321,6 @@ class WeaveBackend:
                                         and not self.pairs_planned and self.fork_prologue)
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
-            # the expert offsets the pair dispatch writes (the tile tables come from the counts: these are for checks)
-            self.pair_offsets = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=device)
             self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
@@ -587,7 +585,7 @@ class WeaveBackend:
         tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs),
                                                    self.pairs_planned, side=self.fork_prologue, form="counts")
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
-                                  self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows, self.workspace.y(),
+                                  self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
                                   **gate)
         if filled is not None:
             self._current_stream().wait_event(filled)
@@ -1176,7 +1174,7 @@ class WeaveBackend:
         if self.pair_dispatch is not None:
             gate = self._pair_gate()
             self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
-                                      self.live_status, self.rank, self.timeout_ns, self.pair_offsets, self.pair_rows,
+                                      self.live_status, self.rank, self.timeout_ns, None, self.pair_rows,
                                       self.workspace.y(), **gate)
             if self.pairs_beside_counts:
                 self.pair_dispatch.warmup(all_ids, tokens, None, self.io, self.workspace, self.live_status,
