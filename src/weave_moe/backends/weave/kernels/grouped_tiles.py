@@ -265,10 +265,13 @@ def _prologue_kernel(offsets_ptr, tokens_ptr, plan_ptr, num_sms, rows_ptr, table
     if DEVICE_SERIAL:  # rows only under a serial plan (plan_ptr: this rank's c)
         scale = (tl.load(plan_ptr) >= num_sms).to(tl.int32)
     if pid == 0:
-        experts = tl.arange(0, BLOCK_E)
-        _, end = _expert_bounds(offsets_ptr, tokens_ptr, experts, experts < num_experts, scale, SOURCE, K, KP,
-                                ID_TOKENS)
-        tl.store(rows_ptr, tl.max(end, 0))
+        if SOURCE == FROM_OFFSETS:   # the prefix sum's last entry
+            tl.store(rows_ptr, tl.load(offsets_ptr + num_experts) * scale)
+        else:
+            experts = tl.arange(0, BLOCK_E)
+            _, end = _expert_bounds(offsets_ptr, tokens_ptr, experts, experts < num_experts, scale, SOURCE, K, KP,
+                                    ID_TOKENS)
+            tl.store(rows_ptr, tl.max(end, 0))
     if pid < TABLE0_PROGRAMS:
         _tile_table_block(pid, offsets_ptr, tokens_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0,
                           BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T, SOURCE, K, KP, ID_TOKENS)
