@@ -271,8 +271,9 @@ class _HeldTables(str):
 
 def _compile_name(constants):
     """A megakernel compile as the launch tests name it: its STAGE; "4gs": STAGE 4 (combine + reduce) compiled with
-    GROUPED_SERIAL; "d4": a decode compile (DECODE_ROWS rows per task; the tests' plain compiles have 4)."""
+    GROUPED_SERIAL; "-1gsp": STAGE -1 compiled GROUPED_SERIAL and PAIRED; "d4": a decode compile (DECODE_ROWS rows per task; the tests' plain compiles have 4)."""
     plain = f"{constants.STAGE}gs" if constants.GROUPED_SERIAL else constants.STAGE
+    plain = f"{plain}p" if constants.PAIRED else plain
     return f"d{plain}" if constants.REDUCE_ROWS == DECODE_ROWS else plain
 
 
@@ -305,6 +306,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.config = KernelConfig(fused_serial=fused_serial, grouped_gemm=grouped)
     backend.fixed_plan, backend.grouped, backend.resident = fixed_plan, grouped and fixed_plan is not None, resident
     backend.grouped_serial = grouped and resident and fixed_plan is None
+    backend.pairs_planned = False
     backend.interleaved = backend.grouped or backend.grouped_serial
     backend.gemm0_gather = backend.config.gathers_in_gemm0(I)
     backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
@@ -642,7 +644,8 @@ def test_paired_call_beside_the_counts_forks_the_pairs_and_tiles_from_the_ids(mo
 def test_split_call_builds_the_decode_tables_and_launches_the_grouped_serial_first_launch(monkeypatch):
     """`_split_call` (the side of an adaptive paired call): the decode task tables for the plan on the device (the
     previous launch, the planner, is on the other stream: previous_writes "any"), then one megakernel launch, its
-    GROUPED_SERIAL all-phase compile, with the device plan (no host plan) from phase 0."""
+    GROUPED_SERIAL all-phase compile made PAIRED (nothing under a serial plan), with the device plan (no host plan)
+    from phase 0."""
     from weave_moe.backends.weave import backend as backend_module
 
     backend, launched = _tables_host(monkeypatch)
@@ -656,7 +659,7 @@ def test_split_call_builds_the_decode_tables_and_launches_the_grouped_serial_fir
 
     monkeypatch.setattr(backend_module, "build_layout_triton", tables)
     backend._split_call()
-    assert launched == ["tables", "-1gs"], launched
+    assert launched == ["tables", "-1gsp"], launched
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -1209,6 +1212,17 @@ def test_decode_calls_only_where_the_layer_has_decode_compiles(monkeypatch, deco
     backend, _, _ = _host_backend(monkeypatch, None, resident=True, decode=decode)
     assert [backend._decode_call(t) for t in (0, 1, DECODE_TOKENS, DECODE_TOKENS + 1)] == \
         [decode, decode, decode, False]
+
+
+def test_an_adaptive_paired_layer_compiles_its_split_launch(monkeypatch):
+    """KernelConfig.adaptive_pairs: the split side's launch (`_split_call`, STAGE -1 compiled GROUPED_SERIAL and
+    PAIRED) is among the compiles the first call makes, and only in a layer that makes adaptive paired calls."""
+    backend, _, _ = _host_backend(monkeypatch, None, grouped=True, resident=True, decode=True)
+    names = {_compile_name(constants) for constants in backend._kernel_variants()}
+    assert "-1gs" in names and "-1gsp" not in names, names
+    backend.pairs_planned = True
+    names = {_compile_name(constants) for constants in backend._kernel_variants()}
+    assert "-1gsp" in names, names
 
 
 def test_x_and_out_reach_the_kernel_aligned_for_its_vector_copies():

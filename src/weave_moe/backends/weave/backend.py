@@ -75,11 +75,13 @@ def _tile_keys(configs) -> list:
 def stage_constants(constants: mk_launch.MegakernelConstants, hidden_size: int) -> dict:
     """The megakernel's compiles of a layer by launch (`WeaveBackend._stages`): STAGE -1 (every phase in one launch),
     0 and 1 (dispatch, the GEMMs: one serial stage each) and 4 (combine + reduce), (STAGE, "grouped serial") for
-    the resident adaptive calls that may run the grouped GEMMs, and ("decode", key) for the launches without GEMM
+    the resident adaptive calls that may run the grouped GEMMs, (-1, "paired split") for an adaptive paired call's
+    side (`WeaveBackend._split_call`), and ("decode", key) for the launches without GEMM
     at decode sizes (KernelConfig.decode_stages: DECODE_ROWS rows per task, whole rows per step)."""
     table = {stage: dataclasses.replace(constants, STAGE=stage) for stage in (-1, 0, 1, STAGE_COMBINE_REDUCE.value)}
     table.update({(stage, "grouped serial"): dataclasses.replace(constants, STAGE=stage, GROUPED_SERIAL=True)
                   for stage in (-1, STAGE_COMBINE_REDUCE.value)})
+    table[(-1, "paired split")] = dataclasses.replace(constants, STAGE=-1, GROUPED_SERIAL=True, PAIRED=True)
     table.update({("decode", key): dataclasses.replace(
         table[key], DISPATCH_ROWS=DECODE_ROWS, COMBINE_ROWS=DECODE_ROWS, REDUCE_ROWS=DECODE_ROWS,
         BLOCK_H=decode_block_h(hidden_size)) for key in _ROW_STAGES})
@@ -571,7 +573,7 @@ class WeaveBackend:
         An adaptive policy's call (`pairs_planned`, KernelConfig.adaptive_pairs) plans on the device first; every
         launch above then reads this rank's plan and does nothing unless it is serial, and beside them, forked once
         the plan is written, the task tables and the kernel's GROUPED_SERIAL first launch do the call under any
-        other plan (under a serial one that launch only dispatches, into rows nothing reads: `_split_call`)."""
+        other plan (under a serial one that launch does nothing: `_split_call`)."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         if self.pairs_beside_counts:   # both from the routing alone, forked beside the counts
             return self._resident_paired_beside_counts(configs, all_ids, all_weights, tokens)
@@ -618,14 +620,13 @@ class WeaveBackend:
 
     def _split_call(self) -> None:
         """An adaptive paired call's side (`_resident_paired`): the decode task tables for the plan just written,
-        then the kernel's GROUPED_SERIAL first launch, which under a plan that is not serial does the whole call and
-        under a serial one only its dispatch phase (rows of the receive region that nothing reads then: the pair
-        launches did that call)."""
+        then the kernel's GROUPED_SERIAL first launch compiled PAIRED, which under a plan that is not serial does the
+        whole call and under a serial one nothing (the pair launches do that call)."""
         layout = self._build_tables(True, previous_writes="any")
         dummy = self.workspace.y()[:1]
         args, launch_options = self._megakernel_args(dummy, dummy, layout, None, 0)
         if not self.debug_skip_launch:
-            mk_launch.launch(args=args, constants=self.stage_constants[(-1, "grouped serial")], **launch_options)
+            mk_launch.launch(args=args, constants=self.stage_constants[(-1, "paired split")], **launch_options)
 
     def _pair_gate(self) -> dict:
         """The pair launches' gate (`plan`, `num_sms`): this rank's device plan under `pairs_planned`, else none."""
@@ -951,6 +952,8 @@ class WeaveBackend:
         stages = [self._stages(serial, decode=decode) for serial in serial_choices for decode in decode_choices]
         if self.grouped_serial:
             stages += [self._stages(False, device_serial=True, decode=decode) for decode in decode_choices]
+        if self.pairs_planned:
+            stages.append(((-1, "paired split"),))
         return frozenset(self.stage_constants[stage] for launches in stages for stage in launches
                          if stage != "grouped")
 

@@ -109,6 +109,7 @@ class MegakernelConstants:
     W13_INTERLEAVED: bool = False  # w13 in the grouped GEMMs' interleaved layout (its descriptor 3-D)
     WIDE_GEMM0: bool = False       # GEMM0 as one MMA over interleaved rows (its descriptor 2-D, 2 * BLOCK_N0 rows)
     GROUPED_SERIAL: bool = False   # resident serial plans' GEMMs run as grouped GEMMs between stage launches
+    PAIRED: bool = False           # a paired call's GROUPED_SERIAL first launch: nothing under a serial plan
     VECTOR_ROWS: bool = True       # row copies in 16-byte vectors, the dispatch's steps pipelined (KernelConfig)
 
     @property
@@ -225,7 +226,7 @@ def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_st
 
     `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
     TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False,
-    GROUPED_SERIAL=False, WIDE_GEMM0=False, VECTOR_ROWS=True. The descriptors are passed as `launch`
+    GROUPED_SERIAL=False, PAIRED=False, WIDE_GEMM0=False, VECTOR_ROWS=True. The descriptors are passed as `launch`
     passes them (none to a compile without the GEMM phase).
     """
     from triton.backends.compiler import GPUTarget
@@ -233,7 +234,7 @@ def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_st
 
     constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
                           DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False, GROUPED_SERIAL=False,
-                          WIDE_GEMM0=False, VECTOR_ROWS=True),
+                          PAIRED=False, WIDE_GEMM0=False, VECTOR_ROWS=True),
                      **constants)
     signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
     signature.update({name: "constexpr" for name in constants})
