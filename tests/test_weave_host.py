@@ -336,8 +336,9 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         launched.append("grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
-    backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
+    backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = backend.decode_mlp = None
     backend.pairs_planned = backend.pairs_beside_counts = False
+    backend.decode_mlp_tokens = 0
 
     class Stream:
         def wait_event(self, event):
@@ -527,16 +528,19 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
-@pytest.mark.parametrize("planned", [False, True])
-def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch, planned):
+@pytest.mark.parametrize("planned, fused", [(False, False), (True, False), (False, True), (True, True)])
+def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch, planned, fused):
     """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
     pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
     and rows table); the join; the grouped GEMMs on those tables; the pair combine of y by the rows with the
     message's weights. No task tables, no megakernel launch on the call's stream. `planned` (KernelConfig.
     adaptive_pairs): the planner's launch first, then the split side forked, and every paired launch gated by this
-    rank's device plan (the tile tables by DEVICE_SERIAL); the side joined at the end."""
+    rank's device plan (the tile tables by DEVICE_SERIAL); the side joined at the end. `fused` (KernelConfig.
+    decode_mlp_tokens): the tile tables of the fused decode MLP's kind (its block_m, no split tail), the fused MLP
+    instead of the grouped GEMMs, and the combine reading its parts."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
+    from weave_moe.backends.weave.kernels.decode_mlp import DecodeMlpConfig
 
     backend, launched = _tables_host(monkeypatch)
     backend.pairs_planned, backend.pairs_beside_counts, backend.num_sms = planned, False, 4
@@ -563,9 +567,10 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
             launched.append("pair dispatch")
 
     class Combine:
-        def launch(self, y, rows, all_weights, tokens, io, status, rank, plan=None, num_sms=0):
+        def launch(self, y, rows, all_weights, tokens, io, status, rank, plan=None, num_sms=0, parts=None):
             assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
+            assert parts == ("the parts" if fused else None)
             gated(plan, num_sms)
             launched.append("pair combine")
 
@@ -573,22 +578,25 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
     monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
     backend._launch = lambda *args, **options: launched.append("megakernel")
-    backend._paired_gemms = lambda configs, tables: launched.append(("gemms", configs, tables))
+    backend._paired_gemms = lambda configs, tables, fused: launched.append(("mlp" if fused else "gemms", configs,
+                                                                           tables))
     backend._fork = lambda name, enqueue: launched.append(("fork", name)) or f"{name} event"
     backend.fork_prologue = True
+    backend.decode_mlp, backend._parts = DecodeMlpConfig(block_m=32), lambda: "the parts"
 
     def prologue(offsets, keys, device_serial, side=False, form="offsets", tokens=None):
         start = backend.counts_format.expert_pairs_offset   # this rank's experts' pairs (rank 0, EP = 1: all 8)
         assert offsets.data_ptr() == vector[start:].data_ptr() and offsets.numel() == 8
-        assert keys == ["k0", "k1"] and device_serial is planned and form == "counts" and tokens is None
+        assert keys == ([(32, False)] if fused else ["k0", "k1"])
+        assert device_serial is planned and form == "counts" and tokens is None
         launched.append(("tile tables", "beside" if side else "in line"))
         return "tile tables", None, "filled"
 
     backend._grouped_prologue = prologue
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
-    backend._resident_paired("configs")
-    paired = [("tile tables", "beside"), "pair dispatch", ("join", "filled"), ("gemms", "configs", "tile tables"),
-              "pair combine"]
+    backend._resident_paired("configs", fused)
+    paired = [("tile tables", "beside"), "pair dispatch", ("join", "filled"),
+              ("mlp" if fused else "gemms", "configs", "tile tables"), "pair combine"]
     if planned:
         assert launched == ["counts", "planner", ("fork", "split")] + paired + [("join", "split event")], launched
     else:
@@ -616,7 +624,8 @@ def test_paired_call_beside_the_counts_forks_the_pairs_and_tiles_from_the_ids(mo
             launched.append("pair dispatch from the ids")
 
     class Combine:
-        def launch(self, y, rows, all_weights, T, io, status, rank):
+        def launch(self, y, rows, all_weights, T, io, status, rank, parts=None):
+            assert parts is None
             launched.append("pair combine")
 
     def prologue(offsets, keys, device_serial, side=False, form="offsets", tokens=None):
@@ -633,7 +642,7 @@ def test_paired_call_beside_the_counts_forks_the_pairs_and_tiles_from_the_ids(mo
     backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
     backend._grouped_prologue, backend._fork = prologue, fork
     monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
-    backend._paired_gemms = lambda configs, tables: launched.append(("gemms", tables))
+    backend._paired_gemms = lambda configs, tables, fused: launched.append(("gemms", tables))
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend._resident_paired("configs")
     assert launched == ["tile tables from the ids (forked)", ("fork", "pairs"), "pair dispatch from the ids",
@@ -693,13 +702,15 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True, "beside"])
+@pytest.mark.parametrize("paired", [False, True, "beside", "fused"])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
     `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the pair rows in y read in place, and the pair
     dispatch on the counts vector's pairs and the layer's offsets; "beside" (KernelConfig.pairs_beside_counts): the
-    pair dispatch and the prologue from the ids too, on zeros."""
+    pair dispatch and the prologue from the ids too, on zeros; "fused" (KernelConfig.decode_mlp_tokens): the fused
+    decode MLP on the pair rows in y and its parts in h, on a table of its own kind, that kind's prologue from the
+    counts' zeros, and the pair combine reading the parts too."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -759,10 +770,27 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
                 warmed.append("pair dispatch")
 
         class Combine:
-            def warmup(self, y, rows, all_weights, tokens, io, status, rank):
+            def warmup(self, y, rows, all_weights, tokens, io, status, rank, parts=None):
                 assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
-                warmed.append("pair combine")
+                if parts is not None:   # in h's buffer, as the calls' (`_parts`)
+                    assert parts.data_ptr() == backend.workspace.h().data_ptr() and parts.dtype == torch.float32
+                warmed.append("pair combine" + (" of the parts" if parts is not None else ""))
 
+        if paired == "fused":
+            from weave_moe.backends.weave.kernels.decode_mlp import DecodeMlpConfig
+            from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+            backend.decode_mlp, backend.decode_mlp_tokens = DecodeMlpConfig(block_i=16), 2
+            backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(
+                8, 32, 16, 16, scratch_bytes=backend._parts_bytes(2))
+
+            def fused(a, w13, w2, tiles, parts, config):
+                assert a.data_ptr() == backend.workspace.y().data_ptr() and a.shape[0] == parts.shape[1] == 4
+                assert parts.data_ptr() == backend.workspace.h().data_ptr() and tuple(parts.shape) == (1, 4, 32)
+                assert (tiles.block_m, tiles.split_tail) == (16, False) and config is backend.decode_mlp
+                warmed.append("fused decode mlp")
+
+            monkeypatch.setattr(backend_module.decode_mlp, "decode_mlp", fused)
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
         backend.pairs_beside_counts = paired == "beside"
@@ -771,8 +799,9 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
     pairs = (["pair dispatch"] + (["pair dispatch from the ids"] if paired == "beside" else []) + ["pair combine"]
-             if paired else [])
-    assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
+             + (["pair combine of the parts"] if paired == "fused" else []) if paired else [])
+    fused = ["fused decode mlp"] if paired == "fused" else []
+    assert warmed == gemm0 + [(1, c) for c in configs[1]] + fused + pairs
     g1 = (configs[1][0].block_m, False)
     kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
@@ -781,6 +810,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds] if paired
                                               else [])
     expected += [(k, False, "from the ids", 16, True) for k in kinds] if paired == "beside" else []
+    expected += [(((16, False),), False, "from the counts", 8, True)] if paired == "fused" else []
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 
@@ -842,7 +872,7 @@ def test_resident_and_host_driven_calls_compile_before_their_first_enqueue(monke
 
     backend.spec, backend.num_local_experts, backend.device = MoESpec(8, 2, 32, 16), 8, torch.device("cpu")
     backend.resident_graph_names, backend.decode_tokens, backend.debug_skip_launch = {}, 0, False
-    backend.pair_dispatch = None
+    backend.pair_dispatch = backend.decode_mlp = None
     backend.workspace = type("W", (), {"generation": 1})()
     backend._grouped_configs = lambda rows: None
     backend.slots = type("S", (), {"write": enqueue})()   # the resident call's first enqueue: its slot
@@ -976,8 +1006,8 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend._current_stream = lambda: None
     built = []
     backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
-    backend.pair_dispatch = None
-    backend._resident_call = lambda configs, from_slot, decode, paired: built.append(
+    backend.pair_dispatch = backend.decode_mlp = None
+    backend._resident_call = lambda configs, from_slot, decode, paired, fused: built.append(
         "paired" if paired else from_slot if decode else "not decode")
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])

@@ -39,7 +39,7 @@ from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.grouped_gemm import _desc_k_loop, _num_sms, _tile_rows
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 
-__all__ = ["decode_mlp", "reduce_parts", "parts_shape", "DecodeMlpConfig"]
+__all__ = ["decode_mlp", "reduce_parts", "parts_shape", "default_config", "DecodeMlpConfig"]
 
 
 class DecodeMlpConfig:
@@ -64,6 +64,15 @@ class DecodeMlpConfig:
 def parts_shape(rows: int, hidden: int, inter: int, block_i: int) -> tuple[int, int, int]:
     """The parts buffer of `decode_mlp` for `rows` rows: (I blocks, rows, H)."""
     return (triton.cdiv(inter, block_i), rows, hidden)
+
+
+def default_config(hidden: int, inter: int) -> DecodeMlpConfig:
+    """The config a layer uses before any is measured: 64 intermediate columns per item (Qwen3-30B-A3B at 1 token per
+    rank: 8 experts x 12 blocks = 96 items for 132 SMs), 128 from I >= 2048 (DeepSeek-V3: 8 x 16), with a BLOCK_K
+    that keeps 4 stages of w13 within shared memory. An assumption until scripts/decode_mlp_probe.py measures it."""
+    if inter >= 2048:
+        return DecodeMlpConfig(block_i=128, block_k=64)
+    return DecodeMlpConfig(block_i=64, block_k=128)
 
 
 @triton.jit
