@@ -106,14 +106,16 @@ def main(argv=None) -> int:
                 error = checked(lambda: [launch() for launch in fused(0)], y_fused)
                 ms = timed(fused) if error <= DEFAULT_TOLERANCE else float("nan")
                 only = timed(lambda r: fused(r, reduce=False)) if error <= DEFAULT_TOLERANCE else float("nan")
-            except Exception as exc:   # a config that does not compile or launch here: recorded, not fatal
-                error, ms, only = float("inf"), float("nan"), float("nan")
-                print(f"  {config}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            except Exception as exc:   # a config that does not compile or launch here (resources): skipped
+                print(f"  {config}: skipped, {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                row["fused"][repr(config)] = dict(skipped=f"{type(exc).__name__}: {str(exc)[:200]}")
+                continue
             failures += error > DEFAULT_TOLERANCE
             row["fused"][repr(config)] = dict(ms=ms, fused_only_ms=only, error=error)
             print(f"  {shape['model']} T={shape['tokens']} {config}: {ms:.4f} ms (alone {only:.4f}), "
                   f"error {error:.1e}", flush=True)
-        best = min((v["ms"], k) for k, v in row["fused"].items() if v["ms"] == v["ms"]) if row["fused"] else None
+        timed_ok = [(v["ms"], k) for k, v in row["fused"].items() if "ms" in v and v["ms"] == v["ms"]]
+        best = min(timed_ok) if timed_ok else None
         row["best_fused"] = best[1] if best else None
         row["best_fused_ms"] = best[0] if best else None
         failures += row["grouped_error"] > DEFAULT_TOLERANCE
