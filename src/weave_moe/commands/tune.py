@@ -120,7 +120,7 @@ def config_name(config) -> str:
 def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split_tail=(0,), epilogue=(), flatten=(),
                       group_m=(), stream_k=(0,), smem_bytes: int = HOPPER_SMEM_BYTES):
     """(candidates, skipped) for `gemm`: every combination as a variant of the analytical 128-row default (its
-    epilogue, flatten and group_m unless `epilogue` / `flatten` / `group_m` list some), plus both analytical defaults;
+    epilogue, flatten and group_m unless `epilogue` / `flatten` / `group_m` list some), plus the analytical defaults;
     skipped = [(config, reason)] for combinations that cannot work: an accumulator over MAX_ACC_REGS fp32 registers
     per thread (spills), pipeline buffers over `smem_bytes`, or a config `gemm_configs.check_config` refuses."""
     import itertools

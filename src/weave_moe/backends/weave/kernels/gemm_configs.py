@@ -98,9 +98,9 @@ def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | N
 
 def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int | None = None,
                     inter: int | None = None, *, table: str | os.PathLike | None = None) -> tuple[GemmConfig, ...]:
-    """Every configuration `default_config` can pick for `gemm` (0 or 1) at this layer shape: the analytical pair
-    (64-row tiles, 128-row tiles), then the tuned table's configs of the shape (every rows bucket), without repeats.
-    Without the shape, the analytical pair only (what `default_config` picks without it). A caller that must not
+    """Every configuration `default_config` can pick for `gemm` (0 or 1) at this layer shape: the analytical ones
+    (`analytical_configs`), then the tuned table's configs of the shape (every rows bucket), without repeats.
+    Without the shape, the analytical ones only (what `default_config` picks without it). A caller that must not
     compile during a call (the weave backend, before its first-call barrier) compiles these."""
     configs = analytical_configs(gemm)
     if num_local_experts is None or hidden is None or inter is None:
@@ -112,6 +112,10 @@ def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int
     return tuple(dict.fromkeys(configs + tuple(tuned[bucket] for bucket in sorted(tuned))))
 
 
+#: GEMM0 at decode sizes: at most this many rows per expert on average -> `analytical_configs(0)[2]` (16-row tiles)
+DECODE_ROWS_PER_EXPERT = 8
+
+
 @functools.lru_cache(maxsize=4096)
 def analytical_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfig:
     """The configuration measured best on one H200 (scripts/gemm_bench.py, bench/results/gemm/) before any per-shape
@@ -120,10 +124,18 @@ def analytical_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfi
     128x256 tiles (two warpgroups, 4 stages; GEMM0 stores through the clipped TMA epilogue) unless 64-row tiles
     would pad the average expert by over 25 points less: e.g. 154 rows per expert pad to 256 in 128-row tiles (66%)
     but to 192 in 64-row tiles (25%), and there one warpgroup with 64x256 tiles wins despite its lower MMA rate.
+    GEMM0 with at most DECODE_ROWS_PER_EXPERT rows per expert (decode sizes): 16x128 tiles with BLOCK_K 128, one
+    warpgroup, 4 stages, where each expert's tile is a few rows and the launch streams its weights: the winner of
+    nearly every decode shape (1-64 tokens, six models) in the H100 tune and in the H200 table's decode entries, and
+    in calls 26.2 -> 21.4 us for Qwen3-30B-A3B's GEMM0 at 1 token on an H100 (docs/perf-notes.md entry 42). GEMM1
+    keeps the others: its tuned decode winners differ by shape, and one ran slower in a call than this default.
     Assumes balanced-ish experts (the average stands for each).
     """
-    narrow, wide = analytical_configs(gemm)
+    configs = analytical_configs(gemm)
     mean = max(rows / max(num_local_experts, 1), 1.0)
+    if gemm == 0 and mean <= DECODE_ROWS_PER_EXPERT:
+        return configs[2]
+    narrow, wide = configs[:2]
 
     def padding(block_m):
         return -(-mean // block_m) * block_m / mean - 1
@@ -131,13 +143,17 @@ def analytical_config(gemm: int, rows: int, num_local_experts: int) -> GemmConfi
     return narrow if padding(128) - padding(64) > 0.25 else wide
 
 
-def analytical_configs(gemm: int) -> tuple[GemmConfig, GemmConfig]:
-    """Every configuration `analytical_config` can pick for `gemm` (0 or 1): (64-row tiles, 128-row tiles)."""
+def analytical_configs(gemm: int) -> tuple[GemmConfig, ...]:
+    """Every configuration `analytical_config` can pick for `gemm` (0 or 1): (64-row tiles, 128-row tiles) and for
+    GEMM0 the decode tiles (16 rows) third."""
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
     epilogue = EPILOGUE_TMA_CLIPPED if gemm == 0 else EPILOGUE_MASKED
-    return (GemmConfig(block_m=64, num_warps=4, num_stages=4 if gemm == 0 else 5, epilogue=epilogue),
-            GemmConfig(block_m=128, num_warps=8, num_stages=4, epilogue=epilogue))
+    configs = (GemmConfig(block_m=64, num_warps=4, num_stages=4 if gemm == 0 else 5, epilogue=epilogue),
+               GemmConfig(block_m=128, num_warps=8, num_stages=4, epilogue=epilogue))
+    if gemm == 0:
+        configs += (GemmConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, epilogue=epilogue),)
+    return configs
 
 
 # ---- tuned configurations ------------------------------------------------------------------------------------------
