@@ -660,8 +660,8 @@ class WeaveBackend:
         return self.pair_dispatch is not None and tokens <= self.pair_dispatch.max_call_tokens
 
     def _fused_mlp_call(self, tokens: int) -> bool:
-        """Whether a paired call of `tokens` tokens runs the fused decode MLP (KernelConfig.decode_mlp_tokens, where
-        its parts fit the h region: `decode_mlp_tokens`)."""
+        """Whether a paired call of `tokens` tokens runs the fused decode MLP (KernelConfig.decode_mlp_tokens: calls of
+        at most `decode_mlp_tokens` tokens, that setting capped by the layer's T_max and the paired calls' sizes)."""
         return self.decode_mlp is not None and self._paired_call(tokens) and tokens <= self.decode_mlp_tokens
 
     def _rows_per_token(self) -> int:
@@ -679,7 +679,7 @@ class WeaveBackend:
 
     def _parts(self) -> torch.Tensor:
         """The fused decode MLP's fp32 parts (`_parts_shape(decode_mlp_tokens)`) in the workspace's scratch, h's
-        buffer (rewritten by every fused call; a paired call writes no h)."""
+        buffer (rewritten by every fused call, which writes no h; any call that uses h rewrites it)."""
         shape = self._parts_shape(self.decode_mlp_tokens)
         return self.workspace.scratch()[:self._parts_bytes(self.decode_mlp_tokens)].view(torch.float32).view(shape)
 
