@@ -224,18 +224,17 @@ def compile_sm(constants: dict, capability: int = 90, num_warps: int = 8, num_st
     """Compile the megakernel for `sm_<capability>` without a GPU; returns Triton's compiled kernel (`.asm["ptx"]`,
     `.asm["cubin"]`, `.metadata.shared`: bytes of dynamic shared memory).
 
-    `constants`: MegakernelConstants fields; missing ones take STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False,
-    TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False,
-    GROUPED_SERIAL=False, PAIRED=False, WIDE_GEMM0=False, VECTOR_ROWS=True. The descriptors are passed as `launch`
-    passes them (none to a compile without the GEMM phase).
+    `constants`: MegakernelConstants fields; missing ones take the dataclass's defaults, and STAGES0=3, STAGES1=4,
+    BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1, DOT_FP32=False for the fields without one. The
+    descriptors are passed as `launch` passes them (none to a compile without the GEMM phase).
     """
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constants = dict(dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
-                          DOT_FP32=False, RESIDENT=False, STAGE=-1, W13_INTERLEAVED=False, GROUPED_SERIAL=False,
-                          PAIRED=False, WIDE_GEMM0=False, VECTOR_ROWS=True),
-                     **constants)
+    defaults = {f.name: f.default for f in dataclasses.fields(MegakernelConstants)
+                if f.default is not dataclasses.MISSING}
+    constants = {**defaults, **dict(STAGES0=3, STAGES1=4, BLOCK_K1=64, USE_TMA=False, TIMELINE=False, MAX_EVENTS=1,
+                                    DOT_FP32=False), **constants}
     signature = {f.name: f.metadata["type"] for f in dataclasses.fields(MegakernelArgs)}
     signature.update({name: "constexpr" for name in constants})
     if constants["USE_TMA"] and MegakernelConstants(**constants).runs_gemm:
