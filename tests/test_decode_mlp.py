@@ -87,10 +87,20 @@ def test_decode_mlp_rejects_what_it_cannot_run():
         dm.DecodeMlpConfig(block_i=48)
 
 
+def test_default_config_fills_the_sms_at_one_token():
+    """BLOCK_I whose items at 1 token (experts x I blocks) fill the SMs in the fewest, fullest waves, the larger on a
+    tie; BLOCK_K 64 only with BLOCK_I 128 (shared memory)."""
+    for (hidden, inter, k), block_i in [((2048, 768, 8), 64), ((2048, 512, 8), 32), ((2048, 1408, 6), 64),
+                                        ((7168, 2048, 8), 128)]:
+        config = dm.default_config(hidden, inter, k, 132)
+        assert config.block_i == block_i and config.block_k == (64 if block_i == 128 else 128), (inter, config)
+
+
 @pytest.mark.parametrize("hidden, inter, config", [
-    (2048, 768, dm.DecodeMlpConfig()),                                   # Qwen3-30B-A3B
-    (7168, 2048, dm.DecodeMlpConfig(block_i=128, block_k=64)),          # DeepSeek-V3
-    (2048, 512, dm.DecodeMlpConfig(block_i=32, block_n=256)),           # Qwen3.5-35B-A3B
+    (2048, 768, dm.default_config(2048, 768, 8, 132)),                  # Qwen3-30B-A3B (the layer's default)
+    (7168, 2048, dm.default_config(7168, 2048, 8, 132)),                # DeepSeek-V3
+    (2048, 512, dm.default_config(2048, 512, 8, 132)),                  # Qwen3.5-35B-A3B
+    (2048, 512, dm.DecodeMlpConfig(block_i=32, block_n=256)),           # a probe candidate
 ])
 def test_decode_mlp_compiles_for_sm90_without_local_memory(hidden, inter, config):
     """As a launch specialises it (the H100 / H200 SM count): TMA loads of a and both weights, tensor-core MMAs, no

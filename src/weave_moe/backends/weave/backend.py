@@ -201,7 +201,8 @@ class WeaveBackend:
         shared.claim_call_mode(cfg.resident_at(world_size))
         # KernelConfig.decode_mlp_tokens: the fused decode MLP's config, and its parts in h's buffer (`_parts`)
         mlp_tokens = min(cfg.decode_mlp_tokens, max_tokens_per_rank) if world_size == 1 else 0
-        self.decode_mlp = decode_mlp.default_config(H, I) if mlp_tokens else None
+        self.decode_mlp = (decode_mlp.default_config(H, I, self._rows_per_token(), self.num_sms) if mlp_tokens
+                           else None)
         self.workspace = shared.attach(max_tokens_per_rank, H, I, max(max_pairs, 1),
                                        routing_words=self.message.words,
                                        scratch_bytes=self._parts_bytes(mlp_tokens) if mlp_tokens else 0)

@@ -66,13 +66,18 @@ def parts_shape(rows: int, hidden: int, inter: int, block_i: int) -> tuple[int, 
     return (triton.cdiv(inter, block_i), rows, hidden)
 
 
-def default_config(hidden: int, inter: int) -> DecodeMlpConfig:
-    """The config a layer uses before any is measured: 64 intermediate columns per item (Qwen3-30B-A3B at 1 token per
-    rank: 8 experts x 12 blocks = 96 items for 132 SMs), 128 from I >= 2048 (DeepSeek-V3: 8 x 16), with a BLOCK_K
-    that keeps 4 stages of w13 within shared memory. An assumption until scripts/decode_mlp_probe.py measures it."""
-    if inter >= 2048:
-        return DecodeMlpConfig(block_i=128, block_k=64)
-    return DecodeMlpConfig(block_i=64, block_k=128)
+def default_config(hidden: int, inter: int, rows_per_token: int, num_sms: int) -> DecodeMlpConfig:
+    """The config a layer uses before any is measured (an assumption until scripts/decode_mlp_probe.py measures it):
+    BLOCK_I from 32 / 64 / 128 whose items at 1 token (`rows_per_token` experts x ceil(I / BLOCK_I) blocks) fill the
+    `num_sms` SMs in the fewest, fullest waves, the larger on a tie (132 SMs: Qwen3-30B-A3B 64 -> 96 items, Qwen3.5-
+    35B-A3B 32 -> 128, DeepSeek-V2-Lite 64 -> 132, DeepSeek-V3 128 -> 128); BLOCK_K 64 with BLOCK_I 128, so that 4
+    stages of w13 stay within shared memory, else 128."""
+    def fill(block_i):
+        items = rows_per_token * triton.cdiv(inter, block_i)
+        return items / (triton.cdiv(items, num_sms) * num_sms), block_i
+
+    block_i = max(fill(b) for b in (32, 64, 128))[1]
+    return DecodeMlpConfig(block_i=block_i, block_k=64 if block_i == 128 else 128)
 
 
 @triton.jit
