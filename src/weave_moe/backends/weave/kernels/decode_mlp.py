@@ -30,6 +30,8 @@ Everything also runs under TRITON_INTERPRET=1 with DOT_FP32 (the interpreter's b
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -42,19 +44,27 @@ from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 __all__ = ["decode_mlp", "reduce_parts", "parts_shape", "default_config", "DecodeMlpConfig"]
 
 
+@dataclasses.dataclass(frozen=True)
 class DecodeMlpConfig:
     """Tile sizes and launch options of `decode_mlp` (block_i: intermediate columns per item; block_n: GEMM1's
     output columns per MMA; block_k: GEMM0's K step)."""
 
-    def __init__(self, block_m: int = 16, block_i: int = 64, block_k: int = 128, block_n: int = 128,
-                 num_warps: int = 4, num_stages: int = 4):
-        for name, value in (("block_m", block_m), ("block_i", block_i), ("block_k", block_k), ("block_n", block_n)):
+    block_m: int = 16
+    block_i: int = 64
+    block_k: int = 128
+    block_n: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_i", "block_k", "block_n"):
+            value = getattr(self, name)
             if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
                 raise ValueError(f"{name}={value!r} is not a power of two >= 16")
-        if num_warps not in (4, 8):
-            raise ValueError(f"num_warps={num_warps!r} is not 4 or 8")
-        self.block_m, self.block_i, self.block_k, self.block_n = block_m, block_i, block_k, block_n
-        self.num_warps, self.num_stages = num_warps, num_stages
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"num_warps={self.num_warps!r} is not 4 or 8")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"num_stages={self.num_stages!r} is not an int >= 1")
 
     def __repr__(self) -> str:
         return (f"DecodeMlpConfig({self.block_m}x{self.block_i}x{self.block_k}, block_n={self.block_n}, "
@@ -125,7 +135,7 @@ def _decode_mlp_kernel(a_desc, w13_desc, w2_desc, parts_ptr, tiles_ptr, num_tile
     sync.pdl_release()
 
 
-@triton.jit(do_not_specialize=["P", "rows"])
+@triton.jit(do_not_specialize=["P"])
 def _reduce_parts_kernel(parts_ptr, y_ptr, rows_ptr, P, H, NUM_BLOCKS: tl.constexpr, BLOCK_H: tl.constexpr):
     """y[r, cols] = bf16(sum over b in block order of parts[b, r, cols]) for the rows r < rows_ptr[0]."""
     sync.pdl_wait()
