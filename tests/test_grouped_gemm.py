@@ -213,6 +213,17 @@ def test_default_config_picks_64_row_tiles_only_where_they_pad_much_less():
         gc.default_config(2, 100, 4)
 
 
+def test_default_config_of_gemm0_at_decode_sizes_is_the_16_row_tile():
+    """At most DECODE_ROWS_PER_EXPERT rows per expert on average: GEMM0 takes 16x128 tiles with BLOCK_K 128 (the
+    third analytical config); above it, and for GEMM1 at any size, the 64 / 128-row rule."""
+    decode = gc.analytical_configs(0)[2]
+    assert (decode.block_m, decode.block_n, decode.block_k, decode.num_warps) == (16, 128, 128, 4)
+    for rows, experts in ((1, 64), (8, 64), (64, 64), (8 * 128, 128), (gc.DECODE_ROWS_PER_EXPERT * 80, 80)):
+        assert gc.analytical_config(0, rows, experts) == decode, (rows, experts)
+        assert gc.analytical_config(1, rows, experts).block_m in (64, 128), (rows, experts)
+    assert gc.analytical_config(0, (gc.DECODE_ROWS_PER_EXPERT + 1) * 80, 80).block_m in (64, 128)
+
+
 def test_bad_arguments_name_what_was_expected():
     import torch
 
