@@ -63,6 +63,15 @@ def main(argv=None) -> int:
     shapes = tune_shapes(specs, ints(args.tokens), args.emulate_ep)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     results, failures = [], 0
+
+    def write(rows):
+        if args.out:
+            from weave_moe.bench.metadata import git_commit
+
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), commit=git_commit(), command=" ".join(sys.argv),
+                               warm_l2=args.warm_l2, results=rows), f, indent=1, default=str)
+
     for shape in shapes:
         work = _Work(shape, seed=0, l2_bytes=None if args.warm_l2 else props.L2_cache_size)
         work.gather = None   # a paired call's GEMM0 reads its rows in place (in expert order), as the fused one does
@@ -120,6 +129,7 @@ def main(argv=None) -> int:
         row["best_fused_ms"] = best[0] if best else None
         failures += row["grouped_error"] > DEFAULT_TOLERANCE
         results.append(row)
+        write(results)   # after every shape: a run cut at its time limit keeps what it measured
         print(f"{shape['model']} T={shape['tokens']} rows={work.rows}: grouped {row['grouped_ms'] * 1e3:.1f} us "
               f"({', '.join(row['grouped_configs'])}), best fused {best[0] * 1e3 if best else float('nan'):.1f} us "
               f"({best[1] if best else '-'})", flush=True)
@@ -129,12 +139,6 @@ def main(argv=None) -> int:
         print(f"{row['model']:18s} {row['tokens']:3d} {row['rows']:5d} {row['grouped_ms'] * 1e3:11.1f} "
               f"{(row['best_fused_ms'] or float('nan')) * 1e3:9.1f} {ratio:6.3f}  {row['best_fused']}")
     print(f"decode_mlp_probe: {failures} failed checks")
-    if args.out:
-        from weave_moe.bench.metadata import git_commit
-
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), commit=git_commit(), command=" ".join(sys.argv),
-                           warm_l2=args.warm_l2, results=results), f, indent=1, default=str)
     return 1 if failures else 0
 
 
