@@ -48,9 +48,13 @@ SCRIPT = textwrap.dedent(
         y = torch.full((P, H), float("nan")).bfloat16()
         dm.reduce_parts(parts, y, offsets[-1:].clone(), block_h=16)
         assert y[rows:].isnan().all(), "reduce_parts wrote rows past the count"
-        # the sum over I blocks in block order, rounded once
-        assert torch.equal(y[:rows], parts[:, :rows].sum(0).bfloat16()) or \
-            ((y[:rows].float() - parts[:, :rows].sum(0)).abs().max() <= 1e-2 * parts[:, :rows].abs().max())
+        # the sum over I blocks in block order in fp32, rounded once (the interpreter converts to bf16 by
+        # truncation; the GPU rounds to nearest): bitwise
+        acc = torch.zeros(rows, H)
+        for block in parts[:, :rows]:
+            acc += block
+        truncated = (acc.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+        assert torch.equal(y[:rows].view(torch.int16), truncated.view(torch.int16))
         for e in range(E):
             s, f = int(offsets[e]), int(offsets[e + 1])
             if s == f:

@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from weave_moe.backends.weave.kernels import sync
-from weave_moe.backends.weave.kernels.grouped_gemm import _desc_k_loop, _num_sms, _tile_rows
+from weave_moe.backends.weave.kernels.grouped_gemm import _check, _desc_k_loop, _num_sms, _tile_rows
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 
 __all__ = ["decode_mlp", "reduce_parts", "parts_shape", "default_config", "DecodeMlpConfig"]
@@ -152,12 +152,6 @@ def _reduce_parts_kernel(parts_ptr, y_ptr, rows_ptr, P, H, NUM_BLOCKS: tl.conste
             acc += tl.load(parts_ptr + (b * P + row).to(tl.int64) * H + cols, mask=mask, other=0.0)
         tl.store(y_ptr + row.to(tl.int64) * H + cols, acc.to(tl.bfloat16), mask=mask)
     sync.pdl_release()
-
-
-def _check(name, tensor, shape, dtype):
-    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or not tensor.is_contiguous():
-        raise ValueError(f"{name}: expected contiguous {dtype} {tuple(shape)}, given {tensor.dtype} "
-                         f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
 
 
 def _decode_mlp_launch(a, w13, w2, tiles: TileTable, parts, config: DecodeMlpConfig, dot_fp32: bool = False,
