@@ -607,11 +607,7 @@ class WeaveBackend:
                                   **gate)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        self._paired_gemms(configs, tables, fused)
-        self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, **gate, parts=self._parts() if fused else None)
-        for event in joins:
-            self._current_stream().wait_event(event)
+        self._paired_tail(configs, tables, fused, all_weights, tokens, gate, joins)
 
     def _resident_paired_beside_counts(self, configs, all_ids, all_weights, tokens, fused: bool = False) -> None:
         """`_resident_paired` under KernelConfig.pairs_beside_counts (a fixed serial plan, EP = 1): the pair dispatch
@@ -628,9 +624,15 @@ class WeaveBackend:
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
         for event in (filled, sent):
             self._current_stream().wait_event(event)
+        self._paired_tail(configs, tables, fused, all_weights, tokens, {}, joins)
+
+    def _paired_tail(self, configs, tables, fused: bool, all_weights, tokens, gate: dict, joins: list) -> None:
+        """A paired call after its rows and tile tables: the experts (`_paired_gemms`), the pair combine of their y
+        (or the fused MLP's parts) into out, gated as the dispatch was (`_pair_gate`), then the joins of the side
+        streams nothing of the call waits for."""
         self._paired_gemms(configs, tables, fused)
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, parts=self._parts() if fused else None)
+                                 self.rank, **gate, parts=self._parts() if fused else None)
         for event in joins:
             self._current_stream().wait_event(event)
 
