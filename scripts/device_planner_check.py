@@ -196,7 +196,7 @@ def layer_check(num_calls: int = 30) -> dict:
     layers = {}
     for device_plan, max_tokens in ((False, 2048), (True, 4096)):
         layer = ExpertParallelMoE(spec, group=None, backend="weave", device=device, max_tokens_per_rank=max_tokens,
-                                  config=dataclasses.replace(base, device_plan=device_plan))
+                                  config=dataclasses.replace(base, device_plan=device_plan, serial_at_ep1=False))
         layer.load_experts(w13, w2)
         layers[device_plan] = layer
     shared = SymmetricWorkspace.shared(None, 0, 1, device)

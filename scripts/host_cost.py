@@ -35,6 +35,7 @@ def median_us(fn, calls=200, drain=True, digits=1):
 def main():
     from weave_moe import routing
     from weave_moe.bench.config import emulated_spec
+    from weave_moe.bench.variants import parse_variant
     from weave_moe.layer import ExpertParallelMoE
     from weave_moe.models import MoESpec
     from weave_moe.testing import make_experts
@@ -56,8 +57,10 @@ def main():
         ids, w = ids.to(device).to(torch.int32), w.to(device)
         x = torch.randn(tokens, spec.hidden_size, device=device).to(torch.bfloat16)
         for policy in args.policies.split(","):
-            layer = ExpertParallelMoE(spec, backend="weave", policy=policy, device=device, max_tokens_per_rank=tokens,
-                                      check_expert_ids=False)
+            # as `weave-moe bench` makes it (under --emulate-ep the layer plans as a rank of that EP would)
+            options = parse_variant(f"weave:{policy}").layer_options(emulated=args.emulate_ep > 1)
+            layer = ExpertParallelMoE(spec, backend="weave", device=device, max_tokens_per_rank=tokens,
+                                      check_expert_ids=False, **options)
             layer.load_experts(w13, w2)
             for _ in range(5):
                 layer(x, ids, w)

@@ -52,6 +52,7 @@ def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
     from weave_moe import routing
     from weave_moe.layer import ExpertParallelMoE
     from weave_moe.bench.config import emulated_spec
+    from weave_moe.bench.variants import parse_variant
     from weave_moe.models import MoESpec
 
     device = torch.device("cuda", rank)
@@ -64,10 +65,10 @@ def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
     x = torch.randn(tokens, spec.hidden_size, device=device).to(torch.bfloat16)
     report = []
     for variant in variants:
-        backend, _, policy = variant.partition(":")
-        kw = dict(policy=policy) if policy else {}
-        layer = ExpertParallelMoE(spec, backend=backend, device=device, max_tokens_per_rank=tokens,
-                                  check_expert_ids=False, **kw)
+        # as `weave-moe bench` makes it (under --emulate-ep a weave layer plans as a rank of that EP would)
+        parsed = parse_variant(variant)
+        layer = ExpertParallelMoE(spec, backend=parsed.backend, device=device, max_tokens_per_rank=tokens,
+                                  check_expert_ids=False, **parsed.layer_options(emulated=emulate_ep > 1))
         layer.load_experts(w13, w2)
         for _ in range(3):
             layer(x, ids, w)

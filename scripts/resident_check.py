@@ -19,8 +19,8 @@ What it checks (each a row with passed = True/False and the numbers behind it):
   8. memory per captured row count: the default policy's layer at T_max 8192 called at 12 row counts from 1 to 2048
      tokens (a CUDA graph each), every call against the reference; the device memory the graphs reserved beyond the
      first call's, per further row count (the task tables are the layer's, tables.TableBuffers, not each graph's).
-Every layer is made with WEAVE_MOE_KERNEL_CONFIG's settings and resident=on (e.g. prefetch_mib=48 checks the calls
-with the weights' L2 prefetch, its side stream inside each graph and inside the caller's capture).
+Every layer is made with WEAVE_MOE_KERNEL_CONFIG's settings, resident=on and serial_at_ep1=off (e.g. prefetch_mib=48
+checks the calls with the weights' L2 prefetch, its side stream inside each graph and inside the caller's capture).
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ POLICIES = ("serial", "weave", "spatial", "static:20,2", "per_iteration")
 
 
 def _layer(spec, policy, max_tokens, device):
+    # the adaptive policy plans on the device as an EP > 1 rank does (KernelConfig.serial_at_ep1 off): at EP = 1 its
+    # default layer is the serial policy's, which the checks run as "serial"
+    config = dataclasses.replace(KernelConfig.from_env(), resident="on", serial_at_ep1=False)
     layer = ExpertParallelMoE(spec, backend="weave", policy=policy, max_tokens_per_rank=max_tokens, device=device,
-                              config=dataclasses.replace(KernelConfig.from_env(), resident="on"), debug_poison=True)
+                              config=config, debug_poison=True)
     w13, w2 = make_experts(spec, seed=1, device=device)
     layer.load_experts(w13, w2)
     return layer, w13, w2

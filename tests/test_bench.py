@@ -157,6 +157,15 @@ def test_variants_with_kernel_settings(monkeypatch):
     assert parse_variant("weave:static:20,4@fork_prologue=0").policy == "static:20,4"
     assert parse_variant("weave:serial").layer_options() == dict(policy="serial")   # no config: the layer's default
     assert parse_variant("nccl").layer_options() == {}
+    # under --emulate-ep a weave layer plans on the device as a rank of that EP would: serial_at_ep1 off, below the
+    # environment and the variant (a key of either wins); other backends take no KernelConfig
+    emulated = parse_variant("weave").layer_options(emulated=True)
+    assert emulated["config"] == KernelConfig(serial_at_ep1=False, block_h=256, decode_stages=False)
+    assert parse_variant("weave@serial_at_ep1=on").layer_options(emulated=True)["config"].serial_at_ep1
+    monkeypatch.setenv(KERNEL_CONFIG_ENV, "serial_at_ep1=on")
+    assert parse_variant("weave:serial").layer_options(emulated=True)["config"].serial_at_ep1
+    assert parse_variant("nccl").layer_options(emulated=True) == {}
+    monkeypatch.setenv(KERNEL_CONFIG_ENV, "decode_stages=off,block_h=256")
     for bad, message in (("nccl@tma=0", "only the weave backend"), ("weave@", "empty @ setting"),
                          ("weave:serial@independnt_scan=off", "variant 'weave:serial@independnt_scan=off'"),
                          ("weave@block_h=wide", "must be an integer")):

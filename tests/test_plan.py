@@ -18,6 +18,7 @@ from weave_moe.plan import (
     Workload,
     physical_floor_us,
     plan,
+    plans_serial,
     predict,
 )
 
@@ -306,3 +307,56 @@ def test_per_iteration_plans_every_token_bucket(world_size):
         for tokens in (1, 2, 3, 64, 8192):
             c = _per_iteration_c(spec, world_size, tokens, PROFILE)
             assert 1 <= c <= PROFILE.num_sms - 1
+
+
+def _ep1_layers():
+    """Seven models at EP = 1: each model's own experts, and its share at EP 2 / 4 / 8 (where E divides and k fits)."""
+    from weave_moe.bench.config import emulated_spec
+    from weave_moe.models import PAPER_MODELS
+
+    for name in PAPER_MODELS + ("mixtral-8x7b",):
+        for ep in (1, 2, 4, 8):
+            try:
+                yield name, ep, emulated_spec(MoESpec.from_name(name), ep)
+            except ValueError:   # E not divisible by EP, or k > E / EP
+                continue
+
+
+def test_the_planner_plans_serial_at_ep1_with_the_grouped_gemms():
+    """KernelConfig.serial_at_ep1 rests on this: with the shipped profile, in a layer whose serial plans run the
+    grouped GEMMs (cost_model A8), the adaptive policy plans the serial schedule for every EP = 1 workload here
+    (uniform and skewed routing, 1 to 16384 tokens), and `plans_serial`'s balanced sample says so too. A change of
+    the cost model or of the profile that makes a split win at EP = 1 fails here: the setting must then be revisited."""
+    from weave_moe.routing import skewed, uniform
+
+    profile = HardwareProfile.default().with_grouped_serial()
+    plans = 0
+    for name, ep, spec in _ep1_layers():
+        assert plans_serial(spec, 1, 16384, profile), (name, ep)
+        for tokens in (1, 4, 16, 64, 256, 1024, 4096, 16384):
+            for ids in (uniform(tokens, spec.num_experts, spec.top_k, seed=tokens)[0],
+                        skewed(tokens, spec.num_experts, spec.top_k, skew=4.0, seed=tokens)[0]):
+                workload = Workload.from_routing(spec, [ids], 0, chunk_counts=range(1, MAX_CHUNKS + 1))
+                chosen = plan(workload, profile, "weave")
+                assert chosen.is_serial(profile.num_sms), (name, ep, tokens, chosen)
+                plans += 1
+    assert plans > 300
+
+
+def test_plans_serial_is_the_planners_answer_on_its_sample():
+    """`plans_serial` is the planner's own answer on balanced routing at 1, 8, 64, ... tokens up to T_max and at
+    T_max, not a constant: with the uncalibrated profile (the grouped GEMMs no faster than the megakernel's tiles)
+    the planner splits Qwen3-30B-A3B's EP = 1 layer at 1-64 tokens, so `plans_serial` says no."""
+    from weave_moe.plan.cost_model import _balanced_workload
+
+    profile = PROFILE.with_grouped_serial()
+    spec = MoESpec.from_name("qwen3-30b-a3b")
+    for t_max, sample in ((600, (1, 8, 64, 512, 600)), (4096, (1, 8, 64, 512, 4096))):
+        expected = all(plan(_balanced_workload(spec, 1, t), profile, "weave").is_serial(profile.num_sms)
+                       for t in sample)
+        assert plans_serial(spec, 1, t_max, profile) == expected
+    assert not plan(_balanced_workload(spec, 1, 64), profile, "weave").is_serial(profile.num_sms)
+    assert not plans_serial(spec, 1, 4096, profile)
+    # the serial policy is serial everywhere; a static split never is
+    assert plans_serial(spec, 1, 4096, profile, "serial")
+    assert not plans_serial(spec, 1, 4096, profile, "static:20")

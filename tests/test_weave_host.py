@@ -1295,3 +1295,32 @@ def test_layer_hands_backends_a_contiguous_x(monkeypatch):
     result = layer(x, ids, weights)
     assert seen[0].is_contiguous() and torch.equal(seen[0], x)
     assert torch.equal(result, layer(x.contiguous(), ids, weights))
+
+
+def test_fixed_plan_is_made_once_for_the_policies_whose_plan_does_not_depend_on_the_routing():
+    """`fixed_plan_for`: serial and static plans once per layer; the adaptive policy's too at EP = 1 in a resident
+    layer with the grouped GEMMs where the planner plans serial (KernelConfig.serial_at_ep1), else per call."""
+    import dataclasses
+    import math
+
+    from weave_moe.backends.weave.backend import fixed_plan_for
+    from weave_moe.backends.weave.config import KernelConfig
+    from weave_moe.models import MoESpec
+    from weave_moe.plan import HardwareProfile
+
+    spec, profile, config = MoESpec.from_name("qwen3-30b-a3b"), HardwareProfile.default(), KernelConfig()
+    N = profile.num_sms
+    made = fixed_plan_for(spec, 1, 2048, "weave", profile, config, True)
+    assert (made.c, made.K, made.n_steal, made.policy) == (N, 1, 0, "weave") and math.isnan(made.predicted_us)
+    assert fixed_plan_for(spec, 1, 2048, "serial", profile, config, True).c == N
+    assert (fixed_plan_for(spec, 2, 2048, "static:20,2", profile, config, True).c,
+            fixed_plan_for(spec, 2, 2048, "static:20,2", profile, config, True).K) == (20, 2)
+    for world_size, policy, changed, grouped in ((2, "weave", {}, True),                 # EP > 1: per call
+                                                 (1, "spatial", {}, True),               # never serial
+                                                 (1, "weave", dict(serial_at_ep1=False), True),
+                                                 (1, "weave", dict(resident="off"), True),
+                                                 (1, "weave", {}, False)):               # no grouped GEMMs
+        assert fixed_plan_for(spec, world_size, 2048, policy, profile, dataclasses.replace(config, **changed),
+                              grouped) is None, (world_size, policy, changed, grouped)
+    # a profile whose planner splits this layer at EP = 1 (the grouped GEMMs no faster than the megakernel's tiles)
+    assert fixed_plan_for(spec, 1, 2048, "weave", HardwareProfile.load_named("h200_default"), config, True) is None

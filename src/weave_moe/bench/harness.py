@@ -468,7 +468,7 @@ def _build_layer(spec, variant, config, device, w13, w2) -> _Outcome:
         # The inputs are generated valid, and the id range check costs a host sync per call: off for timing.
         options = dict(group=None, backend=variant.backend, max_tokens_per_rank=max(config.tokens), device=device,
                        check_expert_ids=False)
-        options.update(variant.layer_options())
+        options.update(variant.layer_options(emulated=config.emulate_ep > 1))
         try:
             layer = ExpertParallelMoE(spec, **options)
         except torch.OutOfMemoryError:  # a RuntimeError too, but a failure of the run, not a missing feature

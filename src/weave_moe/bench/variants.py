@@ -24,6 +24,9 @@ __all__ = ["Variant", "parse_variant", "parse_variants", "BASELINES", "WEAVE_POL
 #: report ranks every variant against.
 BASELINES = ("nccl", "symm", "deepep")
 
+#: KernelConfig settings of a weave variant under `--emulate-ep` (below the environment's and the variant's own)
+EMULATED_KERNEL_CONFIG = "serial_at_ep1=off"
+
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,15 @@ class Variant:
     def is_baseline(self) -> bool:
         return self.backend in BASELINES
 
-    def layer_options(self) -> dict:
+    def layer_options(self, emulated: bool = False) -> dict:
         """The `ExpertParallelMoE` keyword arguments this variant sets: its policy, and with overrides its
-        KernelConfig (WEAVE_MOE_KERNEL_CONFIG's, then the variant's: a key in both takes the variant's value)."""
+        KernelConfig (WEAVE_MOE_KERNEL_CONFIG's, then the variant's: a key in both takes the variant's value).
+        `emulated`: the layer runs at EP = 1 one rank's work of a larger EP (`--emulate-ep`), so a weave layer
+        plans on the device as that rank would (KernelConfig.serial_at_ep1 off, under the two above)."""
         options = {} if self.policy is None else dict(policy=self.policy)
-        if self.kernel_config:
-            options["config"] = _kernel_config(self.name, self.kernel_config)
+        base = EMULATED_KERNEL_CONFIG if emulated and self.backend == "weave" else ""
+        if self.kernel_config or base:
+            options["config"] = _kernel_config(self.name, self.kernel_config, base)
         return options
 
 
@@ -61,12 +67,13 @@ def _known_backends() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
-def _kernel_config(name: str, overrides: str):
+def _kernel_config(name: str, overrides: str, base: str = ""):
+    """KernelConfig of `base`, then WEAVE_MOE_KERNEL_CONFIG, then `overrides` (a later key wins)."""
     import os
 
     from weave_moe.backends.weave.config import KERNEL_CONFIG_ENV, KernelConfig
 
-    return KernelConfig.from_text(os.environ.get(KERNEL_CONFIG_ENV, "") + "," + overrides,
+    return KernelConfig.from_text(",".join((base, os.environ.get(KERNEL_CONFIG_ENV, ""), overrides)),
                                   f"variant {name!r} (with {KERNEL_CONFIG_ENV})")
 
 

@@ -13,6 +13,7 @@ from weave_moe.plan.cost_model import (
     parse_policy,
     physical_floor_us,
     plan,
+    plans_serial,
     predict,
     predict_grid,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "HardwareProfile",
     "Plan",
     "plan",
+    "plans_serial",
     "predict",
     "predict_grid",
     "physical_floor_us",

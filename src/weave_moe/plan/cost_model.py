@@ -59,8 +59,8 @@ from weave_moe.models import MoESpec
 from weave_moe.plan.profile import HardwareProfile
 from weave_moe.plan.workload import MAX_CHUNKS, Workload, even_split
 
-__all__ = ["Plan", "plan", "predict", "predict_grid", "physical_floor_us", "POLICIES", "STATIC_BASELINE_C",
-           "parse_policy"]
+__all__ = ["Plan", "plan", "predict", "predict_grid", "physical_floor_us", "plans_serial", "POLICIES",
+           "STATIC_BASELINE_C", "parse_policy"]
 
 #: Policy names `plan()` accepts ("static" takes ":<c>[,<K>]").
 POLICIES = ("serial", "spatial", "static:<c>[,<K>]", "per_iteration", "weave")
@@ -320,6 +320,18 @@ def _per_iteration_c(spec: MoESpec, world_size: int, num_tokens: int, profile: H
     workload = _balanced_workload(spec, world_size, bucket)
     latency, _ = predict_grid(workload, profile, ks=[1], allow_steal=False)
     return int(np.argmin(latency[0])) + 1
+
+
+@lru_cache(maxsize=256)
+def plans_serial(spec: MoESpec, world_size: int, max_tokens: int, profile: HardwareProfile,
+                 policy: str = "weave") -> bool:
+    """Whether `policy` plans the serial schedule for balanced routing at every token count of 1, 8, 64, ...
+    (x8) up to `max_tokens`, and at `max_tokens`: a layer whose plan would not depend on its routing in practice
+    (the weave backend's KernelConfig.serial_at_ep1 asks it at EP = 1; tests/test_plan.py checks that on the shipped
+    profile the sample stands for uniform and skewed routing)."""
+    counts = {max(1, max_tokens)} | {t for t in (8 ** i for i in range(8)) if t <= max_tokens}
+    return all(plan(_balanced_workload(spec, world_size, t), profile, policy).is_serial(profile.num_sms)
+               for t in sorted(counts))
 
 
 def _balanced_workload(spec: MoESpec, world_size: int, num_tokens: int) -> Workload:

@@ -43,7 +43,7 @@ from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
 from weave_moe.models import MoESpec
-from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, Workload, parse_policy, plan
+from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, Workload, parse_policy, plan, plans_serial
 from weave_moe.sim.measured import events_from_buffer
 
 __all__ = ["WeaveBackend", "WeaveError", "WeaveTimeoutError"]
@@ -133,6 +133,28 @@ def _plan_key(counts: LayoutCounts, world_size: int, num_local_experts: int, blo
     return tuple(key)
 
 
+def fixed_plan_for(spec: MoESpec, world_size: int, max_tokens: int, policy: str, profile: HardwareProfile,
+                   config: KernelConfig, grouped_capable: bool) -> Plan | None:
+    """The plan of every call of a layer whose plan does not depend on the routing, made once when it is built
+    (validating the policy string then, not at the first call), or None: the plan is made per call.
+
+    `serial` and `static:<c>,<K>` never look at the routing. Nor, in practice, does the adaptive policy ("weave")
+    at EP = 1 in a resident layer whose serial plans run the grouped GEMMs (`grouped_capable`), where the planner,
+    with their speed (cost_model A8), picks the serial plan for balanced routing at every size up to T_max
+    (KernelConfig.serial_at_ep1, `weave_moe.plan.plans_serial`). The plan's predicted_us is NaN: a prediction needs
+    a call's workload, which the layer then never looks at."""
+    name = parse_policy(policy)[0]
+    serial_at_ep1 = bool(name == "weave" and world_size == 1 and config.serial_at_ep1 and grouped_capable
+                         and config.resident_at(world_size)
+                         and plans_serial(spec, 1, max_tokens, profile.with_grouped_serial()))
+    if name not in ("serial", "static") and not serial_at_ep1:
+        return None
+    zero = Workload.from_counts(spec, world_size, 0, send_rows=[0] * world_size, recv_rows=[0] * world_size,
+                                expert_rows=[0] * (spec.num_experts // world_size), num_tokens=0)
+    made = plan(zero, profile, "serial" if serial_at_ep1 else policy)
+    return dataclasses.replace(made, predicted_us=float("nan"), policy=policy)
+
+
 class WeaveBackend:
     """The `weave` backend (module docstring); implements `weave_moe.backends.Backend`.
 
@@ -184,16 +206,13 @@ class WeaveBackend:
         self.debug_skip_launch, self.debug_poison = debug_skip_launch, debug_poison
         self.num_sms = num_sms or torch.cuda.get_device_properties(device).multi_processor_count
         self.num_local_experts = spec.num_experts // world_size
-        # `serial` and `static:<c>,<K>` do not depend on the routing: their plan is made once here (validating the
-        # policy string now, not at the first call) and the per-call planning is skipped. Its predicted_us is NaN:
-        # a prediction needs this call's workload, which these policies never look at.
-        zero = LayoutCounts([0] * world_size, [[0] * world_size] * world_size, [0] * spec.num_experts)
-        zero_plan = plan(self._workload(0, zero), self.profile, policy)
-        self.fixed_plan = (dataclasses.replace(zero_plan, predicted_us=float("nan"))
-                           if parse_policy(policy)[0] in ("serial", "static") else None)
-
         H, I = spec.hidden_size, spec.intermediate_size
         cfg = self.config
+        # a serial plan's GEMM stage may run as two grouped-GEMM launches (KernelConfig.grouped_gemm; see below)
+        grouped_capable = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0
+                               and torch.cuda.get_device_capability(device) >= (9, 0))
+        self.fixed_plan = fixed_plan_for(spec, world_size, max_tokens_per_rank, policy, self.profile, cfg,
+                                         grouped_capable)
         max_pairs = world_size * max_tokens_per_rank * min(spec.top_k, self.num_local_experts)
         self.message = RoutingMessage(max_tokens_per_rank, spec.top_k)
         # one workspace per (group, device) shared by every layer, h and y included (workspace.py: the protocol)
@@ -268,8 +287,6 @@ class WeaveBackend:
         # megakernel's GEMMs for serial plans: there every extra launch costs host time, and routing them through
         # the grouped GEMMs measured 45-75% slower at 2048 tokens on small models
         # (bench/results/eval6-emu-h200-2b24350).
-        grouped_capable = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0
-                               and torch.cuda.get_device_capability(device) >= (9, 0))
         self.only_serial = self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
         self.grouped = grouped_capable and self.only_serial
         self.grouped_serial = grouped_capable and self.resident and self.fixed_plan is None

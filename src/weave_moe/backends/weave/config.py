@@ -220,6 +220,19 @@ class KernelConfig:
             (`SymmetricWorkspace.attach(scratch_bytes=)`; the fused call writes no h). At EP = 1 only, as
             `pair_dispatch`. Needs the interleaved w13 (`interleave_w13`). Off until measured
             on the GPU (scripts/decode_mlp_probe.py, the `decode-mlp` stage).
+        serial_at_ep1: at EP = 1 a resident layer (`resident`) of the adaptive policy ("weave") whose serial plans
+            run the grouped GEMMs (`grouped_gemm`, a Hopper GPU) takes the serial plan, fixed when the layer is
+            built, and is then the `serial` policy's layer (no planning per call; the paired decode call of
+            `pair_dispatch`), if the planner picks the serial plan for balanced routing at 1, 8, 64, ... tokens up
+            to T_max (`weave_moe.plan.plans_serial`, with the layer's profile). Nothing crosses GPUs at EP = 1 and a
+            split plan runs the megakernel's GEMM tiles, slower than the grouped GEMMs (cost_model A8): with the
+            shipped profile the planner picks the serial plan for every workload tried (tests/test_plan.py: seven
+            models, 1 to 16384 tokens, uniform and skewed routing, the model's own E and its share at EP 2 / 4 / 8),
+            while planning on the device costs each call a launch and gates the others: the default policy measured
+            0.83 x nccl against the serial policy's 0.77 at 1-512 tokens, 86.2 against 59.2 us on Qwen3-30B-A3B at
+            1 token (one rank's work of EP=2, an H100, bench/results/h100-dfac10b). Off: plan on the device every
+            call as an EP > 1 rank does; `weave-moe bench --emulate-ep N` turns it off for its weave variants
+            (their rows stand for a rank of EP = N), as do the GPU checks of the device planner.
     """
 
     block_m: int = 128
@@ -261,6 +274,7 @@ class KernelConfig:
     adaptive_pairs: bool = False
     pairs_beside_counts: bool = False
     decode_mlp_tokens: int = 0
+    serial_at_ep1: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
