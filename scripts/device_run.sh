@@ -48,6 +48,10 @@ for stage in "$@"; do
     # prefetch; the default policy with the early dispatch, and with the planner in the counts launch and the scan
     # beside it too (its ~10 us over serial at 1 token, perf-notes 28 and 34)
     decode-levers) timeout "${DL_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${DL_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${DL_TOKENS:-1,8,32}" --routing uniform --variants "${DL_VARIANTS:-nccl,weave:serial@pair_dispatch=off,weave:serial@pair_dispatch=off@early_dispatch=on,weave:serial,weave:serial@prefetch_mib=48,weave,weave@early_dispatch=on,weave@fused_planner=on@early_scan=on@early_dispatch=on}" --check --iters 30 --rounds 5 --no-progress --timeout $(( ${DL_TIMEOUT:-420} - 10 )) --name decode-levers --out "$W" > "$W/decode-levers.log" 2>&1; echo "rc=$?"; tail -34 "$W/decode-levers.log";;
+    # the warp-specialised Gluon grouped GEMMs (kernels/ws_gemm.py: a TMA producer warp, wgmma consumer warpgroups)
+    # against the Triton grouped GEMMs (the layer's configs) and torch._grouped_mm, each GEMM alone on the same rows,
+    # cold L2, every variant checked first (WS_CONFIGS: candidates, e.g. 128x256x64w8s4,64x256x64w4s4)
+    ws-gemm) timeout "${WS_TIMEOUT:-400}" python3 scripts/ws_gemm_probe.py --models "${WS_MODELS:-deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${WS_TOKENS:-2048,8192}" ${WS_CONFIGS:+--configs "$WS_CONFIGS"} --out "$W/ws_gemm_probe.json" > "$W/ws_gemm_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_gemm_probe.log" | tail -30;;
     # the fused decode MLP (kernels/decode_mlp.py: GEMM0 + SiLU-mul + GEMM1 in one launch, split over I) against the
     # grouped GEMM0 -> GEMM1 pair with the layer's configs, on the same rows, cold L2, every variant checked first
     decode-mlp) timeout "${DM_TIMEOUT:-400}" python3 scripts/decode_mlp_probe.py --models "${DM_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${DM_TOKENS:-1,2,4,8}" --block-k "${DM_BLOCK_K:-128}" ${DM_ARGS:-} --out "$W/decode_mlp_probe.json" > "$W/decode_mlp_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/decode_mlp_probe.log" | tail -22;;

@@ -23,6 +23,10 @@ def specialize_for_sm90(kernel, args, kwargs, capability: int = 90):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
+    if kernel.is_gluon():   # a Gluon kernel (kernels/ws_gemm.py) starts from its own IR builder
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource(kernel, signature, constexprs, attrs), target, options
     return ASTSource(kernel, signature, constexprs, attrs), target, options
 
 

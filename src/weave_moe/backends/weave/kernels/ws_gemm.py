@@ -1,0 +1,305 @@
+"""Warp-specialised grouped GEMMs for Hopper, written in Gluon: the expert MLP's GEMM0 + SiLU-mul and GEMM1, the
+same work as kernels/grouped_gemm.py, with the loads and the MMAs in different warps.
+
+Shape legend: P = rows (token, expert pairs) in expert order, H = hidden size, I = intermediate size, BM / BN / BK =
+tile sizes, S = pipeline stages.
+
+Why. The Triton grouped GEMMs (kernels/grouped_gemm.py) issue their TMA loads from the warps that issue the MMAs:
+every K step the compiled loop waits for its stage's mbarrier, issues the wgmma, waits for the one before, then
+synchronises the whole CTA (four `bar.sync` per K step in the PTX of DeepSeek-V3's GEMM0 at 128x256x64) around the
+next TMA issue, and a tile's epilogue stops the loads. Triton 3.6's automatic warp specialisation leaves that code
+unchanged on sm_90 (docs/perf-notes.md entry 27). Gluon (`triton.experimental.gluon`, in Triton 3.6) writes the
+split by hand: `gl.warp_specialize`, mbarriers, TMA and `warpgroup_mma` as explicit operations.
+
+How (one CTA per SM, persistent; the same work items, tile table and GROUP_M order as grouped_gemm):
+- a producer partition of one warp, with few registers (`WsConfig.producer_regs`), walks the CTA's work items and
+  issues every TMA load, A's block [BM, BK] at the tile's first row and W's block [BN, BK] at the expert's weight
+  rows, into a ring of S shared-memory stages. Stage s has a `ready` mbarrier (completed by the copies' transaction
+  bytes) and an `empty` one (completed by the consumer when the MMAs reading it have finished); the producer waits
+  on `empty` before it refills a stage, so it runs up to S K steps ahead, across tile boundaries: the next tile's
+  first blocks load while the consumer runs this tile's epilogue.
+- the consumer (the default partition: `num_warps` warps, one or two warpgroups over the tile's rows) waits on
+  `ready`, issues the stage's wgmma asynchronously (one instruction N as wide as the tile: m64nBNk16 per warpgroup),
+  keeps one MMA group in flight (`warpgroup_mma_wait(1)`) and then releases the stage before; at a tile's end it
+  drains (`wait(0)`), releases the last stage and runs the epilogue from registers: GEMM0 splits the interleaved
+  gate / up columns (w13 as `grouped_gemm.interleave_w13` lays it: adjacent accumulator columns, held by one
+  thread) and stores silu(gate) * up; GEMM1 stores the accumulator times the row's routing weight (`scale`). Rows of
+  a tile past its expert's end are computed (A's TMA block reads the next expert's rows, or zeros past P) and never
+  stored; stores are masked pointer stores of 16 bytes per thread.
+- the mbarrier protocol: both partitions count K steps from 0 across the CTA's whole walk; step c uses stage
+  c % S with phase (c // S) & 1; the producer waits `empty` with the opposite phase (a fresh mbarrier's phase 1 is
+  complete, so the first S waits pass). Both derive the walk from the same tile table, so they agree on every step.
+
+Not covered here (kernels/grouped_gemm.py has them): split tails, stream-K, the gather rows, TMA epilogues,
+programmatic dependent launch. Gluon has no interpreter: on the CPU the kernels are compiled for sm_90 and their
+PTX read (tests/test_ws_gemm.py); on a GPU scripts/ws_gemm_probe.py checks them against torch and times them beside
+the Triton grouped GEMMs and `torch._grouped_mm`. Nothing in the layer calls them yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
+
+__all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch"]
+
+#: registers a thread may hold (the hardware's limit per thread)
+MAX_REGS = 255
+#: fp32 accumulator registers per consumer thread at most: 128x256 over 8 warps; 128x256 over 4 warps (256) spills
+#: in ptxas (tests/test_ws_gemm.py)
+ACCUMULATOR_REGS = 128
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    """Tile shape and partitions of one warp-specialised grouped GEMM launch.
+
+    Attributes:
+        block_m: rows per M tile: 64 (one warpgroup of 4 warps, or two side by side over N) or 128 (two warpgroups
+            of 64 rows, or one over both halves when the accumulator fits: ACCUMULATOR_REGS).
+        block_n: accumulator columns per tile (GEMM0: BN / 2 gate-up pairs, BN / 2 columns of h), at most 256.
+        block_k: K step.
+        stages: shared-memory stages of the load ring (at least 2).
+        group_m: M tiles that sweep the N tiles together (L2 reuse of weight blocks), as GemmConfig.group_m.
+        num_warps: the consumer's warps: 4 or 8.
+        producer_regs: registers per thread of the producer warp (setmaxnreg; 24 to 256, a multiple of 8).
+        maxnreg: the kernel's registers per thread before the partitions redistribute them (the consumer gets what
+            the producer's warpgroup gives back); with one CTA per SM, 65536 / (32 * (num_warps + 4)) at most.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    stages: int = 4
+    group_m: int = 8
+    num_warps: int = 8
+    producer_regs: int = 40
+    maxnreg: int = 168
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"WsConfig.block_m must be 64 or 128, got {self.block_m}")
+        if self.block_n not in (64, 128, 256):
+            raise ValueError(f"WsConfig.block_n must be 64, 128 or 256, got {self.block_n}")
+        if self.block_k not in (32, 64, 128):
+            raise ValueError(f"WsConfig.block_k must be 32, 64 or 128, got {self.block_k}")
+        if self.num_warps not in (4, 8):
+            raise ValueError(f"WsConfig.num_warps must be 4 or 8, got {self.num_warps}")
+        if not 2 <= self.stages <= 8 or self.group_m < 1:
+            # one stage would be refilled while the MMA that reads it is in flight (the consumer releases a stage
+            # one step late)
+            raise ValueError(f"WsConfig.stages must be in [2, 8] and group_m >= 1, got {self.stages}, {self.group_m}")
+        if self.block_m * self.block_n > ACCUMULATOR_REGS * 32 * self.num_warps:
+            raise ValueError(f"WsConfig: a {self.block_m}x{self.block_n} fp32 accumulator over {self.num_warps} warps "
+                             f"holds more than {ACCUMULATOR_REGS} registers per thread (it spills)")
+        if not 24 <= self.producer_regs <= 256 or self.producer_regs % 8:
+            raise ValueError(f"WsConfig.producer_regs must be a multiple of 8 in [24, 256], got {self.producer_regs}")
+        if self.maxnreg * 32 * (self.num_warps + 4) > 65536 or self.maxnreg > MAX_REGS:
+            raise ValueError(f"WsConfig.maxnreg = {self.maxnreg}: {self.num_warps} + 4 warps of it exceed the "
+                             f"65536 registers of an SM")
+
+    @property
+    def shared_bytes(self) -> int:
+        """The load ring's shared memory (bf16 A and W blocks, S stages)."""
+        return 2 * self.stages * (self.block_m + self.block_n) * self.block_k
+
+    def __str__(self) -> str:
+        return (f"ws {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.stages} "
+                f"p{self.producer_regs} r{self.maxnreg}")
+
+
+@gluon.constexpr_function
+def _warps_per_cta(block_m, num_warps):
+    """The consumer's warps over the tile: from the wgmma atom [4, 1] (4 warps x 16 rows = 64 rows), doubled along
+    M while the rows allow, then along N."""
+    warps = [4, 1]
+    while warps[0] * warps[1] < num_warps:
+        if block_m > 16 * warps[0]:
+            warps[0] *= 2
+        else:
+            warps[1] *= 2
+    return warps
+
+
+@gluon.constexpr_function
+def _mma_layout(block_m, block_n, num_warps):
+    """The accumulator's layout: wgmma over `_warps_per_cta`, one instruction as wide as a warpgroup's columns."""
+    warps = _warps_per_cta(block_m, num_warps)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps, instr_shape=[16, block_n // warps[1], 16])
+
+
+@gluon.constexpr_function
+def _store_layout(block_n, num_warps):
+    """A coalesced layout for the epilogue's stores: 8 bf16 (16 bytes) per thread along a row."""
+    columns = max(1, min(32, block_n // 8))
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // columns, columns],
+                            warps_per_cta=[num_warps, 1], order=[1, 0])
+
+
+@gluon.jit
+def _work_tile(tiles_ptr, width, work, num_tiles, num_n, GROUP_M: gl.constexpr):
+    """(expert, first row, the expert's end row, N tile) of work item `work`: GROUP_M consecutive M tiles sweep the
+    N tiles together (grouped_gemm's `_tile_coords` order)."""
+    per_group = GROUP_M * num_n
+    first = (work // per_group) * GROUP_M
+    size = gl.minimum(num_tiles - first, GROUP_M)
+    tile = first + (work % per_group) % size
+    n = (work % per_group) // size
+    expert = gl.load(tiles_ptr + tile)
+    m_start = gl.load(tiles_ptr + width + tile)
+    m_end = gl.load(tiles_ptr + 2 * width + tile)
+    return expert, m_start, m_end, n
+
+
+@gluon.jit
+def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K, w_rows,
+              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
+    """The load partition: every TMA load of the CTA's work items, into the ring (module docstring)."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    num_work = gl.load(num_tiles_ptr) * num_n
+    step = 0
+    for work in range(gl.program_id(0), num_work, NUM_SMS):
+        expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
+        w_row = expert * w_rows + n * BLOCK_N
+        for k in range(0, K, BLOCK_K):
+            stage = step % STAGES
+            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
+            step += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K, n_out,
+              GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+              num_warps: gl.constexpr):
+    """The MMA partition: the wgmma of every stage, then each tile's epilogue (module docstring)."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = w_bufs.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    OUT_N: gl.constexpr = BLOCK_N // 2 if GEMM == 0 else BLOCK_N
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
+    out_layout: gl.constexpr = _store_layout(OUT_N, num_warps)
+    num_work = gl.load(num_tiles_ptr) * num_n
+    step = 0
+    for work in range(gl.program_id(0), num_work, NUM_SMS):
+        expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        for k in range(0, K, BLOCK_K):
+            stage = step % STAGES
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            # the MMA of the step before has finished: its stage may be refilled
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))   # K >= 8: the tile had a step
+        if GEMM == 0:   # h = silu(gate) * up: gate j and up j are adjacent columns (interleaved w13)
+            gate, up = acc.reshape([BLOCK_M, BLOCK_N // 2, 2]).split()
+            values = gate / (1.0 + gl.exp(-gate)) * up
+        else:
+            values = acc
+            if HAS_SCALE:
+                rows = gl.minimum(m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout)), m_end - 1)
+                values = values * gl.load(scale_ptr + rows)[:, None]
+        values = gl.convert_layout(values.to(gl.bfloat16), out_layout)
+        rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+        cols = n * OUT_N + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, out_layout))
+        mask = (rows < m_end)[:, None] & (cols < n_out)[None, :]
+        gl.store(out_ptr + rows.to(gl.int64)[:, None] * n_out + cols[None, :], values, mask=mask)
+
+
+@gluon.jit
+def _ws_gemm_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out, w_rows,
+                    GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+                    STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """out[m, j] over every tile of the table (section 0): GEMM 0: a = the rows, w = the interleaved w13 as
+    [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
+    [P, H] (n_out = H, w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    width = 2 * max_tiles
+    num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
+    gl.warp_specialize([
+        (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                     n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, num_warps)),
+        (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                     w_rows, GROUP_M, NUM_SMS)),
+    ], [1], [PRODUCER_REGS])
+
+
+def _check(name, tensor, shape):
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous bf16 {tuple(shape)}, given {tensor.dtype} "
+                         f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+
+
+def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable, config: WsConfig,
+              scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
+    """(kernel, grid, args, kwargs) of one launch: `gemm` 0 (a [P, H], w the interleaved w13 [E_local, 2I, H], out
+    h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or None); `num_sms`: the
+    grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's)."""
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    rows, K = a.shape
+    num_experts, w_rows, _ = w.shape
+    n_out = w_rows // 2 if gemm == 0 else w_rows
+    _check("a", a, (rows, K))
+    _check("w", w, (num_experts, w_rows, K))
+    _check("out", out, (rows, n_out))
+    if gemm == 0 and scale is not None:
+        raise ValueError("scale: GEMM1 only (the routing weight of each row)")
+    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (rows, )):
+        raise ValueError(f"scale: expected fp32 ({rows},), given {scale.dtype} {tuple(scale.shape)}")
+    if tiles.block_m != config.block_m or tiles.split_tail:
+        raise ValueError(f"tiles: expected block_m = {config.block_m} without split tails, given block_m = "
+                         f"{tiles.block_m}, split_tail = {tiles.split_tail}")
+    if K % 8 or n_out % 8:
+        raise ValueError(f"K = {K} and the output's {n_out} columns must be multiples of 8 (16-byte TMA rows)")
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(w.view(num_experts * w_rows, K), [bn, bk],
+                                          gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16))
+    num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
+    args = (a_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles, tiles.max_tiles,
+            K, n_out, w_rows)
+    kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
+                  STAGES=config.stages, PRODUCER_REGS=config.producer_regs, num_warps=config.num_warps,
+                  maxnreg=config.maxnreg)
+    return _ws_gemm_kernel, (num_sms, ), args, kwargs
+
+
+def ws_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable,
+             config: WsConfig = WsConfig()) -> torch.Tensor:
+    """h = silu(a @ gate^T) * (a @ up^T) per expert (grouped_gemm.grouped_gemm0's result), one persistent launch;
+    w13: `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_m, P)`."""
+    kernel, grid, args, kwargs = ws_launch(0, a, w13, h, tiles, config)
+    kernel[grid](*args, **kwargs)
+    return h
+
+
+def ws_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable, config: WsConfig = WsConfig(),
+             scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = scale * (h @ w2[expert]^T) per expert (grouped_gemm.grouped_gemm1's result), one persistent launch."""
+    kernel, grid, args, kwargs = ws_launch(1, h, w2, y, tiles, config, scale)
+    kernel[grid](*args, **kwargs)
+    return y
+

@@ -1,0 +1,124 @@
+"""The warp-specialised Gluon grouped GEMMs (kernels/ws_gemm.py) on the CPU: their configs and argument checks, and
+the kernels compiled for sm_90 exactly as a launch specialises them (Gluon has no interpreter: what runs is checked
+on a GPU by scripts/ws_gemm_probe.py). The PTX must hold the split the module describes: a producer that issues the
+TMA loads and gives its registers back, consumers that issue wgmma as wide as the tile and wait only on mbarriers and
+on their own warps, no local memory, shared memory within Hopper's."""
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from weave_moe.backends.weave.kernels import sm90
+from weave_moe.backends.weave.kernels import ws_gemm as ws
+from weave_moe.backends.weave.kernels.grouped_tiles import build_tile_table_torch
+
+#: Hopper's shared memory per CTA (227 KB)
+HOPPER_SHARED = 232448
+
+
+def _operands(gemm, hidden, inter, rows=512, experts=2, block_m=128, split_tail=False, scale=False):
+    offsets = torch.tensor([0, rows // 2, rows], dtype=torch.int32)
+    tiles = build_tile_table_torch(offsets, block_m, rows, split_tail)
+    bf16 = dict(dtype=torch.bfloat16)
+    if gemm == 0:
+        return (torch.empty(rows, hidden, **bf16), torch.empty(experts, 2 * inter, hidden, **bf16),
+                torch.empty(rows, inter, **bf16), tiles, None)
+    return (torch.empty(rows, inter, **bf16), torch.empty(experts, hidden, inter, **bf16),
+            torch.empty(rows, hidden, **bf16), tiles, torch.empty(rows) if scale else None)
+
+
+def test_configs_refuse_what_cannot_run():
+    ws.WsConfig()
+    ws.WsConfig(block_m=64, num_warps=4, maxnreg=240)
+    for bad, message in ((dict(block_m=32), "block_m"), (dict(block_n=512), "block_n"), (dict(num_warps=2), "warps"),
+                         (dict(stages=1), "stages"), (dict(producer_regs=30), "producer_regs"),
+                         (dict(maxnreg=200), "registers of an SM"),
+                         (dict(block_m=128, block_n=256, num_warps=4, maxnreg=240), "accumulator")):
+        with pytest.raises(ValueError, match=message):
+            ws.WsConfig(**bad)
+
+
+def test_launch_arguments_are_checked():
+    a, w, out, tiles, _ = _operands(0, 256, 128)
+    config = ws.WsConfig()
+    for args, message in (((2, a, w, out, tiles), "gemm"),
+                          ((0, a.float(), w, out, tiles), "a: expected contiguous bf16"),
+                          ((0, a, w[:, :8], out, tiles), "w: expected"),
+                          ((0, a, w, out[:, :8], tiles), "out: expected"),
+                          ((0, a, w, out, build_tile_table_torch(torch.tensor([0, 256, 512], dtype=torch.int32),
+                                                                 64, 512, False)), "block_m = 128")):
+        with pytest.raises(ValueError, match=message):
+            ws.ws_launch(*args, config, num_sms=4)
+    with pytest.raises(ValueError, match="GEMM1 only"):
+        ws.ws_launch(0, a, w, out, tiles, config, scale=torch.empty(512), num_sms=4)
+    h, w2, y, tiles, _ = _operands(1, 256, 128)
+    with pytest.raises(ValueError, match="scale: expected fp32"):
+        ws.ws_launch(1, h, w2, y, tiles, config, scale=torch.empty(8), num_sms=4)
+
+
+def _ptxas(ptx: str, tmp_path) -> str:
+    from triton import knobs
+
+    path = tmp_path / "kernel.ptx"
+    path.write_text(ptx)
+    result = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.o")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stderr
+
+
+CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shapes
+    (0, ws.WsConfig(), 7168, 2048, False),
+    (1, ws.WsConfig(), 7168, 2048, True),
+    (1, ws.WsConfig(stages=3), 7168, 2048, False),
+    (0, ws.WsConfig(block_m=64, num_warps=4, maxnreg=240), 2048, 768, False),
+    (1, ws.WsConfig(block_m=64, block_n=128, num_warps=8), 2048, 768, True),
+    (0, ws.WsConfig(block_n=128, block_k=128, stages=3), 2048, 768, False),
+]
+
+
+@pytest.mark.parametrize("gemm,config,hidden,inter,scale", CASES, ids=lambda v: str(v))
+def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, hidden, inter, scale, tmp_path):
+    a, w, out, tiles, scale_t = _operands(gemm, hidden, inter, block_m=config.block_m, scale=scale)
+    kernel, grid, args, kwargs = ws.ws_launch(gemm, a, w, out, tiles, config, scale=scale_t, num_sms=132)
+    assert grid == (132, )
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    # the producer's loads: A and W through the bulk tensor copy engine, completing the stage's mbarrier (a block
+    # row of more than the 128-byte swizzle is copied as several boxes)
+    boxes = max(1, 2 * config.block_k // 128)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx") == 2 * boxes
+    # the partitions' registers: the producer's warpgroup gives registers back, the consumer takes them
+    counts = {int(v) for v in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)}
+    assert config.producer_regs in counts and max(counts) > config.producer_regs, counts
+    # the consumer's MMAs: one wgmma as wide as a warpgroup's columns per k16 step
+    warps_n = 2 if (config.block_m, config.num_warps) == (64, 8) else 1
+    shape = f"m64n{config.block_n // warps_n}k16"
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {shape}
+    assert ptx.count("wgmma.mma_async") == config.block_k // 16
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    # no CTA-wide barrier in the loops: the partitions meet only through mbarriers and named barriers of their own
+    # warps (`bar.sync 0, <threads>`), after the start (`barrier.sync 1`, the warp-specialize dispatch)
+    assert not re.search(r"\bbar\.sync\s+\d+;", ptx), "a CTA-wide bar.sync"
+    assert not re.search(r"\.local\b", ptx), "local memory"
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED, compiled.metadata.shared
+    report = _ptxas(ptx, tmp_path)
+    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+
+
+def test_the_probes_configs_parse():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ws_gemm_probe.py"
+    spec = importlib.util.spec_from_file_location("ws_gemm_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    configs = [probe.parse_config(text) for text in probe.DEFAULT_CONFIGS.split(",")]
+    assert configs[0] == ws.WsConfig()
+    assert probe.parse_config("64x128x64w4s5p24r232") == ws.WsConfig(block_m=64, block_n=128, num_warps=4, stages=5,
+                                                                      producer_regs=24, maxnreg=232)
+    with pytest.raises(ValueError, match="expected e.g."):
+        probe.parse_config("128x256")
