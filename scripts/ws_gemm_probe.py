@@ -22,24 +22,26 @@ import json
 import statistics
 import sys
 
-#: Candidate configs (`--configs`): block_m x block_n x block_k, consumer warps, stages
-DEFAULT_CONFIGS = "128x256x64w8s4,128x256x64w8s3,128x128x64w8s4,64x256x64w4s4,128x128x128w8s3,64x128x64w4s5"
+#: Candidate configs (`--configs`): block_m x block_n x block_k, consumer warps, stages, "c2": ping-pong consumers
+DEFAULT_CONFIGS = ("128x256x64w8s4,128x256x64w8s3,128x128x64w4s4c2,128x128x64w4s5c2,64x256x64w4s4c2,"
+                   "128x128x64w8s4,64x256x64w4s4")
 
 
 def parse_config(text: str):
-    """"128x256x64w8s4" (optionally "p40" producer registers, "r168" maxnreg) -> WsConfig."""
+    """"128x256x64w8s4" (then optionally "c2" two consumers, "p40" producer registers, "r168" maxnreg) ->
+    WsConfig."""
     import re
 
     from weave_moe.backends.weave.kernels.ws_gemm import WsConfig
 
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:p(\d+))?(?:r(\d+))?", text.strip())
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:p(\d+))?(?:r(\d+))?", text.strip())
     if not match:
-        raise ValueError(f"config {text!r}: expected e.g. 128x256x64w8s4[p40][r168]")
-    bm, bn, bk, warps, stages, producer, maxnreg = match.groups()
+        raise ValueError(f"config {text!r}: expected e.g. 128x256x64w8s4[c2][p40][r168]")
+    bm, bn, bk, warps, stages, consumers, producer, maxnreg = match.groups()
     fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages))
-    if producer:
-        fields["producer_regs"] = int(producer)
-    fields["maxnreg"] = int(maxnreg) if maxnreg else (168 if int(warps) == 8 else 240)
+    for name, value in (("consumers", consumers), ("producer_regs", producer), ("maxnreg", maxnreg)):
+        if value:
+            fields[name] = int(value)
     return WsConfig(**fields)
 
 

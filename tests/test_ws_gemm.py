@@ -31,11 +31,13 @@ def _operands(gemm, hidden, inter, rows=512, experts=2, block_m=128, split_tail=
 
 def test_configs_refuse_what_cannot_run():
     ws.WsConfig()
-    ws.WsConfig(block_m=64, num_warps=4, maxnreg=240)
+    assert (ws.WsConfig().registers, ws.WsConfig(block_m=64, num_warps=4).registers,
+            ws.WsConfig(block_n=128, num_warps=4, consumers=2).registers) == (168, 248, 168)
     for bad, message in ((dict(block_m=32), "block_m"), (dict(block_n=512), "block_n"), (dict(num_warps=2), "warps"),
                          (dict(stages=1), "stages"), (dict(producer_regs=30), "producer_regs"),
-                         (dict(maxnreg=200), "registers of an SM"),
-                         (dict(block_m=128, block_n=256, num_warps=4, maxnreg=240), "accumulator")):
+                         (dict(maxnreg=200), "registers of an SM"), (dict(consumers=3), "consumers"),
+                         (dict(consumers=2), "ping-pong"), (dict(consumer_regs=300), "consumer_regs"),
+                         (dict(block_m=128, block_n=256, num_warps=4), "accumulator")):
         with pytest.raises(ValueError, match=message):
             ws.WsConfig(**bad)
 
@@ -73,7 +75,9 @@ CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shap
     (0, ws.WsConfig(), 7168, 2048, False),
     (1, ws.WsConfig(), 7168, 2048, True),
     (1, ws.WsConfig(stages=3), 7168, 2048, False),
-    (0, ws.WsConfig(block_m=64, num_warps=4, maxnreg=240), 2048, 768, False),
+    (0, ws.WsConfig(block_m=64, num_warps=4), 2048, 768, False),
+    (0, ws.WsConfig(block_n=128, num_warps=4, consumers=2), 7168, 2048, False),
+    (1, ws.WsConfig(block_n=128, num_warps=4, consumers=2, stages=5), 2048, 768, True),
     (1, ws.WsConfig(block_m=64, block_n=128, num_warps=8), 2048, 768, True),
     (0, ws.WsConfig(block_n=128, block_k=128, stages=3), 2048, 768, False),
 ]
@@ -97,7 +101,9 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
     warps_n = 2 if (config.block_m, config.num_warps) == (64, 8) else 1
     shape = f"m64n{config.block_n // warps_n}k16"
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {shape}
-    assert ptx.count("wgmma.mma_async") == config.block_k // 16
+    # per consumer: BLOCK_K / 16 steps, each over the warpgroup's rows in m64 slices
+    rows_per_warpgroup = config.block_m // max(1, config.num_warps // 4 // warps_n)
+    assert ptx.count("wgmma.mma_async") == config.consumers * config.block_k // 16 * (rows_per_warpgroup // 64)
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # no CTA-wide barrier in the loops: the partitions meet only through mbarriers and named barriers of their own
     # warps (`bar.sync 0, <threads>`), after the start (`barrier.sync 1`, the warp-specialize dispatch)
@@ -120,5 +126,6 @@ def test_the_probes_configs_parse():
     assert configs[0] == ws.WsConfig()
     assert probe.parse_config("64x128x64w4s5p24r232") == ws.WsConfig(block_m=64, block_n=128, num_warps=4, stages=5,
                                                                       producer_regs=24, maxnreg=232)
+    assert probe.parse_config("128x128x64w4s4c2") == ws.WsConfig(block_n=128, num_warps=4, consumers=2)
     with pytest.raises(ValueError, match="expected e.g."):
         probe.parse_config("128x256")

@@ -71,7 +71,13 @@ class WsConfig:
         num_warps: the consumer's warps: 4 or 8.
         producer_regs: registers per thread of the producer warp (setmaxnreg; 24 to 256, a multiple of 8).
         maxnreg: the kernel's registers per thread before the partitions redistribute them (the consumer gets what
-            the producer's warpgroup gives back); with one CTA per SM, 65536 / (32 * (num_warps + 4)) at most.
+            the producer's warpgroup gives back); with one CTA per SM, 65536 / (32 * warps) at most, over every
+            partition's warps (the producer's rounded up to a warpgroup); 0: that bound (`registers`).
+        consumers: 1 (one consumer partition over every tile: its epilogue stops the MMAs, the producer's loads go
+            on) or 2 (ping-pong: two consumer partitions of `num_warps` warps take alternate work items, so one's
+            epilogue runs while the other's MMAs do; the ring's stages still pass in the CTA's work order).
+        consumer_regs: with 2 consumers, the second's registers per thread (setmaxnreg); the first gets the rest.
+            Two consumers of 8 warps do not fit an SM's registers: ping-pong takes 4-warp consumers.
     """
 
     block_m: int = 128
@@ -81,7 +87,9 @@ class WsConfig:
     group_m: int = 8
     num_warps: int = 8
     producer_regs: int = 40
-    maxnreg: int = 168
+    maxnreg: int = 0
+    consumers: int = 1
+    consumer_regs: int = 232
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -101,9 +109,26 @@ class WsConfig:
                              f"holds more than {ACCUMULATOR_REGS} registers per thread (it spills)")
         if not 24 <= self.producer_regs <= 256 or self.producer_regs % 8:
             raise ValueError(f"WsConfig.producer_regs must be a multiple of 8 in [24, 256], got {self.producer_regs}")
-        if self.maxnreg * 32 * (self.num_warps + 4) > 65536 or self.maxnreg > MAX_REGS:
-            raise ValueError(f"WsConfig.maxnreg = {self.maxnreg}: {self.num_warps} + 4 warps of it exceed the "
-                             f"65536 registers of an SM")
+        if self.consumers not in (1, 2):
+            raise ValueError(f"WsConfig.consumers must be 1 or 2, got {self.consumers}")
+        if not 24 <= self.consumer_regs <= 256 or self.consumer_regs % 8:
+            raise ValueError(f"WsConfig.consumer_regs must be a multiple of 8 in [24, 256], got {self.consumer_regs}")
+        if self.consumers == 2 and self.num_warps != 4:
+            raise ValueError("WsConfig: two consumers (ping-pong) of 8 warps do not fit an SM's registers: use "
+                             "num_warps=4")
+        if self.maxnreg and (self.maxnreg * 32 * self.warps > 65536 or self.maxnreg > MAX_REGS):
+            raise ValueError(f"WsConfig.maxnreg = {self.maxnreg}: {self.warps} warps of it exceed the 65536 "
+                             f"registers of an SM")
+
+    @property
+    def warps(self) -> int:
+        """Every partition's warps: the consumers', and the producer's warp rounded up to a warpgroup."""
+        return self.consumers * self.num_warps + 4
+
+    @property
+    def registers(self) -> int:
+        """The kernel's registers per thread (`maxnreg`, else the most that one CTA per SM allows, a multiple of 8)."""
+        return self.maxnreg or min(MAX_REGS // 8 * 8, 65536 // (32 * self.warps) // 8 * 8)
 
     @property
     def shared_bytes(self) -> int:
@@ -111,8 +136,9 @@ class WsConfig:
         return 2 * self.stages * (self.block_m + self.block_n) * self.block_k
 
     def __str__(self) -> str:
+        pingpong = f" pingpong c{self.consumer_regs}" if self.consumers == 2 else ""
         return (f"ws {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.stages} "
-                f"p{self.producer_regs} r{self.maxnreg}")
+                f"p{self.producer_regs} r{self.registers}{pingpong}")
 
 
 @gluon.constexpr_function
@@ -183,19 +209,23 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles
 @gluon.jit
 def _consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K, n_out,
               GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-              num_warps: gl.constexpr):
-    """The MMA partition: the wgmma of every stage, then each tile's epilogue (module docstring)."""
+              CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
+    """An MMA partition (consumer CONSUMER of CONSUMERS, WARPS warps): the wgmma of every stage of its work items
+    (the CTA's items CONSUMER, CONSUMER + CONSUMERS, ...), then each tile's epilogue (module docstring)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = w_bufs.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
     OUT_N: gl.constexpr = BLOCK_N // 2 if GEMM == 0 else BLOCK_N
-    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
-    out_layout: gl.constexpr = _store_layout(OUT_N, num_warps)
+    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, WARPS)
+    out_layout: gl.constexpr = _store_layout(OUT_N, WARPS)
+    pid = gl.program_id(0)
     num_work = gl.load(num_tiles_ptr) * num_n
-    step = 0
-    for work in range(gl.program_id(0), num_work, NUM_SMS):
+    k_steps = gl.cdiv(K, BLOCK_K)
+    for work in range(pid + CONSUMER * NUM_SMS, num_work, CONSUMERS * NUM_SMS):
         expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
+        # the ring's step of this item's first K step: the producer loads the CTA's items in order, k_steps each
+        step = (work - pid) // NUM_SMS * k_steps
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         for k in range(0, K, BLOCK_K):
             stage = step % STAGES
@@ -225,7 +255,8 @@ def _consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_t
 @gluon.jit
 def _ws_gemm_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out, w_rows,
                     GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-                    STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMERS: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """out[m, j] over every tile of the table (section 0): GEMM 0: a = the rows, w = the interleaved w13 as
     [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
     [P, H] (n_out = H, w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I)."""
@@ -238,12 +269,23 @@ def _ws_gemm_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr
         mbarrier.init(empty.index(i), count=1)
     width = 2 * max_tiles
     num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
-    gl.warp_specialize([
-        (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                     n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, num_warps)),
-        (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                     w_rows, GROUP_M, NUM_SMS)),
-    ], [1], [PRODUCER_REGS])
+    # (the partitions' arguments written out in each call: a tuple built here would lose its constexprs)
+    if CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 0, 1, num_warps)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         w_rows, GROUP_M, NUM_SMS)),
+        ], [1], [PRODUCER_REGS])
+    else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 0, 2, num_warps)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 1, 2, num_warps)),
+            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         w_rows, GROUP_M, NUM_SMS)),
+        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def _check(name, tensor, shape):
@@ -282,8 +324,8 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     args = (a_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles, tiles.max_tiles,
             K, n_out, w_rows)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
-                  STAGES=config.stages, PRODUCER_REGS=config.producer_regs, num_warps=config.num_warps,
-                  maxnreg=config.maxnreg)
+                  STAGES=config.stages, PRODUCER_REGS=config.producer_regs, CONSUMERS=config.consumers,
+                  CONSUMER_REGS=config.consumer_regs, num_warps=config.num_warps, maxnreg=config.registers)
     return _ws_gemm_kernel, (num_sms, ), args, kwargs
 
 
