@@ -52,6 +52,9 @@ for stage in "$@"; do
     # against the Triton grouped GEMMs (the layer's configs) and torch._grouped_mm, each GEMM alone on the same rows,
     # cold L2, every variant checked first (WS_CONFIGS: candidates, e.g. 128x256x64w8s4,64x256x64w4s4)
     ws-gemm) timeout "${WS_TIMEOUT:-400}" python3 scripts/ws_gemm_probe.py --models "${WS_MODELS:-deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${WS_TOKENS:-2048,8192}" ${WS_CONFIGS:+--configs "$WS_CONFIGS"} --out "$W/ws_gemm_probe.json" > "$W/ws_gemm_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_gemm_probe.log" | tail -30;;
+    # ... and in calls (KernelConfig.ws_gemm): the serial policy with and without them at prefill sizes, one rank's
+    # work of EP=2, --check on every row, 3 rounds
+    ws-calls) timeout "${WC_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${WC_MODELS:-deepseek-v3,deepseek-v2,qwen3-30b-a3b,qwen3.5-35b-a3b}" --tokens "${WC_TOKENS:-2048,8192}" --routing uniform --variants "${WC_VARIANTS:-nccl,weave:serial,weave:serial@ws_gemm=on}" --check --iters 10 --rounds 3 --no-progress --timeout $(( ${WC_TIMEOUT:-420} - 10 )) --name ws-calls --out "$W" > "$W/ws-calls.log" 2>&1; echo "rc=$?"; tail -30 "$W/ws-calls.log";;
     # the fused decode MLP (kernels/decode_mlp.py: GEMM0 + SiLU-mul + GEMM1 in one launch, split over I) against the
     # grouped GEMM0 -> GEMM1 pair with the layer's configs, on the same rows, cold L2, every variant checked first
     decode-mlp) timeout "${DM_TIMEOUT:-400}" python3 scripts/decode_mlp_probe.py --models "${DM_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${DM_TOKENS:-1,2,4,8}" --block-k "${DM_BLOCK_K:-128}" ${DM_ARGS:-} --out "$W/decode_mlp_probe.json" > "$W/decode_mlp_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/decode_mlp_probe.log" | tail -22;;

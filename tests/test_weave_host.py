@@ -308,6 +308,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.grouped_serial = grouped and resident and fixed_plan is None
     backend.pairs_planned = False
     backend.interleaved = backend.grouped or backend.grouped_serial
+    backend.ws_gemm = False
     backend.gemm0_gather = backend.config.gathers_in_gemm0(I)
     backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
     backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, H, I, 16)
@@ -1324,3 +1325,41 @@ def test_fixed_plan_is_made_once_for_the_policies_whose_plan_does_not_depend_on_
                               grouped) is None, (world_size, policy, changed, grouped)
     # a profile whose planner splits this layer at EP = 1 (the grouped GEMMs no faster than the megakernel's tiles)
     assert fixed_plan_for(spec, 1, 2048, "weave", HardwareProfile.load_named("h200_default"), config, True) is None
+
+
+@pytest.mark.parametrize("gemm0_gather", [True, False])
+def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch, gemm0_gather):
+    """KernelConfig.ws_gemm: the layer's configs at prefill sizes are ws_gemm's (decode sizes keep the Triton ones);
+    their GEMM0 reads its rows in expert order from y after the gather launch, also where the Triton GEMM0 would
+    read the receive buffer through the gather rows; GEMM1 reads h and writes y."""
+    import types
+
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.backends.weave.kernels import ws_gemm
+    from weave_moe.plan import Plan
+
+    backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
+    backend.ws_gemm, backend.gemm0_gather, backend.grouped_configs = True, gemm0_gather, {}
+    del backend._grouped_configs   # the real one
+    triton = {0: "triton gemm0 config", 1: "triton gemm1 config"}
+    monkeypatch.setattr(backend_module.gemm_configs, "default_config", lambda gemm, *shape: triton[gemm])
+    monkeypatch.setattr(WeaveBackend, "_held_layout", lambda self, gemm, config: config)
+    assert WeaveBackend._grouped_configs(backend, 8 * 8) == (triton[0], triton[1])   # 8 rows per expert
+    configs = WeaveBackend._grouped_configs(backend, 128 * 8)
+    assert configs == (ws_gemm.WsConfig(), ws_gemm.WsConfig())
+    calls = []
+    backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index))
+    backend._current_stream = lambda: types.SimpleNamespace(wait_event=lambda event: None)
+    monkeypatch.setattr(backend_module.ws_gemm, "ws_gemm0", lambda a, w, out, tiles, config:
+                        calls.append(("ws gemm0", a, out, tiles, config)))
+    monkeypatch.setattr(backend_module.ws_gemm, "ws_gemm1", lambda a, w, out, tiles, config:
+                        calls.append(("ws gemm1", a, out, tiles, config)))
+    layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
+    WeaveBackend._grouped_gemms(backend, layout, configs, early=({(128, False): "table"}, None, None))
+    ws = backend.workspace
+    assert [call[0] for call in calls] == ["gather", "ws gemm0", "ws gemm1"]
+    assert calls[0][1] is layout.gather_rows
+    assert calls[1][1].data_ptr() == ws.y().data_ptr() and calls[1][2].data_ptr() == ws.h().data_ptr()
+    assert calls[2][1].data_ptr() == ws.h().data_ptr() and calls[2][2].data_ptr() == ws.y().data_ptr()
+    assert calls[1][3] == calls[2][3] == "table" and calls[1][4] == configs[0]

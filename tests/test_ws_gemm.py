@@ -129,3 +129,16 @@ def test_the_probes_configs_parse():
     assert probe.parse_config("128x128x64w4s4c2") == ws.WsConfig(block_n=128, num_warps=4, consumers=2)
     with pytest.raises(ValueError, match="expected e.g."):
         probe.parse_config("128x256")
+
+
+def test_default_config_takes_the_prefill_sizes_only():
+    """KernelConfig.ws_gemm's configs: none under 64 rows per expert (decode sizes keep the Triton kernels' tuned
+    16-row tiles), else the analytical rule's tile height: 128 rows, or 64 where 128-row tiles pad much more."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+
+    assert ws.default_config(0, 63 * 64, 64) is None and ws.default_config(1, 8, 64) is None
+    assert ws.default_config(0, 16384, 64) == ws.WsConfig()   # 256 rows per expert
+    assert gc.analytical_config(1, 154 * 80, 80).block_m == 64   # 154 rows per expert: 64-row tiles pad less
+    assert ws.default_config(1, 154 * 80, 80) == ws.WsConfig(block_m=64, num_warps=4)
+    assert set(ws.default_configs()) == {ws.WsConfig(), ws.WsConfig(block_m=64, num_warps=4)}
+    assert not any(config.split_tail for config in ws.default_configs())

@@ -29,7 +29,7 @@ from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelC
                                              timeout_s_from_env)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
-from weave_moe.backends.weave.kernels import decode_mlp, gemm_configs, grouped_gemm, grouped_tiles
+from weave_moe.backends.weave.kernels import decode_mlp, gemm_configs, grouped_gemm, grouped_tiles, ws_gemm
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, PairDispatch, TablesDispatch
 from weave_moe.backends.weave.kernels.pair_combine import PairCombine
@@ -293,6 +293,8 @@ class WeaveBackend:
         # KernelConfig.interleave_w13 off: w13 kept as given (no copy); the grouped GEMM0 then runs gate and up as two
         # MMAs (GemmConfig.interleaved off, `_held_layout`), as the megakernel's tiles do
         self.interleaved = (self.grouped or self.grouped_serial) and cfg.interleave_w13
+        # KernelConfig.ws_gemm: the grouped GEMMs at prefill sizes as the warp-specialised Gluon kernels
+        self.ws_gemm = bool(cfg.ws_gemm and self.interleaved)
         self.grid_c = torch.full((1,), self.num_sms, dtype=torch.int32, device=device)   # c of a serial plan
         self.gemm0_gather = cfg.gathers_in_gemm0(I)   # the grouped GEMM0 reads its rows itself (_grouped_gemms)
         # a layer whose serial plans run the grouped GEMMs plans with their measured speed (cost_model A8)
@@ -1070,6 +1072,8 @@ class WeaveBackend:
             H, I = self.spec.hidden_size, self.spec.intermediate_size
             configs = tuple(self._held_layout(g, gemm_configs.default_config(g, rows, self.num_local_experts, H, I))
                             for g in (0, 1))
+            if self.ws_gemm:   # KernelConfig.ws_gemm: where it has a config (not at decode sizes)
+                configs = tuple(ws_gemm.default_config(g, rows, self.num_local_experts) or configs[g] for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
 
@@ -1118,16 +1122,34 @@ class WeaveBackend:
         tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        launch = self.gemm_launch
-        if self.gemm0_gather:  # GEMM0 reads the received rows through the gather rows itself
-            grouped_gemm.grouped_gemm0(self.workspace.recv(), self.w13, self.workspace.h(), tables[keys[0]],
-                                       configs[0], gather=layout.gather_rows, **launch)
+        if self._gathers_in_gemm0(configs[0]):  # GEMM0 reads the received rows through the gather rows itself
+            self._gemm0(self.workspace.recv(), tables[keys[0]], configs[0], gather=layout.gather_rows)
         else:
             self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None and gather_ahead)
-            grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                       **launch)
-        grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
-                                   **launch)
+            self._gemm0(self.workspace.y(), tables[keys[0]], configs[0])
+        self._gemm1(tables[keys[1]], configs[1])
+
+    def _gathers_in_gemm0(self, config) -> bool:
+        """Whether GEMM0 of `config` reads the received rows through the gather rows (KernelConfig.gemm0_gather;
+        the warp-specialised kernels read rows in expert order only, after the gather launch)."""
+        return self.gemm0_gather and not isinstance(config, ws_gemm.WsConfig)
+
+    def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None) -> None:
+        """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`: the Triton grouped
+        GEMM0, or the warp-specialised one for a `ws_gemm.WsConfig` (KernelConfig.ws_gemm)."""
+        if isinstance(config, ws_gemm.WsConfig):
+            ws_gemm.ws_gemm0(a, self.w13, self.workspace.h(), tiles, config)
+        else:
+            grouped_gemm.grouped_gemm0(a, self.w13, self.workspace.h(), tiles, config, gather=gather,
+                                       **self.gemm_launch)
+
+    def _gemm1(self, tiles, config) -> None:
+        """y = GEMM1 of h on `tiles`, as `_gemm0` picks its kernel."""
+        if isinstance(config, ws_gemm.WsConfig):
+            ws_gemm.ws_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config)
+        else:
+            grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config,
+                                       **self.gemm_launch)
 
     def _paired_gemms(self, configs, tables, fused: bool = False) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s):
@@ -1140,11 +1162,8 @@ class WeaveBackend:
                                   tables[self._paired_keys(configs, True)[0]], parts, self.decode_mlp)
             return
         keys = _tile_keys(configs)
-        launch = self.gemm_launch
-        grouped_gemm.grouped_gemm0(self.workspace.y(), self.w13, self.workspace.h(), tables[keys[0]], configs[0],
-                                   **launch)
-        grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tables[keys[1]], configs[1],
-                                   **launch)
+        self._gemm0(self.workspace.y(), tables[keys[0]], configs[0])
+        self._gemm1(tables[keys[1]], configs[1])
 
     def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, form: str = "offsets",
                           tokens: torch.Tensor | None = None) -> tuple:
@@ -1204,27 +1223,25 @@ class WeaveBackend:
             mk_launch.warmup(args=args, constants=constants, **launch_options)
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
-            h, y = self.workspace.h(), self.workspace.y()
+            y = self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [[self._held_layout(gemm, c) for c in gemm_configs.default_configs(gemm, *shape)]
-                       for gemm in (0, 1)]
-            launch = self.gemm_launch
-            # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads them)
-            a, gather = (self.workspace.recv(), self.ctrl) if self.gemm0_gather else (y, None)
-            sources = [(a, gather)]
-            if self.pair_dispatch is not None and self.gemm0_gather:   # the pair rows in y (_paired_gemms)
-                sources.append((y, None))
+                       + list(ws_gemm.default_configs() if self.ws_gemm else ()) for gemm in (0, 1)]
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                for a, gather in sources:
-                    grouped_gemm.grouped_gemm0(a, self.w13, h, table, config, gather=gather, **launch)
+                # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads
+                # them); the pair rows in y (_paired_gemms); the gathered rows in y (the gather launch's)
+                if self._gathers_in_gemm0(config):
+                    self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl)
+                if not self._gathers_in_gemm0(config) or self.pair_dispatch is not None:
+                    self._gemm0(y, table, config)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                grouped_gemm.grouped_gemm1(h, self.w2, y, table, config, **launch)
+                self._gemm1(table, config)
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
-                if not self.gemm0_gather:   # otherwise a call makes no gather launch
+                if not self.gemm0_gather or self.ws_gemm:   # otherwise a call makes no gather launch
                     # both compiles: after a forked prologue (its count read ahead: here a count written long
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)

@@ -33,7 +33,7 @@ How (one CTA per SM, persistent; the same work items, tile table and GROUP_M ord
 Not covered here (kernels/grouped_gemm.py has them): split tails, stream-K, the gather rows, TMA epilogues,
 programmatic dependent launch. Gluon has no interpreter: on the CPU the kernels are compiled for sm_90 and their
 PTX read (tests/test_ws_gemm.py); on a GPU scripts/ws_gemm_probe.py checks them against torch and times them beside
-the Triton grouped GEMMs and `torch._grouped_mm`. Nothing in the layer calls them yet.
+the Triton grouped GEMMs and `torch._grouped_mm`. The layer runs them with KernelConfig.ws_gemm (off until measured).
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from weave_moe.backends.weave.kernels import gemm_configs
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 
-__all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch"]
+__all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIGS"]
 
 #: registers a thread may hold (the hardware's limit per thread)
 MAX_REGS = 255
@@ -119,6 +120,11 @@ class WsConfig:
         if self.maxnreg and (self.maxnreg * 32 * self.warps > 65536 or self.maxnreg > MAX_REGS):
             raise ValueError(f"WsConfig.maxnreg = {self.maxnreg}: {self.warps} warps of it exceed the 65536 "
                              f"registers of an SM")
+
+    @property
+    def split_tail(self) -> bool:
+        """The tile tables' kind (`grouped_tiles.TileTable.split_tail`): these kernels run no split tails."""
+        return False
 
     @property
     def warps(self) -> int:
@@ -286,6 +292,31 @@ def _ws_gemm_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          w_rows, GROUP_M, NUM_SMS)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+#: The configs `default_config` picks from, by the analytical rule's tile height: 128 and 64 rows
+DEFAULT_CONFIGS = {128: WsConfig(), 64: WsConfig(block_m=64, num_warps=4)}
+
+
+#: `default_config` leaves GEMMs of fewer rows per expert on average to the Triton kernels (a 64-row tile's worth)
+MIN_ROWS_PER_EXPERT = 64
+
+
+def default_config(gemm: int, rows: int, num_local_experts: int) -> WsConfig | None:
+    """The config of a warp-specialised GEMM of `rows` rows over `num_local_experts` experts (KernelConfig.ws_gemm),
+    or None where the Triton grouped GEMMs keep it: under MIN_ROWS_PER_EXPERT rows per expert on average (decode
+    sizes, where the tuned tables hold 16-row tiles and wgmma needs 64 rows); otherwise the tile height the analytical
+    rule picks for the Triton kernels (`gemm_configs.analytical_config`: 128 rows, or 64 where they pad much less),
+    as 128x256x64 tiles over two warpgroups or 64x256x64 over one, 4 stages, one consumer. An assumption until
+    scripts/ws_gemm_probe.py has measured the candidates."""
+    if rows < MIN_ROWS_PER_EXPERT * max(num_local_experts, 1):
+        return None
+    return DEFAULT_CONFIGS.get(gemm_configs.analytical_config(gemm, rows, num_local_experts).block_m)
+
+
+def default_configs() -> tuple[WsConfig, ...]:
+    """Every config `default_config` may pick (what a layer compiles before its first call)."""
+    return tuple(DEFAULT_CONFIGS.values())
 
 
 def _check(name, tensor, shape):
