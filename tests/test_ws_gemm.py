@@ -142,3 +142,86 @@ def test_default_config_takes_the_prefill_sizes_only():
     assert ws.default_config(1, 154 * 80, 80) == ws.WsConfig(block_m=64, num_warps=4)
     assert set(ws.default_configs()) == {ws.WsConfig(), ws.WsConfig(block_m=64, num_warps=4)}
     assert not any(config.split_tail for config in ws.default_configs())
+
+
+class _MBarrier:
+    """An mbarrier of arrival count 1: `wait(parity)` passes once the phase of that parity has completed, i.e.
+    while the phase in progress has the other parity (a fresh barrier: phase 0 in progress, so parity 1 passes)."""
+
+    def __init__(self):
+        self.completions = 0
+
+    def passes(self, parity: int) -> bool:
+        return self.completions % 2 != parity
+
+
+def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int) -> None:
+    """The ring protocol of kernels/ws_gemm.py with its step, stage and phase arithmetic, the producer and the
+    consumers interleaved at random: every consumer step must read the stage the producer filled for that step, and
+    the producer must never refill a stage an unfinished MMA still reads. Each agent is a generator that yields the
+    condition it waits on."""
+    import random
+
+    rng = random.Random(seed)
+    ready, empty = [_MBarrier() for _ in range(stages)], [_MBarrier() for _ in range(stages)]
+    turn = [_MBarrier() for _ in range(consumers)]   # ping-pong: the mainloops take turns
+    contents = [None] * stages       # the step whose blocks a stage holds
+    reading = [set() for _ in range(stages)]   # in-flight MMAs (consumer, step) reading each stage
+    consumed = []
+
+    def producer():
+        step = 0
+        for _item in range(items):
+            for _k in range(k_steps):
+                stage = step % stages
+                yield lambda s=stage, p=((step // stages) & 1) ^ 1: empty[s].passes(p)
+                assert not reading[stage], f"step {step} refills stage {stage} under an MMA: {reading[stage]}"
+                contents[stage] = step
+                ready[stage].completions += 1   # the copies' bytes arrive (at some later turn: this is one)
+                step += 1
+
+    def consumer(which):
+        in_flight = []   # (stage, step) of this consumer's MMA groups not yet waited for
+        for index in range(which, items, consumers):   # the CTA's item index
+            step = index * k_steps
+            if consumers == 2:   # the other consumer's mainloops of the items before this one
+                yield lambda turns=index // 2 + which: turns == 0 or turn[which].passes((turns - 1) & 1)
+            for k in range(k_steps):
+                stage = step % stages
+                yield lambda s=stage, p=(step // stages) & 1: ready[s].passes(p)
+                assert contents[stage] == step, f"consumer {which} reads step {contents[stage]} as {step}"
+                reading[stage].add((which, step))
+                in_flight.append((stage, step))
+                while len(in_flight) > 1:   # warpgroup_mma_wait(1)
+                    done_stage, done_step = in_flight.pop(0)
+                    reading[done_stage].discard((which, done_step))
+                if k > 0:
+                    empty[(step + stages - 1) % stages].completions += 1
+                consumed.append(step)
+                step += 1
+            if consumers == 2:
+                turn[1 - which].completions += 1
+            for done_stage, done_step in in_flight:   # warpgroup_mma_wait(0)
+                reading[done_stage].discard((which, done_step))
+            in_flight.clear()
+            empty[(step + stages - 1) % stages].completions += 1
+            yield lambda: True   # the epilogue
+
+    agents = [producer()] + [consumer(c) for c in range(consumers)]
+    waits = {id(agent): (lambda: True) for agent in agents}
+    while agents:
+        runnable = [agent for agent in agents if waits[id(agent)]()]
+        assert runnable, "deadlock"
+        agent = rng.choice(runnable)
+        try:
+            waits[id(agent)] = next(agent)
+        except StopIteration:
+            agents.remove(agent)
+    assert sorted(consumed) == list(range(items * k_steps))
+
+
+@pytest.mark.parametrize("stages,consumers", [(2, 1), (3, 1), (4, 1), (2, 2), (4, 2), (5, 2)])
+def test_the_ring_protocol_neither_deadlocks_nor_races(stages, consumers):
+    for seed in range(40):
+        for items, k_steps in ((1, 1), (3, 1), (5, 3), (7, 9)):
+            _simulate(stages, consumers, items, k_steps, seed)

@@ -26,9 +26,15 @@ How (one CTA per SM, persistent; the same work items, tile table and GROUP_M ord
   thread) and stores silu(gate) * up; GEMM1 stores the accumulator times the row's routing weight (`scale`). Rows of
   a tile past its expert's end are computed (A's TMA block reads the next expert's rows, or zeros past P) and never
   stored; stores are masked pointer stores of 16 bytes per thread.
-- the mbarrier protocol: both partitions count K steps from 0 across the CTA's whole walk; step c uses stage
-  c % S with phase (c // S) & 1; the producer waits `empty` with the opposite phase (a fresh mbarrier's phase 1 is
-  complete, so the first S waits pass). Both derive the walk from the same tile table, so they agree on every step.
+- the mbarrier protocol: the partitions count K steps from 0 across the CTA's whole walk (item i's first step is
+  i * K steps); step c uses stage c % S with phase (c // S) & 1; the producer waits `empty` with the opposite phase
+  (a fresh mbarrier's phase 1 is complete, so the first S waits pass). All derive the walk from the same tile
+  table, so they agree on every step. A wait on a phase's parity is only right within one phase of the barrier:
+  with two consumers, the second's first steps would otherwise pass on `ready` phases the first consumer has not
+  consumed yet (a phase two behind has the same parity), so their mainloops take turns through two more mbarriers
+  (`turn`): a consumer starts item i once the other has issued its MMAs of every earlier item, and each mainloop
+  then waits within one phase of the ring (as CUTLASS's ping-pong kernels order their math warpgroups).
+  tests/test_ws_gemm.py simulates this arithmetic with the two partitions interleaved at random.
 
 Not covered here (kernels/grouped_gemm.py has them): split tails, stream-K, the gather rows, TMA epilogues,
 programmatic dependent launch. Gluon has no interpreter: on the CPU the kernels are compiled for sm_90 and their
@@ -213,11 +219,12 @@ def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles
 
 
 @gluon.jit
-def _consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K, n_out,
-              GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
+def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+              n_out, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
               CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
     """An MMA partition (consumer CONSUMER of CONSUMERS, WARPS warps): the wgmma of every stage of its work items
-    (the CTA's items CONSUMER, CONSUMER + CONSUMERS, ...), then each tile's epilogue (module docstring)."""
+    (the CTA's items CONSUMER, CONSUMER + CONSUMERS, ...), then each tile's epilogue (module docstring). With two
+    consumers their mainloops take turns (`turn`, module docstring)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = w_bufs.shape[1]
@@ -230,8 +237,12 @@ def _consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_t
     k_steps = gl.cdiv(K, BLOCK_K)
     for work in range(pid + CONSUMER * NUM_SMS, num_work, CONSUMERS * NUM_SMS):
         expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
-        # the ring's step of this item's first K step: the producer loads the CTA's items in order, k_steps each
-        step = (work - pid) // NUM_SMS * k_steps
+        # the CTA's item index; the ring's step of its first K step (the producer loads the items in order)
+        index = (work - pid) // NUM_SMS
+        step = index * k_steps
+        if CONSUMERS == 2:   # wait for the other consumer's mainloops of the items before this one
+            turns = index // 2 + CONSUMER
+            mbarrier.wait(turn.index(CONSUMER), (turns - 1) & 1, pred=turns > 0)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
         for k in range(0, K, BLOCK_K):
             stage = step % STAGES
@@ -241,6 +252,8 @@ def _consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_t
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
             step += 1
+        if CONSUMERS == 2:   # every MMA of this item issued: the other consumer's turn
+            mbarrier.arrive(turn.index(1 - CONSUMER))
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))   # K >= 8: the tile had a step
         if GEMM == 0:   # h = silu(gate) * up: gate j and up j are adjacent columns (interleaved w13)
@@ -273,21 +286,24 @@ def _ws_gemm_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # ping-pong only
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     width = 2 * max_tiles
     num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
     # (the partitions' arguments written out in each call: a tuple built here would lose its constexprs)
     if CONSUMERS == 1:
         gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 0, 1, num_warps)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          w_rows, GROUP_M, NUM_SMS)),
         ], [1], [PRODUCER_REGS])
     else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
         gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 0, 2, num_warps)),
-            (_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 1, 2, num_warps)),
             (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          w_rows, GROUP_M, NUM_SMS)),
