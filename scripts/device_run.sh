@@ -52,6 +52,8 @@ for stage in "$@"; do
     # against the Triton grouped GEMMs (the layer's configs) and torch._grouped_mm, each GEMM alone on the same rows,
     # cold L2, every variant checked first (WS_CONFIGS: candidates, e.g. 128x256x64w8s4,64x256x64w4s4)
     ws-gemm) timeout "${WS_TIMEOUT:-400}" python3 scripts/ws_gemm_probe.py --models "${WS_MODELS:-deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${WS_TOKENS:-2048,8192}" ${WS_CONFIGS:+--configs "$WS_CONFIGS"} --out "$W/ws_gemm_probe.json" > "$W/ws_gemm_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_gemm_probe.log" | tail -30;;
+    # ... and their decode form (kernels/ws_decode.py: the weights as the MMA's rows) at decode sizes
+    ws-decode) timeout "${WD_TIMEOUT:-300}" python3 scripts/ws_gemm_probe.py --decode --models "${WD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${WD_TOKENS:-1,8,32,128}" ${WD_CONFIGS:+--configs "$WD_CONFIGS"} --out "$W/ws_decode_probe.json" > "$W/ws_decode_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_decode_probe.log" | tail -40;;
     # ... and in calls (KernelConfig.ws_gemm): the serial policy with and without them at prefill sizes, one rank's
     # work of EP=2, --check on every row, 3 rounds
     ws-calls) timeout "${WC_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${WC_MODELS:-deepseek-v3,deepseek-v2,qwen3-30b-a3b,qwen3.5-35b-a3b}" --tokens "${WC_TOKENS:-2048,8192}" --routing uniform --variants "${WC_VARIANTS:-nccl,weave:serial,weave:serial@ws_gemm=on}" --check --iters 10 --rounds 3 --no-progress --timeout $(( ${WC_TIMEOUT:-420} - 10 )) --name ws-calls --out "$W" > "$W/ws-calls.log" 2>&1; echo "rc=$?"; tail -30 "$W/ws-calls.log";;

@@ -13,6 +13,9 @@ reference within the reference's tolerance); only a checked variant is timed (CU
 cold L2 unless --warm-l2). Prints TFLOP/s and writes JSON after every shape (--out).
 
     python scripts/ws_gemm_probe.py --models deepseek-v3,qwen3-30b-a3b --tokens 2048,8192 --out ws.json
+
+`--decode`: the decode GEMMs of kernels/ws_decode.py instead (the weights as the MMA's rows), at decode sizes
+(default 1, 8, 32, 128 tokens), candidates written "t16w64k128s8" (token rows, weight rows, K step, stages).
 """
 
 from __future__ import annotations
@@ -45,13 +48,35 @@ def parse_config(text: str):
     return WsConfig(**fields)
 
 
+#: Candidate decode configs (`--decode --configs`): token rows, weight rows, K step, stages
+DEFAULT_DECODE_CONFIGS = "t16w64k128s8,t16w64k64s10,t8w64k128s8,t16w128k128s4,t32w64k128s8"
+
+
+def parse_decode_config(text: str):
+    """"t16w64k128s8" (then optionally "p40" producer registers) -> WsDecodeConfig."""
+    import re
+
+    from weave_moe.backends.weave.kernels.ws_decode import WsDecodeConfig
+
+    match = re.fullmatch(r"t(\d+)w(\d+)k(\d+)s(\d+)(?:p(\d+))?", text.strip())
+    if not match:
+        raise ValueError(f"decode config {text!r}: expected e.g. t16w64k128s8[p40]")
+    bt, bw, bk, stages, producer = match.groups()
+    fields = dict(block_t=int(bt), block_w=int(bw), block_k=int(bk), stages=int(stages))
+    if producer:
+        fields["producer_regs"] = int(producer)
+    return WsDecodeConfig(**fields)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,"
                                             "deepseek-v2-lite")
-    parser.add_argument("--tokens", default="2048,8192")
+    parser.add_argument("--tokens", default=None, help="default 2048,8192; with --decode 1,8,32,128")
     parser.add_argument("--emulate-ep", type=int, default=2)
-    parser.add_argument("--configs", default=DEFAULT_CONFIGS)
+    parser.add_argument("--decode", action="store_true", help="the decode GEMMs (kernels/ws_decode.py)")
+    parser.add_argument("--configs", default=None, help="candidates (default: DEFAULT_CONFIGS or "
+                                                         "DEFAULT_DECODE_CONFIGS)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warm-l2", action="store_true")
     parser.add_argument("--out", default=None)
@@ -61,15 +86,20 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from weave_moe.backends.weave.kernels import gemm_configs as gc
-    from weave_moe.backends.weave.kernels import ws_gemm
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
     from weave_moe.bench.anchor import graph_replay_ms
     from weave_moe.commands.tune import _Work, tune_shapes
     from weave_moe.models import MoESpec
     from weave_moe.reference import DEFAULT_TOLERANCE
 
-    configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
+    parse = parse_decode_config if args.decode else parse_config
+    configs = [parse(c) for c in (args.configs or (DEFAULT_DECODE_CONFIGS if args.decode else DEFAULT_CONFIGS))
+               .split(",") if c.strip()]
+    kernels = ((ws_decode.ws_decode_gemm0, ws_decode.ws_decode_gemm1) if args.decode
+               else (ws_gemm.ws_gemm0, ws_gemm.ws_gemm1))
+    tokens = args.tokens or ("1,8,32,128" if args.decode else "2048,8192")
     specs = [MoESpec.from_name(name) for name in args.models.split(",") if name]
-    shapes = tune_shapes(specs, [int(t) for t in args.tokens.split(",") if t], args.emulate_ep)
+    shapes = tune_shapes(specs, [int(t) for t in tokens.split(",") if t], args.emulate_ep)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     results, failures = [], 0
 
@@ -79,8 +109,8 @@ def main(argv=None) -> int:
 
             with open(args.out, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name(), commit=git_commit(), command=" ".join(sys.argv),
-                               warm_l2=args.warm_l2, configs=[str(c) for c in configs], results=results), f,
-                          indent=1, default=str)
+                               warm_l2=args.warm_l2, decode=args.decode, configs=[str(c) for c in configs],
+                               results=results), f, indent=1, default=str)
 
     for shape in shapes:
         work = _Work(shape, seed=0, l2_bytes=None if args.warm_l2 else props.L2_cache_size)
@@ -138,11 +168,11 @@ def main(argv=None) -> int:
         for config in configs:
             def ws0(r, config=config):
                 tiles = work.table(config.block_m, False, r)
-                return lambda: ws_gemm.ws_gemm0(work.a, work.w13, work.h, tiles, config)
+                return lambda: kernels[0](work.a, work.w13, work.h, tiles, config)
 
             def ws1(r, config=config):
                 tiles = work.table(config.block_m, False, r)
-                return lambda: ws_gemm.ws_gemm1(work.h_in, work.w2, work.y, tiles, config)
+                return lambda: kernels[1](work.h_in, work.w2, work.y, tiles, config)
 
             record(0, str(config), ws0)
             record(1, str(config), ws1)
@@ -153,7 +183,8 @@ def main(argv=None) -> int:
         for gemm in (0, 1):
             times = {name: v.get(f"gemm{gemm}", {}).get("ms") for name, v in row["variants"].items()}
             triton = next((t for name, t in times.items() if name.startswith("triton")), None)
-            ws = [(t, name) for name, t in times.items() if name.startswith("ws") and t is not None and t == t]
+            ws = [(t, name) for name, t in times.items()
+                  if name.split()[0] in ("ws", "wsd") and t is not None and t == t]
             best = min(ws) if ws else (float("nan"), "-")
             print(f"{row['model']:18s} {row['tokens']:5d} {gemm:4d}  {(triton or float('nan')) * 1e3:9.1f} "
                   f"{(times.get('library') or float('nan')) * 1e3:10.1f} {best[0] * 1e3:10.1f}  {best[1]}")

@@ -129,6 +129,13 @@ def test_the_probes_configs_parse():
     assert probe.parse_config("128x128x64w4s4c2") == ws.WsConfig(block_n=128, num_warps=4, consumers=2)
     with pytest.raises(ValueError, match="expected e.g."):
         probe.parse_config("128x256")
+    from weave_moe.backends.weave.kernels.ws_decode import WsDecodeConfig
+
+    decode = [probe.parse_decode_config(text) for text in probe.DEFAULT_DECODE_CONFIGS.split(",")]
+    assert decode[0] == WsDecodeConfig()
+    assert probe.parse_decode_config("t8w64k128s6p24") == WsDecodeConfig(block_t=8, stages=6, producer_regs=24)
+    with pytest.raises(ValueError, match="expected e.g."):
+        probe.parse_decode_config("16x64")
 
 
 def test_default_config_takes_the_prefill_sizes_only():

@@ -59,6 +59,9 @@ __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "d
 
 #: registers a thread may hold (the hardware's limit per thread)
 MAX_REGS = 255
+#: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
+#: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
+MAX_RING_BYTES = 192 * 1024
 #: fp32 accumulator registers per consumer thread at most: 128x256 over 8 warps; 128x256 over 4 warps (256) spills
 #: in ptxas (tests/test_ws_gemm.py)
 ACCUMULATOR_REGS = 128
@@ -116,6 +119,10 @@ class WsConfig:
                              f"holds more than {ACCUMULATOR_REGS} registers per thread (it spills)")
         if not 24 <= self.producer_regs <= 256 or self.producer_regs % 8:
             raise ValueError(f"WsConfig.producer_regs must be a multiple of 8 in [24, 256], got {self.producer_regs}")
+        if self.shared_bytes > MAX_RING_BYTES:
+            raise ValueError(f"WsConfig: {self.stages} stages of {self.block_m}x{self.block_k} + {self.block_n}x"
+                             f"{self.block_k} bf16 take {self.shared_bytes} bytes of shared memory, over "
+                             f"{MAX_RING_BYTES}")
         if self.consumers not in (1, 2):
             raise ValueError(f"WsConfig.consumers must be 1 or 2, got {self.consumers}")
         if not 24 <= self.consumer_regs <= 256 or self.consumer_regs % 8:

@@ -1,0 +1,242 @@
+"""Warp-specialised grouped GEMMs for decode sizes, in Gluon: the expert MLP's GEMM0 + SiLU-mul and GEMM1 with the
+weights as the MMA's M side ("swap AB"), so that a few token rows per expert still run on wgmma and a producer warp
+keeps the weights streaming.
+
+Shape legend: BT = token rows per tile (the tile table's block_m), BW = weight rows per tile, BK = K step, S = stages.
+
+Why. At decode sizes an expert holds a few rows and a GEMM streams its weights: Qwen3-30B-A3B at 1 token per rank
+(one rank's work of EP=2) reads 75 MB of weights, ~22.5 us at an H100's HBM rate, and its grouped GEMMs took 21.4 +
+14.0 us in a call (docs/perf-notes.md entry 42): ~2.3 TB/s for GEMM0 over its 96 tiles, ~25 GB/s per busy SM. The
+Triton kernels there run 16-row tiles on mma.sync (wgmma needs 64 rows) with the loads issued by the warps that
+multiply. Here the tile is BW weight rows x BT token rows: acc^T [BW, BT] = W [BW, K] @ A [BT, K]^T, one wgmma
+m64nBTk16 per warpgroup and k16 step (A's block is the wgmma's B operand through a transposed view of its K-major
+shared-memory block), and the loads come from kernels/ws_gemm.py's producer partition: a warp that keeps S stages of
+(BW + BT) x BK bf16 in flight, across tiles, with few registers. Smaller weight tiles (BW = 64) also spread an
+expert's weights over more SMs (Qwen3-30B-A3B's GEMM0 at 1 token: 8 experts x 24 tiles instead of 96 tiles).
+
+The ring protocol, the work order and the tile table are kernels/ws_gemm.py's (one consumer). The epilogue is
+transposed: GEMM0's accumulator rows are interleaved w13 rows (gate j, up j neighbours, `grouped_gemm.
+interleave_w13`), split in pairs after a layout change that puts each pair in one thread, and h[t, j] is stored for
+the tile's token rows t below the expert's end; GEMM1 stores y[t, j] (times the row's routing weight with `scale`).
+Gluon has no interpreter: compiled for sm_90 on the CPU (tests/test_ws_decode.py), run by scripts/ws_gemm_probe.py
+(`--decode`) on a GPU. Nothing in the layer calls it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
+from weave_moe.backends.weave.kernels.ws_gemm import MAX_RING_BYTES, _producer, _work_tile
+
+__all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch"]
+
+
+@dataclass(frozen=True)
+class WsDecodeConfig:
+    """Tile shape and partitions of one decode launch.
+
+    Attributes:
+        block_t: token rows per tile (the tile table's block_m; the wgmma's N): 8, 16, 32 or 64.
+        block_w: weight rows per tile: 64 (one warpgroup) or 128 (two); GEMM0: block_w / 2 columns of h.
+        block_k: K step: 64 or 128.
+        stages: shared-memory stages of the load ring (at least 2).
+        producer_regs: registers per thread of the producer warp.
+    """
+
+    block_t: int = 16
+    block_w: int = 64
+    block_k: int = 128
+    stages: int = 8
+    producer_regs: int = 40
+
+    def __post_init__(self):
+        if self.block_t not in (8, 16, 32, 64):
+            raise ValueError(f"WsDecodeConfig.block_t must be 8, 16, 32 or 64, got {self.block_t}")
+        if self.block_w not in (64, 128):
+            raise ValueError(f"WsDecodeConfig.block_w must be 64 or 128, got {self.block_w}")
+        if self.block_k not in (64, 128):
+            raise ValueError(f"WsDecodeConfig.block_k must be 64 or 128, got {self.block_k}")
+        if not 2 <= self.stages <= 12:
+            raise ValueError(f"WsDecodeConfig.stages must be in [2, 12], got {self.stages}")
+        if not 24 <= self.producer_regs <= 256 or self.producer_regs % 8:
+            raise ValueError(f"WsDecodeConfig.producer_regs must be a multiple of 8 in [24, 256], got "
+                             f"{self.producer_regs}")
+        if self.shared_bytes > MAX_RING_BYTES:
+            raise ValueError(f"WsDecodeConfig: {self.stages} stages of ({self.block_w} + {self.block_t}) x "
+                             f"{self.block_k} bf16 take {self.shared_bytes} bytes of shared memory, over "
+                             f"{MAX_RING_BYTES}")
+
+    @property
+    def block_m(self) -> int:
+        """The tile table's rows per tile (`grouped_tiles.TileTable.block_m`): the token rows."""
+        return self.block_t
+
+    @property
+    def split_tail(self) -> bool:
+        """The tile tables' kind: no split tails."""
+        return False
+
+    @property
+    def num_warps(self) -> int:
+        """The consumer's warps: one per 16 weight rows."""
+        return self.block_w // 16
+
+    @property
+    def shared_bytes(self) -> int:
+        """The load ring's shared memory."""
+        return 2 * self.stages * (self.block_w + self.block_t) * self.block_k
+
+    def __str__(self) -> str:
+        return f"wsd {self.block_w}x{self.block_t}x{self.block_k} s{self.stages} p{self.producer_regs}"
+
+
+@gluon.constexpr_function
+def _acc_layout(block_w, block_t, num_warps):
+    """acc^T [BW, BT]: wgmma over the weight rows, one warp per 16 of them, one instruction N = BT wide."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 16])
+
+
+@gluon.constexpr_function
+def _pairs_layout(block_w, block_t, num_warps):
+    """acc^T with each (gate, up) row pair in one thread: 2 rows x 1 token per thread, rows fastest."""
+    rows = min(32, block_w // 2)
+    return gl.BlockedLayout(size_per_thread=[2, 1], threads_per_warp=[rows, 32 // rows],
+                            warps_per_cta=[1, num_warps], order=[0, 1])
+
+
+@gluon.constexpr_function
+def _store_layout(rows, block_t, num_warps):
+    """A [rows, BT] tile stored transposed (out[t, j]): 8 consecutive j (16 bytes) per thread."""
+    threads_j = max(1, min(32, rows // 8))
+    return gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[threads_j, 32 // threads_j],
+                            warps_per_cta=[1, num_warps], order=[0, 1])
+
+
+@gluon.jit
+def _decode_consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                     n_out, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, NUM_SMS: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """The MMA partition: acc^T = W @ A^T per stage, then the transposed epilogue (module docstring)."""
+    BLOCK_T: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_W: gl.constexpr = w_bufs.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    OUT_W: gl.constexpr = BLOCK_W // 2 if GEMM == 0 else BLOCK_W
+    acc_layout: gl.constexpr = _acc_layout(BLOCK_W, BLOCK_T, num_warps)
+    out_layout: gl.constexpr = _store_layout(OUT_W, BLOCK_T, num_warps)
+    pid = gl.program_id(0)
+    num_work = gl.load(num_tiles_ptr) * num_n
+    k_steps = gl.cdiv(K, BLOCK_K)
+    for work in range(pid, num_work, NUM_SMS):
+        expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, 1)
+        step = (work - pid) // NUM_SMS * k_steps
+        acc = gl.zeros((BLOCK_W, BLOCK_T), dtype=gl.float32, layout=acc_layout)
+        for k in range(0, K, BLOCK_K):
+            stage = step % STAGES
+            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+            acc = warpgroup_mma(w_bufs.index(stage), a_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))   # K >= 8: the tile had a step
+        if GEMM == 0:   # rows 2j, 2j + 1 = gate j, up j: into one thread, then h^T = silu(gate) * up
+            pairs = gl.convert_layout(acc, _pairs_layout(BLOCK_W, BLOCK_T, num_warps))
+            gate, up = pairs.reshape([BLOCK_W // 2, 2, BLOCK_T]).permute((0, 2, 1)).split()
+            values = gate / (1.0 + gl.exp(-gate)) * up
+        else:
+            values = acc
+        values = gl.convert_layout(values, out_layout)
+        tokens = m_start + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, out_layout))
+        if GEMM == 1 and HAS_SCALE:
+            values = values * gl.load(scale_ptr + gl.minimum(tokens, m_end - 1))[None, :]
+        cols = n * OUT_W + gl.arange(0, OUT_W, layout=gl.SliceLayout(1, out_layout))
+        mask = (cols < n_out)[:, None] & (tokens < m_end)[None, :]
+        gl.store(out_ptr + tokens.to(gl.int64)[None, :] * n_out + cols[:, None], values.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out, w_rows,
+                      GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, NUM_SMS: gl.constexpr, STAGES: gl.constexpr,
+                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """out[t, j] over every tile of the table: GEMM 0: a = the rows [P, H], w = the interleaved w13 as
+    [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
+    [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    width = 2 * max_tiles
+    num_n = gl.cdiv(w_rows, w_desc.block_type.shape[0])
+    gl.warp_specialize([
+        (_decode_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n,
+                            K, n_out, GEMM, HAS_SCALE, NUM_SMS, num_warps)),
+        (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                     w_rows, 1, NUM_SMS)),
+    ], [1], [PRODUCER_REGS])
+
+
+def _check(name, tensor, shape):
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous bf16 {tuple(shape)}, given {tensor.dtype} "
+                         f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+
+
+def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable,
+                     config: WsDecodeConfig, scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
+    """(kernel, grid, args, kwargs) of one launch, as `ws_gemm.ws_launch` (the same operands and tile table, whose
+    block_m is the config's token rows)."""
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    rows, K = a.shape
+    num_experts, w_rows, _ = w.shape
+    n_out = w_rows // 2 if gemm == 0 else w_rows
+    _check("a", a, (rows, K))
+    _check("w", w, (num_experts, w_rows, K))
+    _check("out", out, (rows, n_out))
+    if gemm == 0 and scale is not None:
+        raise ValueError("scale: GEMM1 only (the routing weight of each row)")
+    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (rows, )):
+        raise ValueError(f"scale: expected fp32 ({rows},), given {scale.dtype} {tuple(scale.shape)}")
+    if tiles.block_m != config.block_t or tiles.split_tail:
+        raise ValueError(f"tiles: expected block_m = {config.block_t} without split tails, given block_m = "
+                         f"{tiles.block_m}, split_tail = {tiles.split_tail}")
+    if K % 8 or n_out % 8:
+        raise ValueError(f"K = {K} and the output's {n_out} columns must be multiples of 8 (16-byte TMA rows)")
+    bt, bw, bk = config.block_t, config.block_w, config.block_k
+    a_desc = TensorDescriptor.from_tensor(a, [bt, bk], gl.NVMMASharedLayout.get_default_for([bt, bk], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(w.view(num_experts * w_rows, K), [bw, bk],
+                                          gl.NVMMASharedLayout.get_default_for([bw, bk], gl.bfloat16))
+    num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
+    args = (a_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles, tiles.max_tiles,
+            K, n_out, w_rows)
+    kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, NUM_SMS=num_sms, STAGES=config.stages,
+                  PRODUCER_REGS=config.producer_regs, num_warps=config.num_warps)
+    return _ws_decode_kernel, (num_sms, ), args, kwargs
+
+
+def ws_decode_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable,
+                    config: WsDecodeConfig = WsDecodeConfig()) -> torch.Tensor:
+    """h = silu(a @ gate^T) * (a @ up^T) per expert (grouped_gemm.grouped_gemm0's result) at decode sizes; w13:
+    `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_t, P)`."""
+    kernel, grid, args, kwargs = ws_decode_launch(0, a, w13, h, tiles, config)
+    kernel[grid](*args, **kwargs)
+    return h
+
+
+def ws_decode_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable,
+                    config: WsDecodeConfig = WsDecodeConfig(), scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = scale * (h @ w2[expert]^T) per expert (grouped_gemm.grouped_gemm1's result) at decode sizes."""
+    kernel, grid, args, kwargs = ws_decode_launch(1, h, w2, y, tiles, config, scale)
+    kernel[grid](*args, **kwargs)
+    return y
