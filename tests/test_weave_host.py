@@ -1329,14 +1329,14 @@ def test_fixed_plan_is_made_once_for_the_policies_whose_plan_does_not_depend_on_
 
 @pytest.mark.parametrize("gemm0_gather", [True, False])
 def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch, gemm0_gather):
-    """KernelConfig.ws_gemm: the layer's configs at prefill sizes are ws_gemm's (decode sizes keep the Triton ones);
-    their GEMM0 reads its rows in expert order from y after the gather launch, also where the Triton GEMM0 would
-    read the receive buffer through the gather rows; GEMM1 reads h and writes y."""
+    """KernelConfig.ws_gemm: the layer's configs at prefill sizes are ws_gemm's, at decode sizes ws_decode's; their
+    GEMM0 reads its rows in expert order from y after the gather launch, also where the Triton GEMM0 would read the
+    receive buffer through the gather rows; GEMM1 reads h and writes y."""
     import types
 
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.backend import WeaveBackend
-    from weave_moe.backends.weave.kernels import ws_gemm
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
@@ -1345,7 +1345,8 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     triton = {0: "triton gemm0 config", 1: "triton gemm1 config"}
     monkeypatch.setattr(backend_module.gemm_configs, "default_config", lambda gemm, *shape: triton[gemm])
     monkeypatch.setattr(WeaveBackend, "_held_layout", lambda self, gemm, config: config)
-    assert WeaveBackend._grouped_configs(backend, 8 * 8) == (triton[0], triton[1])   # 8 rows per expert
+    decode = ws_decode.default_config(8 * 8, 8)   # 8 rows per expert: the decode kernels
+    assert WeaveBackend._grouped_configs(backend, 8 * 8) == (decode, decode) and decode.block_t == 16
     configs = WeaveBackend._grouped_configs(backend, 128 * 8)
     assert configs == (ws_gemm.WsConfig(), ws_gemm.WsConfig())
     calls = []
@@ -1363,3 +1364,25 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     assert calls[1][1].data_ptr() == ws.y().data_ptr() and calls[1][2].data_ptr() == ws.h().data_ptr()
     assert calls[2][1].data_ptr() == ws.h().data_ptr() and calls[2][2].data_ptr() == ws.y().data_ptr()
     assert calls[1][3] == calls[2][3] == "table" and calls[1][4] == configs[0]
+
+
+def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
+    """KernelConfig.ws_gemm below 64 rows per expert: both GEMMs of a paired call run kernels/ws_decode.py on the
+    call's tile tables (rows in y, h between them)."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.backends.weave.kernels import ws_decode
+    from weave_moe.plan import Plan
+
+    backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
+    calls = []
+    monkeypatch.setattr(backend_module.ws_decode, "ws_decode_gemm0", lambda a, w, out, tiles, config:
+                        calls.append(("gemm0", a, out, tiles)))
+    monkeypatch.setattr(backend_module.ws_decode, "ws_decode_gemm1", lambda a, w, out, tiles, config:
+                        calls.append(("gemm1", a, out, tiles)))
+    config = ws_decode.WsDecodeConfig(block_t=8)
+    WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"})
+    ws = backend.workspace
+    assert [(c[0], c[1].data_ptr(), c[2].data_ptr(), c[3]) for c in calls] == [
+        ("gemm0", ws.y().data_ptr(), ws.h().data_ptr(), "decode table"),
+        ("gemm1", ws.h().data_ptr(), ws.y().data_ptr(), "decode table")]

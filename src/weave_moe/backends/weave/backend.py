@@ -29,7 +29,7 @@ from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelC
                                              timeout_s_from_env)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
-from weave_moe.backends.weave.kernels import decode_mlp, gemm_configs, grouped_gemm, grouped_tiles, ws_gemm
+from weave_moe.backends.weave.kernels import decode_mlp, gemm_configs, grouped_gemm, grouped_tiles, ws_decode, ws_gemm
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, PairDispatch, TablesDispatch
 from weave_moe.backends.weave.kernels.pair_combine import PairCombine
@@ -1072,8 +1072,9 @@ class WeaveBackend:
             H, I = self.spec.hidden_size, self.spec.intermediate_size
             configs = tuple(self._held_layout(g, gemm_configs.default_config(g, rows, self.num_local_experts, H, I))
                             for g in (0, 1))
-            if self.ws_gemm:   # KernelConfig.ws_gemm: where it has a config (not at decode sizes)
-                configs = tuple(ws_gemm.default_config(g, rows, self.num_local_experts) or configs[g] for g in (0, 1))
+            if self.ws_gemm:   # KernelConfig.ws_gemm: the prefill kernels, else the decode ones
+                configs = tuple(ws_gemm.default_config(g, rows, self.num_local_experts)
+                                or ws_decode.default_config(rows, self.num_local_experts) for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
 
@@ -1132,13 +1133,16 @@ class WeaveBackend:
     def _gathers_in_gemm0(self, config) -> bool:
         """Whether GEMM0 of `config` reads the received rows through the gather rows (KernelConfig.gemm0_gather;
         the warp-specialised kernels read rows in expert order only, after the gather launch)."""
-        return self.gemm0_gather and not isinstance(config, ws_gemm.WsConfig)
+        return self.gemm0_gather and not isinstance(config, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig))
 
     def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None) -> None:
         """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`: the Triton grouped
-        GEMM0, or the warp-specialised one for a `ws_gemm.WsConfig` (KernelConfig.ws_gemm)."""
+        GEMM0 (a GemmConfig), or a warp-specialised one (KernelConfig.ws_gemm: a `ws_gemm.WsConfig`, a
+        `ws_decode.WsDecodeConfig`)."""
         if isinstance(config, ws_gemm.WsConfig):
             ws_gemm.ws_gemm0(a, self.w13, self.workspace.h(), tiles, config)
+        elif isinstance(config, ws_decode.WsDecodeConfig):
+            ws_decode.ws_decode_gemm0(a, self.w13, self.workspace.h(), tiles, config)
         else:
             grouped_gemm.grouped_gemm0(a, self.w13, self.workspace.h(), tiles, config, gather=gather,
                                        **self.gemm_launch)
@@ -1147,6 +1151,8 @@ class WeaveBackend:
         """y = GEMM1 of h on `tiles`, as `_gemm0` picks its kernel."""
         if isinstance(config, ws_gemm.WsConfig):
             ws_gemm.ws_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config)
+        elif isinstance(config, ws_decode.WsDecodeConfig):
+            ws_decode.ws_decode_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config)
         else:
             grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config,
                                        **self.gemm_launch)
@@ -1226,7 +1232,8 @@ class WeaveBackend:
             y = self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [[self._held_layout(gemm, c) for c in gemm_configs.default_configs(gemm, *shape)]
-                       + list(ws_gemm.default_configs() if self.ws_gemm else ()) for gemm in (0, 1)]
+                       + list(ws_gemm.default_configs() + ws_decode.default_configs() if self.ws_gemm else ())
+                       for gemm in (0, 1)]
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads

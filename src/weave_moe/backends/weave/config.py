@@ -234,11 +234,12 @@ class KernelConfig:
             call as an EP > 1 rank does; `weave-moe bench --emulate-ep N` turns it off for its weave variants
             (their rows stand for a rank of EP = N), as do the GPU checks of the device planner.
         ws_gemm: the grouped GEMMs of a layer that runs them (serial plans, paired calls) as the warp-specialised Gluon
-            kernels (kernels/ws_gemm.py: a TMA producer warp, wgmma consumer warpgroups) at the sizes where the
-            Triton ones take 64- or 128-row tiles (`ws_gemm.default_config`; decode sizes keep the Triton kernels);
-            GEMM0 then reads its rows in expert order (a gather launch first where `gemm0_gather` would have it read
-            the receive buffer). Needs the interleaved w13 (`interleave_w13`). Off until measured on a GPU
-            (scripts/ws_gemm_probe.py, the `ws-gemm` stage; nothing of it has run).
+            kernels: a TMA producer warp, wgmma consumer warpgroups; kernels/ws_gemm.py from 64 rows per expert on
+            (`ws_gemm.default_config`), below that kernels/ws_decode.py with the weights as the MMA's rows
+            (`ws_decode.default_config`). GEMM0 then reads its rows in expert order (a gather launch first where
+            `gemm0_gather` would have it read the receive buffer). Needs the interleaved w13 (`interleave_w13`). Off
+            until measured on a GPU (scripts/ws_gemm_probe.py, the `ws-gemm` and `ws-decode` stages; nothing of it
+            has run).
     """
 
     block_m: int = 128

@@ -19,7 +19,7 @@ transposed: GEMM0's accumulator rows are interleaved w13 rows (gate j, up j neig
 interleave_w13`), split in pairs after a layout change that puts each pair in one thread, and h[t, j] is stored for
 the tile's token rows t below the expert's end; GEMM1 stores y[t, j] (times the row's routing weight with `scale`).
 Gluon has no interpreter: compiled for sm_90 on the CPU (tests/test_ws_decode.py), run by scripts/ws_gemm_probe.py
-(`--decode`) on a GPU. Nothing in the layer calls it yet.
+(`--decode`) on a GPU. The layer runs it with KernelConfig.ws_gemm below ws_gemm.MIN_ROWS_PER_EXPERT rows per expert.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 from weave_moe.backends.weave.kernels.ws_gemm import MAX_RING_BYTES, _producer, _work_tile
 
-__all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch"]
+__all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch", "default_config",
+           "default_configs"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,22 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
         (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
                      w_rows, 1, NUM_SMS)),
     ], [1], [PRODUCER_REGS])
+
+
+def default_config(rows: int, num_local_experts: int) -> WsDecodeConfig:
+    """The decode config for `rows` rows over `num_local_experts` experts (KernelConfig.ws_gemm under
+    `ws_gemm.MIN_ROWS_PER_EXPERT` rows per expert): token tiles of 8 to 64 rows by the mean rows per expert (at most
+    about 1.5 of it padding each expert's last tile), 64 weight rows, BLOCK_K 128, the deepest ring within the shared
+    memory. An assumption until scripts/ws_gemm_probe.py --decode has measured the candidates."""
+    mean = rows / max(num_local_experts, 1)
+    block_t = next(t for t in (8, 16, 32, 64) if mean <= t * 0.75 or t == 64)
+    stages = min(8, MAX_RING_BYTES // (2 * (64 + block_t) * 128))
+    return WsDecodeConfig(block_t=block_t, block_w=64, block_k=128, stages=stages)
+
+
+def default_configs() -> tuple[WsDecodeConfig, ...]:
+    """Every config `default_config` may pick (what a layer compiles before its first call)."""
+    return tuple(dict.fromkeys(default_config(t * 8, 8) for t in (1, 8, 16, 32, 64)))
 
 
 def _check(name, tensor, shape):
