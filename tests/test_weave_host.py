@@ -1312,7 +1312,9 @@ def test_fixed_plan_is_made_once_for_the_policies_whose_plan_does_not_depend_on_
     spec, profile, config = MoESpec.from_name("qwen3-30b-a3b"), HardwareProfile.default(), KernelConfig()
     N = profile.num_sms
     made = fixed_plan_for(spec, 1, 2048, "weave", profile, config, True)
-    assert (made.c, made.K, made.n_steal, made.policy) == (N, 1, 0, "weave") and math.isnan(made.predicted_us)
+    # the serial policy's plan: serial on a grid of any size, also one of more SMs than the profile's
+    assert (made.c, made.K, made.n_steal, made.policy) == (N, 1, 0, "serial") and math.isnan(made.predicted_us)
+    assert made.is_serial(N + 16)
     assert fixed_plan_for(spec, 1, 2048, "serial", profile, config, True).c == N
     assert (fixed_plan_for(spec, 2, 2048, "static:20,2", profile, config, True).c,
             fixed_plan_for(spec, 2, 2048, "static:20,2", profile, config, True).K) == (20, 2)

@@ -151,8 +151,9 @@ def fixed_plan_for(spec: MoESpec, world_size: int, max_tokens: int, policy: str,
         return None
     zero = Workload.from_counts(spec, world_size, 0, send_rows=[0] * world_size, recv_rows=[0] * world_size,
                                 expert_rows=[0] * (spec.num_experts // world_size), num_tokens=0)
+    # serial_at_ep1: the serial policy's plan, as such (serial on a grid of any size: Plan.is_serial)
     made = plan(zero, profile, "serial" if serial_at_ep1 else policy)
-    return dataclasses.replace(made, predicted_us=float("nan"), policy=policy)
+    return dataclasses.replace(made, predicted_us=float("nan"))
 
 
 class WeaveBackend:
