@@ -8,9 +8,11 @@ rows; GEMM0's rows in expert order, as a paired call and the gather launch leave
   default);
 - `library`: `torch._grouped_mm` on the same groups (GEMM0 followed by the SiLU-mul in torch, as the nccl backend);
 - `ws <config>`: kernels/ws_gemm.py for each candidate config.
-Every variant is checked first (outputs poisoned with NaN: an unwritten row fails; the checked rows against the fp32
-reference within the reference's tolerance); only a checked variant is timed (CUDA-graph replays, median of --reps,
-cold L2 unless --warm-l2). Prints TFLOP/s and writes JSON after every shape (--out).
+First every candidate runs a small check in child processes (`smoke`: 4 experts of 0 / 1 / 37 / 200 rows, both
+GEMMs against the fp32 reference; a config that hangs or faults the GPU costs --smoke-timeout once and is named,
+not timed). Every variant is then checked on each shape (outputs poisoned with NaN: an unwritten row fails; the
+checked rows against the fp32 reference within the reference's tolerance); only a checked variant is timed (CUDA-
+graph replays, median of --reps, cold L2 unless --warm-l2). Prints TFLOP/s and writes JSON after every shape (--out).
 
     python scripts/ws_gemm_probe.py --models deepseek-v3,qwen3-30b-a3b --tokens 2048,8192 --out ws.json
 
@@ -68,6 +70,91 @@ def parse_decode_config(text: str):
     return WsDecodeConfig(**fields)
 
 
+def smoke(config, decode: bool) -> str:
+    """One config on a small problem (4 experts of 0 / 1 / 37 / 200 rows, or 0 / 1 / 5 / 9 with `decode`; H 1024,
+    I 512; rows past the last expert), both GEMMs against the fp32 reference per expert, outputs poisoned with NaN:
+    "PASS <errors>", or "FAIL <why>" (a row of an expert unwritten or wrong, a row past them written)."""
+    import torch
+    import torch.nn.functional as F
+
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+    from weave_moe.reference import DEFAULT_TOLERANCE, moe_error
+
+    gemm0, gemm1 = ((ws_decode.ws_decode_gemm0, ws_decode.ws_decode_gemm1) if decode
+                    else (ws_gemm.ws_gemm0, ws_gemm.ws_gemm1))
+    counts = [0, 1, 5, 9] if decode else [0, 1, 37, 200]
+    E, H, I, rows = len(counts), 1024, 512, sum(counts)
+    alloc = rows + 64
+    offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(alloc, H, device="cuda", generator=gen).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) / I ** 0.5).bfloat16()
+    h_ref = torch.zeros(rows, I, device="cuda")
+    for e in range(E):
+        s, f = offsets[e].item(), offsets[e + 1].item()
+        gate_up = a[s:f].float() @ w13[e].float().T
+        h_ref[s:f] = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+    h_in = torch.full((alloc, I), float("nan"), device="cuda").bfloat16()
+    h_in[:rows] = h_ref.bfloat16()
+    y_ref = torch.zeros(rows, H, device="cuda")
+    for e in range(E):
+        s, f = offsets[e].item(), offsets[e + 1].item()
+        y_ref[s:f] = h_in[s:f].float() @ w2[e].float().T
+    tiles = gg.build_tile_table(offsets, config.block_m, alloc, False)
+    h = torch.full((alloc, I), float("nan"), device="cuda").bfloat16()
+    y = torch.full((alloc, H), float("nan"), device="cuda").bfloat16()
+    gemm0(a, gg.interleave_w13(w13), h, tiles, config)
+    gemm1(h_in, w2, y, tiles, config)
+    torch.cuda.synchronize()
+    errors = []
+    for name, out, ref in (("h", h, h_ref), ("y", y, y_ref)):
+        if torch.isnan(out[:rows]).any():
+            return f"FAIL {name}: {int(torch.isnan(out[:rows]).any(1).sum())} of {rows} rows unwritten"
+        if not torch.isnan(out[rows:]).all():
+            return f"FAIL {name}: rows past the last expert written"
+        error = moe_error(out[:rows], ref)[0]
+        if error > DEFAULT_TOLERANCE:
+            return f"FAIL {name}: error {error:.2e} over {DEFAULT_TOLERANCE:.0e}"
+        errors.append(f"{name} {error:.1e}")
+    return "PASS " + ", ".join(errors)
+
+
+def smoke_all(texts: list[str], decode: bool, timeout_s: float) -> dict:
+    """`smoke` for every config, in child processes so that a config that hangs or faults the GPU costs at most
+    `timeout_s` and names itself: {text: "PASS ..." / "FAIL ..." / "HANG"}. A child runs the configs in order,
+    printing a line before and after each, and stops after a CUDA error (the context is lost); the configs it did not
+    reach run in a new child."""
+    import subprocess
+
+    results, left = {}, list(texts)
+    while left:
+        command = [sys.executable, __file__, "--smoke-only", "--configs", ",".join(left)] + (["--decode"] if decode
+                                                                                             else [])
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+            output, errors = done.stdout, done.stderr
+        except subprocess.TimeoutExpired as expired:
+            output, errors = (value.decode() if isinstance(value, bytes) else (value or "")
+                              for value in (expired.stdout, expired.stderr))
+        before, started = len(results), None
+        for line in output.splitlines():
+            if line.startswith("SMOKE START "):
+                started = line[len("SMOKE START "):]
+            elif line.startswith("SMOKE END "):
+                text, _, verdict = line[len("SMOKE END "):].partition(" :: ")
+                results[text], started = verdict, None
+        if started is not None:   # begun and never ended: the GPU hung on it, or the child died there
+            results[started] = "HANG (or the child died): " + errors[-300:].replace("\n", " ")
+        left = [text for text in left if text not in results]
+        if left and len(results) == before:   # the child reached none of them: say why, once
+            for text in left:
+                results[text] = "FAIL the check did not start: " + errors[-300:].replace("\n", " ")
+            left = []
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,"
@@ -78,6 +165,9 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=None, help="candidates (default: DEFAULT_CONFIGS or "
                                                          "DEFAULT_DECODE_CONFIGS)")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--smoke-timeout", type=float, default=90.0,
+                        help="seconds for the small check of the configs, first (a hang costs this once)")
+    parser.add_argument("--smoke-only", action="store_true", help=argparse.SUPPRESS)   # smoke_all's child
     parser.add_argument("--warm-l2", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -93,15 +183,31 @@ def main(argv=None) -> int:
     from weave_moe.reference import DEFAULT_TOLERANCE
 
     parse = parse_decode_config if args.decode else parse_config
-    configs = [parse(c) for c in (args.configs or (DEFAULT_DECODE_CONFIGS if args.decode else DEFAULT_CONFIGS))
-               .split(",") if c.strip()]
+    texts = [c.strip() for c in (args.configs or (DEFAULT_DECODE_CONFIGS if args.decode else DEFAULT_CONFIGS))
+             .split(",") if c.strip()]
+    if args.smoke_only:   # smoke_all's child: one line before and after each config
+        for text in texts:
+            print(f"SMOKE START {text}", flush=True)
+            try:
+                verdict = smoke(parse(text), args.decode)
+            except Exception as exc:   # a config that does not compile or launch here
+                verdict = f"FAIL {type(exc).__name__}: {str(exc)[:300]}".replace("\n", " ")
+            print(f"SMOKE END {text} :: {verdict}", flush=True)
+            if "CUDA error" in verdict:   # the context is lost: the rest run in a new child
+                return 3
+        return 0
+    smoked = smoke_all(texts, args.decode, args.smoke_timeout)
+    for text, verdict in smoked.items():
+        print(f"smoke {text}: {verdict}", flush=True)
+    failures = sum(not verdict.startswith("PASS") for verdict in smoked.values())
+    configs = [parse(text) for text in texts if smoked[text].startswith("PASS")]   # the rest are not timed
     kernels = ((ws_decode.ws_decode_gemm0, ws_decode.ws_decode_gemm1) if args.decode
                else (ws_gemm.ws_gemm0, ws_gemm.ws_gemm1))
     tokens = args.tokens or ("1,8,32,128" if args.decode else "2048,8192")
     specs = [MoESpec.from_name(name) for name in args.models.split(",") if name]
     shapes = tune_shapes(specs, [int(t) for t in tokens.split(",") if t], args.emulate_ep)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    results, failures = [], 0
+    results = []
 
     def write():
         if args.out:
@@ -109,8 +215,10 @@ def main(argv=None) -> int:
 
             with open(args.out, "w") as f:
                 json.dump(dict(device=torch.cuda.get_device_name(), commit=git_commit(), command=" ".join(sys.argv),
-                               warm_l2=args.warm_l2, decode=args.decode, configs=[str(c) for c in configs],
-                               results=results), f, indent=1, default=str)
+                               warm_l2=args.warm_l2, decode=args.decode, smoke=smoked,
+                               configs=[str(c) for c in configs], results=results), f, indent=1, default=str)
+
+    write()   # the small checks' verdicts, before any shape
 
     for shape in shapes:
         work = _Work(shape, seed=0, l2_bytes=None if args.warm_l2 else props.L2_cache_size)

@@ -232,3 +232,20 @@ def test_the_ring_protocol_neither_deadlocks_nor_races(stages, consumers):
     for seed in range(40):
         for items, k_steps in ((1, 1), (3, 1), (5, 3), (7, 9)):
             _simulate(stages, consumers, items, k_steps, seed)
+
+
+def test_the_probes_small_checks_report_every_config_from_child_processes():
+    """scripts/ws_gemm_probe.py checks its candidates in child processes first, each named with its verdict (here,
+    without a GPU, every one fails to run: the verdicts say so, and a config that does not parse is one of them)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ws_gemm_probe.py"
+    spec = importlib.util.spec_from_file_location("ws_gemm_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    texts = ["128x256x64w8s4", "bad"]
+    results = probe.smoke_all(texts, decode=False, timeout_s=120)
+    assert sorted(results) == sorted(texts)
+    assert all(verdict.startswith("FAIL") for verdict in results.values()), results
+    assert "expected e.g." in results["bad"]
