@@ -28,22 +28,23 @@ import statistics
 import sys
 
 #: Candidate configs (`--configs`): block_m x block_n x block_k, consumer warps, stages, "c2": ping-pong consumers
-DEFAULT_CONFIGS = ("128x256x64w8s4,128x256x64w8s3,128x128x64w4s4c2,128x128x64w4s5c2,64x256x64w4s4c2,"
-                   "128x128x64w8s4,64x256x64w4s4")
+DEFAULT_CONFIGS = ("128x256x64w8s4,128x256x64w8s4t,128x256x64w8s3,128x128x64w4s4c2,128x128x64w4s5c2,"
+                   "64x256x64w4s4c2,128x128x64w8s4,64x256x64w4s4")
 
 
 def parse_config(text: str):
-    """"128x256x64w8s4" (then optionally "c2" two consumers, "p40" producer registers, "r168" maxnreg) ->
-    WsConfig."""
+    """"128x256x64w8s4" (then optionally "c2" two consumers, "p40" producer registers, "r168" maxnreg, "t" split
+    tails) -> WsConfig."""
     import re
 
     from weave_moe.backends.weave.kernels.ws_gemm import WsConfig
 
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:p(\d+))?(?:r(\d+))?", text.strip())
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:p(\d+))?(?:r(\d+))?(t)?", text.strip())
     if not match:
-        raise ValueError(f"config {text!r}: expected e.g. 128x256x64w8s4[c2][p40][r168]")
-    bm, bn, bk, warps, stages, consumers, producer, maxnreg = match.groups()
-    fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages))
+        raise ValueError(f"config {text!r}: expected e.g. 128x256x64w8s4[c2][p40][r168][t]")
+    bm, bn, bk, warps, stages, consumers, producer, maxnreg, tail = match.groups()
+    fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages),
+                  split_tail=tail is not None)
     for name, value in (("consumers", consumers), ("producer_regs", producer), ("maxnreg", maxnreg)):
         if value:
             fields[name] = int(value)
@@ -102,7 +103,7 @@ def smoke(config, decode: bool) -> str:
     for e in range(E):
         s, f = offsets[e].item(), offsets[e + 1].item()
         y_ref[s:f] = h_in[s:f].float() @ w2[e].float().T
-    tiles = gg.build_tile_table(offsets, config.block_m, alloc, False)
+    tiles = gg.build_tile_table(offsets, config.block_m, alloc, config.split_tail)
     h = torch.full((alloc, I), float("nan"), device="cuda").bfloat16()
     y = torch.full((alloc, H), float("nan"), device="cuda").bfloat16()
     gemm0(a, gg.interleave_w13(w13), h, tiles, config)
@@ -275,11 +276,11 @@ def main(argv=None) -> int:
         record(1, "library", library1)
         for config in configs:
             def ws0(r, config=config):
-                tiles = work.table(config.block_m, False, r)
+                tiles = work.table(config.block_m, config.split_tail, r)
                 return lambda: kernels[0](work.a, work.w13, work.h, tiles, config)
 
             def ws1(r, config=config):
-                tiles = work.table(config.block_m, False, r)
+                tiles = work.table(config.block_m, config.split_tail, r)
                 return lambda: kernels[1](work.h_in, work.w2, work.y, tiles, config)
 
             record(0, str(config), ws0)

@@ -37,7 +37,9 @@ def test_configs_refuse_what_cannot_run():
                          (dict(stages=1), "stages"), (dict(producer_regs=30), "producer_regs"),
                          (dict(maxnreg=200), "registers of an SM"), (dict(consumers=3), "consumers"),
                          (dict(consumers=2), "ping-pong"), (dict(consumer_regs=300), "consumer_regs"),
-                         (dict(block_m=128, block_n=256, num_warps=4), "accumulator")):
+                         (dict(block_m=128, block_n=256, num_warps=4), "accumulator"),
+                         (dict(block_m=64, num_warps=4, split_tail=True), "split_tail"),
+                         (dict(block_n=128, num_warps=4, consumers=2, split_tail=True), "split_tail")):
         with pytest.raises(ValueError, match=message):
             ws.WsConfig(**bad)
 
@@ -78,6 +80,8 @@ CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shap
     (0, ws.WsConfig(block_m=64, num_warps=4), 2048, 768, False),
     (0, ws.WsConfig(block_n=128, num_warps=4, consumers=2), 7168, 2048, False),
     (1, ws.WsConfig(block_n=128, num_warps=4, consumers=2, stages=5), 2048, 768, True),
+    (0, ws.WsConfig(split_tail=True), 7168, 2048, False),
+    (1, ws.WsConfig(split_tail=True, stages=3), 2048, 768, True),
     (1, ws.WsConfig(block_m=64, block_n=128, num_warps=8), 2048, 768, True),
     (0, ws.WsConfig(block_n=128, block_k=128, stages=3), 2048, 768, False),
 ]
@@ -85,7 +89,8 @@ CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shap
 
 @pytest.mark.parametrize("gemm,config,hidden,inter,scale", CASES, ids=lambda v: str(v))
 def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, hidden, inter, scale, tmp_path):
-    a, w, out, tiles, scale_t = _operands(gemm, hidden, inter, block_m=config.block_m, scale=scale)
+    a, w, out, tiles, scale_t = _operands(gemm, hidden, inter, block_m=config.block_m, scale=scale,
+                                          split_tail=config.split_tail)
     kernel, grid, args, kwargs = ws.ws_launch(gemm, a, w, out, tiles, config, scale=scale_t, num_sms=132)
     assert grid == (132, )
     compiled = sm90.compile_for_sm90(kernel, args, kwargs)
@@ -93,17 +98,22 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
     # the producer's loads: A and W through the bulk tensor copy engine, completing the stage's mbarrier (a block
     # row of more than the 128-byte swizzle is copied as several boxes)
     boxes = max(1, 2 * config.block_k // 128)
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx") == 2 * boxes
+    loads = 2 * boxes * (2 if config.split_tail else 1)   # the tails' loads are their own instructions
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx") == loads
     # the partitions' registers: the producer's warpgroup gives registers back, the consumer takes them
     counts = {int(v) for v in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)}
     assert config.producer_regs in counts and max(counts) > config.producer_regs, counts
     # the consumer's MMAs: one wgmma as wide as a warpgroup's columns per k16 step
-    warps_n = 2 if (config.block_m, config.num_warps) == (64, 8) else 1
-    shape = f"m64n{config.block_n // warps_n}k16"
-    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {shape}
-    # per consumer: BLOCK_K / 16 steps, each over the warpgroup's rows in m64 slices
-    rows_per_warpgroup = config.block_m // max(1, config.num_warps // 4 // warps_n)
-    assert ptx.count("wgmma.mma_async") == config.consumers * config.block_k // 16 * (rows_per_warpgroup // 64)
+    # per tile height (the tails: half of it), the warpgroups over rows first, then over columns
+    expected = {}
+    for rows in (config.block_m, config.block_m // 2) if config.split_tail else (config.block_m, ):
+        warps_n = 2 if (rows, config.num_warps) == (64, 8) else 1
+        rows_per_warpgroup = rows // max(1, config.num_warps // 4 // warps_n)
+        # per consumer: BLOCK_K / 16 steps, each over the warpgroup's rows in m64 slices
+        expected[f"m64n{config.block_n // warps_n}k16"] = config.block_k // 16 * (rows_per_warpgroup // 64)
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+    assert {shape: shapes.count(shape) for shape in set(shapes)} == {
+        shape: count * config.consumers for shape, count in expected.items()}
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # no CTA-wide barrier in the loops: the partitions meet only through mbarriers and named barriers of their own
     # warps (`bar.sync 0, <threads>`), after the start (`barrier.sync 1`, the warp-specialize dispatch)
@@ -127,6 +137,7 @@ def test_the_probes_configs_parse():
     assert probe.parse_config("64x128x64w4s5p24r232") == ws.WsConfig(block_m=64, block_n=128, num_warps=4, stages=5,
                                                                       producer_regs=24, maxnreg=232)
     assert probe.parse_config("128x128x64w4s4c2") == ws.WsConfig(block_n=128, num_warps=4, consumers=2)
+    assert probe.parse_config("128x256x64w8s4t") == ws.WsConfig(split_tail=True)
     with pytest.raises(ValueError, match="expected e.g."):
         probe.parse_config("128x256")
     from weave_moe.backends.weave.kernels.ws_decode import WsDecodeConfig

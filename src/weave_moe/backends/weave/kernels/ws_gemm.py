@@ -36,8 +36,10 @@ How (one CTA per SM, persistent; the same work items, tile table and GROUP_M ord
   then waits within one phase of the ring (as CUTLASS's ping-pong kernels order their math warpgroups).
   tests/test_ws_gemm.py simulates this arithmetic with the two partitions interleaved at random.
 
-Not covered here (kernels/grouped_gemm.py has them): split tails, stream-K, the gather rows, TMA epilogues,
-programmatic dependent launch. Gluon has no interpreter: on the CPU the kernels are compiled for sm_90 and their
+Split tails (`WsConfig.split_tail`): the table's section 1 (tails of at most BM / 2 rows) runs after section 0 as
+64-row tiles whose A blocks fill the first half of a stage's A buffer, one consumer, the ring's steps going on.
+Not covered here (kernels/grouped_gemm.py has them): stream-K, the gather rows, TMA epilogues, programmatic
+dependent launch. Gluon has no interpreter: on the CPU the kernels are compiled for sm_90 and their
 PTX read (tests/test_ws_gemm.py); on a GPU scripts/ws_gemm_probe.py checks them against torch and times them beside
 the Triton grouped GEMMs and `torch._grouped_mm`. The layer runs them with KernelConfig.ws_gemm (off until measured).
 """
@@ -88,6 +90,9 @@ class WsConfig:
             epilogue runs while the other's MMAs do; the ring's stages still pass in the CTA's work order).
         consumer_regs: with 2 consumers, the second's registers per thread (setmaxnreg); the first gets the rest.
             Two consumers of 8 warps do not fit an SM's registers: ping-pong takes 4-warp consumers.
+        split_tail: the tile table's tails of at most block_m / 2 rows run as 64-row tiles after the full ones
+            (`grouped_tiles.TileTable`, as GemmConfig.split_tail): less padding. 128-row tiles and one consumer
+            only (the tails' A blocks fill the first half of a stage's A buffer; wgmma needs 64 rows).
     """
 
     block_m: int = 128
@@ -100,6 +105,7 @@ class WsConfig:
     maxnreg: int = 0
     consumers: int = 1
     consumer_regs: int = 232
+    split_tail: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -127,17 +133,14 @@ class WsConfig:
             raise ValueError(f"WsConfig.consumers must be 1 or 2, got {self.consumers}")
         if not 24 <= self.consumer_regs <= 256 or self.consumer_regs % 8:
             raise ValueError(f"WsConfig.consumer_regs must be a multiple of 8 in [24, 256], got {self.consumer_regs}")
+        if self.split_tail and (self.block_m != 128 or self.consumers != 1):
+            raise ValueError("WsConfig.split_tail: 128-row tiles and one consumer only (64-row tails)")
         if self.consumers == 2 and self.num_warps != 4:
             raise ValueError("WsConfig: two consumers (ping-pong) of 8 warps do not fit an SM's registers: use "
                              "num_warps=4")
         if self.maxnreg and (self.maxnreg * 32 * self.warps > 65536 or self.maxnreg > MAX_REGS):
             raise ValueError(f"WsConfig.maxnreg = {self.maxnreg}: {self.warps} warps of it exceed the 65536 "
                              f"registers of an SM")
-
-    @property
-    def split_tail(self) -> bool:
-        """The tile tables' kind (`grouped_tiles.TileTable.split_tail`): these kernels run no split tails."""
-        return False
 
     @property
     def warps(self) -> int:
@@ -156,8 +159,9 @@ class WsConfig:
 
     def __str__(self) -> str:
         pingpong = f" pingpong c{self.consumer_regs}" if self.consumers == 2 else ""
+        tail = " tail" if self.split_tail else ""
         return (f"ws {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.stages} "
-                f"p{self.producer_regs} r{self.registers}{pingpong}")
+                f"p{self.producer_regs} r{self.registers}{pingpong}{tail}")
 
 
 @gluon.constexpr_function
@@ -204,44 +208,113 @@ def _work_tile(tiles_ptr, width, work, num_tiles, num_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K, w_rows,
-              GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr):
-    """The load partition: every TMA load of the CTA's work items, into the ring (module docstring)."""
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+def _section_work(pid, work_before, NUM_SMS: gl.constexpr):
+    """This CTA's first work item of a section that follows `work_before` items: the round-robin goes on across
+    sections, so the CTAs that ran out of section-0 work first take section 1's first items (grouped_gemm's)."""
+    return ((pid - work_before) % NUM_SMS + NUM_SMS) % NUM_SMS
+
+
+@gluon.jit
+def _load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, K, step, ROWS: gl.constexpr):
+    """The TMA loads of one work item's K steps from ring step `step` on (A: ROWS rows into the first ROWS of a
+    stage's A buffer); returns the step after them."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
+    for k in range(0, K, BLOCK_K):
+        stage = step % STAGES
+        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        if ROWS == a_bufs.shape[1]:
+            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
+        else:
+            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage).slice(0, ROWS))
+        tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
+        step += 1
+    return step
+
+
+@gluon.jit
+def _producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
+              w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+    """The load partition: every TMA load of the CTA's work items, into the ring (module docstring); with
+    SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`)."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    pid = gl.program_id(0)
     num_work = gl.load(num_tiles_ptr) * num_n
     step = 0
-    for work in range(gl.program_id(0), num_work, NUM_SMS):
+    for work in range(pid, num_work, NUM_SMS):
         expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
-        w_row = expert * w_rows + n * BLOCK_N
-        for k in range(0, K, BLOCK_K):
-            stage = step % STAGES
-            mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-            bar = ready.index(stage)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
-            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
-            step += 1
+        step = _load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, expert * w_rows + n * BLOCK_N, K,
+                          step, BLOCK_M)
+    if SPLIT_TAIL:
+        num_tails = gl.load(num_tiles_ptr + 1)
+        for work in range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
+            expert, m_start, m_end, n = _work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
+            step = _load_tile(a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
+                              expert * w_rows + n * BLOCK_N, K, step, BLOCK_M // 2)
+
+
+@gluon.jit
+def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K, n_out,
+                  GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, ROWS: gl.constexpr, CONSUMER: gl.constexpr,
+                  CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
+    """One work item of ROWS rows (the first ROWS of each stage's A buffer) from ring step `step` on: its wgmma,
+    then its epilogue; returns the step after it."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = w_bufs.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    OUT_N: gl.constexpr = BLOCK_N // 2 if GEMM == 0 else BLOCK_N
+    mma_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, WARPS)
+    out_layout: gl.constexpr = _store_layout(OUT_N, WARPS)
+    acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    for k in range(0, K, BLOCK_K):
+        stage = step % STAGES
+        mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+        if ROWS == a_bufs.shape[1]:
+            a = a_bufs.index(stage)
+        else:
+            a = a_bufs.index(stage).slice(0, ROWS)
+        acc = warpgroup_mma(a, w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+        # the MMA of the step before has finished: its stage may be refilled
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+        step += 1
+    if CONSUMERS == 2:   # every MMA of this item issued: the other consumer's turn
+        mbarrier.arrive(turn.index(1 - CONSUMER))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))   # K >= 8: the tile had a step
+    if GEMM == 0:   # h = silu(gate) * up: gate j and up j are adjacent columns (interleaved w13)
+        gate, up = acc.reshape([ROWS, BLOCK_N // 2, 2]).split()
+        values = gate / (1.0 + gl.exp(-gate)) * up
+    else:
+        values = acc
+        if HAS_SCALE:
+            rows = gl.minimum(m_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout)), m_end - 1)
+            values = values * gl.load(scale_ptr + rows)[:, None]
+    values = gl.convert_layout(values.to(gl.bfloat16), out_layout)
+    rows = m_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, out_layout))
+    cols = n * OUT_N + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, out_layout))
+    mask = (rows < m_end)[:, None] & (cols < n_out)[None, :]
+    gl.store(out_ptr + rows.to(gl.int64)[:, None] * n_out + cols[None, :], values, mask=mask)
+    return step
 
 
 @gluon.jit
 def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
               n_out, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-              CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
+              SPLIT_TAIL: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
     """An MMA partition (consumer CONSUMER of CONSUMERS, WARPS warps): the wgmma of every stage of its work items
     (the CTA's items CONSUMER, CONSUMER + CONSUMERS, ...), then each tile's epilogue (module docstring). With two
-    consumers their mainloops take turns (`turn`, module docstring)."""
+    consumers their mainloops take turns (`turn`, module docstring); with SPLIT_TAIL (one consumer) section 1's
+    half-height tiles follow section 0's."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    BLOCK_N: gl.constexpr = w_bufs.shape[1]
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    OUT_N: gl.constexpr = BLOCK_N // 2 if GEMM == 0 else BLOCK_N
-    mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, WARPS)
-    out_layout: gl.constexpr = _store_layout(OUT_N, WARPS)
     pid = gl.program_id(0)
     num_work = gl.load(num_tiles_ptr) * num_n
     k_steps = gl.cdiv(K, BLOCK_K)
+    step = 0
     for work in range(pid + CONSUMER * NUM_SMS, num_work, CONSUMERS * NUM_SMS):
         expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
         # the CTA's item index; the ring's step of its first K step (the producer loads the items in order)
@@ -250,42 +323,26 @@ def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr,
         if CONSUMERS == 2:   # wait for the other consumer's mainloops of the items before this one
             turns = index // 2 + CONSUMER
             mbarrier.wait(turn.index(CONSUMER), (turns - 1) & 1, pred=turns > 0)
-        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
-        for k in range(0, K, BLOCK_K):
-            stage = step % STAGES
-            mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(stage), w_bufs.index(stage).permute((1, 0)), acc, is_async=True)
-            # the MMA of the step before has finished: its stage may be refilled
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
-            step += 1
-        if CONSUMERS == 2:   # every MMA of this item issued: the other consumer's turn
-            mbarrier.arrive(turn.index(1 - CONSUMER))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))   # K >= 8: the tile had a step
-        if GEMM == 0:   # h = silu(gate) * up: gate j and up j are adjacent columns (interleaved w13)
-            gate, up = acc.reshape([BLOCK_M, BLOCK_N // 2, 2]).split()
-            values = gate / (1.0 + gl.exp(-gate)) * up
-        else:
-            values = acc
-            if HAS_SCALE:
-                rows = gl.minimum(m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout)), m_end - 1)
-                values = values * gl.load(scale_ptr + rows)[:, None]
-        values = gl.convert_layout(values.to(gl.bfloat16), out_layout)
-        rows = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
-        cols = n * OUT_N + gl.arange(0, OUT_N, layout=gl.SliceLayout(0, out_layout))
-        mask = (rows < m_end)[:, None] & (cols < n_out)[None, :]
-        gl.store(out_ptr + rows.to(gl.int64)[:, None] * n_out + cols[None, :], values, mask=mask)
+        step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K,
+                             n_out, GEMM, HAS_SCALE, BLOCK_M, CONSUMER, CONSUMERS, WARPS)
+    if SPLIT_TAIL:   # one consumer: `step` is the ring's step after section 0
+        num_tails = gl.load(num_tiles_ptr + 1)
+        for work in range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
+            expert, m_start, m_end, n = _work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
+            step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K,
+                                 n_out, GEMM, HAS_SCALE, BLOCK_M // 2, CONSUMER, CONSUMERS, WARPS)
 
 
 @gluon.jit
-def _ws_gemm_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out, w_rows,
-                    GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-                    STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMERS: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """out[m, j] over every tile of the table (section 0): GEMM 0: a = the rows, w = the interleaved w13 as
-    [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
-    [P, H] (n_out = H, w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I)."""
+def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out,
+                    w_rows, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
+                    NUM_SMS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """out[m, j] over every tile of the table: GEMM 0: a = the rows, w = the interleaved w13 as [E_local * 2I, H],
+    out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
+    w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
+    too (tiles of BM / 2 rows, A through a_tail_desc; a_desc again otherwise)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -302,18 +359,18 @@ def _ws_gemm_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr
     if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 0, 1, num_warps)),
-            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         w_rows, GROUP_M, NUM_SMS)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps)),
+            (_producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
+                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL)),
         ], [1], [PRODUCER_REGS])
     else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 0, 2, num_warps)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 2, num_warps)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, 1, 2, num_warps)),
-            (_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         w_rows, GROUP_M, NUM_SMS)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps)),
+            (_producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
+                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -365,21 +422,24 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
         raise ValueError("scale: GEMM1 only (the routing weight of each row)")
     if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (rows, )):
         raise ValueError(f"scale: expected fp32 ({rows},), given {scale.dtype} {tuple(scale.shape)}")
-    if tiles.block_m != config.block_m or tiles.split_tail:
-        raise ValueError(f"tiles: expected block_m = {config.block_m} without split tails, given block_m = "
-                         f"{tiles.block_m}, split_tail = {tiles.split_tail}")
+    if tiles.block_m != config.block_m or tiles.split_tail != config.split_tail:
+        raise ValueError(f"tiles: expected block_m = {config.block_m}, split_tail = {config.split_tail}, given "
+                         f"block_m = {tiles.block_m}, split_tail = {tiles.split_tail}")
     if K % 8 or n_out % 8:
         raise ValueError(f"K = {K} and the output's {n_out} columns must be multiples of 8 (16-byte TMA rows)")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
+    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)   # the tails' too: the same swizzle rows
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], a_layout)
+    a_tail_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk], a_layout) if config.split_tail else a_desc
     w_desc = TensorDescriptor.from_tensor(w.view(num_experts * w_rows, K), [bn, bk],
                                           gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16))
     num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
-    args = (a_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles, tiles.max_tiles,
-            K, n_out, w_rows)
+    args = (a_desc, a_tail_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles,
+            tiles.max_tiles, K, n_out, w_rows)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   STAGES=config.stages, PRODUCER_REGS=config.producer_regs, CONSUMERS=config.consumers,
-                  CONSUMER_REGS=config.consumer_regs, num_warps=config.num_warps, maxnreg=config.registers)
+                  CONSUMER_REGS=config.consumer_regs, SPLIT_TAIL=config.split_tail, num_warps=config.num_warps,
+                  maxnreg=config.registers)
     return _ws_gemm_kernel, (num_sms, ), args, kwargs
 
 
