@@ -174,10 +174,10 @@ class _MBarrier:
 
 
 def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int) -> None:
-    """The ring protocol of kernels/ws_gemm.py with its step, stage and phase arithmetic, the producer and the
-    consumers interleaved at random: every consumer step must read the stage the producer filled for that step, and
-    the producer must never refill a stage an unfinished MMA still reads. Each agent is a generator that yields the
-    condition it waits on."""
+    """The ring protocol of kernels/ws_ring.py (with ws_gemm.py's turns), its step, stage and phase arithmetic, the
+    producer and the consumers interleaved at random: every consumer step must read the stage the producer filled for
+    that step, and the producer must never refill a stage an unfinished MMA still reads. Each agent is a generator
+    that yields the condition it waits on."""
     import random
 
     rng = random.Random(seed)

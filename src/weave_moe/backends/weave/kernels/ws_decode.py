@@ -10,11 +10,11 @@ Why. At decode sizes an expert holds a few rows and a GEMM streams its weights: 
 Triton kernels there run 16-row tiles on mma.sync (wgmma needs 64 rows) with the loads issued by the warps that
 multiply. Here the tile is BW weight rows x BT token rows: acc^T [BW, BT] = W [BW, K] @ A [BT, K]^T, one wgmma
 m64nBTk16 per warpgroup and k16 step (A's block is the wgmma's B operand through a transposed view of its K-major
-shared-memory block), and the loads come from kernels/ws_gemm.py's producer partition: a warp that keeps S stages of
+shared-memory block), and the loads come from kernels/ws_ring.py's producer partition: a warp that keeps S stages of
 (BW + BT) x BK bf16 in flight, across tiles, with few registers. Smaller weight tiles (BW = 64) also spread an
 expert's weights over more SMs (Qwen3-30B-A3B's GEMM0 at 1 token: 8 experts x 24 tiles instead of 96 tiles).
 
-The ring protocol, the work order and the tile table are kernels/ws_gemm.py's (one consumer). The epilogue is
+The ring, its protocol, the work order and the tile table are kernels/ws_ring.py's (one consumer). The epilogue is
 transposed: GEMM0's accumulator rows are interleaved w13 rows (gate j, up j neighbours, `grouped_gemm.
 interleave_w13`), split in pairs after a layout change that puts each pair in one thread, and h[t, j] is stored for
 the tile's token rows t below the expert's end; GEMM1 stores y[t, j] (times the row's routing weight with `scale`).
@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_gemm import MAX_RING_BYTES, _producer, _work_tile
+from weave_moe.backends.weave.kernels.ws_ring import MAX_RING_BYTES, producer, work_tile
 
 __all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch", "default_config",
            "default_configs"]
@@ -136,7 +136,7 @@ def _decode_consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr
     num_work = gl.load(num_tiles_ptr) * num_n
     k_steps = gl.cdiv(K, BLOCK_K)
     for work in range(pid, num_work, NUM_SMS):
-        expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, 1)
+        expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, 1)
         step = (work - pid) // NUM_SMS * k_steps
         acc = gl.zeros((BLOCK_W, BLOCK_T), dtype=gl.float32, layout=acc_layout)
         for k in range(0, K, BLOCK_K):
@@ -182,7 +182,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
     gl.warp_specialize([
         (_decode_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n,
                             K, n_out, GEMM, HAS_SCALE, NUM_SMS, num_warps)),
-        (_producer, (a_desc, a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
+        (producer, (a_desc, a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
                      K, w_rows, 1, NUM_SMS, False)),
     ], [1], [PRODUCER_REGS])
 

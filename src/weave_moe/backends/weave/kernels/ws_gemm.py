@@ -12,12 +12,9 @@ unchanged on sm_90 (docs/perf-notes.md entry 27). Gluon (`triton.experimental.gl
 split by hand: `gl.warp_specialize`, mbarriers, TMA and `warpgroup_mma` as explicit operations.
 
 How (one CTA per SM, persistent; the same work items, tile table and GROUP_M order as grouped_gemm):
-- a producer partition of one warp, with few registers (`WsConfig.producer_regs`), walks the CTA's work items and
-  issues every TMA load, A's block [BM, BK] at the tile's first row and W's block [BN, BK] at the expert's weight
-  rows, into a ring of S shared-memory stages. Stage s has a `ready` mbarrier (completed by the copies' transaction
-  bytes) and an `empty` one (completed by the consumer when the MMAs reading it have finished); the producer waits
-  on `empty` before it refills a stage, so it runs up to S K steps ahead, across tile boundaries: the next tile's
-  first blocks load while the consumer runs this tile's epilogue.
+- a producer partition of one warp, with few registers (`WsConfig.producer_regs`), issues every TMA load into a ring
+  of S shared-memory stages, up to S K steps ahead across tiles (kernels/ws_ring.py: the ring, its mbarrier
+  protocol and the work order), so the next tile's first blocks load while the consumer runs this tile's epilogue.
 - the consumer (the default partition: `num_warps` warps, one or two warpgroups over the tile's rows) waits on
   `ready`, issues the stage's wgmma asynchronously (one instruction N as wide as the tile: m64nBNk16 per warpgroup),
   keeps one MMA group in flight (`warpgroup_mma_wait(1)`) and then releases the stage before; at a tile's end it
@@ -26,15 +23,10 @@ How (one CTA per SM, persistent; the same work items, tile table and GROUP_M ord
   thread) and stores silu(gate) * up; GEMM1 stores the accumulator times the row's routing weight (`scale`). Rows of
   a tile past its expert's end are computed (A's TMA block reads the next expert's rows, or zeros past P) and never
   stored; stores are masked pointer stores of 16 bytes per thread.
-- the mbarrier protocol: the partitions count K steps from 0 across the CTA's whole walk (item i's first step is
-  i * K steps); step c uses stage c % S with phase (c // S) & 1; the producer waits `empty` with the opposite phase
-  (a fresh mbarrier's phase 1 is complete, so the first S waits pass). All derive the walk from the same tile
-  table, so they agree on every step. A wait on a phase's parity is only right within one phase of the barrier:
-  with two consumers, the second's first steps would otherwise pass on `ready` phases the first consumer has not
-  consumed yet (a phase two behind has the same parity), so their mainloops take turns through two more mbarriers
-  (`turn`): a consumer starts item i once the other has issued its MMAs of every earlier item, and each mainloop
-  then waits within one phase of the ring (as CUTLASS's ping-pong kernels order their math warpgroups).
-  tests/test_ws_gemm.py simulates this arithmetic with the two partitions interleaved at random.
+- two consumers (`WsConfig.consumers`, ping-pong) take alternate work items; their mainloops take turns through two
+  more mbarriers (`turn`): a consumer starts item i once the other has issued its MMAs of every earlier item, so
+  each waits on the ring within one phase (kernels/ws_ring.py, "Parity"), as CUTLASS's ping-pong kernels order
+  their math warpgroups.
 
 Split tails (`WsConfig.split_tail`): the table's section 1 (tails of at most BM / 2 rows) runs after section 0 as
 64-row tiles whose A blocks fill the first half of a stage's A buffer, one consumer, the ring's steps going on.
@@ -51,19 +43,17 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels import gemm_configs
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
+from weave_moe.backends.weave.kernels.ws_ring import MAX_RING_BYTES, producer, section_work, work_tile
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIGS"]
 
 #: registers a thread may hold (the hardware's limit per thread)
 MAX_REGS = 255
-#: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
-#: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
-MAX_RING_BYTES = 192 * 1024
 #: fp32 accumulator registers per consumer thread at most: 128x256 over 8 warps; 128x256 over 4 warps (256) spills
 #: in ptxas (tests/test_ws_gemm.py)
 ACCUMULATOR_REGS = 128
@@ -193,70 +183,6 @@ def _store_layout(block_n, num_warps):
 
 
 @gluon.jit
-def _work_tile(tiles_ptr, width, work, num_tiles, num_n, GROUP_M: gl.constexpr):
-    """(expert, first row, the expert's end row, N tile) of work item `work`: GROUP_M consecutive M tiles sweep the
-    N tiles together (grouped_gemm's `_tile_coords` order)."""
-    per_group = GROUP_M * num_n
-    first = (work // per_group) * GROUP_M
-    size = gl.minimum(num_tiles - first, GROUP_M)
-    tile = first + (work % per_group) % size
-    n = (work % per_group) // size
-    expert = gl.load(tiles_ptr + tile)
-    m_start = gl.load(tiles_ptr + width + tile)
-    m_end = gl.load(tiles_ptr + 2 * width + tile)
-    return expert, m_start, m_end, n
-
-
-@gluon.jit
-def _section_work(pid, work_before, NUM_SMS: gl.constexpr):
-    """This CTA's first work item of a section that follows `work_before` items: the round-robin goes on across
-    sections, so the CTAs that ran out of section-0 work first take section 1's first items (grouped_gemm's)."""
-    return ((pid - work_before) % NUM_SMS + NUM_SMS) % NUM_SMS
-
-
-@gluon.jit
-def _load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, K, step, ROWS: gl.constexpr):
-    """The TMA loads of one work item's K steps from ring step `step` on (A: ROWS rows into the first ROWS of a
-    stage's A buffer); returns the step after them."""
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    for k in range(0, K, BLOCK_K):
-        stage = step % STAGES
-        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        if ROWS == a_bufs.shape[1]:
-            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
-        else:
-            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage).slice(0, ROWS))
-        tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
-        step += 1
-    return step
-
-
-@gluon.jit
-def _producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
-              w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr):
-    """The load partition: every TMA load of the CTA's work items, into the ring (module docstring); with
-    SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`)."""
-    BLOCK_M: gl.constexpr = a_bufs.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    pid = gl.program_id(0)
-    num_work = gl.load(num_tiles_ptr) * num_n
-    step = 0
-    for work in range(pid, num_work, NUM_SMS):
-        expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
-        step = _load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, expert * w_rows + n * BLOCK_N, K,
-                          step, BLOCK_M)
-    if SPLIT_TAIL:
-        num_tails = gl.load(num_tiles_ptr + 1)
-        for work in range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
-            expert, m_start, m_end, n = _work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
-            step = _load_tile(a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
-                              expert * w_rows + n * BLOCK_N, K, step, BLOCK_M // 2)
-
-
-@gluon.jit
 def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K, n_out,
                   GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, ROWS: gl.constexpr, CONSUMER: gl.constexpr,
                   CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
@@ -316,7 +242,7 @@ def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr,
     k_steps = gl.cdiv(K, BLOCK_K)
     step = 0
     for work in range(pid + CONSUMER * NUM_SMS, num_work, CONSUMERS * NUM_SMS):
-        expert, m_start, m_end, n = _work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
+        expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
         # the CTA's item index; the ring's step of its first K step (the producer loads the items in order)
         index = (work - pid) // NUM_SMS
         step = index * k_steps
@@ -327,8 +253,8 @@ def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr,
                              n_out, GEMM, HAS_SCALE, BLOCK_M, CONSUMER, CONSUMERS, WARPS)
     if SPLIT_TAIL:   # one consumer: `step` is the ring's step after section 0
         num_tails = gl.load(num_tiles_ptr + 1)
-        for work in range(_section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
-            expert, m_start, m_end, n = _work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
+        for work in range(section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
+            expert, m_start, m_end, n = work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
             step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K,
                                  n_out, GEMM, HAS_SCALE, BLOCK_M // 2, CONSUMER, CONSUMERS, WARPS)
 
@@ -360,7 +286,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps)),
-            (_producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
+            (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
                          num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL)),
         ], [1], [PRODUCER_REGS])
     else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
@@ -369,7 +295,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 2, num_warps)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps)),
-            (_producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
+            (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
                          num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

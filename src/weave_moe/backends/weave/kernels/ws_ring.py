@@ -1,0 +1,101 @@
+"""The load ring of the warp-specialised Gluon GEMMs (kernels/ws_gemm.py, kernels/ws_decode.py): the work order, the
+producer partition and the mbarrier protocol that the consumers follow.
+
+Shape legend: S = stages, K steps = ceil(K / BLOCK_K).
+
+The ring. S shared-memory stages, each an A buffer and a W buffer (a work item's K-step blocks), with two mbarriers
+of arrival count 1: `ready` completes when the TMA copies of a stage's blocks have landed (their transaction
+bytes), `empty` when the consumer's MMAs that read the stage have finished. Every partition counts K steps from 0
+across the CTA's whole walk: item i (the CTA's i-th work item, section 0 then section 1) takes steps i * K steps ...
+(i + 1) * K steps - 1, and step c uses stage c % S in phase (c // S) & 1. The producer waits on `empty` with the
+opposite phase (a fresh mbarrier's phase "1" counts as complete, so its first S waits pass), expects the bytes on
+`ready` and issues the copies; a consumer waits on `ready`, issues the stage's MMAs asynchronously, waits until at
+most one MMA group is in flight and then arrives on `empty` of the step before (whose MMAs have now finished), and
+at an item's end drains and arrives on `empty` of its last step. So the producer runs up to S steps ahead, across
+items. Every partition derives the walk from the same tile table, so they agree on every step.
+
+Parity. A wait names a phase only by its parity: it is right while the waiter is at most one phase ahead of the
+barrier. The producer and a single consumer stay so by construction; two consumers (ping-pong) must take turns at
+their mainloops (kernels/ws_gemm.py, `turn`), or the second one's first wait on `ready` would pass on a phase two
+behind. tests/test_ws_gemm.py simulates this arithmetic with the partitions interleaved at random.
+
+Work order: grouped_gemm's: GROUP_M consecutive M tiles of the tile table sweep the N tiles together (a weight
+block read from HBM about once, reused from L2), dealt round-robin to the CTAs; section 1 (split tails) after
+section 0, its round-robin going on from where section 0's ended.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+__all__ = ["MAX_RING_BYTES", "work_tile", "section_work", "load_tile", "producer"]
+
+#: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
+#: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
+MAX_RING_BYTES = 192 * 1024
+
+
+@gluon.jit
+def work_tile(tiles_ptr, width, work, num_tiles, num_n, GROUP_M: gl.constexpr):
+    """(expert, first row, the expert's end row, N tile) of work item `work`: GROUP_M consecutive M tiles sweep the
+    N tiles together (grouped_gemm's `_tile_coords` order)."""
+    per_group = GROUP_M * num_n
+    first = (work // per_group) * GROUP_M
+    size = gl.minimum(num_tiles - first, GROUP_M)
+    tile = first + (work % per_group) % size
+    n = (work % per_group) // size
+    expert = gl.load(tiles_ptr + tile)
+    m_start = gl.load(tiles_ptr + width + tile)
+    m_end = gl.load(tiles_ptr + 2 * width + tile)
+    return expert, m_start, m_end, n
+
+
+@gluon.jit
+def section_work(pid, work_before, NUM_SMS: gl.constexpr):
+    """This CTA's first work item of a section that follows `work_before` items: the round-robin goes on across
+    sections, so the CTAs that ran out of section-0 work first take section 1's first items (grouped_gemm's)."""
+    return ((pid - work_before) % NUM_SMS + NUM_SMS) % NUM_SMS
+
+
+@gluon.jit
+def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, K, step, ROWS: gl.constexpr):
+    """The TMA loads of one work item's K steps from ring step `step` on (A: ROWS rows into the first ROWS of a
+    stage's A buffer); returns the step after them."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    for k in range(0, K, BLOCK_K):
+        stage = step % STAGES
+        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        if ROWS == a_bufs.shape[1]:
+            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
+        else:
+            tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage).slice(0, ROWS))
+        tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
+        step += 1
+    return step
+
+
+@gluon.jit
+def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
+             w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+    """The load partition: every TMA load of the CTA's work items, into the ring (module docstring); with
+    SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`)."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    num_work = gl.load(num_tiles_ptr) * num_n
+    step = 0
+    for work in range(pid, num_work, NUM_SMS):
+        expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
+        step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, expert * w_rows + n * BLOCK_N, K,
+                         step, BLOCK_M)
+    if SPLIT_TAIL:
+        num_tails = gl.load(num_tiles_ptr + 1)
+        for work in range(section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
+            expert, m_start, m_end, n = work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
+            step = load_tile(a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
+                             expert * w_rows + n * BLOCK_N, K, step, BLOCK_M // 2)
