@@ -48,6 +48,9 @@ for stage in "$@"; do
     # prefetch; the default policy with the early dispatch, and with the planner in the counts launch and the scan
     # beside it too (its ~10 us over serial at 1 token, perf-notes 28 and 34)
     decode-levers) timeout "${DL_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${DL_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${DL_TOKENS:-1,8,32}" --routing uniform --variants "${DL_VARIANTS:-nccl,weave:serial@pair_dispatch=off,weave:serial@pair_dispatch=off@early_dispatch=on,weave:serial,weave:serial@prefetch_mib=48,weave,weave@early_dispatch=on,weave@fused_planner=on@early_scan=on@early_dispatch=on}" --check --iters 30 --rounds 5 --no-progress --timeout $(( ${DL_TIMEOUT:-420} - 10 )) --name decode-levers --out "$W" > "$W/decode-levers.log" 2>&1; echo "rc=$?"; tail -34 "$W/decode-levers.log";;
+    # the default policy at EP = 1 without emulation (KernelConfig.serial_at_ep1: the serial plan's layer) against
+    # planning on the device per call, --check on every row, 3 rounds
+    ep1-default) timeout "${E1_TIMEOUT:-300}" python3 -m weave_moe.bench --models "${E1_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${E1_TOKENS:-1,32,2048}" --routing uniform --variants "${E1_VARIANTS:-nccl,weave,weave@serial_at_ep1=off}" --check --iters 20 --rounds 3 --no-progress --timeout $(( ${E1_TIMEOUT:-300} - 10 )) --name ep1-default --out "$W" > "$W/ep1-default.log" 2>&1; echo "rc=$?"; tail -30 "$W/ep1-default.log";;
     # the warp-specialised Gluon grouped GEMMs (kernels/ws_gemm.py: a TMA producer warp, wgmma consumer warpgroups)
     # against the Triton grouped GEMMs (the layer's configs) and torch._grouped_mm, each GEMM alone on the same rows,
     # cold L2, every variant checked first (WS_CONFIGS: candidates, e.g. 128x256x64w8s4,64x256x64w4s4)
