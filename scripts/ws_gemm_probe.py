@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     for row in results:
         for gemm in (0, 1):
             times = {name: v.get(f"gemm{gemm}", {}).get("ms") for name, v in row["variants"].items()}
-            triton = next((t for name, t in times.items() if name.startswith("triton")), None)
+            triton = next((t for name, t in times.items() if name.startswith("triton") and t is not None), None)
             ws = [(t, name) for name, t in times.items()
                   if name.split()[0] in ("ws", "wsd") and t is not None and t == t]
             best = min(ws) if ws else (float("nan"), "-")

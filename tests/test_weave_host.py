@@ -1331,9 +1331,9 @@ def test_fixed_plan_is_made_once_for_the_policies_whose_plan_does_not_depend_on_
 
 @pytest.mark.parametrize("gemm0_gather", [True, False])
 def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch, gemm0_gather):
-    """KernelConfig.ws_gemm: the layer's configs at prefill sizes are ws_gemm's, at decode sizes ws_decode's; their
-    GEMM0 reads its rows in expert order from y after the gather launch, also where the Triton GEMM0 would read the
-    receive buffer through the gather rows; GEMM1 reads h and writes y."""
+    """KernelConfig.ws_gemm: the layer's configs where the weights stream are ws_gemm's, at decode sizes ws_decode's
+    (GEMM0 of a layer that gathers in its Triton GEMM0 keeps that one at prefill sizes); a warp-specialised GEMM0
+    reads its rows in expert order from y after the gather launch; GEMM1 reads h and writes y."""
     import types
 
     from weave_moe.backends.weave import backend as backend_module
@@ -1349,8 +1349,12 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     monkeypatch.setattr(WeaveBackend, "_held_layout", lambda self, gemm, config: config)
     decode = ws_decode.default_config(8 * 8, 8)   # 8 rows per expert: the decode kernels
     assert WeaveBackend._grouped_configs(backend, 8 * 8) == (decode, decode) and decode.block_t == 16
-    configs = WeaveBackend._grouped_configs(backend, 128 * 8)
-    assert configs == (ws_gemm.WsConfig(), ws_gemm.WsConfig())
+    # 128 rows per expert: the prefill kernels, but GEMM0 of a layer that reads through the gather rows keeps Triton's
+    backend.grouped_configs = {}
+    assert WeaveBackend._grouped_configs(backend, 128 * 8) == (
+        triton[0] if gemm0_gather else ws_gemm.DEFAULT_CONFIG, ws_gemm.DEFAULT_CONFIG)
+    assert WeaveBackend._grouped_configs(backend, 512 * 8) == (triton[0], triton[1])   # 512: the Triton kernels
+    configs = (ws_gemm.DEFAULT_CONFIG, ws_gemm.DEFAULT_CONFIG)
     calls = []
     backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index))
     backend._current_stream = lambda: types.SimpleNamespace(wait_event=lambda event: None)
@@ -1359,7 +1363,7 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     monkeypatch.setattr(backend_module.ws_gemm, "ws_gemm1", lambda a, w, out, tiles, config:
                         calls.append(("ws gemm1", a, out, tiles, config)))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
-    WeaveBackend._grouped_gemms(backend, layout, configs, early=({(128, False): "table"}, None, None))
+    WeaveBackend._grouped_gemms(backend, layout, configs, early=({(64, False): "table"}, None, None))
     ws = backend.workspace
     assert [call[0] for call in calls] == ["gather", "ws gemm0", "ws gemm1"]
     assert calls[0][1] is layout.gather_rows

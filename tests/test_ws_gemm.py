@@ -149,17 +149,15 @@ def test_the_probes_configs_parse():
         probe.parse_decode_config("16x64")
 
 
-def test_default_config_takes_the_prefill_sizes_only():
-    """KernelConfig.ws_gemm's configs: none under 64 rows per expert (decode sizes keep the Triton kernels' tuned
-    16-row tiles), else the analytical rule's tile height: 128 rows, or 64 where 128-row tiles pad much more."""
-    from weave_moe.backends.weave.kernels import gemm_configs as gc
-
+def test_default_config_takes_the_weight_streaming_sizes_only():
+    """KernelConfig.ws_gemm's prefill config: 64x256x64 over one warpgroup from 64 to 256 rows per expert on average
+    (where it measured faster on an H100); none below (decode sizes: kernels/ws_decode.py) or above (the Triton
+    kernels as fast or faster)."""
     assert ws.default_config(0, 63 * 64, 64) is None and ws.default_config(1, 8, 64) is None
-    assert ws.default_config(0, 16384, 64) == ws.WsConfig()   # 256 rows per expert
-    assert gc.analytical_config(1, 154 * 80, 80).block_m == 64   # 154 rows per expert: 64-row tiles pad less
-    assert ws.default_config(1, 154 * 80, 80) == ws.WsConfig(block_m=64, num_warps=4)
-    assert set(ws.default_configs()) == {ws.WsConfig(), ws.WsConfig(block_m=64, num_warps=4)}
-    assert not any(config.split_tail for config in ws.default_configs())
+    assert ws.default_config(0, 128 * 128, 128) == ws.DEFAULT_CONFIG == ws.WsConfig(block_m=64, num_warps=4)
+    assert ws.default_config(1, 256 * 80, 80) == ws.DEFAULT_CONFIG
+    assert ws.default_config(0, 257 * 80, 80) is None and ws.default_config(1, 1024 * 64, 64) is None
+    assert ws.default_configs() == (ws.DEFAULT_CONFIG, )
 
 
 class _MBarrier:

@@ -1073,11 +1073,23 @@ class WeaveBackend:
             H, I = self.spec.hidden_size, self.spec.intermediate_size
             configs = tuple(self._held_layout(g, gemm_configs.default_config(g, rows, self.num_local_experts, H, I))
                             for g in (0, 1))
-            if self.ws_gemm:   # KernelConfig.ws_gemm: the prefill kernels, else the decode ones
-                configs = tuple(ws_gemm.default_config(g, rows, self.num_local_experts)
-                                or ws_decode.default_config(rows, self.num_local_experts) for g in (0, 1))
+            if self.ws_gemm:
+                configs = tuple(self._ws_config(g, rows) or configs[g] for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
+
+    def _ws_config(self, gemm: int, rows: int):
+        """KernelConfig.ws_gemm's config for `gemm` at about `rows` rows, or None (the Triton kernel's): the decode
+        kernels under ws_gemm.MIN_ROWS_PER_EXPERT rows per expert, the prefill ones where `ws_gemm.default_config`
+        has one; not GEMM0 of a layer whose Triton GEMM0 reads the receive buffer through the gather rows at those
+        sizes (the warp-specialised one would need the gather launch's copy first: Qwen3-30B-A3B at 8192 tokens
+        1.301 against 1.234 ms in calls, bench/results/h100-a9c802a)."""
+        E = self.num_local_experts
+        if rows < ws_gemm.MIN_ROWS_PER_EXPERT * E:
+            return ws_decode.default_config(rows, E)
+        if gemm == 0 and self.gemm0_gather:
+            return None
+        return ws_gemm.default_config(gemm, rows, E)
 
     def _held_layout(self, gemm: int, config):
         """A grouped-GEMM config (tuned or analytical, for the interleaved w13) as it runs on the w13 this layer

@@ -33,7 +33,10 @@ Split tails (`WsConfig.split_tail`): the table's section 1 (tails of at most BM 
 Not covered here (kernels/grouped_gemm.py has them): stream-K, the gather rows, TMA epilogues, programmatic
 dependent launch. Gluon has no interpreter: on the CPU the kernels are compiled for sm_90 and their
 PTX read (tests/test_ws_gemm.py); on a GPU scripts/ws_gemm_probe.py checks them against torch and times them beside
-the Triton grouped GEMMs and `torch._grouped_mm`. The layer runs them with KernelConfig.ws_gemm (off until measured).
+the Triton grouped GEMMs and `torch._grouped_mm`. The layer runs them with KernelConfig.ws_gemm (off). On an H100
+(bench/results/h100-a9c802a): every config correct (the probe's small check, every shape's check, the layer's
+calls with ws_gemm on); faster than the Triton kernels where the weights stream (DeepSeek-V3's GEMM0 at 2048
+tokens per rank 3187 against 4233 us), as fast or up to 6% slower at 384-1024 rows per expert.
 """
 
 from __future__ import annotations
@@ -46,11 +49,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from weave_moe.backends.weave.kernels import gemm_configs
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 from weave_moe.backends.weave.kernels.ws_ring import MAX_RING_BYTES, producer, section_work, work_tile
 
-__all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIGS"]
+__all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
+           "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
 
 #: registers a thread may hold (the hardware's limit per thread)
 MAX_REGS = 255
@@ -300,29 +303,29 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-#: The configs `default_config` picks from, by the analytical rule's tile height: 128 and 64 rows
-DEFAULT_CONFIGS = {128: WsConfig(), 64: WsConfig(block_m=64, num_warps=4)}
-
-
-#: `default_config` leaves GEMMs of fewer rows per expert on average to the Triton kernels (a 64-row tile's worth)
-MIN_ROWS_PER_EXPERT = 64
+#: `default_config`'s rows per expert on average: from a 64-row tile's worth (below: the decode kernels) to where
+#: the weights stream rather than the MMAs bind (above: the Triton kernels measured as fast or faster)
+MIN_ROWS_PER_EXPERT, MAX_ROWS_PER_EXPERT = 64, 256
+#: what `default_config` picks: measured fastest of the candidates at 128-154 rows per expert
+DEFAULT_CONFIG = WsConfig(block_m=64, num_warps=4)
 
 
 def default_config(gemm: int, rows: int, num_local_experts: int) -> WsConfig | None:
     """The config of a warp-specialised GEMM of `rows` rows over `num_local_experts` experts (KernelConfig.ws_gemm),
-    or None where the Triton grouped GEMMs keep it: under MIN_ROWS_PER_EXPERT rows per expert on average (decode
-    sizes, where the tuned tables hold 16-row tiles and wgmma needs 64 rows); otherwise the tile height the analytical
-    rule picks for the Triton kernels (`gemm_configs.analytical_config`: 128 rows, or 64 where they pad much less),
-    as 128x256x64 tiles over two warpgroups or 64x256x64 over one, 4 stages, one consumer. An assumption until
-    scripts/ws_gemm_probe.py has measured the candidates."""
-    if rows < MIN_ROWS_PER_EXPERT * max(num_local_experts, 1):
-        return None
-    return DEFAULT_CONFIGS.get(gemm_configs.analytical_config(gemm, rows, num_local_experts).block_m)
+    or None where the Triton grouped GEMMs keep it: DEFAULT_CONFIG (64x256x64 tiles, one warpgroup, 4 stages) from
+    MIN_ROWS_PER_EXPERT to MAX_ROWS_PER_EXPERT rows per expert on average, where the GEMMs stream their weights.
+    Measured on an H100 (bench/results/h100-a9c802a, each GEMM alone, cold L2, against the Triton kernel with the
+    layer's config, no H100 prefill table there): GEMM0 + GEMM1 at 2048 tokens per rank, one rank's work of EP=2,
+    DeepSeek-V3 (128 rows per expert) 0.753 / 0.991, DeepSeek-V2 (154) 0.869 / 0.936, Qwen3.5-35B-A3B (128) 0.936 /
+    0.929; at 384-1024 rows per expert 0.99-1.06 (DeepSeek-V3 at 8192 tokens 1.057 / 1.062): the Triton kernels
+    keep those. Below MIN_ROWS_PER_EXPERT: None here (kernels/ws_decode.py's `default_config` serves decode sizes)."""
+    mean = rows / max(num_local_experts, 1)
+    return DEFAULT_CONFIG if MIN_ROWS_PER_EXPERT <= mean <= MAX_ROWS_PER_EXPERT else None
 
 
 def default_configs() -> tuple[WsConfig, ...]:
     """Every config `default_config` may pick (what a layer compiles before its first call)."""
-    return tuple(DEFAULT_CONFIGS.values())
+    return (DEFAULT_CONFIG, )
 
 
 def _check(name, tensor, shape):
