@@ -6,7 +6,6 @@ interpreter (not round-to-nearest as on the GPU), up to one ulp each: 2e-2 here,
 """
 
 import re
-import subprocess
 import textwrap
 
 import pytest
@@ -247,17 +246,6 @@ def test_bad_arguments_name_what_was_expected():
         gg.build_tile_table(offsets.long(), 16, 4)
 
 
-def _ptxas_report(ptx: str, tmp_path) -> str:
-    from triton import knobs
-
-    path = tmp_path / "kernel.ptx"
-    path.write_text(ptx)
-    result = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.o")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stderr
-
-
 #: SMs of the GPU the runtime specialises NUM_SMS for when a table does not say (H200; its tables record "sms").
 H200_SMS = 132
 #: Layer shapes (H, I) whose analytical configs are compiled: DeepSeek-V3 and Qwen3-30B-A3B.
@@ -331,7 +319,7 @@ def _check_hopper_ptx(cfg, compiled, tmp_path):
     waits, releases = ptx.find("griddepcontrol.wait"), ptx.rfind("griddepcontrol.launch_dependents")
     last_mma = max(ptx.rfind("wgmma.mma_async"), ptx.rfind("mma.sync.aligned"))
     assert 0 <= waits < last_mma < releases, (waits, last_mma, releases)
-    report = _ptxas_report(ptx, tmp_path)
+    report = sm90.ptxas_report(ptx, tmp_path)
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 
@@ -382,7 +370,7 @@ def test_gemm0_configs_on_w13_as_given_compile_for_hopper_without_local_memory(g
     assert compiled.metadata.shared <= HOPPER_SMEM_BYTES, compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and not re.search(r"\.local\b", ptx)
-    report = _ptxas_report(ptx, tmp_path)
+    report = sm90.ptxas_report(ptx, tmp_path)
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 

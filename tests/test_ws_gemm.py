@@ -5,7 +5,6 @@ TMA loads and gives its registers back, consumers that issue wgmma as wide as th
 on their own warps, no local memory, shared memory within Hopper's."""
 
 import re
-import subprocess
 
 import pytest
 import torch
@@ -62,17 +61,6 @@ def test_launch_arguments_are_checked():
         ws.ws_launch(1, h, w2, y, tiles, config, scale=torch.empty(8), num_sms=4)
 
 
-def _ptxas(ptx: str, tmp_path) -> str:
-    from triton import knobs
-
-    path = tmp_path / "kernel.ptx"
-    path.write_text(ptx)
-    result = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / "k.o")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stderr
-
-
 CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shapes
     (0, ws.WsConfig(), 7168, 2048, False),
     (1, ws.WsConfig(), 7168, 2048, True),
@@ -120,7 +108,7 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
     assert not re.search(r"\bbar\.sync\s+\d+;", ptx), "a CTA-wide bar.sync"
     assert not re.search(r"\.local\b", ptx), "local memory"
     assert 0 < compiled.metadata.shared <= HOPPER_SHARED, compiled.metadata.shared
-    report = _ptxas(ptx, tmp_path)
+    report = sm90.ptxas_report(ptx, tmp_path)
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import triton
 
-__all__ = ["specialize_for_sm90", "compile_for_sm90"]
+__all__ = ["specialize_for_sm90", "compile_for_sm90", "ptxas_report"]
 
 
 def specialize_for_sm90(kernel, args, kwargs, capability: int = 90):
@@ -36,3 +36,19 @@ def compile_for_sm90(kernel, args, kwargs, capability: int = 90):
     except n_regs, which is filled in at load time)."""
     source, target, options = specialize_for_sm90(kernel, args, kwargs, capability)
     return triton.compile(source, target=target, options=options.__dict__)
+
+
+def ptxas_report(ptx: str, directory) -> str:
+    """ptxas -v's report (registers, stack frame, spills) of `ptx` assembled for sm_90a in `directory` (a
+    pathlib.Path); RuntimeError with its output when ptxas fails."""
+    import subprocess
+
+    from triton import knobs
+
+    path = directory / "kernel.ptx"
+    path.write_text(ptx)
+    result = subprocess.run([knobs.nvidia.ptxas.path, "-arch=sm_90a", "-v", str(path), "-o", str(directory / "k.o")],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {result.stderr[-2000:]}")
+    return result.stderr

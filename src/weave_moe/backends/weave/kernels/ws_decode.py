@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import MAX_RING_BYTES, producer, work_tile
+from weave_moe.backends.weave.kernels.ws_ring import MAX_RING_BYTES, check_operands, producer, work_tile
 
 __all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch", "default_config",
            "default_configs"]
@@ -205,33 +205,11 @@ def default_configs() -> tuple[WsDecodeConfig, ...]:
     return tuple(dict.fromkeys(default_config(t * 8, 8) for t in (1, 8, 16, 32, 64)))
 
 
-def _check(name, tensor, shape):
-    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
-        raise ValueError(f"{name}: expected contiguous bf16 {tuple(shape)}, given {tensor.dtype} "
-                         f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
-
-
 def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable,
                      config: WsDecodeConfig, scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
     """(kernel, grid, args, kwargs) of one launch, as `ws_gemm.ws_launch` (the same operands and tile table, whose
     block_m is the config's token rows)."""
-    if gemm not in (0, 1):
-        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
-    rows, K = a.shape
-    num_experts, w_rows, _ = w.shape
-    n_out = w_rows // 2 if gemm == 0 else w_rows
-    _check("a", a, (rows, K))
-    _check("w", w, (num_experts, w_rows, K))
-    _check("out", out, (rows, n_out))
-    if gemm == 0 and scale is not None:
-        raise ValueError("scale: GEMM1 only (the routing weight of each row)")
-    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (rows, )):
-        raise ValueError(f"scale: expected fp32 ({rows},), given {scale.dtype} {tuple(scale.shape)}")
-    if tiles.block_m != config.block_t or tiles.split_tail:
-        raise ValueError(f"tiles: expected block_m = {config.block_t} without split tails, given block_m = "
-                         f"{tiles.block_m}, split_tail = {tiles.split_tail}")
-    if K % 8 or n_out % 8:
-        raise ValueError(f"K = {K} and the output's {n_out} columns must be multiples of 8 (16-byte TMA rows)")
+    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
     bt, bw, bk = config.block_t, config.block_w, config.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bt, bk], gl.NVMMASharedLayout.get_default_for([bt, bk], gl.bfloat16))
     w_desc = TensorDescriptor.from_tensor(w.view(num_experts * w_rows, K), [bw, bk],

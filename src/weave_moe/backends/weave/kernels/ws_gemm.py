@@ -50,7 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import MAX_RING_BYTES, producer, section_work, work_tile
+from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, check_operands, producer, section_work,
+                                                      work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
            "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
@@ -328,34 +329,12 @@ def default_configs() -> tuple[WsConfig, ...]:
     return (DEFAULT_CONFIG, )
 
 
-def _check(name, tensor, shape):
-    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
-        raise ValueError(f"{name}: expected contiguous bf16 {tuple(shape)}, given {tensor.dtype} "
-                         f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
-
-
 def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable, config: WsConfig,
               scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
     """(kernel, grid, args, kwargs) of one launch: `gemm` 0 (a [P, H], w the interleaved w13 [E_local, 2I, H], out
     h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or None); `num_sms`: the
     grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's)."""
-    if gemm not in (0, 1):
-        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
-    rows, K = a.shape
-    num_experts, w_rows, _ = w.shape
-    n_out = w_rows // 2 if gemm == 0 else w_rows
-    _check("a", a, (rows, K))
-    _check("w", w, (num_experts, w_rows, K))
-    _check("out", out, (rows, n_out))
-    if gemm == 0 and scale is not None:
-        raise ValueError("scale: GEMM1 only (the routing weight of each row)")
-    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (rows, )):
-        raise ValueError(f"scale: expected fp32 ({rows},), given {scale.dtype} {tuple(scale.shape)}")
-    if tiles.block_m != config.block_m or tiles.split_tail != config.split_tail:
-        raise ValueError(f"tiles: expected block_m = {config.block_m}, split_tail = {config.split_tail}, given "
-                         f"block_m = {tiles.block_m}, split_tail = {tiles.split_tail}")
-    if K % 8 or n_out % 8:
-        raise ValueError(f"K = {K} and the output's {n_out} columns must be multiples of 8 (16-byte TMA rows)")
+    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)   # the tails' too: the same swizzle rows
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk], a_layout)

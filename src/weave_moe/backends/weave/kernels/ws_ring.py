@@ -26,11 +26,12 @@ section 0, its round-robin going on from where section 0's ended.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["MAX_RING_BYTES", "work_tile", "section_work", "load_tile", "producer"]
+__all__ = ["MAX_RING_BYTES", "work_tile", "section_work", "load_tile", "producer", "check_operands"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
@@ -99,3 +100,30 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
             expert, m_start, m_end, n = work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
             step = load_tile(a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
                              expert * w_rows + n * BLOCK_N, K, step, BLOCK_M // 2)
+
+
+def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles, config,
+                   scale: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """A launch's operands checked, ValueError naming the first wrong one: `gemm` 0 (a [P, H], w the interleaved w13
+    [E_local, 2I, H], out h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or
+    None), bf16 and contiguous; the tile table of `config`'s block_m and split_tail. Returns (K, E_local, w_rows,
+    n_out)."""
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    rows, K = a.shape
+    num_experts, w_rows, _ = w.shape
+    n_out = w_rows // 2 if gemm == 0 else w_rows
+    for name, tensor, shape in (("a", a, (rows, K)), ("w", w, (num_experts, w_rows, K)), ("out", out, (rows, n_out))):
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
+            raise ValueError(f"{name}: expected contiguous bf16 {shape}, given {tensor.dtype} "
+                             f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+    if gemm == 0 and scale is not None:
+        raise ValueError("scale: GEMM1 only (the routing weight of each row)")
+    if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (rows, )):
+        raise ValueError(f"scale: expected fp32 ({rows},), given {scale.dtype} {tuple(scale.shape)}")
+    if tiles.block_m != config.block_m or tiles.split_tail != config.split_tail:
+        raise ValueError(f"tiles: expected block_m = {config.block_m}, split_tail = {config.split_tail}, given "
+                         f"block_m = {tiles.block_m}, split_tail = {tiles.split_tail}")
+    if K % 8 or n_out % 8:
+        raise ValueError(f"K = {K} and the output's {n_out} columns must be multiples of 8 (16-byte TMA rows)")
+    return K, num_experts, w_rows, n_out
