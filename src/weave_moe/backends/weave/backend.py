@@ -294,8 +294,8 @@ class WeaveBackend:
         # KernelConfig.interleave_w13 off: w13 kept as given (no copy); the grouped GEMM0 then runs gate and up as two
         # MMAs (GemmConfig.interleaved off, `_held_layout`), as the megakernel's tiles do
         self.interleaved = (self.grouped or self.grouped_serial) and cfg.interleave_w13
-        # KernelConfig.ws_gemm: the grouped GEMMs at prefill sizes as the warp-specialised Gluon kernels
-        self.ws_gemm = bool(cfg.ws_gemm and self.interleaved)
+        # KernelConfig.ws_gemm: the grouped GEMMs as the warp-specialised Gluon kernels, written for sm_90 (wgmma)
+        self.ws_gemm = bool(cfg.ws_gemm and self.interleaved and torch.cuda.get_device_capability(device)[0] == 9)
         self.grid_c = torch.full((1,), self.num_sms, dtype=torch.int32, device=device)   # c of a serial plan
         self.gemm0_gather = cfg.gathers_in_gemm0(I)   # the grouped GEMM0 reads its rows itself (_grouped_gemms)
         # a layer whose serial plans run the grouped GEMMs plans with their measured speed (cost_model A8)
