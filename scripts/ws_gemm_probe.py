@@ -33,22 +33,10 @@ DEFAULT_CONFIGS = ("128x256x64w8s4,128x256x64w8s4t,128x256x64w8s3,128x128x64w4s4
 
 
 def parse_config(text: str):
-    """"128x256x64w8s4" (then optionally "c2" two consumers, "p40" producer registers, "r168" maxnreg, "t" split
-    tails) -> WsConfig."""
-    import re
-
+    """A `--configs` name -> WsConfig (`WsConfig.parse`: "128x256x64w8s4[c2][p40][r168][t]")."""
     from weave_moe.backends.weave.kernels.ws_gemm import WsConfig
 
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:c(\d+))?(?:p(\d+))?(?:r(\d+))?(t)?", text.strip())
-    if not match:
-        raise ValueError(f"config {text!r}: expected e.g. 128x256x64w8s4[c2][p40][r168][t]")
-    bm, bn, bk, warps, stages, consumers, producer, maxnreg, tail = match.groups()
-    fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages),
-                  split_tail=tail is not None)
-    for name, value in (("consumers", consumers), ("producer_regs", producer), ("maxnreg", maxnreg)):
-        if value:
-            fields[name] = int(value)
-    return WsConfig(**fields)
+    return WsConfig.parse(text)
 
 
 #: Candidate decode configs (`--decode --configs`): token rows, weight rows, K step, stages
@@ -56,19 +44,10 @@ DEFAULT_DECODE_CONFIGS = "t16w64k128s8,t16w64k64s10,t8w64k128s8,t16w128k128s4,t3
 
 
 def parse_decode_config(text: str):
-    """"t16w64k128s8" (then optionally "p40" producer registers) -> WsDecodeConfig."""
-    import re
-
+    """A `--decode --configs` name -> WsDecodeConfig (`WsDecodeConfig.parse`: "t16w64k128s8[p40]")."""
     from weave_moe.backends.weave.kernels.ws_decode import WsDecodeConfig
 
-    match = re.fullmatch(r"t(\d+)w(\d+)k(\d+)s(\d+)(?:p(\d+))?", text.strip())
-    if not match:
-        raise ValueError(f"decode config {text!r}: expected e.g. t16w64k128s8[p40]")
-    bt, bw, bk, stages, producer = match.groups()
-    fields = dict(block_t=int(bt), block_w=int(bw), block_k=int(bk), stages=int(stages))
-    if producer:
-        fields["producer_regs"] = int(producer)
-    return WsDecodeConfig(**fields)
+    return WsDecodeConfig.parse(text)
 
 
 def smoke(config, decode: bool) -> str:

@@ -295,7 +295,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                         else f"{name(constants)} from phase {args.PHASE_FIRST}"))
     monkeypatch.setattr(backend_module.mk_launch, "warmup", lambda args, constants, **options:
                         compiled.append(name(constants)))
-    monkeypatch.setattr(backend_module.gemm_configs, "default_configs", lambda *args: [])
+    monkeypatch.setattr(backend_module.gemm_configs, "default_configs", lambda *args, **options: [])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
     spec, H, I = MoESpec(8, 2, 32, 16), 32, 16
@@ -720,7 +720,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     backend, launched, compiled = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     plain = gc.analytical_configs(0)[1]
     configs = {0: [plain, plain.with_(block_m=64, split_tail=True)], 1: [gc.analytical_configs(1)[0]]}
-    monkeypatch.setattr(backend_module.gemm_configs, "default_configs", lambda gemm, *shape: configs[gemm])
+    monkeypatch.setattr(backend_module.gemm_configs, "default_configs", lambda gemm, *shape, **options: configs[gemm])
     monkeypatch.setattr(backend_module.grouped_tiles, "build_tile_table",
                         lambda offsets, block_m, rows, split_tail=False: TileTable(None, None, block_m, split_tail))
     warmed, prologues = [], []
@@ -1165,7 +1165,7 @@ def test_grouped_configs_run_on_the_w13_the_layer_holds(monkeypatch, interleaved
     backend.interleaved, backend.grouped_configs = interleaved, {}
     tuned = {0: gc.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=0, stream_k=True),
              1: gc.GemmConfig(block_m=16, block_n=128, block_k=128, epilogue=2)}
-    monkeypatch.setattr(backend_module.gemm_configs, "default_config", lambda gemm, *shape: tuned[gemm])
+    monkeypatch.setattr(backend_module.gemm_configs, "default_config", lambda gemm, *shape, **options: tuned[gemm])
     configs = WeaveBackend._grouped_configs(backend, 8)
     assert configs[1] == tuned[1]
     if interleaved:
@@ -1344,16 +1344,20 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     backend.ws_gemm, backend.gemm0_gather, backend.grouped_configs = True, gemm0_gather, {}
     del backend._grouped_configs   # the real one
-    triton = {0: "triton gemm0 config", 1: "triton gemm1 config"}
-    monkeypatch.setattr(backend_module.gemm_configs, "default_config", lambda gemm, *shape: triton[gemm])
     monkeypatch.setattr(WeaveBackend, "_held_layout", lambda self, gemm, config: config)
+    analytical = backend_module.gemm_configs.analytical_config   # no table on the CPU
+    assert backend.num_local_experts == 8
     decode = ws_decode.default_config(8 * 8, 8)   # 8 rows per expert: the decode kernels
     assert WeaveBackend._grouped_configs(backend, 8 * 8) == (decode, decode) and decode.block_t == 16
     # 128 rows per expert: the prefill kernels, but GEMM0 of a layer that reads through the gather rows keeps Triton's
     backend.grouped_configs = {}
     assert WeaveBackend._grouped_configs(backend, 128 * 8) == (
-        triton[0] if gemm0_gather else ws_gemm.DEFAULT_CONFIG, ws_gemm.DEFAULT_CONFIG)
-    assert WeaveBackend._grouped_configs(backend, 512 * 8) == (triton[0], triton[1])   # 512: the Triton kernels
+        analytical(0, 128 * 8, 8) if gemm0_gather else ws_gemm.DEFAULT_CONFIG, ws_gemm.DEFAULT_CONFIG)
+    # 512 rows per expert: the Triton kernels
+    assert WeaveBackend._grouped_configs(backend, 512 * 8) == (analytical(0, 512 * 8, 8), analytical(1, 512 * 8, 8))
+    backend.ws_gemm, backend.grouped_configs = False, {}   # not an sm_90 GPU, or ws_gemm off: never a Gluon kernel
+    assert WeaveBackend._grouped_configs(backend, 8 * 8) == (analytical(0, 8 * 8, 8), analytical(1, 8 * 8, 8))
+    backend.ws_gemm = True
     configs = (ws_gemm.DEFAULT_CONFIG, ws_gemm.DEFAULT_CONFIG)
     calls = []
     backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index))

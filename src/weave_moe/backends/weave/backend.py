@@ -1071,31 +1071,18 @@ class WeaveBackend:
         configs = self.grouped_configs.get(rows)
         if configs is None:  # looked up once per row count (the lookup costs tens of microseconds of host time)
             H, I = self.spec.hidden_size, self.spec.intermediate_size
-            configs = tuple(self._held_layout(g, gemm_configs.default_config(g, rows, self.num_local_experts, H, I))
-                            for g in (0, 1))
-            if self.ws_gemm:
-                configs = tuple(self._ws_config(g, rows) or configs[g] for g in (0, 1))
+            # KernelConfig.ws_gemm: the table or the Gluon kernels' rule may pick them (gemm_configs, "Kernels")
+            configs = tuple(self._held_layout(g, gemm_configs.default_config(
+                g, rows, self.num_local_experts, H, I, warp_specialized=self.ws_gemm, gathered=self.gemm0_gather))
+                for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
-
-    def _ws_config(self, gemm: int, rows: int):
-        """KernelConfig.ws_gemm's config for `gemm` at about `rows` rows, or None (the Triton kernel's): the decode
-        kernels under ws_gemm.MIN_ROWS_PER_EXPERT rows per expert, the prefill ones where `ws_gemm.default_config`
-        has one; not GEMM0 of a layer whose Triton GEMM0 reads the receive buffer through the gather rows at those
-        sizes (the warp-specialised one would need the gather launch's copy first: Qwen3-30B-A3B at 8192 tokens
-        1.301 against 1.234 ms in calls, bench/results/h100-a9c802a)."""
-        E = self.num_local_experts
-        if rows < ws_gemm.MIN_ROWS_PER_EXPERT * E:
-            return ws_decode.default_config(rows, E)
-        if gemm == 0 and self.gemm0_gather:
-            return None
-        return ws_gemm.default_config(gemm, rows, E)
 
     def _held_layout(self, gemm: int, config):
         """A grouped-GEMM config (tuned or analytical, for the interleaved w13) as it runs on the w13 this layer
         holds: unchanged when interleaved (and for GEMM1), else GEMM0's gate and up as two MMAs on w13 as given (the
         same tiles of h; the stream-K schedule, written for the interleaved accumulator, dropped)."""
-        if gemm != 0 or self.interleaved or not config.interleaved:
+        if gemm != 0 or self.interleaved or not isinstance(config, gemm_configs.GemmConfig) or not config.interleaved:
             return config
         return config.with_(interleaved=False, stream_k=False)
 
@@ -1244,8 +1231,8 @@ class WeaveBackend:
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             y = self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
-            configs = [[self._held_layout(gemm, c) for c in gemm_configs.default_configs(gemm, *shape)]
-                       + list(ws_gemm.default_configs() + ws_decode.default_configs() if self.ws_gemm else ())
+            configs = [[self._held_layout(gemm, c)
+                        for c in gemm_configs.default_configs(gemm, *shape, warp_specialized=self.ws_gemm)]
                        for gemm in (0, 1)]
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)

@@ -5,6 +5,13 @@ Configurations: `default_config` looks the layer shape and rows bucket up in the
 (kernels/tuned/<device key>.json, written by `weave-moe tune`; $WEAVE_MOE_TUNED_TABLE overrides it) and otherwise
 falls back to the analytical rule (`analytical_config`); `default_configs` lists every configuration it can return
 for a layer shape, which a caller that must not compile mid-call compiles first.
+
+Kernels. A configuration names its kernel by its type (`KERNELS`): a GemmConfig runs the Triton grouped GEMMs
+(kernels/grouped_gemm.py), a `ws_gemm.WsConfig` / `ws_decode.WsDecodeConfig` the warp-specialised Gluon ones. A
+caller that may run the latter (`warp_specialized`: an sm_90 GPU and KernelConfig.ws_gemm) gets, in this order: a
+table entry measured against warp-specialised candidates (whichever kernel won), else the Gluon kernels' own rule
+where it has a config (`ws_rule`), else a Triton entry, else the analytical config. Any other caller never gets a
+Gluon config: a table's warp-specialised entry then leaves the shape to the analytical rule.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs",
+from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+
+__all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs", "ws_rule",
+           "KERNELS", "kernel_of", "parse_ws_config",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
            "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
            "EPILOGUE_MASKED", "EPILOGUE_TMA", "EPILOGUE_TMA_CLIPPED", "EPILOGUE_TMA_HALVES", "CLIPPED_EPILOGUES",
@@ -77,39 +87,90 @@ class GemmConfig:
         return replace(self, **changes)
 
 
+#: The kernel of each configuration type, as a tuned table's entries name it ("kernel"; absent: "triton").
+KERNELS = {"triton": GemmConfig, "ws": ws_gemm.WsConfig, "ws_decode": ws_decode.WsDecodeConfig}
+
+
+def kernel_of(config) -> str:
+    """The `KERNELS` name of a configuration's type."""
+    return next(name for name, kind in KERNELS.items() if isinstance(config, kind))
+
+
+def parse_ws_config(text: str):
+    """A warp-specialised config from its compact name: "t16w64k128s8" (`ws_decode.WsDecodeConfig.parse`) or
+    "64x256x64w4s4" (`ws_gemm.WsConfig.parse`); ValueError naming the text otherwise."""
+    text = text.strip()
+    return (ws_decode.WsDecodeConfig if text.startswith("t") else ws_gemm.WsConfig).parse(text)
+
+
+def ws_rule(gemm: int, rows: int, num_local_experts: int, gathered: bool = False):
+    """The warp-specialised kernels' own rule (no table): the decode form under ws_gemm.MIN_ROWS_PER_EXPERT rows per
+    expert (`ws_decode.default_config`), else `ws_gemm.default_config` (None where it keeps the Triton kernels);
+    None for GEMM0 at prefill sizes when `gathered` (the layer's Triton GEMM0 reads the receive buffer through the
+    gather rows there, which the Gluon kernels cannot: they would need the gather launch's copy first, Qwen3-30B-A3B
+    at 8192 tokens 1.301 against 1.234 ms in calls on an H100, bench/results/h100-a9c802a)."""
+    if rows < ws_gemm.MIN_ROWS_PER_EXPERT * num_local_experts:
+        return ws_decode.default_config(rows, num_local_experts)
+    if gemm == 0 and gathered:
+        return None
+    return ws_gemm.default_config(gemm, rows, num_local_experts)
+
+
 def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | None = None,
-                   inter: int | None = None, *, table: str | os.PathLike | None = None) -> GemmConfig:
+                   inter: int | None = None, *, table: str | os.PathLike | None = None,
+                   warp_specialized: bool = False, gathered: bool = False):
     """The configuration of a GEMM of `rows` rows over `num_local_experts` experts of hidden size `hidden` and
     intermediate size `inter`; `gemm` is 0 or 1. Decided on the host, without the per-expert counts.
 
-    First the tuned table (`tuned_config`: the current device's table, measured by `weave-moe tune`) for this shape
-    and rows bucket; without a table, an entry or the shape (`hidden` / `inter` None), the analytical default
-    (`analytical_config`). Cheap enough to run per call: the table is parsed once and each lookup is cached.
+    First the tuned table (the current device's, measured by `weave-moe tune`) for this shape and rows bucket;
+    without a table, an entry or the shape (`hidden` / `inter` None), the analytical default (`analytical_config`).
+    With `warp_specialized` (the caller runs the Gluon kernels too) the order of the module docstring ("Kernels").
+    Cheap enough to run per call: the table is parsed once and each lookup is cached.
 
     Args:
         table: a table file to use instead of the device's (see `tuned_table_path`).
+        warp_specialized: the caller may run the warp-specialised kernels (else a GemmConfig always).
+        gathered: the caller's GEMM0 reads its rows through gather rows (`ws_rule`).
     """
+    if gemm not in (0, 1):
+        raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
+    entry = None
     if hidden is not None and inter is not None:
-        tuned = tuned_config(gemm, rows, num_local_experts, hidden, inter, table=table)
-        if tuned is not None:
-            return tuned
+        path = _table_path(table)
+        if path is not None:
+            entry = _lookup(path, gemm, num_local_experts, hidden, inter, rows_bucket(rows))
+    if warp_specialized:
+        # a table made with another KernelConfig.gemm0_gather may hold a Gluon GEMM0 that cannot read gather rows
+        if entry is not None and entry.against_ws and not (gathered and gemm == 0 and
+                                                          isinstance(entry.config, ws_gemm.WsConfig)):
+            return entry.config
+        rule = ws_rule(gemm, rows, num_local_experts, gathered)
+        if rule is not None:
+            return rule
+    if entry is not None and isinstance(entry.config, GemmConfig):
+        return entry.config
     return analytical_config(gemm, rows, num_local_experts)
 
 
 def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int | None = None,
-                    inter: int | None = None, *, table: str | os.PathLike | None = None) -> tuple[GemmConfig, ...]:
+                    inter: int | None = None, *, table: str | os.PathLike | None = None,
+                    warp_specialized: bool = False) -> tuple:
     """Every configuration `default_config` can pick for `gemm` (0 or 1) at this layer shape: the analytical ones
-    (`analytical_configs`), then the tuned table's configs of the shape (every rows bucket), without repeats.
-    Without the shape, the analytical ones only (what `default_config` picks without it). A caller that must not
-    compile during a call (the weave backend, before its first-call barrier) compiles these."""
+    (`analytical_configs`), with `warp_specialized` the Gluon kernels' rule's, then the tuned table's configs of the
+    shape (every rows bucket; Gluon ones only with `warp_specialized`), without repeats. Without the shape, the
+    analytical ones (and the rule's) only. A caller that must not compile during a call (the weave backend, before
+    its first-call barrier) compiles these."""
     configs = analytical_configs(gemm)
+    if warp_specialized:
+        configs += ws_gemm.default_configs() + ws_decode.default_configs()
     if num_local_experts is None or hidden is None or inter is None:
         return configs
     path = _table_path(table)
     if path is None:
         return configs
     tuned = _load_table(path)["shapes"].get((gemm, num_local_experts, hidden, inter), {})
-    return tuple(dict.fromkeys(configs + tuple(tuned[bucket] for bucket in sorted(tuned))))
+    entries = (tuned[bucket].config for bucket in sorted(tuned))
+    return tuple(dict.fromkeys(configs + tuple(c for c in entries if warp_specialized or isinstance(c, GemmConfig))))
 
 
 #: GEMM0 at decode sizes: at most this many rows per expert on average -> `analytical_configs(0)[2]` (16-row tiles)
@@ -161,7 +222,11 @@ def analytical_configs(gemm: int) -> tuple[GemmConfig, ...]:
 #   {"format": TUNED_FORMAT, "device": "NVIDIA H200", "device_key": "nvidia-h200", "meta": {...},
 #    "entries": [{"gemm": 0, "E_local": 64, "H": 2048, "I": 768, "rows_bucket": 16384,
 #                 "config": {every GemmConfig field}, ...measurements...}, ...]}
-# Only "format" and the entries' key and config fields are read here; everything else is a record of the run.
+# An entry may also hold "kernel" ("ws" / "ws_decode": "config" holds every WsConfig / WsDecodeConfig field; absent:
+# "triton") and "kernels" (the kernels its candidates ran; absent: ["triton"]): an entry whose candidates included
+# warp-specialised ones decides over `ws_rule` (module docstring, "Kernels").
+# Only "format" and the entries' key, kernel, kernels and config fields are read here; everything else is a record of
+# the run.
 
 #: The table file to use instead of the device's: a path, or "off" / "none" for no table (the analytical defaults).
 TUNED_TABLE_ENV = "WEAVE_MOE_TUNED_TABLE"
@@ -206,8 +271,8 @@ def tuned_table_path(device: torch.device | int | None = None) -> Path | None:
 
 
 def tuned_config(gemm: int, rows: int, num_local_experts: int, hidden: int, inter: int, *,
-                 table: str | os.PathLike | None = None) -> GemmConfig | None:
-    """The tuned configuration of this shape and `rows_bucket(rows)`, or None (no table, no entry).
+                 table: str | os.PathLike | None = None):
+    """The tuned configuration of this shape and `rows_bucket(rows)` (of any kernel), or None (no table, no entry).
 
     The table: `table` if given, else the file named by $WEAVE_MOE_TUNED_TABLE ("off" / "none": no table), else the
     current CUDA device's shipped table (`tuned_table_path`; none without CUDA). A table that exists but cannot be
@@ -218,11 +283,12 @@ def tuned_config(gemm: int, rows: int, num_local_experts: int, hidden: int, inte
     path = _table_path(table)
     if path is None:
         return None
-    return _lookup(path, gemm, num_local_experts, hidden, inter, rows_bucket(rows))
+    entry = _lookup(path, gemm, num_local_experts, hidden, inter, rows_bucket(rows))
+    return None if entry is None else entry.config
 
 
 def load_tuned_table(path: str | os.PathLike) -> dict:
-    """The table at `path`, checked: {"shapes": {(gemm, E_local, H, I): {rows_bucket: GemmConfig}}, "data": the JSON}
+    """The table at `path`, checked: {"shapes": {(gemm, E_local, H, I): {rows_bucket: TunedEntry}}, "data": the JSON}
     (cached per path: call `clear_tuned_cache` after changing a file). ValueError naming the file if it is not a
     table this version reads."""
     return _load_table(str(path))
@@ -272,19 +338,31 @@ def check_config(gemm: int, config: GemmConfig) -> None:
         raise ValueError(f"GEMM{gemm} config {config}: " + "; ".join(problems))
 
 
-def config_from_fields(gemm: int, fields: dict) -> GemmConfig:
-    """A GemmConfig from a table entry's "config" object (every field; unknown or missing ones are errors), checked
-    by `check_config`."""
-    names = [f.name for f in dataclasses.fields(GemmConfig)]
+def config_from_fields(gemm: int, fields: dict, kernel: str = "triton"):
+    """A configuration of `kernel` (a `KERNELS` name) from a table entry's "config" object (every field; unknown or
+    missing ones are errors), checked (`check_config`; the Gluon configs check themselves)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(KERNELS)}, given {kernel!r}")
+    names = [f.name for f in dataclasses.fields(KERNELS[kernel])]
     if not isinstance(fields, dict):
         raise ValueError(f"config: expected an object with the fields {names}, given {fields!r}")
     unknown = sorted(set(fields) - set(names))
     missing = [name for name in names if name not in fields]
     if unknown or missing:
         raise ValueError(f"config: unknown fields {unknown}, missing fields {missing}")
-    config = GemmConfig(**fields)
-    check_config(gemm, config)
+    config = KERNELS[kernel](**fields)
+    if kernel == "triton":
+        check_config(gemm, config)
     return config
+
+
+@dataclass(frozen=True)
+class TunedEntry:
+    """One table entry as read: its configuration (of any kernel) and whether its candidates included the
+    warp-specialised kernels (then it decides over `ws_rule`)."""
+
+    config: object
+    against_ws: bool
 
 
 def _cuda_available() -> bool:
@@ -358,18 +436,23 @@ def _load_table(path: str) -> dict:
             fail(f"entry {i}: gemm={gemm!r} is not 0 or 1")
         if bucket & (bucket - 1):
             fail(f"entry {i}: rows_bucket={bucket} is not a power of two")
+        kernels = entry.get("kernels", ["triton"])
+        if not isinstance(kernels, list) or not kernels or set(kernels) - set(KERNELS):
+            fail(f"entry {i}: kernels={kernels!r} is not a list of {', '.join(KERNELS)}")
         try:
-            config = config_from_fields(gemm, entry.get("config"))
+            config = config_from_fields(gemm, entry.get("config"), entry.get("kernel", "triton"))
         except (TypeError, ValueError) as error:
             fail(f"entry {i}: {error}")
+        if kernel_of(config) not in kernels:
+            fail(f"entry {i}: its kernel {kernel_of(config)!r} is not among its kernels {kernels}")
         per_shape = shapes.setdefault((gemm, experts, hidden, inter), {})
         if bucket in per_shape:
             fail(f"entry {i}: a second entry for gemm={gemm} E_local={experts} H={hidden} I={inter} "
                  f"rows_bucket={bucket}")
-        per_shape[bucket] = config
+        per_shape[bucket] = TunedEntry(config, against_ws=bool(set(kernels) - {"triton"}))
     return dict(shapes=shapes, data=data)
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(path: str, gemm: int, experts: int, hidden: int, inter: int, bucket: int) -> GemmConfig | None:
+def _lookup(path: str, gemm: int, experts: int, hidden: int, inter: int, bucket: int) -> TunedEntry | None:
     return _load_table(path)["shapes"].get((gemm, experts, hidden, inter), {}).get(bucket)

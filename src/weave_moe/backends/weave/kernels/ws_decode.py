@@ -24,6 +24,7 @@ Gluon has no interpreter: compiled for sm_90 on the CPU (tests/test_ws_decode.py
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,26 @@ class WsDecodeConfig:
     def shared_bytes(self) -> int:
         """The load ring's shared memory."""
         return 2 * self.stages * (self.block_w + self.block_t) * self.block_k
+
+    @property
+    def short(self) -> str:
+        """The compact name `parse` reads back, e.g. "t16w64k128s8" ("p<n>": the producer's registers where not
+        the default)."""
+        name = f"t{self.block_t}w{self.block_w}k{self.block_k}s{self.stages}"
+        return name + (f"p{self.producer_regs}" if self.producer_regs != WsDecodeConfig.producer_regs else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "WsDecodeConfig":
+        """The config of a compact name (`short`): "t16w64k128s8" (token rows, weight rows, K step, stages), then
+        optionally "p40" (producer registers); ValueError naming the text otherwise."""
+        match = re.fullmatch(r"t(\d+)w(\d+)k(\d+)s(\d+)(?:p(\d+))?", text.strip())
+        if not match:
+            raise ValueError(f"warp-specialised decode config {text!r}: expected e.g. t16w64k128s8[p40]")
+        bt, bw, bk, stages, producer = match.groups()
+        fields = dict(block_t=int(bt), block_w=int(bw), block_k=int(bk), stages=int(stages))
+        if producer:
+            fields["producer_regs"] = int(producer)
+        return cls(**fields)
 
     def __str__(self) -> str:
         return f"wsd {self.block_w}x{self.block_t}x{self.block_k} s{self.stages} p{self.producer_regs}"

@@ -41,6 +41,7 @@ tokens per rank 3187 against 4233 us), as fast or up to 6% slower at 384-1024 ro
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +151,32 @@ class WsConfig:
     def shared_bytes(self) -> int:
         """The load ring's shared memory (bf16 A and W blocks, S stages)."""
         return 2 * self.stages * (self.block_m + self.block_n) * self.block_k
+
+    @property
+    def short(self) -> str:
+        """The compact name `parse` reads back, e.g. "64x256x64w4s4" ("c2": two consumers; "p<n>" / "r<n>": the
+        producer's registers / maxnreg where not the defaults; "t": split tails)."""
+        name = f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.stages}"
+        name += "c2" if self.consumers == 2 else ""
+        name += f"p{self.producer_regs}" if self.producer_regs != WsConfig.producer_regs else ""
+        name += f"r{self.maxnreg}" if self.maxnreg else ""
+        return name + ("t" if self.split_tail else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "WsConfig":
+        """The config of a compact name (`short`): "128x256x64w8s4", then optionally "c2" (two consumers), "p40"
+        (producer registers), "r168" (maxnreg), "t" (split tails); ValueError naming the text otherwise."""
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(c2)?(?:p(\d+))?(?:r(\d+))?(t)?", text.strip())
+        if not match:
+            raise ValueError(f"warp-specialised GEMM config {text!r}: expected e.g. 128x256x64w8s4[c2][p40][r168][t]")
+        bm, bn, bk, warps, stages, pingpong, producer, maxnreg, tail = match.groups()
+        fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages),
+                      consumers=2 if pingpong else 1, split_tail=tail is not None)
+        if producer:
+            fields["producer_regs"] = int(producer)
+        if maxnreg:
+            fields["maxnreg"] = int(maxnreg)
+        return cls(**fields)
 
     def __str__(self) -> str:
         pingpong = f" pingpong c{self.consumer_regs}" if self.consumers == 2 else ""
