@@ -55,6 +55,81 @@ def test_device_key_normalises_the_device_name():
         gc.device_key(" -- ")
 
 
+def test_the_layers_kernel_is_the_table_entry_measured_against_ws_else_the_ws_rule_else_triton(tmp_path, monkeypatch):
+    """gemm_configs' "Kernels" order for a caller that may run the warp-specialised Gluon kernels: an entry whose
+    candidates included them decides (whichever kernel won), else the Gluon kernels' rule (`ws_rule`) where it has a
+    config, else a Triton entry, else the analytical config; a caller that may not never gets a Gluon config (a ws
+    entry leaves its shape to the analytical rule); a gathering GEMM0 never gets the prefill Gluon kernel."""
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+
+    E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
+    ws_config = ws_gemm.WsConfig.parse("64x256x128w4s2")
+    path = _write(tmp_path / "t.json", [
+        # 128 rows per expert (the ws rule's band): a Triton entry measured against ws candidates (Triton won)
+        dict(_entry(0, 8192, TUNED0), kernels=["triton", "ws"]),
+        # ... and one measured without them
+        _entry(1, 8192, TUNED1),
+        # 512 rows per expert (outside the band): a ws entry
+        dict(_entry(0, 32768, ws_config), kernel="ws", config=dataclasses.asdict(ws_config), kernels=["triton", "ws"]),
+        dict(_entry(1, 32768, ws_config), kernel="ws", config=dataclasses.asdict(ws_config), kernels=["triton", "ws"]),
+    ])
+    monkeypatch.setenv(gc.TUNED_TABLE_ENV, str(path))
+    gc.clear_tuned_cache()
+    try:
+        def pick(gemm, rows, **options):
+            return gc.default_config(gemm, rows, E, H, I, warp_specialized=True, **options)
+
+        assert pick(0, 8192) == TUNED0                        # measured against ws: it decides
+        assert pick(1, 8192) == ws_gemm.DEFAULT_CONFIG        # measured without: the ws rule first
+        assert pick(0, 32768) == pick(1, 32768) == ws_config  # a ws entry
+        assert pick(0, 32768, gathered=True) == gc.analytical_config(0, 32768, E)   # no gather rows in Gluon
+        assert pick(0, 8192, gathered=True) == TUNED0
+        assert pick(1, 2 ** 20) == gc.analytical_config(1, 2 ** 20, E)   # no entry, outside the rule's band
+        assert pick(0, 64) == ws_decode.default_config(64, E)             # decode sizes: the decode form
+        assert pick(0, 64, gathered=True) == ws_decode.default_config(64, E)
+        # a caller without the Gluon kernels: Triton entries, else the analytical configs
+        assert gc.default_config(0, 8192, E, H, I) == TUNED0 and gc.default_config(1, 8192, E, H, I) == TUNED1
+        assert gc.default_config(0, 32768, E, H, I) == gc.analytical_config(0, 32768, E)
+        assert gc.tuned_config(0, 32768, E, H, I) == ws_config
+        # what a layer compiles first: the ws configs only for a caller that runs them
+        plain = gc.default_configs(0, E, H, I)
+        assert TUNED0 in plain and not any(isinstance(c, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig)) for c in plain)
+        every = gc.default_configs(0, E, H, I, warp_specialized=True)
+        for rows in (1, 8, 64, 512, 4096, 8192, 32768, 2 ** 20):
+            assert pick(0, rows) in every and pick(0, rows, gathered=True) in every
+            assert gc.default_config(0, rows, E, H, I) in plain
+    finally:
+        gc.clear_tuned_cache()
+
+
+@pytest.mark.parametrize("entry, message", [
+    (dict(kernel="cuda"), "kernel: expected one of"),
+    (dict(kernels="ws"), "is not a list of"),
+    (dict(kernels=["ws"]), "its kernel 'triton' is not among its kernels"),
+    (dict(kernel="ws"), "config: unknown fields"),
+])
+def test_a_malformed_kernel_entry_is_refused_naming_the_file(tmp_path, entry, message):
+    path = _write(tmp_path / "bad.json", [dict(_entry(0, 8192, TUNED0), **entry)])
+    with pytest.raises(ValueError, match=message) as error:
+        gc.load_tuned_table(path)
+    assert str(path) in str(error.value)
+    gc.clear_tuned_cache()
+
+
+def test_ws_configs_round_trip_through_their_compact_names():
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+
+    for text in ("64x256x64w4s4", "128x256x64w8s4t", "64x256x64w4s3c2", "128x128x64w8s4p48r168", "64x256x128w4s2"):
+        assert ws_gemm.WsConfig.parse(text).short == text
+        assert gc.parse_ws_config(text) == ws_gemm.WsConfig.parse(text)
+    for text in ("t16w64k128s8", "t8w128k64s6p48"):
+        assert ws_decode.WsDecodeConfig.parse(text).short == text
+        assert gc.parse_ws_config(text) == ws_decode.WsDecodeConfig.parse(text)
+    for bad in ("64x256", "t16w64", "64x256x64w4s4c3", "128x256x64w8s4 t"):
+        with pytest.raises(ValueError, match="config"):
+            gc.parse_ws_config(bad)
+
+
 def test_lookup_hits_the_shape_and_bucket_else_the_analytical_default(table):
     E, H, I = SHAPE["E_local"], SHAPE["H"], SHAPE["I"]
     assert gc.default_config(0, 16384, E, H, I) == TUNED0

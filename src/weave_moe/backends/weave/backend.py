@@ -1136,26 +1136,13 @@ class WeaveBackend:
         return self.gemm0_gather and not isinstance(config, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig))
 
     def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None) -> None:
-        """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`: the Triton grouped
-        GEMM0 (a GemmConfig), or a warp-specialised one (KernelConfig.ws_gemm: a `ws_gemm.WsConfig`, a
-        `ws_decode.WsDecodeConfig`)."""
-        if isinstance(config, ws_gemm.WsConfig):
-            ws_gemm.ws_gemm0(a, self.w13, self.workspace.h(), tiles, config)
-        elif isinstance(config, ws_decode.WsDecodeConfig):
-            ws_decode.ws_decode_gemm0(a, self.w13, self.workspace.h(), tiles, config)
-        else:
-            grouped_gemm.grouped_gemm0(a, self.w13, self.workspace.h(), tiles, config, gather=gather,
-                                       **self.gemm_launch)
+        """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`, with the kernel of
+        `config` (`grouped_gemm.launch_gemm`: the Triton grouped GEMM0, or a warp-specialised one)."""
+        grouped_gemm.launch_gemm(0, config, a, self.w13, self.workspace.h(), tiles, gather=gather, **self.gemm_launch)
 
     def _gemm1(self, tiles, config) -> None:
         """y = GEMM1 of h on `tiles`, as `_gemm0` picks its kernel."""
-        if isinstance(config, ws_gemm.WsConfig):
-            ws_gemm.ws_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config)
-        elif isinstance(config, ws_decode.WsDecodeConfig):
-            ws_decode.ws_decode_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config)
-        else:
-            grouped_gemm.grouped_gemm1(self.workspace.h(), self.w2, self.workspace.y(), tiles, config,
-                                       **self.gemm_launch)
+        grouped_gemm.launch_gemm(1, config, self.workspace.h(), self.w2, self.workspace.y(), tiles, **self.gemm_launch)
 
     def _paired_gemms(self, configs, tables, fused: bool = False) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s):

@@ -73,9 +73,10 @@ from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.gemm_configs import CLIPPED_EPILOGUES, EPILOGUE_TMA, GemmConfig
 from weave_moe.backends.weave.kernels.sync import STATUS_WORDS
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table, build_tile_table_torch
+from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
 __all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "interleave_w13", "grouped_gemm0",
-           "grouped_gemm1", "stream_k_buffers", "StreamKScratch"]
+           "grouped_gemm1", "launch_gemm", "stream_k_buffers", "StreamKScratch"]
 
 #: the deadline of a stream-K GEMM0's waits when the caller gives none (the layer passes its own)
 DEFAULT_TIMEOUT_NS = int(DEFAULT_TIMEOUT_S * 1e9)
@@ -526,6 +527,26 @@ def _launch(kernel, grid, args, kwargs, needs_scratch: bool, scratch=None):
         kernel[grid](*args, **kwargs)
     finally:
         _allocation._allocator.reset(token)
+
+
+def launch_gemm(gemm: int, config, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable,
+                gather: torch.Tensor | None = None, **launch) -> None:
+    """One grouped GEMM with the kernel of `config` (gemm_configs.KERNELS): `gemm` 0 (a [P, H] or, with `gather`,
+    rows of a through it; w the interleaved w13; out h) or 1 (a = h, w = w2, out y). A `ws_gemm.WsConfig` or
+    `ws_decode.WsDecodeConfig` runs the warp-specialised Gluon kernel, which reads rows in expert order only (no
+    `gather`); a GemmConfig `grouped_gemm0` / `grouped_gemm1` with `launch`, the Triton kernels' launch options
+    (pdl, stream-K scratch, status, ...), which the Gluon kernels have none of."""
+    ws = isinstance(config, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig))
+    if ws and gather is not None:
+        raise ValueError(f"launch_gemm: {config} reads its rows in expert order, not through gather rows")
+    if isinstance(config, ws_gemm.WsConfig):
+        (ws_gemm.ws_gemm0 if gemm == 0 else ws_gemm.ws_gemm1)(a, w, out, tiles, config)
+    elif ws:
+        (ws_decode.ws_decode_gemm0 if gemm == 0 else ws_decode.ws_decode_gemm1)(a, w, out, tiles, config)
+    elif gemm == 0:
+        grouped_gemm0(a, w, out, tiles, config, gather=gather, **launch)
+    else:
+        grouped_gemm1(a, w, out, tiles, config, **launch)
 
 
 def grouped_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable, config: GemmConfig,
