@@ -11,9 +11,15 @@ range (relative Frobenius error <= weave_moe.reference.DEFAULT_TOLERANCE; output
 row checked for NaN), then the launch captured in a CUDA graph, 3 warm-up replays and the median of --reps replays
 timed by CUDA events. A candidate that does not compile or launch (e.g. out of shared memory) is reported and skipped.
 
+Kernels: the candidates are Triton grouped-GEMM configs (the grid options) and, with --ws (sm_90 only), the
+warp-specialised Gluon kernels' configs (kernels/ws_gemm.py, kernels/ws_decode.py), timed alike; not for a GEMM0
+timed through gather rows (the Gluon kernels read rows in expert order only). The default a candidate must beat is
+what the layer runs without an entry (`gemm_configs.untuned_config`: with --ws the Gluon kernels' rule where it has a
+config, else the analytical config), always one of the candidates.
+
 Table entries: for each shape and GEMM, the fastest candidate that passed, keyed by (gemm, E_local, H, I,
-rows_bucket(T * k)), written only where it beats the analytical default (always one of the candidates) by at least
---min-gain; elsewhere the shape is recorded under "measured_default" and the analytical default keeps deciding.
+rows_bucket(T * k)), with its "kernel" and the "kernels" its candidates ran, written only where it beats the default
+by at least --min-gain; elsewhere the shape is recorded under "measured_default" and the default keeps deciding.
 Entries of an existing --out for shapes not measured in this run are kept (--replace starts a new table).
 
 Exit status: 0 when every shape was measured; 1 when a shape failed; 2 when refused before starting (no GPU, not
@@ -57,6 +63,10 @@ def add_arguments(parser) -> None:
                         "to 30%% slower where most experts end in a small tail)")
     parser.add_argument("--stream-k", default="0", help="candidate stream_k values (1: every CTA an equal range of "
                         "the tiles' K steps, for launches with few tiles such as decode)")
+    parser.add_argument("--ws", default="", help="warp-specialised Gluon candidates too (sm_90): comma-separated "
+                        "compact names (e.g. 64x256x64w4s4, 128x256x64w8s4t, 64x256x64w4s4c2; decode form "
+                        "t16w64k128s8), or 'rule' for every config of the Gluon kernels' own rule; default none (a "
+                        "table of Triton entries only, which the Gluon kernels' rule overrides where it applies)")
     parser.add_argument("--gemms", default="0,1", help="which GEMMs to tune: 0 (GEMM0 + SiLU-mul) and/or 1")
     parser.add_argument("--reps", type=int, default=20, help="timed CUDA-graph replays per candidate (median)")
     parser.add_argument("--min-gain", type=float, default=0.05,
@@ -103,7 +113,12 @@ def _optional_ints(text: str, name: str) -> list[int]:
 
 
 def config_name(config) -> str:
-    """A short name of a GemmConfig, e.g. "128x256x64 w8 s4 e2" (tile, warps, stages, epilogue)."""
+    """A short name of a GemmConfig, e.g. "128x256x64 w8 s4 e2" (tile, warps, stages, epilogue); a Gluon config's
+    own (e.g. "ws 64x256x64 w4 s4 p40 r248")."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+
+    if not isinstance(config, gc.GemmConfig):
+        return str(config)
     name = f"{config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} s{config.num_stages} " \
            f"e{config.epilogue}"
     if config.group_m != 8:
@@ -154,6 +169,30 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
         else:
             candidates.append(config)
     return candidates, skipped
+
+
+def ws_candidates(text: str) -> list:
+    """The --ws candidates: [] for "", every config of the Gluon kernels' rule for "rule", else the compact names
+    (`gemm_configs.parse_ws_config`; "rule" may be one of them); ValueError naming a bad name."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+
+    configs = []
+    for name in (part.strip() for part in text.split(",")):
+        if name == "rule":
+            configs += ws_gemm.default_configs() + ws_decode.default_configs()
+        elif name:
+            configs.append(gc.parse_ws_config(name))
+    return list(dict.fromkeys(configs))
+
+
+def shape_candidates(candidates: list, default, gathered: bool) -> list:
+    """One shape's candidates of a GEMM: the Triton and --ws candidates (no Gluon one for a GEMM0 timed through
+    gather rows: `gathered`), and the shape's `default` if not among them."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+
+    chosen = [c for c in candidates if isinstance(c, gc.GemmConfig) or not gathered]
+    return chosen if default in chosen else chosen + [default]
 
 
 def tune_shapes(specs, tokens: list[int], emulate_ep: int) -> list[dict]:
@@ -207,6 +246,7 @@ def run(args) -> int:
             raise ValueError(f"--flatten: expected 0 and/or 1, given {args.flatten!r}")
         if any(group < 1 for group in grid["group_m"]):
             raise ValueError(f"--group-m: expected ints >= 1, given {args.group_m!r}")
+        ws = ws_candidates(args.ws)
         if args.emulate_ep < 1:
             raise ValueError(f"--emulate-ep: expected an int >= 1, given {args.emulate_ep}")
         if args.reps < 1:
@@ -221,7 +261,7 @@ def run(args) -> int:
         return refuse(str(error).strip("'\""))
 
     if args.list:
-        _print_plan(shapes, gemms, grid)
+        _print_plan(shapes, gemms, grid, ws)
         return 0
 
     import torch
@@ -233,15 +273,18 @@ def run(args) -> int:
     capability = torch.cuda.get_device_capability()
     if capability < (9, 0):
         return refuse(f"needs Hopper or newer (sm_90+: TMA and wgmma); this GPU is sm_{capability[0]}{capability[1]}")
+    if ws and capability[0] != 9:
+        return refuse(f"--ws: the warp-specialised Gluon kernels are written for sm_90 (wgmma); this GPU is "
+                      f"sm_{capability[0]}{capability[1]}")
     try:
         out = _out_path(args.out)
         table = _start_table(out, args.replace)
     except ValueError as error:
         return refuse(str(error))
-    return _tune(args, specs, shapes, gemms, grid, out, table)
+    return _tune(args, specs, shapes, gemms, grid, ws, out, table)
 
 
-def _print_plan(shapes, gemms, grid) -> None:
+def _print_plan(shapes, gemms, grid, ws=()) -> None:
     print(f"{len(shapes)} shapes (model, T: E_local x H x I, rows -> bucket):")
     for s in shapes:
         print(f"  {s['model']}, T={s['tokens']}: {s['E_local']} x {s['H']} x {s['I']}, {s['rows']} rows -> "
@@ -251,6 +294,9 @@ def _print_plan(shapes, gemms, grid) -> None:
         print(f"GEMM{gemm}: {len(candidates)} candidates: {', '.join(config_name(c) for c in candidates)}")
         for config, reason in skipped:
             print(f"  skipped {config_name(config)}: {reason}")
+    if ws:
+        print(f"warp-specialised candidates (both GEMMs; not a gathered GEMM0): "
+              f"{', '.join(config_name(c) for c in ws)}")
 
 
 def _out_path(out):
@@ -373,16 +419,18 @@ class _Work:
         output `h` (a pair, as in a call) instead of the checked input `h_in`."""
         from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
+        from weave_moe.backends.weave.kernels import gemm_configs as gc
+
         tiles = self.table(config.block_m, config.split_tail, rotation)
-        # a stream-K config's scratch made once per size, not inside each timed graph
-        stream_k = dict(stream_k_scratch=self.stream_k_scratch, status=self.status)
-        if gemm == 0 and self.gather is not None:
-            return lambda: gg.grouped_gemm0(self.source, self.w13, self.h, tiles, config, gather=self.gather,
-                                            pdl=self.pdl, **stream_k)
+        # a stream-K config's scratch made once per size, not inside each timed graph (the Gluon kernels take none)
+        launch = dict(pdl=self.pdl, stream_k_scratch=self.stream_k_scratch, status=self.status)
+        if gemm == 0 and self.gather is not None and isinstance(config, gc.GemmConfig):
+            return lambda: gg.launch_gemm(0, config, self.source, self.w13, self.h, tiles, gather=self.gather,
+                                          **launch)
         if gemm == 0:
-            return lambda: gg.grouped_gemm0(self.a, self.w13, self.h, tiles, config, pdl=self.pdl, **stream_k)
+            return lambda: gg.launch_gemm(0, config, self.a, self.w13, self.h, tiles, **launch)
         h = self.h if after_gemm0 else self.h_in
-        return lambda: gg.grouped_gemm1(h, self.w2, self.y, tiles, config, pdl=self.pdl, **stream_k)
+        return lambda: gg.launch_gemm(1, config, h, self.w2, self.y, tiles, **launch)
 
     def error(self, gemm: int, launch) -> float:
         """Relative Frobenius error of one poisoned run on the checked rows (inf when any row holds NaN)."""
@@ -444,7 +492,7 @@ def rotated_counts(counts, rotation: int, rotations: int):
     return torch.roll(counts, rotation * (len(counts) // max(rotations, 1)))
 
 
-def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
+def _tune(args, specs, shapes, gemms, grid, ws, out, table) -> int:
     import datetime
     import shlex
     import statistics
@@ -467,6 +515,7 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
     # the opt-in shared memory per block, as Triton's own compiler checks it
     smem = triton.runtime.driver.active.utils.get_device_properties(torch.cuda.current_device())["max_shared_mem"]
     candidates = {g: candidate_configs(g, **grid, smem_bytes=smem) for g in gemms}
+    candidates = {g: (triton + ws, skipped) for g, (triton, skipped) in candidates.items()}
     table.update(format=gc.TUNED_FORMAT, device=device, device_key=gc.device_key(device), meta=dict(
         date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
@@ -504,11 +553,15 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
             traceback.print_exc()
             failed += 1
             continue
-        alone, counts = {}, {}
+        alone, counts, kernels = {}, {}, {}
         for gemm in gemms:
-            default = gc.analytical_config(gemm, work.rows, shape["E_local"])
+            gathered = gemm == 0 and work.gather is not None
+            default = gc.untuned_config(gemm, work.rows, shape["E_local"], warp_specialized=bool(ws),
+                                        gathered=gathered)
             measured = []
-            for config in candidates[gemm][0]:
+            shape_configs = shape_candidates(candidates[gemm][0], default, gathered)
+            kernels[gemm] = sorted({gc.kernel_of(c) for c in shape_configs}, key=list(gc.KERNELS).index)
+            for config in shape_configs:
                 name = config_name(config)
                 try:
                     err = work.error(gemm, work.launcher(gemm, config))
@@ -541,7 +594,8 @@ def _tune(args, specs, shapes, gemms, grid, out, table) -> int:
         for gemm, (default, measured) in alone.items():
             result = _record(table, shape, gemm, default, measured, args.min_gain, args.emulate_ep,
                              work.rotations[gemm], pair=chosen.get(gemm),
-                             gathered=gemm == 0 and work.gather is not None, candidates=counts[gemm])
+                             gathered=gemm == 0 and work.gather is not None, candidates=counts[gemm],
+                             kernels=kernels[gemm])
             if result is not None:
                 result.pop("run")
             if result is None:
@@ -598,13 +652,18 @@ def pair_choice(timed: dict, default_ms: float) -> dict:
 
 
 def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotations: int = 1,
-            pair: dict | None = None, gathered: bool = False, candidates: int | None = None) -> dict | None:
+            pair: dict | None = None, gathered: bool = False, candidates: int | None = None,
+            kernels: list | None = None) -> dict | None:
     """Put one measured (shape, gemm) into the table (replacing older records of its key); a result row for the
     printout, or None when no candidate passed. `pair` (`pair_choice`): write the fastest pair's config of this
     GEMM, by the pair's gain over the default pair, instead of this GEMM's fastest alone. `gathered`: GEMM0 was
     timed reading its rows through gather rows (recorded). `candidates`: how many passed the first pass when
-    `measured` holds only the confirmed ones (default: len(measured))."""
+    `measured` holds only the confirmed ones (default: len(measured)). `kernels`: the kernels the candidates ran
+    (gemm_configs.KERNELS names; default ["triton"]), recorded: an entry measured against the Gluon kernels decides
+    over their rule."""
     import dataclasses
+
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
 
     if not measured:
         return None
@@ -622,7 +681,7 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotatio
                   ms=round(best_ms, 5), default_ms=None if default_ms is None else round(default_ms, 5),
                   default=config_name(default), best=config_name(best), error=float(f"{best_err:.3g}"),
                   candidates_measured=len(measured) if candidates is None else candidates, rotations=rotations,
-                  run=f"{meta['date']} {meta['commit']}")
+                  kernels=list(kernels or ["triton"]), run=f"{meta['date']} {meta['commit']}")
     if gathered:
         record.update(gathered=True)
     if pair is not None:
@@ -631,7 +690,7 @@ def _record(table, shape, gemm, default, measured, min_gain, emulate_ep, rotatio
     for section in ("entries", "measured_default"):
         table[section] = [e for e in table[section] if any(e.get(k) != v for k, v in key.items())]
     if written:
-        table["entries"].append(dict(record, config=dataclasses.asdict(best)))
+        table["entries"].append(dict(record, kernel=gc.kernel_of(best), config=dataclasses.asdict(best)))
     else:
         table["measured_default"].append(record)
     return dict(record, gain=gain, written=written)

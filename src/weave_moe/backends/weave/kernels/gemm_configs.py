@@ -29,7 +29,7 @@ import torch
 from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
 __all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs", "ws_rule",
-           "KERNELS", "kernel_of", "parse_ws_config",
+           "untuned_config", "KERNELS", "kernel_of", "parse_ws_config",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
            "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
            "EPILOGUE_MASKED", "EPILOGUE_TMA", "EPILOGUE_TMA_CLIPPED", "EPILOGUE_TMA_HALVES", "CLIPPED_EPILOGUES",
@@ -139,17 +139,22 @@ def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | N
         path = _table_path(table)
         if path is not None:
             entry = _lookup(path, gemm, num_local_experts, hidden, inter, rows_bucket(rows))
-    if warp_specialized:
-        # a table made with another KernelConfig.gemm0_gather may hold a Gluon GEMM0 that cannot read gather rows
-        if entry is not None and entry.against_ws and not (gathered and gemm == 0 and
-                                                          isinstance(entry.config, ws_gemm.WsConfig)):
-            return entry.config
-        rule = ws_rule(gemm, rows, num_local_experts, gathered)
-        if rule is not None:
-            return rule
-    if entry is not None and isinstance(entry.config, GemmConfig):
+    # a table made with another KernelConfig.gemm0_gather may hold a Gluon GEMM0 that cannot read gather rows
+    if warp_specialized and entry is not None and entry.against_ws and not (
+            gathered and gemm == 0 and isinstance(entry.config, ws_gemm.WsConfig)):
         return entry.config
-    return analytical_config(gemm, rows, num_local_experts)
+    untuned = untuned_config(gemm, rows, num_local_experts, warp_specialized=warp_specialized, gathered=gathered)
+    if entry is not None and isinstance(entry.config, GemmConfig) and isinstance(untuned, GemmConfig):
+        return entry.config   # a Triton entry measured without the Gluon kernels, where their rule has nothing
+    return untuned
+
+
+def untuned_config(gemm: int, rows: int, num_local_experts: int, *, warp_specialized: bool = False,
+                   gathered: bool = False):
+    """What `default_config` picks without a table entry: with `warp_specialized` the Gluon kernels' rule where it
+    has a config (`ws_rule`), else the analytical config (what `weave-moe tune` measures its candidates against)."""
+    rule = ws_rule(gemm, rows, num_local_experts, gathered) if warp_specialized else None
+    return rule or analytical_config(gemm, rows, num_local_experts)
 
 
 def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int | None = None,
