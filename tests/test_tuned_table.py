@@ -383,6 +383,61 @@ def test_tune_records_round_trip_through_the_lookup(tmp_path):
         gc.clear_tuned_cache()
 
 
+def test_tune_ws_candidates_and_their_records_decide_as_measured(tmp_path, capsys):
+    """`weave-moe tune --ws`: the Gluon candidates parse ("rule": the Gluon kernels' own configs), join every shape's
+    candidates but a gathered GEMM0's, the default is what the layer runs without an entry (the rule's config in its
+    band), and the records name the winner's kernel and the kernels measured, which the lookup then follows."""
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+
+    ws = tune.ws_candidates("rule, 64x256x128w4s2")
+    assert ws[:len(ws_gemm.default_configs())] == list(ws_gemm.default_configs())
+    assert set(ws_decode.default_configs()) <= set(ws) and ws[-1] == ws_gemm.WsConfig.parse("64x256x128w4s2")
+    assert tune.ws_candidates("") == []
+    with pytest.raises(ValueError, match="64x2"):
+        tune.ws_candidates("64x2")
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--tokens", "2048", "--ws", "64x256x64w4s4"]) == 0
+    assert "warp-specialised candidates (both GEMMs; not a gathered GEMM0): ws 64x256x64 w4 s4" in capsys.readouterr().out
+    assert cli.main(["tune", "--list", "--ws", "64x256"]) == 2
+    assert "64x256" in capsys.readouterr().err
+
+    triton = [TUNED0, gc.analytical_config(0, 8192, 64)]
+    default = gc.untuned_config(0, 8192, 64, warp_specialized=True)
+    assert default == ws_gemm.DEFAULT_CONFIG   # 128 rows per expert: the rule's band
+    assert tune.shape_candidates(triton + ws, default, gathered=False) == triton + ws
+    gathered_default = gc.untuned_config(0, 8192, 64, warp_specialized=True, gathered=True)
+    assert tune.shape_candidates(triton + ws, gathered_default, gathered=True) == triton   # analytical among them
+    assert tune.shape_candidates(triton, default, gathered=False) == triton + [default]
+
+    out = tmp_path / "nvidia-h100.json"
+    table = tune._start_table(out, replace=False)
+    table["meta"] = dict(date="2026-12-06T00:00:00+00:00", commit="abc")
+    shape = dict(model="qwen3-30b-a3b", tokens=1024, rows=8192, rows_bucket=8192, **SHAPE)
+    both = ["triton", "ws", "ws_decode"]
+    # GEMM0: a Triton config beats the rule's; GEMM1: the rule's wins (no entry); GEMM0 at 4096 rows: a ws config
+    r0 = tune._record(table, shape, 0, default, [(1.0, default, 1e-3), (0.8, TUNED0, 1e-3)], 0.05, 2, kernels=both)
+    r1 = tune._record(table, shape, 1, default, [(1.0, default, 1e-3), (0.99, TUNED1, 1e-3)], 0.05, 2, kernels=both)
+    wide = ws_gemm.WsConfig.parse("64x256x128w4s2")
+    shape4 = dict(shape, rows=32768, rows_bucket=32768, tokens=4096)
+    base4 = gc.analytical_config(0, 32768, 64)
+    r4 = tune._record(table, shape4, 0, base4, [(1.0, base4, 1e-3), (0.7, wide, 1e-3)], 0.05, 2, kernels=both)
+    assert r0["written"] and not r1["written"] and r4["written"]
+    entries = {(e["gemm"], e["rows_bucket"]): e for e in table["entries"]}
+    assert entries[0, 8192]["kernel"] == "triton" and entries[0, 32768]["kernel"] == "ws"
+    assert entries[0, 8192]["kernels"] == both and table["measured_default"][0]["kernels"] == both
+    tune._write_table(out, table)
+    gc.clear_tuned_cache()
+    try:
+        def pick(gemm, rows, **options):
+            return gc.default_config(gemm, rows, 64, 2048, 768, table=out, **options)
+
+        assert pick(0, 8192, warp_specialized=True) == TUNED0    # measured against the rule's config: Triton won
+        assert pick(1, 8192, warp_specialized=True) == ws_gemm.DEFAULT_CONFIG
+        assert pick(0, 32768, warp_specialized=True) == wide
+        assert pick(0, 32768) == base4                            # a caller without the Gluon kernels
+    finally:
+        gc.clear_tuned_cache()
+
+
 def test_cold_rotations_cover_the_l2_several_times_within_the_experts():
     l2 = 50 << 20
     # 8 experts of 6 MiB each: 48 MiB a launch -> ceil(4 * 50 / 48) = 5 rotations
