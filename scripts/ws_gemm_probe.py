@@ -59,6 +59,7 @@ def smoke(config, decode: bool) -> str:
 
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
     from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+    from weave_moe.backends.weave.kernels.ws_ring import block_weights
     from weave_moe.reference import DEFAULT_TOLERANCE, moe_error
 
     gemm0, gemm1 = ((ws_decode.ws_decode_gemm0, ws_decode.ws_decode_gemm1) if decode
@@ -85,7 +86,10 @@ def smoke(config, decode: bool) -> str:
     tiles = gg.build_tile_table(offsets, config.block_m, alloc, config.split_tail)
     h = torch.full((alloc, I), float("nan"), device="cuda").bfloat16()
     y = torch.full((alloc, H), float("nan"), device="cuda").bfloat16()
-    gemm0(a, gg.interleave_w13(w13), h, tiles, config)
+    w13, w2 = gg.interleave_w13(w13), w2
+    if not decode and config.k_blocked:   # the weights as the config reads them (ws_ring.block_weights)
+        w13, w2 = block_weights(w13, config.block_k), block_weights(w2, config.block_k)
+    gemm0(a, w13, h, tiles, config)
     gemm1(h_in, w2, y, tiles, config)
     torch.cuda.synchronize()
     errors = []
@@ -157,6 +161,7 @@ def main(argv=None) -> int:
 
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+    from weave_moe.backends.weave.kernels.ws_ring import block_weights
     from weave_moe.bench.anchor import graph_replay_ms
     from weave_moe.commands.tune import _Work, tune_shapes
     from weave_moe.models import MoESpec
@@ -253,14 +258,26 @@ def main(argv=None) -> int:
 
         record(0, "library", library0)
         record(1, "library", library1)
+        blocked = {}   # block_k -> (w13, w2) in the K-blocked layout, made once per shape for k_blocked configs
+
+        def weights(config):
+            if decode or not config.k_blocked:
+                return work.w13, work.w2
+            if config.block_k not in blocked:
+                blocked[config.block_k] = (block_weights(work.w13, config.block_k),
+                                           block_weights(work.w2, config.block_k))
+            return blocked[config.block_k]
+
         for config in configs:
             def ws0(r, config=config):
                 tiles = work.table(config.block_m, config.split_tail, r)
-                return lambda: kernels[0](work.a, work.w13, work.h, tiles, config)
+                w13 = weights(config)[0]
+                return lambda: kernels[0](work.a, w13, work.h, tiles, config)
 
             def ws1(r, config=config):
                 tiles = work.table(config.block_m, config.split_tail, r)
-                return lambda: kernels[1](work.h_in, work.w2, work.y, tiles, config)
+                w2 = weights(config)[1]
+                return lambda: kernels[1](work.h_in, w2, work.y, tiles, config)
 
             record(0, str(config), ws0)
             record(1, str(config), ws1)

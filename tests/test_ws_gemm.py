@@ -112,6 +112,34 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 
+def test_k_blocked_weights_compile_and_refuse_the_plain_layout(tmp_path):
+    """WsConfig.k_blocked (a probe of the weights' DRAM access pattern): `block_weights` puts each K step's W block in
+    one contiguous run; the kernel compiles for sm_90 on it without spills, and a launch refuses weights in the plain
+    layout (and the other way round) naming the operand; no layer's table may hold such a config."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+    from weave_moe.backends.weave.kernels.ws_ring import block_weights
+
+    w = torch.randn(3, 8, 256)
+    blocked = block_weights(w, 64)
+    assert blocked.shape == (3, 4, 8, 64) and blocked.is_contiguous()
+    assert torch.equal(blocked[1, 2, 5], w[1, 5, 128:192])
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        block_weights(w, 96)
+    config = ws.WsConfig.parse("64x256x64w4s4b")
+    assert config.k_blocked and config.short == "64x256x64w4s4b"
+    a, w13, h, tiles, _ = _operands(0, 2048, 768, block_m=64)
+    with pytest.raises(ValueError, match="K-blocked layout"):
+        ws.ws_launch(0, a, w13, h, tiles, config, num_sms=132)
+    with pytest.raises(ValueError, match="w: expected"):
+        ws.ws_launch(0, a, block_weights(w13, 64), h, tiles, ws.WsConfig(block_m=64, num_warps=4), num_sms=132)
+    kernel, grid, args, kwargs = ws.ws_launch(0, a, block_weights(w13, 64), h, tiles, config, num_sms=132)
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    report = sm90.ptxas_report(compiled.asm["ptx"], tmp_path)
+    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+    with pytest.raises(ValueError, match="k_blocked"):
+        gc.parse_ws_config("64x256x64w4s4b")
+
+
 def test_the_probes_configs_parse():
     import importlib.util
     from pathlib import Path

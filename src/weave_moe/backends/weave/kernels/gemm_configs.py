@@ -29,7 +29,7 @@ import torch
 from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
 __all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs", "ws_rule",
-           "untuned_config", "KERNELS", "kernel_of", "parse_ws_config",
+           "untuned_config", "check_ws_config", "KERNELS", "kernel_of", "parse_ws_config",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
            "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
            "EPILOGUE_MASKED", "EPILOGUE_TMA", "EPILOGUE_TMA_CLIPPED", "EPILOGUE_TMA_HALVES", "CLIPPED_EPILOGUES",
@@ -100,7 +100,9 @@ def parse_ws_config(text: str):
     """A warp-specialised config from its compact name: "t16w64k128s8" (`ws_decode.WsDecodeConfig.parse`) or
     "64x256x64w4s4" (`ws_gemm.WsConfig.parse`); ValueError naming the text otherwise."""
     text = text.strip()
-    return (ws_decode.WsDecodeConfig if text.startswith("t") else ws_gemm.WsConfig).parse(text)
+    config = (ws_decode.WsDecodeConfig if text.startswith("t") else ws_gemm.WsConfig).parse(text)
+    check_ws_config(config)
+    return config
 
 
 def ws_rule(gemm: int, rows: int, num_local_experts: int, gathered: bool = False):
@@ -358,7 +360,16 @@ def config_from_fields(gemm: int, fields: dict, kernel: str = "triton"):
     config = KERNELS[kernel](**fields)
     if kernel == "triton":
         check_config(gemm, config)
+    else:
+        check_ws_config(config)
     return config
+
+
+def check_ws_config(config) -> None:
+    """ValueError unless a warp-specialised `config` (its own checks passed when it was made) is one a layer can run:
+    not on K-blocked weights (`WsConfig.k_blocked`: a probe's; a layer holds its weights as given)."""
+    if isinstance(config, ws_gemm.WsConfig) and config.k_blocked:
+        raise ValueError(f"{config}: k_blocked (K-blocked weights) is a probe's layout, no layer holds its weights so")
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
         (_decode_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n,
                             K, n_out, GEMM, HAS_SCALE, NUM_SMS, num_warps)),
         (producer, (a_desc, a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
-                     K, w_rows, 1, NUM_SMS, False)),
+                     K, w_rows, 1, NUM_SMS, False, False)),
     ], [1], [PRODUCER_REGS])
 
 

@@ -88,6 +88,9 @@ class WsConfig:
         split_tail: the tile table's tails of at most block_m / 2 rows run as 64-row tiles after the full ones
             (`grouped_tiles.TileTable`, as GemmConfig.split_tail): less padding. 128-row tiles and one consumer
             only (the tails' A blocks fill the first half of a stage's A buffer; wgmma needs 64 rows).
+        k_blocked: the weights in the K-blocked layout of block_k (`ws_ring.block_weights`): each K step's W block
+            one contiguous run of memory. The caller holds its weights so (a probe of the DRAM access pattern
+            where the GEMMs stream their weights; no layer holds them so yet).
     """
 
     block_m: int = 128
@@ -101,6 +104,7 @@ class WsConfig:
     consumers: int = 1
     consumer_regs: int = 232
     split_tail: bool = False
+    k_blocked: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -160,18 +164,20 @@ class WsConfig:
         name += "c2" if self.consumers == 2 else ""
         name += f"p{self.producer_regs}" if self.producer_regs != WsConfig.producer_regs else ""
         name += f"r{self.maxnreg}" if self.maxnreg else ""
-        return name + ("t" if self.split_tail else "")
+        return name + ("b" if self.k_blocked else "") + ("t" if self.split_tail else "")
 
     @classmethod
     def parse(cls, text: str) -> "WsConfig":
         """The config of a compact name (`short`): "128x256x64w8s4", then optionally "c2" (two consumers), "p40"
-        (producer registers), "r168" (maxnreg), "t" (split tails); ValueError naming the text otherwise."""
-        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(c2)?(?:p(\d+))?(?:r(\d+))?(t)?", text.strip())
+        (producer registers), "r168" (maxnreg), "b" (K-blocked weights), "t" (split tails); ValueError naming the
+        text otherwise."""
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(c2)?(?:p(\d+))?(?:r(\d+))?(b)?(t)?", text.strip())
         if not match:
-            raise ValueError(f"warp-specialised GEMM config {text!r}: expected e.g. 128x256x64w8s4[c2][p40][r168][t]")
-        bm, bn, bk, warps, stages, pingpong, producer, maxnreg, tail = match.groups()
+            raise ValueError(f"warp-specialised GEMM config {text!r}: expected e.g. "
+                             f"128x256x64w8s4[c2][p40][r168][b][t]")
+        bm, bn, bk, warps, stages, pingpong, producer, maxnreg, blocked, tail = match.groups()
         fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages),
-                      consumers=2 if pingpong else 1, split_tail=tail is not None)
+                      consumers=2 if pingpong else 1, split_tail=tail is not None, k_blocked=blocked is not None)
         if producer:
             fields["producer_regs"] = int(producer)
         if maxnreg:
@@ -181,8 +187,9 @@ class WsConfig:
     def __str__(self) -> str:
         pingpong = f" pingpong c{self.consumer_regs}" if self.consumers == 2 else ""
         tail = " tail" if self.split_tail else ""
+        blocked = " kblocked" if self.k_blocked else ""
         return (f"ws {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.stages} "
-                f"p{self.producer_regs} r{self.registers}{pingpong}{tail}")
+                f"p{self.producer_regs} r{self.registers}{pingpong}{blocked}{tail}")
 
 
 @gluon.constexpr_function
@@ -295,7 +302,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
                     w_rows, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_SMS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    W_BLOCKED: gl.constexpr, num_warps: gl.constexpr):
     """out[m, j] over every tile of the table: GEMM 0: a = the rows, w = the interleaved w13 as [E_local * 2I, H],
     out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
     w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
@@ -318,7 +325,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL)),
+                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED)),
         ], [1], [PRODUCER_REGS])
     else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
         gl.warp_specialize([
@@ -327,7 +334,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL)),
+                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -361,20 +368,20 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     """(kernel, grid, args, kwargs) of one launch: `gemm` 0 (a [P, H], w the interleaved w13 [E_local, 2I, H], out
     h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or None); `num_sms`: the
     grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's)."""
-    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
+    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale, config.k_blocked)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)   # the tails' too: the same swizzle rows
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk], a_layout)
     a_tail_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk], a_layout) if config.split_tail else a_desc
-    w_desc = TensorDescriptor.from_tensor(w.view(num_experts * w_rows, K), [bn, bk],
-                                          gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16))
+    w_2d = w.view(-1, bk) if config.k_blocked else w.view(num_experts * w_rows, K)
+    w_desc = TensorDescriptor.from_tensor(w_2d, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16))
     num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     args = (a_desc, a_tail_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles,
             tiles.max_tiles, K, n_out, w_rows)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   STAGES=config.stages, PRODUCER_REGS=config.producer_regs, CONSUMERS=config.consumers,
-                  CONSUMER_REGS=config.consumer_regs, SPLIT_TAIL=config.split_tail, num_warps=config.num_warps,
-                  maxnreg=config.registers)
+                  CONSUMER_REGS=config.consumer_regs, SPLIT_TAIL=config.split_tail, W_BLOCKED=config.k_blocked,
+                  num_warps=config.num_warps, maxnreg=config.registers)
     return _ws_gemm_kernel, (num_sms, ), args, kwargs
 
 

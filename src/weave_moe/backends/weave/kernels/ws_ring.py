@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["MAX_RING_BYTES", "work_tile", "section_work", "load_tile", "producer", "check_operands"]
+__all__ = ["MAX_RING_BYTES", "work_tile", "section_work", "load_tile", "producer", "check_operands", "block_weights"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
@@ -61,9 +61,11 @@ def section_work(pid, work_before, NUM_SMS: gl.constexpr):
 
 
 @gluon.jit
-def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, K, step, ROWS: gl.constexpr):
+def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K, step, ROWS: gl.constexpr,
+              W_BLOCKED: gl.constexpr):
     """The TMA loads of one work item's K steps from ring step `step` on (A: ROWS rows into the first ROWS of a
-    stage's A buffer); returns the step after them."""
+    stage's A buffer; W: the block at row `w_row`, K step by K step along its columns, or with W_BLOCKED along the
+    K-blocked layout's rows, `w_rows` rows a step: `block_weights`); returns the step after them."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
     for k in range(0, K, BLOCK_K):
@@ -75,45 +77,74 @@ def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, K, s
             tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
         else:
             tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage).slice(0, ROWS))
-        tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
+        if W_BLOCKED:
+            tma.async_copy_global_to_shared(w_desc, [w_row + (k // BLOCK_K) * w_rows, 0], bar, w_bufs.index(stage))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
         step += 1
     return step
 
 
 @gluon.jit
 def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
-             w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+             w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+             W_BLOCKED: gl.constexpr):
     """The load partition: every TMA load of the CTA's work items, into the ring (module docstring); with
-    SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`)."""
+    SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`); W_BLOCKED: the weights
+    in the K-blocked layout (`block_weights`)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     pid = gl.program_id(0)
     num_work = gl.load(num_tiles_ptr) * num_n
+    # an expert's first weight row: E_local x w_rows rows of K, or E_local x K steps x w_rows rows of BLOCK_K
+    expert_rows = w_rows * gl.cdiv(K, BLOCK_K) if W_BLOCKED else w_rows
     step = 0
     for work in range(pid, num_work, NUM_SMS):
         expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
-        step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, expert * w_rows + n * BLOCK_N, K,
-                         step, BLOCK_M)
+        step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, expert * expert_rows + n * BLOCK_N,
+                         w_rows, K, step, BLOCK_M, W_BLOCKED)
     if SPLIT_TAIL:
         num_tails = gl.load(num_tiles_ptr + 1)
         for work in range(section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
             expert, m_start, m_end, n = work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
             step = load_tile(a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
-                             expert * w_rows + n * BLOCK_N, K, step, BLOCK_M // 2)
+                             expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M // 2, W_BLOCKED)
+
+
+def block_weights(w: torch.Tensor, block_k: int) -> torch.Tensor:
+    """The K-blocked layout of weights `w` [E_local, w_rows, K] (K a multiple of `block_k`): [E_local, K / block_k,
+    w_rows, block_k], contiguous, so that one K step's W block of BLOCK_N rows (the TMA box [BLOCK_N, block_k]) is one
+    contiguous run of BLOCK_N x block_k x 2 bytes instead of BLOCK_N runs of block_k x 2 bytes, K x 2 bytes apart."""
+    num_experts, w_rows, K = w.shape
+    if K % block_k:
+        raise ValueError(f"block_weights: K = {K} is not a multiple of block_k = {block_k}")
+    return w.view(num_experts, w_rows, K // block_k, block_k).transpose(1, 2).contiguous()
 
 
 def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles, config,
-                   scale: torch.Tensor | None) -> tuple[int, int, int, int]:
+                   scale: torch.Tensor | None, k_blocked: bool = False) -> tuple[int, int, int, int]:
     """A launch's operands checked, ValueError naming the first wrong one: `gemm` 0 (a [P, H], w the interleaved w13
     [E_local, 2I, H], out h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or
-    None), bf16 and contiguous; the tile table of `config`'s block_m and split_tail. Returns (K, E_local, w_rows,
-    n_out)."""
+    None), bf16 and contiguous; with `k_blocked` w in the K-blocked layout of `config`'s block_k (`block_weights`:
+    [E_local, K / block_k, w_rows, block_k]); the tile table of `config`'s block_m and split_tail. Returns (K,
+    E_local, w_rows, n_out)."""
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
     rows, K = a.shape
-    num_experts, w_rows, _ = w.shape
+    if k_blocked:
+        if w.dim() != 4:
+            raise ValueError(f"w: expected the K-blocked layout [E_local, K / block_k, w_rows, block_k] "
+                             f"(block_weights), given {tuple(w.shape)}")
+        num_experts, _, w_rows, _ = w.shape
+        w_shape = (num_experts, K // config.block_k, w_rows, config.block_k)
+    else:
+        num_experts, w_rows = w.shape[:2]
+        w_shape = (num_experts, w_rows, K)
     n_out = w_rows // 2 if gemm == 0 else w_rows
-    for name, tensor, shape in (("a", a, (rows, K)), ("w", w, (num_experts, w_rows, K)), ("out", out, (rows, n_out))):
+    if k_blocked and K % config.block_k:
+        raise ValueError(f"K = {K}: the K-blocked weights need a multiple of block_k = {config.block_k}")
+    for name, tensor, shape in (("a", a, (rows, K)), ("w", w, w_shape), ("out", out, (rows, n_out))):
         if tuple(tensor.shape) != shape or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
             raise ValueError(f"{name}: expected contiguous bf16 {shape}, given {tensor.dtype} "
                              f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
