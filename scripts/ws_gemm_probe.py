@@ -87,7 +87,7 @@ def smoke(config, decode: bool) -> str:
     h = torch.full((alloc, I), float("nan"), device="cuda").bfloat16()
     y = torch.full((alloc, H), float("nan"), device="cuda").bfloat16()
     w13, w2 = gg.interleave_w13(w13), w2
-    if not decode and config.k_blocked:   # the weights as the config reads them (ws_ring.block_weights)
+    if config.k_blocked:   # the weights as the config reads them (ws_ring.block_weights)
         w13, w2 = block_weights(w13, config.block_k), block_weights(w2, config.block_k)
     gemm0(a, w13, h, tiles, config)
     gemm1(h_in, w2, y, tiles, config)
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
         blocked = {}   # block_k -> (w13, w2) in the K-blocked layout, made once per shape for k_blocked configs
 
         def weights(config):
-            if decode or not config.k_blocked:
+            if not config.k_blocked:
                 return work.w13, work.w2
             if config.block_k not in blocked:
                 blocked[config.block_k] = (block_weights(work.w13, config.block_k),

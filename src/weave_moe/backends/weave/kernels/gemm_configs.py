@@ -368,7 +368,7 @@ def config_from_fields(gemm: int, fields: dict, kernel: str = "triton"):
 def check_ws_config(config) -> None:
     """ValueError unless a warp-specialised `config` (its own checks passed when it was made) is one a layer can run:
     not on K-blocked weights (`WsConfig.k_blocked`: a probe's; a layer holds its weights as given)."""
-    if isinstance(config, ws_gemm.WsConfig) and config.k_blocked:
+    if config.k_blocked:
         raise ValueError(f"{config}: k_blocked (K-blocked weights) is a probe's layout, no layer holds its weights so")
 
 

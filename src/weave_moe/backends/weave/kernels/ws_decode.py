@@ -50,6 +50,8 @@ class WsDecodeConfig:
         block_k: K step: 64 or 128.
         stages: shared-memory stages of the load ring (at least 2).
         producer_regs: registers per thread of the producer warp.
+        k_blocked: the weights in the K-blocked layout of block_k (`ws_ring.block_weights`), as WsConfig.k_blocked
+            (a probe's; no layer holds its weights so).
     """
 
     block_t: int = 16
@@ -57,6 +59,7 @@ class WsDecodeConfig:
     block_k: int = 128
     stages: int = 8
     producer_regs: int = 40
+    k_blocked: bool = False
 
     def __post_init__(self):
         if self.block_t not in (8, 16, 32, 64):
@@ -100,23 +103,26 @@ class WsDecodeConfig:
         """The compact name `parse` reads back, e.g. "t16w64k128s8" ("p<n>": the producer's registers where not
         the default)."""
         name = f"t{self.block_t}w{self.block_w}k{self.block_k}s{self.stages}"
-        return name + (f"p{self.producer_regs}" if self.producer_regs != WsDecodeConfig.producer_regs else "")
+        name += f"p{self.producer_regs}" if self.producer_regs != WsDecodeConfig.producer_regs else ""
+        return name + ("b" if self.k_blocked else "")
 
     @classmethod
     def parse(cls, text: str) -> "WsDecodeConfig":
         """The config of a compact name (`short`): "t16w64k128s8" (token rows, weight rows, K step, stages), then
-        optionally "p40" (producer registers); ValueError naming the text otherwise."""
-        match = re.fullmatch(r"t(\d+)w(\d+)k(\d+)s(\d+)(?:p(\d+))?", text.strip())
+        optionally "p40" (producer registers), "b" (K-blocked weights); ValueError naming the text otherwise."""
+        match = re.fullmatch(r"t(\d+)w(\d+)k(\d+)s(\d+)(?:p(\d+))?(b)?", text.strip())
         if not match:
-            raise ValueError(f"warp-specialised decode config {text!r}: expected e.g. t16w64k128s8[p40]")
-        bt, bw, bk, stages, producer = match.groups()
-        fields = dict(block_t=int(bt), block_w=int(bw), block_k=int(bk), stages=int(stages))
+            raise ValueError(f"warp-specialised decode config {text!r}: expected e.g. t16w64k128s8[p40][b]")
+        bt, bw, bk, stages, producer, blocked = match.groups()
+        fields = dict(block_t=int(bt), block_w=int(bw), block_k=int(bk), stages=int(stages),
+                      k_blocked=blocked is not None)
         if producer:
             fields["producer_regs"] = int(producer)
         return cls(**fields)
 
     def __str__(self) -> str:
-        return f"wsd {self.block_w}x{self.block_t}x{self.block_k} s{self.stages} p{self.producer_regs}"
+        blocked = " kblocked" if self.k_blocked else ""
+        return f"wsd {self.block_w}x{self.block_t}x{self.block_k} s{self.stages} p{self.producer_regs}{blocked}"
 
 
 @gluon.constexpr_function
@@ -187,7 +193,7 @@ def _decode_consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr
 @gluon.jit
 def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out, w_rows,
                       GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, NUM_SMS: gl.constexpr, STAGES: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                      PRODUCER_REGS: gl.constexpr, W_BLOCKED: gl.constexpr, num_warps: gl.constexpr):
     """out[t, j] over every tile of the table: GEMM 0: a = the rows [P, H], w = the interleaved w13 as
     [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
     [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE."""
@@ -204,7 +210,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
         (_decode_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n,
                             K, n_out, GEMM, HAS_SCALE, NUM_SMS, num_warps)),
         (producer, (a_desc, a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
-                     K, w_rows, 1, NUM_SMS, False, False)),
+                     K, w_rows, 1, NUM_SMS, False, W_BLOCKED)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -230,16 +236,16 @@ def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Ten
                      config: WsDecodeConfig, scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
     """(kernel, grid, args, kwargs) of one launch, as `ws_gemm.ws_launch` (the same operands and tile table, whose
     block_m is the config's token rows)."""
-    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
+    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale, config.k_blocked)
     bt, bw, bk = config.block_t, config.block_w, config.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bt, bk], gl.NVMMASharedLayout.get_default_for([bt, bk], gl.bfloat16))
-    w_desc = TensorDescriptor.from_tensor(w.view(num_experts * w_rows, K), [bw, bk],
-                                          gl.NVMMASharedLayout.get_default_for([bw, bk], gl.bfloat16))
+    w_2d = w.view(-1, bk) if config.k_blocked else w.view(num_experts * w_rows, K)
+    w_desc = TensorDescriptor.from_tensor(w_2d, [bw, bk], gl.NVMMASharedLayout.get_default_for([bw, bk], gl.bfloat16))
     num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     args = (a_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles, tiles.max_tiles,
             K, n_out, w_rows)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, NUM_SMS=num_sms, STAGES=config.stages,
-                  PRODUCER_REGS=config.producer_regs, num_warps=config.num_warps)
+                  PRODUCER_REGS=config.producer_regs, W_BLOCKED=config.k_blocked, num_warps=config.num_warps)
     return _ws_decode_kernel, (num_sms, ), args, kwargs
 
 
