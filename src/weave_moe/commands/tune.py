@@ -417,9 +417,8 @@ class _Work:
     def launcher(self, gemm: int, config, rotation: int = 0, after_gemm0: bool = False):
         """One launch of `gemm` with `config` on rotation `rotation`'s rows; `after_gemm0`: GEMM1 reads GEMM0's
         output `h` (a pair, as in a call) instead of the checked input `h_in`."""
-        from weave_moe.backends.weave.kernels import grouped_gemm as gg
-
         from weave_moe.backends.weave.kernels import gemm_configs as gc
+        from weave_moe.backends.weave.kernels import grouped_gemm as gg
 
         tiles = self.table(config.block_m, config.split_tail, rotation)
         # a stream-K config's scratch made once per size, not inside each timed graph (the Gluon kernels take none)
