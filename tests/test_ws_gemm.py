@@ -112,6 +112,35 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 
+def _layer_ws_configs():
+    """Every Gluon config a layer may compile (gemm_configs.default_configs with the Gluon kernels, no table), per
+    GEMM."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+
+    return [(gemm, config) for gemm in (0, 1) for config in gc.default_configs(gemm, warp_specialized=True)
+            if not isinstance(config, gc.GemmConfig)]
+
+
+@pytest.mark.parametrize("gemm,config", _layer_ws_configs(), ids=lambda v: str(v))
+def test_every_gluon_config_a_layer_may_pick_compiles_without_spills(gemm, config, tmp_path):
+    """What the layer compiles before its first call on an sm_90 GPU, compiled here for sm_90 as launched on
+    Qwen3-30B-A3B's shape: no stack frame, no spills, shared memory within Hopper's."""
+    from weave_moe.backends.weave.kernels import ws_decode
+
+    if isinstance(config, ws_decode.WsDecodeConfig):
+        a, w, out, tiles, scale = _operands(gemm, 2048, 768, block_m=config.block_t, scale=gemm == 1)
+        kernel, _, args, kwargs = ws_decode.ws_decode_launch(gemm, a, w, out, tiles, config, scale=scale,
+                                                             num_sms=132)
+    else:
+        a, w, out, tiles, scale = _operands(gemm, 2048, 768, block_m=config.block_m, scale=gemm == 1,
+                                            split_tail=config.split_tail)
+        kernel, _, args, kwargs = ws.ws_launch(gemm, a, w, out, tiles, config, scale=scale, num_sms=132)
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED, compiled.metadata.shared
+    report = sm90.ptxas_report(compiled.asm["ptx"], tmp_path)
+    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+
+
 def test_k_blocked_weights_compile_and_refuse_the_plain_layout(tmp_path):
     """WsConfig.k_blocked (a probe of the weights' DRAM access pattern): `block_weights` puts each K step's W block in
     one contiguous run; the kernel compiles for sm_90 on it without spills, and a launch refuses weights in the plain
