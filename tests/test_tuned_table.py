@@ -389,14 +389,21 @@ def test_tune_ws_candidates_and_their_records_decide_as_measured(tmp_path, capsy
     band), and the records name the winner's kernel and the kernels measured, which the lookup then follows."""
     from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
-    ws = tune.ws_candidates("rule, 64x256x128w4s2")
+    ws = tune.ws_candidates("rule, 64x256x128w4s2", layer_ws=True)
     assert ws[:len(ws_gemm.default_configs())] == list(ws_gemm.default_configs())
     assert set(ws_decode.default_configs()) <= set(ws) and ws[-1] == ws_gemm.WsConfig.parse("64x256x128w4s2")
-    assert tune.ws_candidates("") == []
+    assert tune.ws_candidates("auto", layer_ws=True) == tune.ws_candidates("rule", layer_ws=True)
+    assert tune.ws_candidates("", layer_ws=True) == tune.ws_candidates("none", layer_ws=True) == []
+    for text in ("", "none", "auto"):   # the layer runs no Gluon kernel (not sm_90, or ws_gemm off): none
+        assert tune.ws_candidates(text, layer_ws=False) == []
+    with pytest.raises(ValueError, match="would not run the Gluon kernels"):
+        tune.ws_candidates("rule", layer_ws=False)
     with pytest.raises(ValueError, match="64x2"):
-        tune.ws_candidates("64x2")
+        tune.ws_candidates("64x2", layer_ws=True)
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--tokens", "2048", "--ws", "64x256x64w4s4"]) == 0
     assert "warp-specialised candidates (both GEMMs; not a gathered GEMM0): ws 64x256x64 w4 s4" in capsys.readouterr().out
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--tokens", "2048"]) == 0   # auto: the rule's
+    assert f"not a gathered GEMM0): {tune.config_name(ws_gemm.DEFAULT_CONFIG)}" in capsys.readouterr().out
     assert cli.main(["tune", "--list", "--ws", "64x256"]) == 2
     assert "64x256" in capsys.readouterr().err
 

@@ -11,10 +11,11 @@ range (relative Frobenius error <= weave_moe.reference.DEFAULT_TOLERANCE; output
 row checked for NaN), then the launch captured in a CUDA graph, 3 warm-up replays and the median of --reps replays
 timed by CUDA events. A candidate that does not compile or launch (e.g. out of shared memory) is reported and skipped.
 
-Kernels: the candidates are Triton grouped-GEMM configs (the grid options) and, with --ws (sm_90 only), the
+Kernels: the candidates are Triton grouped-GEMM configs (the grid options) and, where the layer runs them (an sm_90
+GPU, KernelConfig.ws_gemm on: --ws auto, the default, takes their rule's configs; --ws names others), the
 warp-specialised Gluon kernels' configs (kernels/ws_gemm.py, kernels/ws_decode.py), timed alike; not for a GEMM0
 timed through gather rows (the Gluon kernels read rows in expert order only). The default a candidate must beat is
-what the layer runs without an entry (`gemm_configs.untuned_config`: with --ws the Gluon kernels' rule where it has a
+what the layer runs without an entry (`gemm_configs.untuned_config`: there the Gluon kernels' rule where it has a
 config, else the analytical config), always one of the candidates.
 
 Table entries: for each shape and GEMM, the fastest candidate that passed, keyed by (gemm, E_local, H, I,
@@ -63,10 +64,11 @@ def add_arguments(parser) -> None:
                         "to 30%% slower where most experts end in a small tail)")
     parser.add_argument("--stream-k", default="0", help="candidate stream_k values (1: every CTA an equal range of "
                         "the tiles' K steps, for launches with few tiles such as decode)")
-    parser.add_argument("--ws", default="", help="warp-specialised Gluon candidates too (sm_90): comma-separated "
+    parser.add_argument("--ws", default="auto", help="warp-specialised Gluon candidates too: comma-separated "
                         "compact names (e.g. 64x256x64w4s4, 128x256x64w8s4t, 64x256x64w4s4c2; decode form "
-                        "t16w64k128s8), or 'rule' for every config of the Gluon kernels' own rule; default none (a "
-                        "table of Triton entries only, which the Gluon kernels' rule overrides where it applies)")
+                        "t16w64k128s8), 'rule' for every config of the Gluon kernels' own rule, 'none'; default "
+                        "'auto': 'rule' where the layer runs the Gluon kernels (an sm_90 GPU, KernelConfig.ws_gemm "
+                        "on), else none")
     parser.add_argument("--gemms", default="0,1", help="which GEMMs to tune: 0 (GEMM0 + SiLU-mul) and/or 1")
     parser.add_argument("--reps", type=int, default=20, help="timed CUDA-graph replays per candidate (median)")
     parser.add_argument("--min-gain", type=float, default=0.05,
@@ -171,15 +173,22 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
     return candidates, skipped
 
 
-def ws_candidates(text: str) -> list:
-    """The --ws candidates: [] for "", every config of the Gluon kernels' rule for "rule", else the compact names
-    (`gemm_configs.parse_ws_config`; "rule" may be one of them); ValueError naming a bad name."""
+def ws_candidates(text: str, layer_ws: bool) -> list:
+    """The --ws candidates: [] for "" or "none", every config of the Gluon kernels' rule for "rule" (and for "auto"
+    where the layer runs them: `layer_ws`), else the compact names (`gemm_configs.parse_ws_config`; "rule" may be
+    one of them); ValueError naming a bad name, or Gluon candidates for a layer that does not run them."""
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
+    text = text.strip()
+    if text in ("", "none") or (text == "auto" and not layer_ws):
+        return []
+    if not layer_ws:
+        raise ValueError(f"--ws {text}: the layer would not run the Gluon kernels here (they need an sm_90 GPU "
+                         f"and KernelConfig.ws_gemm on)")
     configs = []
     for name in (part.strip() for part in text.split(",")):
-        if name == "rule":
+        if name in ("rule", "auto"):
             configs += ws_gemm.default_configs() + ws_decode.default_configs()
         elif name:
             configs.append(gc.parse_ws_config(name))
@@ -246,7 +255,6 @@ def run(args) -> int:
             raise ValueError(f"--flatten: expected 0 and/or 1, given {args.flatten!r}")
         if any(group < 1 for group in grid["group_m"]):
             raise ValueError(f"--group-m: expected ints >= 1, given {args.group_m!r}")
-        ws = ws_candidates(args.ws)
         if args.emulate_ep < 1:
             raise ValueError(f"--emulate-ep: expected an int >= 1, given {args.emulate_ep}")
         if args.reps < 1:
@@ -260,28 +268,35 @@ def run(args) -> int:
     except (KeyError, ValueError) as error:
         return refuse(str(error).strip("'\""))
 
+    import torch
+
+    from weave_moe.backends.weave.config import KernelConfig
+
+    # the layer runs the Gluon kernels on an sm_90 GPU with KernelConfig.ws_gemm on (weave backend); --list assumes
+    # one without a GPU
+    cuda = torch.cuda.is_available()
+    layer_ws = KernelConfig.from_env().ws_gemm and (torch.cuda.get_device_capability()[0] == 9 if cuda else args.list)
+    if args.list or cuda:
+        try:
+            ws = ws_candidates(args.ws, layer_ws)
+        except ValueError as error:
+            return refuse(str(error))
     if args.list:
         _print_plan(shapes, gemms, grid, ws)
         return 0
-
-    import torch
-
-    if not torch.cuda.is_available():
+    if not cuda:
         return refuse("needs a CUDA GPU (torch.cuda.is_available() is False): the table holds times measured on "
                       "the device it is for. Without a GPU the analytical defaults apply; --list shows what would "
                       "be measured.")
     capability = torch.cuda.get_device_capability()
     if capability < (9, 0):
         return refuse(f"needs Hopper or newer (sm_90+: TMA and wgmma); this GPU is sm_{capability[0]}{capability[1]}")
-    if ws and capability[0] != 9:
-        return refuse(f"--ws: the warp-specialised Gluon kernels are written for sm_90 (wgmma); this GPU is "
-                      f"sm_{capability[0]}{capability[1]}")
     try:
         out = _out_path(args.out)
         table = _start_table(out, args.replace)
     except ValueError as error:
         return refuse(str(error))
-    return _tune(args, specs, shapes, gemms, grid, ws, out, table)
+    return _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table)
 
 
 def _print_plan(shapes, gemms, grid, ws=()) -> None:
@@ -491,7 +506,7 @@ def rotated_counts(counts, rotation: int, rotations: int):
     return torch.roll(counts, rotation * (len(counts) // max(rotations, 1)))
 
 
-def _tune(args, specs, shapes, gemms, grid, ws, out, table) -> int:
+def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
     import datetime
     import shlex
     import statistics
@@ -555,7 +570,7 @@ def _tune(args, specs, shapes, gemms, grid, ws, out, table) -> int:
         alone, counts, kernels = {}, {}, {}
         for gemm in gemms:
             gathered = gemm == 0 and work.gather is not None
-            default = gc.untuned_config(gemm, work.rows, shape["E_local"], warp_specialized=bool(ws),
+            default = gc.untuned_config(gemm, work.rows, shape["E_local"], warp_specialized=layer_ws,
                                         gathered=gathered)
             measured = []
             shape_configs = shape_candidates(candidates[gemm][0], default, gathered)
