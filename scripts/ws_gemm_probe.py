@@ -12,7 +12,10 @@ First every candidate runs a small check in child processes (`smoke`: 4 experts 
 GEMMs against the fp32 reference; a config that hangs or faults the GPU costs --smoke-timeout once and is named,
 not timed). Every variant is then checked on each shape (outputs poisoned with NaN: an unwritten row fails; the
 checked rows against the fp32 reference within the reference's tolerance); only a checked variant is timed (CUDA-
-graph replays, median of --reps, cold L2 unless --warm-l2). Prints TFLOP/s and writes JSON after every shape (--out).
+graph replays, median of --reps, cold L2 unless --warm-l2). Prints TFLOP/s and the TB/s of the least bytes each GEMM
+must move (its active experts' weights, its rows in and out: against the GPU's HBM bandwidth where the weights
+stream), and writes JSON after every shape (--out). A config named with "b" (e.g. 64x256x64w4s4b) reads the weights
+in the K-blocked layout (`ws_ring.block_weights`, made once per shape and K step).
 
     python scripts/ws_gemm_probe.py --models deepseek-v3,qwen3-30b-a3b --tokens 2048,8192 --out ws.json
 
@@ -210,6 +213,10 @@ def main(argv=None) -> int:
         work.gather = None   # rows in expert order for every variant (ws_gemm reads them through TMA)
         E, H, I = shape["E_local"], shape["H"], shape["I"]
         flops = {0: 2.0 * work.rows * H * 2 * I, 1: 2.0 * work.rows * I * H}
+        # the bytes each GEMM must move at least: its active experts' weights, its rows in, its rows out (bf16)
+        active = int((work.offsets[1:] > work.offsets[:-1]).sum())
+        min_bytes = {0: 2.0 * (active * 2 * I * H + work.rows * H + work.rows * I),
+                     1: 2.0 * (active * H * I + work.rows * I + work.rows * H)}
         w13_t = work.w13.transpose(1, 2)   # [E, H, 2I] view, interleaved columns
         w2_t = work.w2.transpose(1, 2)     # [E, I, H]
         row = dict(shape, variants={})
@@ -232,10 +239,13 @@ def main(argv=None) -> int:
                       f"{str(exc)[:200]}", flush=True)
                 return
             failures += error > DEFAULT_TOLERANCE
-            entry[f"gemm{gemm}"] = dict(ms=ms, error=error, tflops=flops[gemm] / ms / 1e9 if ms == ms else None)
+            timed = ms == ms
+            entry[f"gemm{gemm}"] = dict(ms=ms, error=error, tflops=flops[gemm] / ms / 1e9 if timed else None,
+                                        min_tbps=min_bytes[gemm] / ms / 1e9 if timed else None)
             print(f"  {shape['model']} T={shape['tokens']} GEMM{gemm} {name}: {ms * 1e3:.1f} us, "
-                  f"{flops[gemm] / ms / 1e9 if ms == ms else float('nan'):.0f} TFLOP/s, error {error:.1e}",
-                  flush=True)
+                  f"{flops[gemm] / ms / 1e9 if timed else float('nan'):.0f} TFLOP/s, "
+                  f"{min_bytes[gemm] / ms / 1e9 if timed else float('nan'):.2f} TB/s of its least bytes, "
+                  f"error {error:.1e}", flush=True)
 
         for gemm in (0, 1):
             config = gc.default_config(gemm, work.rows, E, H, I)
