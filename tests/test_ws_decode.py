@@ -10,19 +10,13 @@ import torch
 from weave_moe.backends.weave.kernels import sm90
 from weave_moe.backends.weave.kernels import ws_decode as wsd
 from weave_moe.backends.weave.kernels.grouped_tiles import build_tile_table_torch
+from ws_operands import operands
 
 HOPPER_SHARED = 232448
 
 
 def _operands(gemm, hidden, inter, block_t, rows=64, experts=2, scale=False):
-    offsets = torch.tensor([0, rows // 2, rows], dtype=torch.int32)
-    tiles = build_tile_table_torch(offsets, block_t, rows, False)
-    bf16 = dict(dtype=torch.bfloat16)
-    if gemm == 0:
-        return (torch.empty(rows, hidden, **bf16), torch.empty(experts, 2 * inter, hidden, **bf16),
-                torch.empty(rows, inter, **bf16), tiles, None)
-    return (torch.empty(rows, inter, **bf16), torch.empty(experts, hidden, inter, **bf16),
-            torch.empty(rows, hidden, **bf16), tiles, torch.empty(rows) if scale else None)
+    return operands(gemm, hidden, inter, rows, block_t, False, experts, scale)
 
 
 def test_configs_refuse_what_cannot_run():

@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import MAX_RING_BYTES, check_operands, producer, work_tile
+from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
+                                                       work_tile)
 
 __all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch", "default_config",
            "default_configs"]
@@ -197,13 +198,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
     """out[t, j] over every tile of the table: GEMM 0: a = the rows [P, H], w = the interleaved w13 as
     [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
     [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES)
     width = 2 * max_tiles
     num_n = gl.cdiv(w_rows, w_desc.block_type.shape[0])
     gl.warp_specialize([

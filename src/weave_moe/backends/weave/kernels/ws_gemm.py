@@ -51,8 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, check_operands, producer, section_work,
-                                                      work_tile)
+from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
+                                                       section_work, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
            "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
@@ -307,13 +307,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
     w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
     too (tiles of BM / 2 rows, A through a_tail_desc; a_desc again otherwise)."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # ping-pong only
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)

@@ -31,11 +31,25 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-__all__ = ["MAX_RING_BYTES", "work_tile", "section_work", "load_tile", "producer", "check_operands", "block_weights"]
+__all__ = ["MAX_RING_BYTES", "allocate_ring", "work_tile", "section_work", "load_tile", "producer", "check_operands", "block_weights"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
 MAX_RING_BYTES = 192 * 1024
+
+
+@gluon.jit
+def allocate_ring(a_desc, w_desc, STAGES: gl.constexpr):
+    """The ring's shared memory (module docstring): STAGES A and W blocks of the descriptors' boxes, and the
+    `ready` / `empty` mbarriers of each stage, initialised with arrival count 1."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return a_bufs, w_bufs, ready, empty
 
 
 @gluon.jit
