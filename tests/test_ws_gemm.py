@@ -135,6 +135,31 @@ def test_every_gluon_config_a_layer_may_pick_compiles_without_spills(gemm, confi
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 
+def test_launch_gemm_runs_each_config_on_its_kernel(monkeypatch):
+    """grouped_gemm.launch_gemm: a WsConfig on ws_gemm's kernels, a WsDecodeConfig on ws_decode's, a GemmConfig on
+    the Triton ones with the launch options (which the Gluon kernels take none of); gather rows only for Triton."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import ws_decode
+
+    calls = []
+    for module, names in ((ws, ("ws_gemm0", "ws_gemm1")), (ws_decode, ("ws_decode_gemm0", "ws_decode_gemm1")),
+                          (gg, ("grouped_gemm0", "grouped_gemm1"))):
+        for name in names:
+            monkeypatch.setattr(module, name, lambda *args, name=name, **options: calls.append((name, options)))
+    triton, wide, decode = gc.analytical_config(0, 4096, 8), ws.DEFAULT_CONFIG, ws_decode.WsDecodeConfig()
+    for gemm in (0, 1):
+        for config in (triton, wide, decode):
+            gg.launch_gemm(gemm, config, "a", "w", "out", "tiles", pdl=True)
+    assert calls == [("grouped_gemm0", dict(gather=None, pdl=True)), ("ws_gemm0", {}), ("ws_decode_gemm0", {}),
+                     ("grouped_gemm1", dict(pdl=True)), ("ws_gemm1", {}), ("ws_decode_gemm1", {})]
+    with pytest.raises(ValueError, match="expert order"):
+        gg.launch_gemm(0, wide, "a", "w", "out", "tiles", gather="rows")
+    assert [gc.kernel_of(c) for c in (triton, wide, decode)] == ["triton", "ws", "ws_decode"]
+    with pytest.raises(TypeError, match="not a grouped-GEMM configuration"):
+        gc.kernel_of("128x256")
+
+
 def test_k_blocked_weights_compile_and_refuse_the_plain_layout(tmp_path):
     """WsConfig.k_blocked (a probe of the weights' DRAM access pattern): `block_weights` puts each K step's W block in
     one contiguous run; the kernel compiles for sm_90 on it without spills, and a launch refuses weights in the plain

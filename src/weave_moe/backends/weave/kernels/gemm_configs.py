@@ -92,8 +92,11 @@ KERNELS = {"triton": GemmConfig, "ws": ws_gemm.WsConfig, "ws_decode": ws_decode.
 
 
 def kernel_of(config) -> str:
-    """The `KERNELS` name of a configuration's type."""
-    return next(name for name, kind in KERNELS.items() if isinstance(config, kind))
+    """The `KERNELS` name of a configuration's type; TypeError for anything else."""
+    for name, kind in KERNELS.items():
+        if isinstance(config, kind):
+            return name
+    raise TypeError(f"not a grouped-GEMM configuration of any kernel ({', '.join(KERNELS)}): {config!r}")
 
 
 def parse_ws_config(text: str):
