@@ -322,3 +322,30 @@ def test_the_probes_small_checks_report_every_config_from_child_processes():
     assert sorted(results) == sorted(texts)
     assert all(verdict.startswith("FAIL") for verdict in results.values()), results
     assert "expected e.g." in results["bad"]
+
+
+def test_ptx_fingerprints_ignore_debug_info_and_see_instructions():
+    """scripts/ptx_fingerprint.py: the fingerprint ignores line records, comments and the inlined-call labels, sees an
+    instruction change; this tree against HEAD's: the same kernels (a child process on `git archive HEAD`)."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ptx_fingerprint.py"
+    spec = importlib.util.spec_from_file_location("ptx_fingerprint", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    ptx = "\n".join(["$L__tmp1:", "\t.loc 1 2 3", "\tmov.u32 %r1, 0;", "\t// comment", "\tbra $L__tmp1;",
+                      ".section .debug_info {", ".b8 1", "}"])
+    moved = ptx.replace("$L__tmp1", "$L__tmp7").replace(".loc 1 2 3", ".loc 1 9 9").replace(".b8 1", ".b8 2")
+    assert probe.fingerprint(ptx) == probe.fingerprint(moved)
+    assert probe.fingerprint(ptx) != probe.fingerprint(ptx.replace("mov.u32 %r1, 0", "mov.u32 %r1, 1"))
+    root = path.parent.parent
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    result = subprocess.run([sys.executable, str(path), "--configs", "t16w64k128s8", "--against", "HEAD"],
+                            capture_output=True, text=True, cwd=root, timeout=600)
+    assert "GEMM0 t16w64k128s8" in result.stdout, result.stdout + result.stderr
+    if result.returncode:   # the working tree's kernels differ from HEAD's (uncommitted GPU code): say so, not fail
+        assert "CHANGED" in result.stdout
