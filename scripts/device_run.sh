@@ -55,6 +55,10 @@ for stage in "$@"; do
     # against the Triton grouped GEMMs (the layer's configs) and torch._grouped_mm, each GEMM alone on the same rows,
     # cold L2, every variant checked first (WS_CONFIGS: candidates, e.g. 128x256x64w8s4,64x256x64w4s4)
     ws-gemm) timeout "${WS_TIMEOUT:-400}" python3 scripts/ws_gemm_probe.py --models "${WS_MODELS:-deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${WS_TOKENS:-2048,8192}" ${WS_CONFIGS:+--configs "$WS_CONFIGS"} --out "$W/ws_gemm_probe.json" > "$W/ws_gemm_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_gemm_probe.log" | tail -30;;
+    # the weights streamed alone in the grouped GEMMs' block order, the layer's layout against the K-blocked one
+    # (scripts/stream_probe.py, perf-notes 47: is the DRAM access pattern what holds the weight-streaming GEMMs at
+    # 61-70% of HBM?); STP_EXPERTS=8: a decode call's active experts only
+    stream-probe) timeout "${STP_TIMEOUT:-200}" python3 scripts/stream_probe.py --models "${STP_MODELS:-deepseek-v2,deepseek-v3,qwen3-30b-a3b}" ${STP_EXPERTS:+--experts "$STP_EXPERTS"} --out "$W/stream_probe${STP_EXPERTS:+-$STP_EXPERTS}.json" > "$W/stream_probe${STP_EXPERTS:+-$STP_EXPERTS}.log" 2>&1; echo "rc=$?"; tail -30 "$W/stream_probe${STP_EXPERTS:+-$STP_EXPERTS}.log";;
     # ... and their decode form (kernels/ws_decode.py: the weights as the MMA's rows) at decode sizes
     ws-decode) timeout "${WD_TIMEOUT:-300}" python3 scripts/ws_gemm_probe.py --decode --models "${WD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${WD_TOKENS:-1,8,32,128}" ${WD_CONFIGS:+--configs "$WD_CONFIGS"} --out "$W/ws_decode_probe.json" > "$W/ws_decode_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_decode_probe.log" | tail -40;;
     # ... and in calls (KernelConfig.ws_gemm, on): the serial policy without and with them at decode and prefill sizes, one rank's

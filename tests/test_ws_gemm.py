@@ -349,3 +349,28 @@ def test_ptx_fingerprints_ignore_debug_info_and_see_instructions():
     assert "GEMM0 t16w64k128s8" in result.stdout, result.stdout + result.stderr
     if result.returncode:   # the working tree's kernels differ from HEAD's (uncommitted GPU code): say so, not fail
         assert "CHANGED" in result.stdout
+
+
+def test_stream_probe_reads_every_weight_block_once_in_both_layouts():
+    """scripts/stream_probe.py under the interpreter: one pass over small weights, in the layer's layout and the
+    K-blocked one, two block shapes, reads every block once (its checksum equals torch's sum)."""
+    from pathlib import Path
+
+    from interpreter import run_interpreted
+
+    script = f"""
+import importlib.util, torch
+spec = importlib.util.spec_from_file_location("stream_probe", {str(Path(__file__).resolve().parent.parent / "scripts" / "stream_probe.py")!r})
+probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe)
+torch.manual_seed(0)
+w = torch.randn(3, 128, 256).bfloat16()
+expected = torch.sum(w, dtype=torch.float32).item()
+for block_n, block_k in ((64, 64), (32, 128)):
+    for blocked in (False, True):
+        sums = torch.zeros(4)
+        probe.stream(probe.block_weights(w, block_k) if blocked else w, block_n, block_k, blocked, 4, sums, stages=2)
+        assert abs(sums.sum().item() - expected) < 1e-2, (block_n, block_k, blocked, sums.sum().item(), expected)
+print("STREAM OK")
+"""
+    run_interpreted(script, "STREAM OK")
