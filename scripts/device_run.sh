@@ -59,6 +59,14 @@ for stage in "$@"; do
     # (scripts/stream_probe.py, perf-notes 47: is the DRAM access pattern what holds the weight-streaming GEMMs at
     # 61-70% of HBM?); STP_EXPERTS=8: a decode call's active experts only
     stream-probe) timeout "${STP_TIMEOUT:-200}" python3 scripts/stream_probe.py --models "${STP_MODELS:-deepseek-v2,deepseek-v3,qwen3-30b-a3b}" ${STP_EXPERTS:+--experts "$STP_EXPERTS"} --out "$W/stream_probe${STP_EXPERTS:+-$STP_EXPERTS}.json" > "$W/stream_probe${STP_EXPERTS:+-$STP_EXPERTS}.log" 2>&1; echo "rc=$?"; tail -30 "$W/stream_probe${STP_EXPERTS:+-$STP_EXPERTS}.log";;
+    # perf-notes 47's first call in one stage (~8 min): the DRAM question without and with the MMAs (the layer's
+    # layout against the K-blocked one, "b"), then `tune --ws` on two shapes (its first GPU run, table under
+    # $W/tuned), then the Gluon GEMMs in calls
+    next47) STP_TIMEOUT=100 "$0" stream-probe
+        WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b,64x256x64w4s4c2 WS_TIMEOUT=150 "$0" ws-gemm
+        WD_MODELS=qwen3-30b-a3b,deepseek-v3 WD_TOKENS=1,32 WD_CONFIGS=t8w64k128s8,t8w64k128s8b,t16w64k128s8,t16w64k128s8b WD_TIMEOUT=80 "$0" ws-decode
+        TUNE_TIMEOUT=90 TUNE_MODELS=deepseek-v2,qwen3-30b-a3b TUNE_TOKENS=2048,4 TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 4 --ws rule,64x256x128w4s2 --confirm 2 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune
+        WC_TIMEOUT=100 WC_TOKENS=1,2048 WC_MODELS=deepseek-v2,qwen3-30b-a3b "$0" ws-calls;;
     # ... and their decode form (kernels/ws_decode.py: the weights as the MMA's rows) at decode sizes
     ws-decode) timeout "${WD_TIMEOUT:-300}" python3 scripts/ws_gemm_probe.py --decode --models "${WD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${WD_TOKENS:-1,8,32,128}" ${WD_CONFIGS:+--configs "$WD_CONFIGS"} --out "$W/ws_decode_probe.json" > "$W/ws_decode_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_decode_probe.log" | tail -40;;
     # ... and in calls (KernelConfig.ws_gemm, on): the serial policy without and with them at decode and prefill sizes, one rank's
