@@ -293,16 +293,20 @@ def main(argv=None) -> int:
             record(1, str(config), ws1)
         results.append(row)
         write()
-    print(f"\n{'model':18s} {'T':>5s} {'gemm':>4s}  {'triton us':>9s} {'library us':>10s} {'best ws us':>10s}  best ws")
+    print(f"\n{'model':18s} {'T':>5s} {'gemm':>4s}  {'triton us':>9s} {'library us':>10s} {'best ws us':>10s} "
+          f"{'ws TB/s':>7s}  best ws")
     for row in results:
         for gemm in (0, 1):
-            times = {name: v.get(f"gemm{gemm}", {}).get("ms") for name, v in row["variants"].items()}
+            measured = {name: v.get(f"gemm{gemm}", {}) for name, v in row["variants"].items()}
+            times = {name: m.get("ms") for name, m in measured.items()}
             triton = next((t for name, t in times.items() if name.startswith("triton") and t is not None), None)
             ws = [(t, name) for name, t in times.items()
                   if name.split()[0] in ("ws", "wsd") and t is not None and t == t]
             best = min(ws) if ws else (float("nan"), "-")
+            tbps = measured.get(best[1], {}).get("min_tbps") or float("nan")
             print(f"{row['model']:18s} {row['tokens']:5d} {gemm:4d}  {(triton or float('nan')) * 1e3:9.1f} "
-                  f"{(times.get('library') or float('nan')) * 1e3:10.1f} {best[0] * 1e3:10.1f}  {best[1]}")
+                  f"{(times.get('library') or float('nan')) * 1e3:10.1f} {best[0] * 1e3:10.1f} {tbps:7.2f}  "
+                  f"{best[1]}")
     print(f"ws_gemm_probe: {failures} failed checks")
     return 1 if failures else 0
 
