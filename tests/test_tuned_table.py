@@ -261,6 +261,27 @@ def test_shipped_tables_load():
         assert data.get("device_key") == path.stem, path
 
 
+@pytest.mark.parametrize("warp_specialized", [False, True])
+def test_a_layer_compiles_every_config_it_may_pick_with_the_shipped_tables(warp_specialized):
+    """What a layer compiles before its first call (`default_configs`) holds whatever `default_config` picks for any
+    row count, gathering GEMM0 or not, on every shape of every shipped table (a config missing there would compile
+    in the middle of a call, inside its CUDA graph)."""
+    try:
+        for path in sorted(gc.TUNED_DIR.glob("*.json")):
+            for gemm, experts, hidden, inter in gc.load_tuned_table(path)["shapes"]:
+                allowed = set(gc.default_configs(gemm, experts, hidden, inter, table=path,
+                                                 warp_specialized=warp_specialized))
+                for rows in sorted({1, 2, 7, 8, 63, 64, 65, 100, 1000} | {experts * m for m in (1, 8, 63, 64, 128,
+                                                                                                256, 257, 1024)}):
+                    for gathered in (False, True):
+                        config = gc.default_config(gemm, rows, experts, hidden, inter, table=path,
+                                                   warp_specialized=warp_specialized, gathered=gathered)
+                        assert config in allowed, (path.name, gemm, experts, hidden, inter, rows, gathered, config)
+                        assert warp_specialized or isinstance(config, gc.GemmConfig)
+    finally:
+        gc.clear_tuned_cache()
+
+
 def test_tune_without_a_gpu_refuses_with_a_message(capsys, monkeypatch):
     import torch
 
