@@ -25,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 
-#: Configs fingerprinted by default: the layer's own (the rule's) and the probe's usual candidates
-DEFAULT_CONFIGS = "64x256x64w4s4,128x256x64w8s4,128x256x64w8s4t,128x128x64w4s4c2,t8w64k128s8,t16w64k128s8,t64w64k128s6"
+#: Configs fingerprinted by default: the layer's own (the rule's), the probe's usual candidates, K-blocked ones ("b")
+DEFAULT_CONFIGS = ("64x256x64w4s4,128x256x64w8s4,128x256x64w8s4t,128x128x64w4s4c2,64x256x64w4s4b,t8w64k128s8,"
+                   "t16w64k128s8,t64w64k128s6,t8w64k128s8b")
 
 
 def fingerprint(ptx: str) -> str:
@@ -44,6 +45,7 @@ def fingerprints(names: list[str]) -> dict:
 
     from weave_moe.backends.weave.kernels import sm90, ws_decode, ws_gemm
     from weave_moe.backends.weave.kernels.grouped_tiles import build_tile_table_torch
+    from weave_moe.backends.weave.kernels.ws_ring import block_weights
 
     hidden, inter, experts = 2048, 768, 2
     bf16 = dict(dtype=torch.bfloat16)
@@ -61,6 +63,8 @@ def fingerprints(names: list[str]) -> dict:
             else:
                 a, w = torch.empty(rows, inter, **bf16), torch.empty(experts, hidden, inter, **bf16)
                 result, scale = torch.empty(rows, hidden, **bf16), torch.empty(rows)
+            if config.k_blocked:   # the weights as the config reads them
+                w = block_weights(w, config.block_k)
             launch = ws_decode.ws_decode_launch if decode else ws_gemm.ws_launch
             kernel, _, args, kwargs = launch(gemm, a, w, result, tiles, config, scale=scale, num_sms=132)
             out[f"GEMM{gemm} {name}"] = fingerprint(sm90.compile_for_sm90(kernel, args, kwargs).asm["ptx"])

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from weave_moe.backends.weave.kernels.ws_ring import block_weights
+
 #: Block shapes (`--blocks`, BLOCK_N x BLOCK_K): the prefill Gluon kernel's W block, BLOCK_K 128, the decode kernel's
 DEFAULT_BLOCKS = "256x64,256x128,64x128"
 
@@ -66,13 +68,6 @@ def stream(w: torch.Tensor, block_n: int, block_k: int, blocked: bool, num_progr
     _stream_kernel[(num_programs, )](desc, sums, num_experts * num_n, num_n, k_steps, w_rows, BLOCKED=blocked,
                                      BLOCK_N=block_n, BLOCK_K=block_k, NUM_PROGRAMS=num_programs, STAGES=stages,
                                      num_warps=4)
-
-
-def block_weights(w: torch.Tensor, block_k: int) -> torch.Tensor:
-    """[E, N, K] -> [E, K / block_k, N, block_k] (the layout of kernels/ws_ring.py's `block_weights`)."""
-    from weave_moe.backends.weave.kernels.ws_ring import block_weights as blocked
-
-    return blocked(w, block_k)
 
 
 def main(argv=None) -> int:

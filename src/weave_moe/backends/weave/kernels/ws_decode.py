@@ -35,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
-                                                       work_tile)
+                                                       weight_descriptor, work_tile)
 
 __all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch", "default_config",
            "default_configs"]
@@ -231,11 +231,10 @@ def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Ten
                      config: WsDecodeConfig, scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
     """(kernel, grid, args, kwargs) of one launch, as `ws_gemm.ws_launch` (the same operands and tile table, whose
     block_m is the config's token rows)."""
-    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale, config.k_blocked)
+    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
     bt, bw, bk = config.block_t, config.block_w, config.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bt, bk], gl.NVMMASharedLayout.get_default_for([bt, bk], gl.bfloat16))
-    w_2d = w.view(-1, bk) if config.k_blocked else w.view(num_experts * w_rows, K)
-    w_desc = TensorDescriptor.from_tensor(w_2d, [bw, bk], gl.NVMMASharedLayout.get_default_for([bw, bk], gl.bfloat16))
+    w_desc = weight_descriptor(w, config, bw)
     num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     args = (a_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles, tiles.max_tiles,
             K, n_out, w_rows)

@@ -52,7 +52,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
-                                                       section_work, work_tile)
+                                                       section_work, weight_descriptor, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
            "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
@@ -362,13 +362,12 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     """(kernel, grid, args, kwargs) of one launch: `gemm` 0 (a [P, H], w the interleaved w13 [E_local, 2I, H], out
     h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or None); `num_sms`: the
     grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's)."""
-    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale, config.k_blocked)
+    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)   # the tails' too: the same swizzle rows
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk], a_layout)
     a_tail_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk], a_layout) if config.split_tail else a_desc
-    w_2d = w.view(-1, bk) if config.k_blocked else w.view(num_experts * w_rows, K)
-    w_desc = TensorDescriptor.from_tensor(w_2d, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16))
+    w_desc = weight_descriptor(w, config, bn)
     num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     args = (a_desc, a_tail_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles,
             tiles.max_tiles, K, n_out, w_rows)

@@ -30,8 +30,9 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["MAX_RING_BYTES", "allocate_ring", "work_tile", "section_work", "load_tile", "producer", "check_operands", "block_weights"]
+__all__ = ["MAX_RING_BYTES", "allocate_ring", "work_tile", "section_work", "load_tile", "producer", "check_operands", "weight_descriptor", "block_weights"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
@@ -126,6 +127,16 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
                              expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M // 2, W_BLOCKED)
 
 
+def weight_descriptor(w: torch.Tensor, config, block_rows: int) -> TensorDescriptor:
+    """The TMA descriptor of a launch's W blocks ([block_rows, config.block_k] boxes) over `w` as `config` reads it:
+    [E_local * w_rows, K] rows of the layer's layout, or with `config.k_blocked` [E_local * K steps * w_rows,
+    block_k] rows of the K-blocked one (`block_weights`); the producer addresses either (`load_tile`)."""
+    bk = config.block_k
+    rows = w.view(-1, bk) if config.k_blocked else w.view(-1, w.shape[-1])
+    return TensorDescriptor.from_tensor(rows, [block_rows, bk],
+                                        gl.NVMMASharedLayout.get_default_for([block_rows, bk], gl.bfloat16))
+
+
 def block_weights(w: torch.Tensor, block_k: int) -> torch.Tensor:
     """The K-blocked layout of weights `w` [E_local, w_rows, K] (K a multiple of `block_k`): [E_local, K / block_k,
     w_rows, block_k], contiguous, so that one K step's W block of BLOCK_N rows (the TMA box [BLOCK_N, block_k]) is one
@@ -137,16 +148,16 @@ def block_weights(w: torch.Tensor, block_k: int) -> torch.Tensor:
 
 
 def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles, config,
-                   scale: torch.Tensor | None, k_blocked: bool = False) -> tuple[int, int, int, int]:
+                   scale: torch.Tensor | None) -> tuple[int, int, int, int]:
     """A launch's operands checked, ValueError naming the first wrong one: `gemm` 0 (a [P, H], w the interleaved w13
     [E_local, 2I, H], out h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or
-    None), bf16 and contiguous; with `k_blocked` w in the K-blocked layout of `config`'s block_k (`block_weights`:
+    None), bf16 and contiguous; with `config.k_blocked` w in the K-blocked layout of `config`'s block_k (`block_weights`:
     [E_local, K / block_k, w_rows, block_k]); the tile table of `config`'s block_m and split_tail. Returns (K,
     E_local, w_rows, n_out)."""
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
     rows, K = a.shape
-    if k_blocked:
+    if config.k_blocked:
         if w.dim() != 4:
             raise ValueError(f"w: expected the K-blocked layout [E_local, K / block_k, w_rows, block_k] "
                              f"(block_weights), given {tuple(w.shape)}")
@@ -156,7 +167,7 @@ def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tenso
         num_experts, w_rows = w.shape[:2]
         w_shape = (num_experts, w_rows, K)
     n_out = w_rows // 2 if gemm == 0 else w_rows
-    if k_blocked and K % config.block_k:
+    if config.k_blocked and K % config.block_k:
         raise ValueError(f"K = {K}: the K-blocked weights need a multiple of block_k = {config.block_k}")
     for name, tensor, shape in (("a", a, (rows, K)), ("w", w, w_shape), ("out", out, (rows, n_out))):
         if tuple(tensor.shape) != shape or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
