@@ -54,7 +54,7 @@ for stage in "$@"; do
     # the warp-specialised Gluon grouped GEMMs (kernels/ws_gemm.py: a TMA producer warp, wgmma consumer warpgroups)
     # against the Triton grouped GEMMs (the layer's configs) and torch._grouped_mm, each GEMM alone on the same rows,
     # cold L2, every variant checked first (WS_CONFIGS: candidates, e.g. 128x256x64w8s4,64x256x64w4s4)
-    ws-gemm) timeout "${WS_TIMEOUT:-400}" python3 scripts/ws_gemm_probe.py --models "${WS_MODELS:-deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${WS_TOKENS:-2048,8192}" ${WS_CONFIGS:+--configs "$WS_CONFIGS"} --out "$W/ws_gemm_probe.json" > "$W/ws_gemm_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_gemm_probe.log" | tail -30;;
+    ws-gemm) timeout "${WS_TIMEOUT:-400}" python3 scripts/ws_gemm_probe.py --models "${WS_MODELS:-deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${WS_TOKENS:-2048,8192}" ${WS_CONFIGS:+--configs "$WS_CONFIGS"} ${WS_ARGS:-} --out "$W/ws_gemm_probe.json" > "$W/ws_gemm_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_gemm_probe.log" | tail -30;;
     # the weights streamed alone in the grouped GEMMs' block order, the layer's layout against the K-blocked one
     # (scripts/stream_probe.py, perf-notes 47: is the DRAM access pattern what holds the weight-streaming GEMMs at
     # 61-70% of HBM?); STP_EXPERTS=8: a decode call's active experts only
@@ -62,6 +62,14 @@ for stage in "$@"; do
     # perf-notes 47's first call in one stage (~8 min): the DRAM question without and with the MMAs (the layer's
     # layout against the K-blocked one, "b"), then `tune --ws` on two shapes (its first GPU run, table under
     # $W/tuned), then the Gluon GEMMs in calls
+    # the Gluon GEMM0 reading the received rows through the gather rows (KernelConfig.ws_gather, perf-notes 48): each
+    # GEMM0 alone through gather rows (the ws configs' cp.async producer, the Triton kernel's, the gather launch +
+    # the ws kernel on rows in expert order; checked), then in calls, the serial policy without and with it, checked
+    ws-gather) WS_TIMEOUT="${WG_TIMEOUT:-150}" WS_MODELS="${WG_MODELS:-deepseek-v2,deepseek-v3,qwen3-30b-a3b,qwen3.5-35b-a3b}" WS_TOKENS=2048 WS_CONFIGS="${WG_CONFIGS:-64x256x64w4s4,128x256x64w8s4}" WS_ARGS=--gather "$0" ws-gemm
+        WC_TIMEOUT="${WGC_TIMEOUT:-150}" WC_TOKENS="${WGC_TOKENS:-512,2048}" WC_MODELS="${WGC_MODELS:-deepseek-v2,qwen3-30b-a3b,deepseek-v3}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on" "$0" ws-calls;;
+    # the first call of the next GPU session (perf-notes 48): ws-gather, then next47 as far as it gets
+    next48) WG_TIMEOUT=130 WGC_TIMEOUT=130 "$0" ws-gather; STP_TIMEOUT=80 "$0" stream-probe
+        WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b WS_TIMEOUT=120 "$0" ws-gemm;;
     next47) STP_TIMEOUT=100 "$0" stream-probe
         WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b,64x256x64w4s4c2 WS_TIMEOUT=150 "$0" ws-gemm
         WD_MODELS=qwen3-30b-a3b,deepseek-v3 WD_TOKENS=1,32 WD_CONFIGS=t8w64k128s8,t8w64k128s8b,t16w64k128s8,t16w64k128s8b WD_TIMEOUT=80 "$0" ws-decode

@@ -17,6 +17,12 @@ must move (its active experts' weights, its rows in and out: against the GPU's H
 stream), and writes JSON after every shape (--out). A config named with "b" (e.g. 64x256x64w4s4b) reads the weights
 in the K-blocked layout (`ws_ring.block_weights`, made once per shape and K step).
 
+`--gather`: GEMM0 also with its rows scattered over a source buffer in a random order (as a call's receive buffer
+holds them), read through the gather rows: `triton gathered` (the Triton GEMM0's pointer loads, KernelConfig.
+gemm0_gather), `<ws config> gathered` for each candidate that `gathers` (its producer warpgroup's cp.async,
+KernelConfig.ws_gather), and `gather launch` (`grouped_tiles.gather_rows`: the copy into expert order that a GEMM0
+reading rows in expert order needs first in a call), so that "gather launch + ws" and "ws gathered" compare.
+
     python scripts/ws_gemm_probe.py --models deepseek-v3,qwen3-30b-a3b --tokens 2048,8192 --out ws.json
 
 `--decode`: the decode GEMMs of kernels/ws_decode.py instead (the weights as the MMA's rows), at decode sizes
@@ -55,7 +61,8 @@ def parse_decode_config(text: str):
 
 def smoke(config, decode: bool) -> str:
     """One config on a small problem (4 experts of 0 / 1 / 37 / 200 rows, or 0 / 1 / 5 / 9 with `decode`; H 1024,
-    I 512; rows past the last expert), both GEMMs against the fp32 reference per expert, outputs poisoned with NaN:
+    I 512; rows past the last expert), both GEMMs against the fp32 reference per expert (GEMM0 also through gather
+    rows where the config `gathers`), outputs poisoned with NaN:
     "PASS <errors>", or "FAIL <why>" (a row of an expert unwritten or wrong, a row past them written)."""
     import torch
     import torch.nn.functional as F
@@ -94,9 +101,17 @@ def smoke(config, decode: bool) -> str:
         w13, w2 = block_weights(w13, config.block_k), block_weights(w2, config.block_k)
     gemm0(a, w13, h, tiles, config)
     gemm1(h_in, w2, y, tiles, config)
+    checks = [("h", h, h_ref), ("y", y, y_ref)]
+    if not decode and config.gathers:   # GEMM0 through gather rows too: the rows scattered over a source buffer
+        gather = torch.randperm(alloc, device="cuda", generator=gen).int()
+        source = torch.empty_like(a)
+        source[gather.long()] = a
+        h_gathered = torch.full((alloc, I), float("nan"), device="cuda").bfloat16()
+        gemm0(source, w13, h_gathered, tiles, config, gather=gather)
+        checks.append(("h gathered", h_gathered, h_ref))
     torch.cuda.synchronize()
     errors = []
-    for name, out, ref in (("h", h, h_ref), ("y", y, y_ref)):
+    for name, out, ref in checks:
         if torch.isnan(out[:rows]).any():
             return f"FAIL {name}: {int(torch.isnan(out[:rows]).any(1).sum())} of {rows} rows unwritten"
         if not torch.isnan(out[rows:]).all():
@@ -156,6 +171,7 @@ def main(argv=None) -> int:
                         help="seconds for the small check of the configs, first (a hang costs this once)")
     parser.add_argument("--smoke-only", action="store_true", help=argparse.SUPPRESS)   # smoke_all's child
     parser.add_argument("--warm-l2", action="store_true")
+    parser.add_argument("--gather", action="store_true", help="GEMM0 through gather rows too (module docstring)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -268,6 +284,33 @@ def main(argv=None) -> int:
 
         record(0, "library", library0)
         record(1, "library", library1)
+        if args.gather and not args.decode:   # GEMM0's rows scattered over a source buffer: source[gather[m]] = a[m]
+            from weave_moe.backends.weave.kernels import grouped_gemm as gg
+            from weave_moe.backends.weave.kernels import grouped_tiles
+
+            gen = torch.Generator(device="cuda").manual_seed(7)
+            gather = torch.randperm(work.alloc, device="cuda", generator=gen).int()
+            source = torch.empty_like(work.a)
+            source[gather.long()] = work.a
+            config = gc.default_config(0, work.rows, E, H, I)
+            record(0, f"triton gathered {config!r}", lambda r, config=config: (
+                lambda tiles=work.table(config.block_m, config.split_tail, r): gg.launch_gemm(
+                    0, config, source, work.w13, work.h, tiles, gather=gather, pdl=work.pdl,
+                    stream_k_scratch=work.stream_k_scratch, status=work.status)))
+            count = work.rotated_offsets[0][-1:]
+            sms = props.multi_processor_count
+
+            def gather_launch(r):
+                def run():   # the copy alone; GEMM0 then computes its h from the copied rows (checked so)
+                    grouped_tiles.gather_rows(source, gather, work.a, count, 4 * sms)
+                    kernels[0](work.a, work.w13, work.h, work.table(64, False, r), ws_gemm.DEFAULT_CONFIG)
+                return run
+            record(0, "gather launch + ws default", gather_launch)
+            for config in configs:
+                if config.gathers and not config.k_blocked:
+                    record(0, f"{config} gathered", lambda r, config=config: (
+                        lambda tiles=work.table(config.block_m, config.split_tail, r): ws_gemm.ws_gemm0(
+                            source, work.w13, work.h, tiles, config, gather=gather)))
         blocked = {}   # block_k -> (w13, w2) in the K-blocked layout, made once per shape for k_blocked configs
 
         def weights(config):

@@ -898,6 +898,7 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     gather rows. GEMM1 reads h and writes y either way. After a prologue forked onto a side stream (`forked`: its
     event given) the stream waits for it first, and the gather reads the count ahead of its wait (count_ready);
     after one on the same stream it may not."""
+    import dataclasses
     import types
 
     from weave_moe.backends.weave import backend as backend_module
@@ -905,7 +906,7 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
-    backend.gemm0_gather = gemm0_gather
+    backend.config = dataclasses.replace(backend.config, gemm0_gather="on" if gemm0_gather else "off")
     calls, launched_pdl = [], []
     backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index, rows, count_ready))
     backend._current_stream = lambda: types.SimpleNamespace(wait_event=lambda event: calls.append(("join", event)))
@@ -918,7 +919,8 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
     keys = ((16, False),)
     rows = torch.ones(1, dtype=torch.int32)
-    configs = (types.SimpleNamespace(block_m=16, split_tail=False),) * 2
+    configs = (backend_module.gemm_configs.analytical_configs(0)[2],) * 2   # 16-row tiles
+    assert configs[0].block_m == 16 and not configs[0].split_tail
     event = "prologue done" if forked else None
     WeaveBackend._grouped_gemms(backend, layout, configs, early=({keys[0]: "table"}, rows, event))
     if forked:
@@ -1329,11 +1331,13 @@ def test_fixed_plan_is_made_once_for_the_policies_whose_plan_does_not_depend_on_
     assert fixed_plan_for(spec, 1, 2048, "weave", HardwareProfile.load_named("h200_default"), config, True) is None
 
 
-@pytest.mark.parametrize("gemm0_gather", [True, False])
-def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch, gemm0_gather):
+@pytest.mark.parametrize("gemm0_gather, ws_gather", [(True, False), (False, False), (True, True), (False, True)])
+def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch, gemm0_gather, ws_gather):
     """KernelConfig.ws_gemm: the layer's configs where the weights stream are ws_gemm's, at decode sizes ws_decode's
-    (GEMM0 of a layer that gathers in its Triton GEMM0 keeps that one at prefill sizes); a warp-specialised GEMM0
-    reads its rows in expert order from y after the gather launch; GEMM1 reads h and writes y."""
+    (GEMM0 of a layer that gathers in its Triton GEMM0 keeps that one at prefill sizes, unless ws_gather lets the
+    Gluon GEMM0 gather too); a warp-specialised GEMM0 reads its rows in expert order from y after the gather launch,
+    or with ws_gather the receive buffer through the gather rows with no gather launch; GEMM1 reads h and writes y."""
+    import dataclasses
     import types
 
     from weave_moe.backends.weave import backend as backend_module
@@ -1342,17 +1346,21 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
-    backend.ws_gemm, backend.gemm0_gather, backend.grouped_configs = True, gemm0_gather, {}
+    backend.config = dataclasses.replace(backend.config, gemm0_gather="on" if gemm0_gather else "off",
+                                         ws_gather=ws_gather)
+    backend.ws_gemm, backend.grouped_configs = True, {}
     del backend._grouped_configs   # the real one
     monkeypatch.setattr(WeaveBackend, "_held_layout", lambda self, gemm, config: config)
     analytical = backend_module.gemm_configs.analytical_config   # no table on the CPU
     assert backend.num_local_experts == 8
     decode = ws_decode.default_config(8 * 8, 8)   # 8 rows per expert: the decode kernels
     assert WeaveBackend._grouped_configs(backend, 8 * 8) == (decode, decode) and decode.block_t == 16
-    # 128 rows per expert: the prefill kernels, but GEMM0 of a layer that reads through the gather rows keeps Triton's
+    # 128 rows per expert: the prefill kernels, but GEMM0 of a layer that reads through the gather rows keeps
+    # Triton's where the Gluon one would need the gather launch
     backend.grouped_configs = {}
     assert WeaveBackend._grouped_configs(backend, 128 * 8) == (
-        analytical(0, 128 * 8, 8) if gemm0_gather else ws_gemm.DEFAULT_CONFIG, ws_gemm.DEFAULT_CONFIG)
+        analytical(0, 128 * 8, 8) if gemm0_gather and not ws_gather else ws_gemm.DEFAULT_CONFIG,
+        ws_gemm.DEFAULT_CONFIG)
     # 512 rows per expert: the Triton kernels
     assert WeaveBackend._grouped_configs(backend, 512 * 8) == (analytical(0, 512 * 8, 8), analytical(1, 512 * 8, 8))
     backend.ws_gemm, backend.grouped_configs = False, {}   # not an sm_90 GPU, or ws_gemm off: never a Gluon kernel
@@ -1362,18 +1370,28 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     calls = []
     backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index))
     backend._current_stream = lambda: types.SimpleNamespace(wait_event=lambda event: None)
-    monkeypatch.setattr(backend_module.ws_gemm, "ws_gemm0", lambda a, w, out, tiles, config:
-                        calls.append(("ws gemm0", a, out, tiles, config)))
-    monkeypatch.setattr(backend_module.ws_gemm, "ws_gemm1", lambda a, w, out, tiles, config:
+    monkeypatch.setattr(ws_gemm, "ws_gemm0", lambda a, w, out, tiles, config, gather:
+                        calls.append(("ws gemm0", a, out, tiles, config, gather)))
+    monkeypatch.setattr(ws_gemm, "ws_gemm1", lambda a, w, out, tiles, config:
                         calls.append(("ws gemm1", a, out, tiles, config)))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
     WeaveBackend._grouped_gemms(backend, layout, configs, early=({(64, False): "table"}, None, None))
     ws = backend.workspace
-    assert [call[0] for call in calls] == ["gather", "ws gemm0", "ws gemm1"]
-    assert calls[0][1] is layout.gather_rows
-    assert calls[1][1].data_ptr() == ws.y().data_ptr() and calls[1][2].data_ptr() == ws.h().data_ptr()
+    if ws_gather:   # GEMM0 reads the receive buffer through the gather rows: no gather launch
+        assert [call[0] for call in calls] == ["ws gemm0", "ws gemm1"]
+        assert calls[0][1].data_ptr() == ws.recv().data_ptr() and calls[0][5] is layout.gather_rows
+        calls.insert(0, None)
+    else:
+        assert [call[0] for call in calls] == ["gather", "ws gemm0", "ws gemm1"]
+        assert calls[0][1] is layout.gather_rows and calls[1][5] is None
+        assert calls[1][1].data_ptr() == ws.y().data_ptr()
+    assert calls[1][2].data_ptr() == ws.h().data_ptr()
     assert calls[2][1].data_ptr() == ws.h().data_ptr() and calls[2][2].data_ptr() == ws.y().data_ptr()
     assert calls[1][3] == calls[2][3] == "table" and calls[1][4] == configs[0]
+    # a tuned table's Gluon GEMM0 that cannot gather (split tails, ping-pong) keeps the gather launch
+    for config in (ws_gemm.WsConfig(split_tail=True), ws_gemm.WsConfig(block_n=128, num_warps=4, consumers=2)):
+        assert not WeaveBackend._gathers_in_gemm0(backend, config)
+    assert WeaveBackend._gathers_in_gemm0(backend, decode) is False
 
 
 def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
@@ -1386,9 +1404,9 @@ def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     calls = []
-    monkeypatch.setattr(backend_module.ws_decode, "ws_decode_gemm0", lambda a, w, out, tiles, config:
+    monkeypatch.setattr(ws_decode, "ws_decode_gemm0", lambda a, w, out, tiles, config:
                         calls.append(("gemm0", a, out, tiles)))
-    monkeypatch.setattr(backend_module.ws_decode, "ws_decode_gemm1", lambda a, w, out, tiles, config:
+    monkeypatch.setattr(ws_decode, "ws_decode_gemm1", lambda a, w, out, tiles, config:
                         calls.append(("gemm1", a, out, tiles)))
     config = ws_decode.WsDecodeConfig(block_t=8)
     WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"})

@@ -137,7 +137,8 @@ def test_every_gluon_config_a_layer_may_pick_compiles_without_spills(gemm, confi
 
 def test_launch_gemm_runs_each_config_on_its_kernel(monkeypatch):
     """grouped_gemm.launch_gemm: a WsConfig on ws_gemm's kernels, a WsDecodeConfig on ws_decode's, a GemmConfig on
-    the Triton ones with the launch options (which the Gluon kernels take none of); gather rows only for Triton."""
+    the Triton ones with the launch options (which the Gluon kernels take none of); gather rows for Triton and for a
+    WsConfig that `gathers`, never for the decode form or one that does not."""
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
     from weave_moe.backends.weave.kernels import ws_decode
@@ -151,10 +152,15 @@ def test_launch_gemm_runs_each_config_on_its_kernel(monkeypatch):
     for gemm in (0, 1):
         for config in (triton, wide, decode):
             gg.launch_gemm(gemm, config, "a", "w", "out", "tiles", pdl=True)
-    assert calls == [("grouped_gemm0", dict(gather=None, pdl=True)), ("ws_gemm0", {}), ("ws_decode_gemm0", {}),
-                     ("grouped_gemm1", dict(pdl=True)), ("ws_gemm1", {}), ("ws_decode_gemm1", {})]
-    with pytest.raises(ValueError, match="expert order"):
-        gg.launch_gemm(0, wide, "a", "w", "out", "tiles", gather="rows")
+    assert calls == [("grouped_gemm0", dict(gather=None, pdl=True)), ("ws_gemm0", dict(gather=None)),
+                     ("ws_decode_gemm0", {}), ("grouped_gemm1", dict(pdl=True)), ("ws_gemm1", {}),
+                     ("ws_decode_gemm1", {})]
+    calls.clear()
+    gg.launch_gemm(0, wide, "a", "w", "out", "tiles", gather="rows")
+    assert calls == [("ws_gemm0", dict(gather="rows"))]
+    for config in (decode, ws.WsConfig(split_tail=True), ws.WsConfig(block_n=128, num_warps=4, consumers=2)):
+        with pytest.raises(ValueError, match="expert order"):
+            gg.launch_gemm(0, config, "a", "w", "out", "tiles", gather="rows")
     assert [gc.kernel_of(c) for c in (triton, wide, decode)] == ["triton", "ws", "ws_decode"]
     with pytest.raises(TypeError, match="not a grouped-GEMM configuration"):
         gc.kernel_of("128x256")
@@ -374,3 +380,61 @@ for block_n, block_k in ((64, 64), (32, 128)):
 print("STREAM OK")
 """
     run_interpreted(script, "STREAM OK")
+
+
+GATHER_CASES = [  # (config, H, I): the rule's config and a two-warpgroup one, DeepSeek-V2's and Qwen3-30B-A3B's shapes
+    (ws.DEFAULT_CONFIG, 5120, 1536),
+    (ws.WsConfig(), 2048, 768),
+    (ws.WsConfig.parse("64x256x128w4s2"), 5120, 1536),
+]
+
+
+@pytest.mark.parametrize("config,hidden,inter", GATHER_CASES, ids=lambda v: str(v))
+def test_gathered_gemm0_copies_rows_with_cp_async_tracked_on_the_ready_barrier(config, hidden, inter, tmp_path):
+    """GEMM0 through gather rows (`ws_launch(gather=)`, ws_ring "Gathered A rows"), compiled for sm_90 as launched:
+    the producer warpgroup copies A in 16-byte cp.async (no TMA for A, W's still through TMA) and each of its threads
+    arrives on `ready` with cp.async.mbarrier.arrive.noinc, `ready` counting those 128 arrivals and the W copy's
+    expect; the consumer fences the async proxy after its wait on `ready`; no spills, no local memory."""
+    from weave_moe.backends.weave.kernels.ws_ring import GATHER_WARPS
+
+    _, w, out, tiles, _ = _operands(0, hidden, inter, block_m=config.block_m)
+    source = torch.empty(3 * out.shape[0], hidden, dtype=torch.bfloat16)   # the receive buffer: any rows
+    gather = torch.empty(out.shape[0], dtype=torch.int32)
+    kernel, _, args, kwargs = ws.ws_launch(0, source, w, out, tiles, config, num_sms=132, gather=gather)
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    threads = 32 * GATHER_WARPS.value
+    copies = config.block_m * config.block_k * 2 // 16 // threads   # 16-byte copies per thread and K step
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)) == copies
+    assert ptx.count("cp.async.mbarrier.arrive.noinc.shared.b64") == 1
+    # W only (its boxes, where a row is wider than the 128-byte swizzle, spread over the warpgroup's warps)
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx") == 1
+    inits = re.findall(r"mbarrier\.init\.shared::cta\.b64 \[[^]]*\], (\d+);", ptx)
+    assert inits.count(str(1 + threads)) == config.stages, inits   # each stage's `ready`
+    assert ptx.count("fence.proxy.async.shared::cta") >= 1
+    assert re.search(r"mbarrier\.try_wait\.parity[^\n]*\n(?:[^\n]*\n){0,8}?\s*fence\.proxy\.async\.shared::cta", ptx)
+    assert not re.search(r"\.local\b", ptx), "local memory"
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED, compiled.metadata.shared
+    report = sm90.ptxas_report(ptx, tmp_path)
+    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+
+
+def test_gathered_launches_are_checked():
+    """A gathered launch: GEMM0 only, a config that `gathers`, int32 contiguous rows; the source rows' count is free
+    (the receive buffer), their width must be H."""
+    _, w, out, tiles, _ = _operands(0, 256, 128)
+    source = torch.empty(700, 256, dtype=torch.bfloat16)
+    rows = torch.empty(512, dtype=torch.int32)
+    ws.ws_launch(0, source, w, out, tiles, ws.WsConfig(), num_sms=4, gather=rows)   # accepted
+    for args, config, gather, message in (
+            ((0, source, w, out, tiles), ws.WsConfig(), rows.long(), "gather: expected contiguous int32"),
+            ((0, source, w, out, tiles), ws.WsConfig(), rows[::2], "gather: expected contiguous int32"),
+            ((0, source[:, :128], w, out, tiles), ws.WsConfig(), rows, "a: expected"),
+            ((0, source, w, out, build_tile_table_torch(torch.tensor([0, 256, 512], dtype=torch.int32), 128, 512,
+                                                         True)), ws.WsConfig(split_tail=True), rows, "one consumer"),
+            ((0, source, w, out, tiles), ws.WsConfig(block_n=128, num_warps=4, consumers=2), rows, "one consumer")):
+        with pytest.raises(ValueError, match=message):
+            ws.ws_launch(*args, config, num_sms=4, gather=gather)
+    h, w2, y, tiles, _ = _operands(1, 256, 128)
+    with pytest.raises(ValueError, match="GEMM0"):
+        ws.ws_launch(1, h, w2, y, tiles, ws.WsConfig(), num_sms=4, gather=rows)

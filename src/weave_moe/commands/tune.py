@@ -196,8 +196,9 @@ def ws_candidates(text: str, layer_ws: bool) -> list:
 
 
 def shape_candidates(candidates: list, default, gathered: bool) -> list:
-    """One shape's candidates of a GEMM: the Triton and --ws candidates (no Gluon one for a GEMM0 timed through
-    gather rows: `gathered`), and the shape's `default` if not among them."""
+    """One shape's candidates of a GEMM: the Triton and --ws candidates (no Gluon one for a GEMM0 whose Gluon kernel
+    would need the gather launch's copy: `gathered`, KernelConfig.gluon_gemm0_copies), and the shape's `default` if
+    not among them."""
     from weave_moe.backends.weave.kernels import gemm_configs as gc
 
     chosen = [c for c in candidates if isinstance(c, gc.GemmConfig) or not gathered]
@@ -356,8 +357,9 @@ class _Work:
 
     `l2_bytes` (None: warm timing) sets `rotations[gemm]` (`cold_rotations` of the weights one launch of that GEMM
     reads); rotation r's launches run on `rotated_counts` (its own tile tables; only rotation 0 is checked).
-    Where the layer's GEMM0 reads its rows through the gather rows (KernelConfig.gathers_in_gemm0, from
-    WEAVE_MOE_KERNEL_CONFIG), GEMM0 is timed so: its rows scattered over a source buffer in a random order. The
+    Where the layer's GEMM0 of a config reads its rows through the gather rows (`gemm_configs.reads_gather_rows`
+    under WEAVE_MOE_KERNEL_CONFIG: gemm0_gather for the Triton kernel, ws_gather for the Gluon one), that config's
+    GEMM0 is timed so: its rows scattered over a source buffer in a random order. The
     launches use programmatic dependent launch where the layer's do (KernelConfig.grouped_pdl)."""
 
     def __init__(self, shape: dict, seed: int, l2_bytes: int | None = None):
@@ -409,9 +411,10 @@ class _Work:
         self.w13 = gg.interleave_w13(w13)
         del w13
         self.gather = self.source = None
-        kernel_config = KernelConfig.from_env()
+        self.kernel_config = kernel_config = KernelConfig.from_env()
+        self.inter = I
         self.pdl = kernel_config.grouped_pdl   # launched as the layer launches them
-        if kernel_config.gathers_in_gemm0(I):   # source[gather[m]] = a[m]
+        if kernel_config.gathers_in_gemm0(I) or kernel_config.ws_gather:   # source[gather[m]] = a[m]
             self.gather = torch.randperm(self.alloc, device="cuda", generator=gen).int()
             self.source = torch.empty_like(self.a)
             self.source[self.gather.long()] = self.a
@@ -438,7 +441,7 @@ class _Work:
         tiles = self.table(config.block_m, config.split_tail, rotation)
         # a stream-K config's scratch made once per size, not inside each timed graph (the Gluon kernels take none)
         launch = dict(pdl=self.pdl, stream_k_scratch=self.stream_k_scratch, status=self.status)
-        if gemm == 0 and self.gather is not None and isinstance(config, gc.GemmConfig):
+        if gemm == 0 and self.gather is not None and gc.reads_gather_rows(config, self.kernel_config, self.inter):
             return lambda: gg.launch_gemm(0, config, self.source, self.w13, self.h, tiles, gather=self.gather,
                                           **launch)
         if gemm == 0:
@@ -569,11 +572,11 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
             continue
         alone, counts, kernels = {}, {}, {}
         for gemm in gemms:
-            gathered = gemm == 0 and work.gather is not None
+            copies = gemm == 0 and work.kernel_config.gluon_gemm0_copies(shape["I"])
             default = gc.untuned_config(gemm, work.rows, shape["E_local"], warp_specialized=layer_ws,
-                                        gathered=gathered)
+                                        gathered=copies)
             measured = []
-            shape_configs = shape_candidates(candidates[gemm][0], default, gathered)
+            shape_configs = shape_candidates(candidates[gemm][0], default, copies)
             kernels[gemm] = sorted({gc.kernel_of(c) for c in shape_configs}, key=list(gc.KERNELS).index)
             for config in shape_configs:
                 name = config_name(config)

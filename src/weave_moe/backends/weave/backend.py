@@ -29,7 +29,7 @@ from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelC
                                              timeout_s_from_env)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
-from weave_moe.backends.weave.kernels import decode_mlp, gemm_configs, grouped_gemm, grouped_tiles, ws_decode, ws_gemm
+from weave_moe.backends.weave.kernels import decode_mlp, gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, PairDispatch, TablesDispatch
 from weave_moe.backends.weave.kernels.pair_combine import PairCombine
@@ -1073,7 +1073,8 @@ class WeaveBackend:
             H, I = self.spec.hidden_size, self.spec.intermediate_size
             # KernelConfig.ws_gemm: the table or the Gluon kernels' rule may pick them (gemm_configs, "Kernels")
             configs = tuple(self._held_layout(g, gemm_configs.default_config(
-                g, rows, self.num_local_experts, H, I, warp_specialized=self.ws_gemm, gathered=self.gemm0_gather))
+                g, rows, self.num_local_experts, H, I, warp_specialized=self.ws_gemm,
+                gathered=self.config.gluon_gemm0_copies(I)))
                 for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
@@ -1131,9 +1132,9 @@ class WeaveBackend:
         self._gemm1(tables[keys[1]], configs[1])
 
     def _gathers_in_gemm0(self, config) -> bool:
-        """Whether GEMM0 of `config` reads the received rows through the gather rows (KernelConfig.gemm0_gather;
-        the warp-specialised kernels read rows in expert order only, after the gather launch)."""
-        return self.gemm0_gather and not isinstance(config, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig))
+        """Whether GEMM0 of `config` reads the received rows through the gather rows (`gemm_configs.reads_gather_rows`:
+        the Triton kernel with gemm0_gather, the warp-specialised one with ws_gather), else after the gather launch."""
+        return gemm_configs.reads_gather_rows(config, self.config, self.spec.intermediate_size)
 
     def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None) -> None:
         """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`, with the kernel of

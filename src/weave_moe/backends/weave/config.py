@@ -242,6 +242,13 @@ class KernelConfig:
             bench/results/h100-167aeb5) the serial policy measured 0.48 against 0.51 x nccl at 1-32 tokens and 0.92
             against 0.95 at 2048 (DeepSeek-V3 / V2, Qwen3.5-35B-A3B), each GEMM alone 0.75-0.96 x the Triton kernel
             where the weights stream (scripts/ws_gemm_probe.py, the `ws-gemm` and `ws-decode` stages).
+        ws_gather: with `ws_gemm`, the warp-specialised GEMM0 (kernels/ws_gemm.py, not the decode form) reads the
+            received rows through the layout's gather rows itself: its producer warpgroup copies A's rows with
+            cp.async while the weights stay on TMA (kernels/ws_ring.py, "Gathered A rows"), so a call makes no
+            gather launch and no copy of its rows (2 x rows x H x 2 bytes; the gather launch took 82 of DeepSeek-V2's
+            1975 us at 2048 tokens on an H100, bench/results/h100-167aeb5), and the Gluon GEMM0 may run where the
+            Triton one reads the gather rows (`gemm0_gather`). Off until measured on a GPU (the `ws-gather` stage
+            of scripts/device_run.sh).
     """
 
     block_m: int = 128
@@ -285,6 +292,7 @@ class KernelConfig:
     decode_mlp_tokens: int = 0
     serial_at_ep1: bool = True
     ws_gemm: bool = True
+    ws_gather: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -368,6 +376,12 @@ class KernelConfig:
         if self.gemm0_gather == "auto":
             return intermediate_size <= GEMM0_GATHER_MAX_I
         return self.gemm0_gather == "on"
+
+    def gluon_gemm0_copies(self, intermediate_size: int) -> bool:
+        """Whether the warp-specialised GEMM0 would need the gather launch's copy where the Triton one reads the
+        gather rows itself (`gathers_in_gemm0` without `ws_gather`): the Gluon rule then keeps the Triton GEMM0 at
+        prefill sizes (gemm_configs.ws_rule's `gathered`)."""
+        return self.gathers_in_gemm0(intermediate_size) and not self.ws_gather
 
     def check_profile(self, profile) -> None:
         """Raise ValueError unless the planner's HardwareProfile counts tiles of this config's shape: the cost model

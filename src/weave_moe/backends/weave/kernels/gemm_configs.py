@@ -29,6 +29,7 @@ import torch
 from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
 __all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs", "ws_rule",
+           "reads_gather_rows",
            "untuned_config", "check_ws_config", "KERNELS", "kernel_of", "parse_ws_config",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
            "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
@@ -108,12 +109,24 @@ def parse_ws_config(text: str):
     return config
 
 
+def reads_gather_rows(config, kernel_config, inter: int) -> bool:
+    """Whether a layer's GEMM0 of `config` reads the received rows through the gather rows instead of after the
+    gather launch's copy (under KernelConfig `kernel_config`, intermediate size `inter`): a GemmConfig where
+    `kernel_config.gathers_in_gemm0(inter)`, a ws_gemm.WsConfig that `gathers` where `kernel_config.ws_gather`, the
+    decode form never."""
+    kernel = kernel_of(config)
+    if kernel == "triton":
+        return kernel_config.gathers_in_gemm0(inter)
+    return kernel == "ws" and kernel_config.ws_gather and config.gathers
+
+
 def ws_rule(gemm: int, rows: int, num_local_experts: int, gathered: bool = False):
     """The warp-specialised kernels' own rule (no table): the decode form under ws_gemm.MIN_ROWS_PER_EXPERT rows per
     expert (`ws_decode.default_config`), else `ws_gemm.default_config` (None where it keeps the Triton kernels);
-    None for GEMM0 at prefill sizes when `gathered` (the layer's Triton GEMM0 reads the receive buffer through the
-    gather rows there, which the Gluon kernels cannot: they would need the gather launch's copy first, Qwen3-30B-A3B
-    at 8192 tokens 1.301 against 1.234 ms in calls on an H100, bench/results/h100-a9c802a)."""
+    None for GEMM0 at prefill sizes when `gathered` (KernelConfig.gluon_gemm0_copies: the layer's Triton GEMM0 reads
+    the receive buffer through the gather rows there and its Gluon GEMM0 would not, KernelConfig.ws_gather off: it
+    would need the gather launch's copy first, Qwen3-30B-A3B at 8192 tokens 1.301 against 1.234 ms in calls on an
+    H100, bench/results/h100-a9c802a)."""
     if rows < ws_gemm.MIN_ROWS_PER_EXPERT * num_local_experts:
         return ws_decode.default_config(rows, num_local_experts)
     if gemm == 0 and gathered:
@@ -135,7 +148,8 @@ def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | N
     Args:
         table: a table file to use instead of the device's (see `tuned_table_path`).
         warp_specialized: the caller may run the warp-specialised kernels (else a GemmConfig always).
-        gathered: the caller's GEMM0 reads its rows through gather rows (`ws_rule`).
+        gathered: the caller's Triton GEMM0 reads its rows through gather rows and its Gluon one would not
+            (KernelConfig.gluon_gemm0_copies, `ws_rule`).
     """
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
@@ -144,7 +158,8 @@ def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | N
         path = _table_path(table)
         if path is not None:
             entry = _lookup(path, gemm, num_local_experts, hidden, inter, rows_bucket(rows))
-    # a table made with another KernelConfig.gemm0_gather may hold a Gluon GEMM0 that cannot read gather rows
+    # a table made with another KernelConfig.gemm0_gather / ws_gather may hold a Gluon GEMM0 that would need the
+    # gather launch's copy here
     if warp_specialized and entry is not None and entry.against_ws and not (
             gathered and gemm == 0 and isinstance(entry.config, ws_gemm.WsConfig)):
         return entry.config

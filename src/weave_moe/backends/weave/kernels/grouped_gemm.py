@@ -533,14 +533,16 @@ def launch_gemm(gemm: int, config, a: torch.Tensor, w: torch.Tensor, out: torch.
                 gather: torch.Tensor | None = None, **launch) -> None:
     """One grouped GEMM with the kernel of `config` (gemm_configs.KERNELS): `gemm` 0 (a [P, H] or, with `gather`,
     rows of a through it; w the interleaved w13; out h) or 1 (a = h, w = w2, out y). A `ws_gemm.WsConfig` or
-    `ws_decode.WsDecodeConfig` runs the warp-specialised Gluon kernel, which reads rows in expert order only (no
-    `gather`); a GemmConfig `grouped_gemm0` / `grouped_gemm1` with `launch`, the Triton kernels' launch options
-    (pdl, stream-K scratch, status, ...), which the Gluon kernels have none of."""
+    `ws_decode.WsDecodeConfig` runs the warp-specialised Gluon kernel (`gather` only where the config `gathers`); a
+    GemmConfig `grouped_gemm0` / `grouped_gemm1` with `launch`, the Triton kernels' launch options (pdl, stream-K
+    scratch, status, ...), which the Gluon kernels have none of."""
     ws = isinstance(config, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig))
-    if ws and gather is not None:
+    if ws and gather is not None and not config.gathers:
         raise ValueError(f"launch_gemm: {config} reads its rows in expert order, not through gather rows")
-    if isinstance(config, ws_gemm.WsConfig):
-        (ws_gemm.ws_gemm0 if gemm == 0 else ws_gemm.ws_gemm1)(a, w, out, tiles, config)
+    if isinstance(config, ws_gemm.WsConfig) and gemm == 0:
+        ws_gemm.ws_gemm0(a, w, out, tiles, config, gather=gather)
+    elif isinstance(config, ws_gemm.WsConfig):
+        ws_gemm.ws_gemm1(a, w, out, tiles, config)
     elif ws:
         (ws_decode.ws_decode_gemm0 if gemm == 0 else ws_decode.ws_decode_gemm1)(a, w, out, tiles, config)
     elif gemm == 0:

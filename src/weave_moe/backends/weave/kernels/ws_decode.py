@@ -90,6 +90,11 @@ class WsDecodeConfig:
         return False
 
     @property
+    def gathers(self) -> bool:
+        """Whether GEMM0 may read its rows through gather rows: never (rows in expert order, as ws_gemm's `gathers`)."""
+        return False
+
+    @property
     def num_warps(self) -> int:
         """The consumer's warps: one per 16 weight rows."""
         return self.block_w // 16
@@ -198,7 +203,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
     """out[t, j] over every tile of the table: GEMM 0: a = the rows [P, H], w = the interleaved w13 as
     [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
     [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE."""
-    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES)
+    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, 1)
     width = 2 * max_tiles
     num_n = gl.cdiv(w_rows, w_desc.block_type.shape[0])
     gl.warp_specialize([

@@ -47,12 +47,14 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
-                                                       section_work, weight_descriptor, work_tile)
+from weave_moe.backends.weave.kernels.ws_ring import (GATHER_WARPS, MAX_RING_BYTES, allocate_ring, check_operands,
+                                                       gather_producer, producer, ready_arrivals, section_work,
+                                                       weight_descriptor, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
            "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
@@ -152,6 +154,12 @@ class WsConfig:
         return self.maxnreg or min(MAX_REGS // 8 * 8, 65536 // (32 * self.warps) // 8 * 8)
 
     @property
+    def gathers(self) -> bool:
+        """Whether GEMM0 of this config may read A's rows through gather rows (`ws_launch(gather=)`): one consumer,
+        no split tails (the gathering producer walks section 0 only)."""
+        return self.consumers == 1 and not self.split_tail
+
+    @property
     def shared_bytes(self) -> int:
         """The load ring's shared memory (bf16 A and W blocks, S stages)."""
         return 2 * self.stages * (self.block_m + self.block_n) * self.block_k
@@ -223,9 +231,10 @@ def _store_layout(block_n, num_warps):
 @gluon.jit
 def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K, n_out,
                   GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, ROWS: gl.constexpr, CONSUMER: gl.constexpr,
-                  CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
+                  CONSUMERS: gl.constexpr, WARPS: gl.constexpr, GATHER_A: gl.constexpr):
     """One work item of ROWS rows (the first ROWS of each stage's A buffer) from ring step `step` on: its wgmma,
-    then its epilogue; returns the step after it."""
+    then its epilogue; returns the step after it. GATHER_A: the A blocks were written by cp.async (generic proxy),
+    fenced before the wgmma reads them (ws_ring, "Gathered A rows")."""
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = w_bufs.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
@@ -236,6 +245,8 @@ def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_star
     for k in range(0, K, BLOCK_K):
         stage = step % STAGES
         mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+        if GATHER_A:
+            fence_async_shared()
         if ROWS == a_bufs.shape[1]:
             a = a_bufs.index(stage)
         else:
@@ -268,7 +279,8 @@ def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_star
 @gluon.jit
 def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
               n_out, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
-              SPLIT_TAIL: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
+              SPLIT_TAIL: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr,
+              GATHER_A: gl.constexpr):
     """An MMA partition (consumer CONSUMER of CONSUMERS, WARPS warps): the wgmma of every stage of its work items
     (the CTA's items CONSUMER, CONSUMER + CONSUMERS, ...), then each tile's epilogue (module docstring). With two
     consumers their mainloops take turns (`turn`, module docstring); with SPLIT_TAIL (one consumer) section 1's
@@ -288,45 +300,54 @@ def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr,
             turns = index // 2 + CONSUMER
             mbarrier.wait(turn.index(CONSUMER), (turns - 1) & 1, pred=turns > 0)
         step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K,
-                             n_out, GEMM, HAS_SCALE, BLOCK_M, CONSUMER, CONSUMERS, WARPS)
+                             n_out, GEMM, HAS_SCALE, BLOCK_M, CONSUMER, CONSUMERS, WARPS, GATHER_A)
     if SPLIT_TAIL:   # one consumer: `step` is the ring's step after section 0
         num_tails = gl.load(num_tiles_ptr + 1)
         for work in range(section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
             expert, m_start, m_end, n = work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
             step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K,
-                                 n_out, GEMM, HAS_SCALE, BLOCK_M // 2, CONSUMER, CONSUMERS, WARPS)
+                                 n_out, GEMM, HAS_SCALE, BLOCK_M // 2, CONSUMER, CONSUMERS, WARPS, GATHER_A)
 
 
 @gluon.jit
 def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out,
-                    w_rows, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
+                    w_rows, a_ptr, gather_ptr, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_SMS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                    W_BLOCKED: gl.constexpr, num_warps: gl.constexpr):
+                    W_BLOCKED: gl.constexpr, GATHER_A: gl.constexpr, num_warps: gl.constexpr):
     """out[m, j] over every tile of the table: GEMM 0: a = the rows, w = the interleaved w13 as [E_local * 2I, H],
     out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
     w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
-    too (tiles of BM / 2 rows, A through a_tail_desc; a_desc again otherwise)."""
-    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES)
+    too (tiles of BM / 2 rows, A through a_tail_desc; a_desc again otherwise). GATHER_A (GEMM0, one consumer, no
+    split tails): row m of A is a_ptr's row gather_ptr[m] ([*, H], loaded by `gather_producer`; a_desc then only
+    shapes the ring's A buffers)."""
+    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, ready_arrivals(GATHER_A))
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # ping-pong only
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     width = 2 * max_tiles
     num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
     # (the partitions' arguments written out in each call: a tuple built here would lose its constexprs)
-    if CONSUMERS == 1:
+    if GATHER_A:
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, True)),
+            (gather_producer, (a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr,
+                               width, num_n, K, w_rows, GROUP_M, NUM_SMS, W_BLOCKED)),
+        ], [GATHER_WARPS], [PRODUCER_REGS])
+    elif CONSUMERS == 1:
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps, False)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
                          num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED)),
         ], [1], [PRODUCER_REGS])
     else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 2, num_warps)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 2, num_warps, False)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps, False)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
                          num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -358,11 +379,14 @@ def default_configs() -> tuple[WsConfig, ...]:
 
 
 def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable, config: WsConfig,
-              scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
+              scale: torch.Tensor | None = None, num_sms: int | None = None,
+              gather: torch.Tensor | None = None) -> tuple:
     """(kernel, grid, args, kwargs) of one launch: `gemm` 0 (a [P, H], w the interleaved w13 [E_local, 2I, H], out
     h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or None); `num_sms`: the
-    grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's)."""
-    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
+    grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's). `gather`
+    (GEMM0 of one consumer, no split tails): int32 rows of a, which then holds the source rows [S, H] in any order:
+    row m of A is a[gather[m]] (kernels/ws_ring.py, "Gathered A rows"), as `grouped_gemm.grouped_gemm0(gather=)`."""
+    K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale, gather)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)   # the tails' too: the same swizzle rows
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk], a_layout)
@@ -370,19 +394,20 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     w_desc = weight_descriptor(w, config, bn)
     num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
     args = (a_desc, a_tail_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles,
-            tiles.max_tiles, K, n_out, w_rows)
+            tiles.max_tiles, K, n_out, w_rows, a, gather if gather is not None else tiles.table)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   STAGES=config.stages, PRODUCER_REGS=config.producer_regs, CONSUMERS=config.consumers,
                   CONSUMER_REGS=config.consumer_regs, SPLIT_TAIL=config.split_tail, W_BLOCKED=config.k_blocked,
-                  num_warps=config.num_warps, maxnreg=config.registers)
+                  GATHER_A=gather is not None, num_warps=config.num_warps, maxnreg=config.registers)
     return _ws_gemm_kernel, (num_sms, ), args, kwargs
 
 
 def ws_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable,
-             config: WsConfig = WsConfig()) -> torch.Tensor:
+             config: WsConfig = WsConfig(), gather: torch.Tensor | None = None) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert (grouped_gemm.grouped_gemm0's result), one persistent launch;
-    w13: `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_m, P)`."""
-    kernel, grid, args, kwargs = ws_launch(0, a, w13, h, tiles, config)
+    w13: `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_m, P)`; with `gather`
+    row m of A is a[gather[m]] (`ws_launch`)."""
+    kernel, grid, args, kwargs = ws_launch(0, a, w13, h, tiles, config, gather=gather)
     kernel[grid](*args, **kwargs)
     return h
 

@@ -19,6 +19,14 @@ barrier. The producer and a single consumer stay so by construction; two consume
 their mainloops (kernels/ws_gemm.py, `turn`), or the second one's first wait on `ready` would pass on a phase two
 behind. tests/test_ws_gemm.py simulates this arithmetic with the partitions interleaved at random.
 
+Gathered A rows (`gather_producer`, GEMM0 only): A's rows come from any rows of a source buffer (row m =
+source[gather[m]], the receive buffer as the layout's gather rows order it), so TMA cannot load them; a producer of
+one warpgroup copies them with `cp.async` (16 bytes per thread and copy) and each of its threads then issues
+`cp.async.mbarrier.arrive.noinc` on the stage's `ready`, which fires once that thread's copies have landed. `ready`
+then counts 1 + GATHER_THREADS arrivals (`ready_arrivals`): the W copy's `expect` and one per producer thread. The
+copies write shared memory through the generic proxy and wgmma reads it through the async proxy, so a consumer fences
+(`fence.proxy.async`) after its wait on `ready` and before its MMAs.
+
 Work order: grouped_gemm's: GROUP_M consecutive M tiles of the tile table sweep the N tiles together (a weight
 block read from HBM about once, reused from L2), dealt round-robin to the CTAs; section 1 (split tails) after
 section 0, its round-robin going on from where section 0's ended.
@@ -29,26 +37,38 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["MAX_RING_BYTES", "allocate_ring", "work_tile", "section_work", "load_tile", "producer", "check_operands", "weight_descriptor", "block_weights"]
+__all__ = ["MAX_RING_BYTES", "GATHER_WARPS", "ready_arrivals", "allocate_ring", "work_tile", "section_work",
+           "load_tile", "producer", "gather_producer", "check_operands", "weight_descriptor", "block_weights"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
 MAX_RING_BYTES = 192 * 1024
+#: the warps of `gather_producer` (one warpgroup: what the kernel's register budget holds for a producer anyway)
+GATHER_WARPS = gl.constexpr(4)
+
+
+@gluon.constexpr_function
+def ready_arrivals(GATHER_A):
+    """Arrivals that complete a stage's `ready` (module docstring): the W copy's `expect`, and with gathered A rows
+    one `cp.async.mbarrier.arrive.noinc` per producer thread."""
+    return 1 + (32 * GATHER_WARPS.value if GATHER_A else 0)
 
 
 @gluon.jit
-def allocate_ring(a_desc, w_desc, STAGES: gl.constexpr):
+def allocate_ring(a_desc, w_desc, STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr):
     """The ring's shared memory (module docstring): STAGES A and W blocks of the descriptors' boxes, and the
-    `ready` / `empty` mbarriers of each stage, initialised with arrival count 1."""
+    `ready` / `empty` mbarriers of each stage, initialised with arrival counts READY_ARRIVALS (`ready_arrivals`) and
+    1."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=READY_ARRIVALS)
         mbarrier.init(empty.index(i), count=1)
     return a_bufs, w_bufs, ready, empty
 
@@ -92,10 +112,48 @@ def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_ro
             tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
         else:
             tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage).slice(0, ROWS))
-        if W_BLOCKED:
-            tma.async_copy_global_to_shared(w_desc, [w_row + (k // BLOCK_K) * w_rows, 0], bar, w_bufs.index(stage))
-        else:
-            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(stage))
+        load_w(w_desc, w_bufs.index(stage), bar, w_row, w_rows, k, W_BLOCKED)
+        step += 1
+    return step
+
+
+@gluon.jit
+def load_w(w_desc, buf, bar, w_row, w_rows, k, W_BLOCKED: gl.constexpr):
+    """The TMA copy of one K step's W block (column k on) into `buf`, completing on `bar`: the block at row `w_row`
+    of the layer's layout, or with W_BLOCKED of the K-blocked one, `w_rows` rows a step (`block_weights`)."""
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    if W_BLOCKED:
+        tma.async_copy_global_to_shared(w_desc, [w_row + (k // BLOCK_K) * w_rows, 0], bar, buf)
+    else:
+        tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, buf)
+
+
+@gluon.jit
+def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, m_start, m_end, w_row, w_rows, K,
+                       step, W_BLOCKED: gl.constexpr):
+    """The loads of one work item's K steps from ring step `step` on, with gathered A rows (module docstring): A's
+    BLOCK_M rows a_ptr[gather[m]] for m from `m_start` (rows past the expert's end `m_end` read its last row, never
+    stored) by cp.async from this partition's threads, each thread arriving on `ready` once its copies land (columns
+    past K read as zeros); W as `load_tile`. Returns the step after them."""
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.shape[2]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    # 16 bytes per thread and copy along a row; the warpgroup's threads over the block's rows
+    columns: gl.constexpr = BLOCK_K // 8
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // columns, columns],
+                                            warps_per_cta=[GATHER_WARPS, 1], order=[1, 0])
+    rows = gl.minimum(m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), m_end - 1)
+    sources = gl.load(gather_ptr + rows).to(gl.int64) * K
+    cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    for k in range(0, K, BLOCK_K):
+        stage = step % STAGES
+        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        mbarrier.expect(bar, w_desc.block_type.nbytes)
+        async_copy.async_copy_global_to_shared(a_bufs.index(stage), a_ptr + sources[:, None] + (k + cols)[None, :],
+                                               mask=(k + cols < K)[None, :])
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+        load_w(w_desc, w_bufs.index(stage), bar, w_row, w_rows, k, W_BLOCKED)
         step += 1
     return step
 
@@ -127,6 +185,23 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
                              expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M // 2, W_BLOCKED)
 
 
+@gluon.jit
+def gather_producer(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
+                    K, w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, W_BLOCKED: gl.constexpr):
+    """The load partition with gathered A rows (GATHER_WARPS warps; module docstring): `producer`'s walk over the
+    CTA's work items (one section: no split tails), A by cp.async through the gather rows (`load_tile_gathered`)."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+    pid = gl.program_id(0)
+    num_work = gl.load(num_tiles_ptr) * num_n
+    expert_rows = w_rows * gl.cdiv(K, BLOCK_K) if W_BLOCKED else w_rows
+    step = 0
+    for work in range(pid, num_work, NUM_SMS):
+        expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
+        step = load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, m_start, m_end,
+                                  expert * expert_rows + n * BLOCK_N, w_rows, K, step, W_BLOCKED)
+
+
 def weight_descriptor(w: torch.Tensor, config, block_rows: int) -> TensorDescriptor:
     """The TMA descriptor of a launch's W blocks ([block_rows, config.block_k] boxes) over `w` as `config` reads it:
     [E_local * w_rows, K] rows of the layer's layout, or with `config.k_blocked` [E_local * K steps * w_rows,
@@ -148,15 +223,24 @@ def block_weights(w: torch.Tensor, block_k: int) -> torch.Tensor:
 
 
 def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles, config,
-                   scale: torch.Tensor | None) -> tuple[int, int, int, int]:
+                   scale: torch.Tensor | None, gather: torch.Tensor | None = None) -> tuple[int, int, int, int]:
     """A launch's operands checked, ValueError naming the first wrong one: `gemm` 0 (a [P, H], w the interleaved w13
     [E_local, 2I, H], out h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or
     None), bf16 and contiguous; with `config.k_blocked` w in the K-blocked layout of `config`'s block_k (`block_weights`:
     [E_local, K / block_k, w_rows, block_k]); the tile table of `config`'s block_m and split_tail. Returns (K,
-    E_local, w_rows, n_out)."""
+    E_local, w_rows, n_out). With `gather` (GEMM0 of a config that `gathers`: `gather_producer`) a holds the source
+    rows [S, H] in any order and gather int32 rows of it, one per row of out below the table's last expert end."""
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
-    rows, K = a.shape
+    if gather is not None:
+        if gemm != 0 or not config.gathers:
+            raise ValueError(f"gather: GEMM0 of one consumer without split tails only (given gemm {gemm}, {config})")
+        if gather.dim() != 1 or gather.dtype != torch.int32 or not gather.is_contiguous():
+            raise ValueError(f"gather: expected contiguous int32 [>= rows read], given {gather.dtype} "
+                             f"{tuple(gather.shape)}")
+    if a.dim() != 2:
+        raise ValueError(f"a: expected 2-D rows [*, K], given {tuple(a.shape)}")
+    rows, K = (out.shape[0], a.shape[1]) if gather is not None else a.shape
     if config.k_blocked:
         if w.dim() != 4:
             raise ValueError(f"w: expected the K-blocked layout [E_local, K / block_k, w_rows, block_k] "
@@ -169,7 +253,8 @@ def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     n_out = w_rows // 2 if gemm == 0 else w_rows
     if config.k_blocked and K % config.block_k:
         raise ValueError(f"K = {K}: the K-blocked weights need a multiple of block_k = {config.block_k}")
-    for name, tensor, shape in (("a", a, (rows, K)), ("w", w, w_shape), ("out", out, (rows, n_out))):
+    a_shape = (a.shape[0], K) if gather is not None else (rows, K)
+    for name, tensor, shape in (("a", a, a_shape), ("w", w, w_shape), ("out", out, (rows, n_out))):
         if tuple(tensor.shape) != shape or tensor.dtype != torch.bfloat16 or not tensor.is_contiguous():
             raise ValueError(f"{name}: expected contiguous bf16 {shape}, given {tensor.dtype} "
                              f"{tuple(tensor.shape)}{'' if tensor.is_contiguous() else ' (not contiguous)'}")
