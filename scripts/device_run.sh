@@ -65,7 +65,7 @@ for stage in "$@"; do
     # the Gluon GEMM0 reading the received rows through the gather rows (KernelConfig.ws_gather, perf-notes 48): each
     # GEMM0 alone through gather rows (the ws configs' cp.async producer, the Triton kernel's, the gather launch +
     # the ws kernel on rows in expert order; checked), then in calls, the serial policy without and with it, checked
-    ws-gather) WS_TIMEOUT="${WG_TIMEOUT:-150}" WS_MODELS="${WG_MODELS:-deepseek-v2,deepseek-v3,qwen3-30b-a3b,qwen3.5-35b-a3b}" WS_TOKENS=2048 WS_CONFIGS="${WG_CONFIGS:-64x256x64w4s4,128x256x64w8s4}" WS_ARGS=--gather "$0" ws-gemm
+    ws-gather) WS_TIMEOUT="${WG_TIMEOUT:-150}" WS_MODELS="${WG_MODELS:-deepseek-v2,deepseek-v3,qwen3-30b-a3b}" WS_TOKENS="${WG_TOKENS:-2048,8192}" WS_CONFIGS="${WG_CONFIGS:-64x256x64w4s4,128x256x64w8s4}" WS_ARGS=--gather "$0" ws-gemm
         WC_TIMEOUT="${WGC_TIMEOUT:-150}" WC_TOKENS="${WGC_TOKENS:-512,2048}" WC_MODELS="${WGC_MODELS:-deepseek-v2,qwen3-30b-a3b,deepseek-v3}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on" "$0" ws-calls;;
     # the first call of the next GPU session (perf-notes 48): ws-gather, then next47 as far as it gets
     next48) WG_TIMEOUT=130 WGC_TIMEOUT=130 "$0" ws-gather; STP_TIMEOUT=80 "$0" stream-probe
