@@ -1397,7 +1397,6 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
 def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
     """KernelConfig.ws_gemm below 64 rows per expert: both GEMMs of a paired call run kernels/ws_decode.py on the
     call's tile tables (rows in y, h between them)."""
-    from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.backend import WeaveBackend
     from weave_moe.backends.weave.kernels import ws_decode
     from weave_moe.plan import Plan
