@@ -82,11 +82,17 @@ def test_the_layers_kernel_is_the_table_entry_measured_against_ws_else_the_ws_ru
         assert pick(0, 8192) == TUNED0                        # measured against ws: it decides
         assert pick(1, 8192) == ws_gemm.DEFAULT_CONFIG        # measured without: the ws rule first
         assert pick(0, 32768) == pick(1, 32768) == ws_config  # a ws entry
-        assert pick(0, 32768, gathered=True) == gc.analytical_config(0, 32768, E)   # no gather rows in Gluon
-        assert pick(0, 8192, gathered=True) == TUNED0
+        assert pick(0, 32768, gathers=("triton", )) == gc.analytical_config(0, 32768, E)   # no gather rows in Gluon
+        assert pick(0, 8192, gathers=("triton", )) == TUNED0
         assert pick(1, 2 ** 20) == gc.analytical_config(1, 2 ** 20, E)   # no entry, outside the rule's band
         assert pick(0, 64) == ws_decode.default_config(64, E)             # decode sizes: the decode form
-        assert pick(0, 64, gathered=True) == ws_decode.default_config(64, E)
+        assert pick(0, 64, gathers=("triton", )) == ws_decode.default_config(64, E)
+        # where only the Gluon GEMM0 reads the gather rows (KernelConfig.ws_gather, gemm0_gather off), it runs at
+        # every prefill size, saving the gather launch's copy; GEMM1 keeps the rule
+        assert pick(0, 2 ** 20, gathers=("ws", )) == ws_gemm.WIDE_CONFIG
+        assert pick(1, 2 ** 20, gathers=("ws", )) == gc.analytical_config(1, 2 ** 20, E)
+        assert pick(0, 2 ** 20, gathers=("triton", "ws")) == gc.analytical_config(0, 2 ** 20, E)
+        assert pick(0, 64, gathers=("ws", )) == ws_decode.default_config(64, E)
         # a caller without the Gluon kernels: Triton entries, else the analytical configs
         assert gc.default_config(0, 8192, E, H, I) == TUNED0 and gc.default_config(1, 8192, E, H, I) == TUNED1
         assert gc.default_config(0, 32768, E, H, I) == gc.analytical_config(0, 32768, E)
@@ -96,7 +102,9 @@ def test_the_layers_kernel_is_the_table_entry_measured_against_ws_else_the_ws_ru
         assert TUNED0 in plain and not any(isinstance(c, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig)) for c in plain)
         every = gc.default_configs(0, E, H, I, warp_specialized=True)
         for rows in (1, 8, 64, 512, 4096, 8192, 32768, 2 ** 20):
-            assert pick(0, rows) in every and pick(0, rows, gathered=True) in every
+            assert pick(0, rows) in every and pick(0, rows, gathers=("triton", )) in every
+            assert pick(0, rows, gathers=("ws", )) in gc.default_configs(0, E, H, I, warp_specialized=True,
+                                                                         gathers=("ws", ))
             assert gc.default_config(0, rows, E, H, I) in plain
     finally:
         gc.clear_tuned_cache()
@@ -269,14 +277,14 @@ def test_a_layer_compiles_every_config_it_may_pick_with_the_shipped_tables(warp_
     try:
         for path in sorted(gc.TUNED_DIR.glob("*.json")):
             for gemm, experts, hidden, inter in gc.load_tuned_table(path)["shapes"]:
-                allowed = set(gc.default_configs(gemm, experts, hidden, inter, table=path,
-                                                 warp_specialized=warp_specialized))
-                for rows in sorted({1, 2, 7, 8, 63, 64, 65, 100, 1000} | {experts * m for m in (1, 8, 63, 64, 128,
-                                                                                                256, 257, 1024)}):
-                    for gathered in (False, True):
+                for gathers in ((), ("triton", ), ("ws", ), ("triton", "ws")):
+                    allowed = set(gc.default_configs(gemm, experts, hidden, inter, table=path,
+                                                     warp_specialized=warp_specialized, gathers=gathers))
+                    for rows in sorted({1, 2, 7, 8, 63, 64, 65, 100, 1000} | {
+                            experts * m for m in (1, 8, 63, 64, 128, 256, 257, 1024)}):
                         config = gc.default_config(gemm, rows, experts, hidden, inter, table=path,
-                                                   warp_specialized=warp_specialized, gathered=gathered)
-                        assert config in allowed, (path.name, gemm, experts, hidden, inter, rows, gathered, config)
+                                                   warp_specialized=warp_specialized, gathers=gathers)
+                        assert config in allowed, (path.name, gemm, experts, hidden, inter, rows, gathers, config)
                         assert warp_specialized or isinstance(config, gc.GemmConfig)
     finally:
         gc.clear_tuned_cache()
@@ -432,7 +440,7 @@ def test_tune_ws_candidates_and_their_records_decide_as_measured(tmp_path, capsy
     default = gc.untuned_config(0, 8192, 64, warp_specialized=True)
     assert default == ws_gemm.DEFAULT_CONFIG   # 128 rows per expert: the rule's band
     assert tune.shape_candidates(triton + ws, default, gathered=False) == triton + ws
-    gathered_default = gc.untuned_config(0, 8192, 64, warp_specialized=True, gathered=True)
+    gathered_default = gc.untuned_config(0, 8192, 64, warp_specialized=True, gathers=("triton", ))
     assert tune.shape_candidates(triton + ws, gathered_default, gathered=True) == triton   # analytical among them
     assert tune.shape_candidates(triton, default, gathered=False) == triton + [default]
 

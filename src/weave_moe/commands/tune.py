@@ -197,7 +197,7 @@ def ws_candidates(text: str, layer_ws: bool) -> list:
 
 def shape_candidates(candidates: list, default, gathered: bool) -> list:
     """One shape's candidates of a GEMM: the Triton and --ws candidates (no Gluon one for a GEMM0 whose Gluon kernel
-    would need the gather launch's copy: `gathered`, KernelConfig.gluon_gemm0_copies), and the shape's `default` if
+    would need the gather launch's copy: `gathered`, gemm_configs.gluon_gemm0_copies), and the shape's `default` if
     not among them."""
     from weave_moe.backends.weave.kernels import gemm_configs as gc
 
@@ -572,10 +572,11 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
             continue
         alone, counts, kernels = {}, {}, {}
         for gemm in gemms:
-            copies = gemm == 0 and work.kernel_config.gluon_gemm0_copies(shape["I"])
+            gathers = work.kernel_config.gemm0_gathers(shape["I"])
             default = gc.untuned_config(gemm, work.rows, shape["E_local"], warp_specialized=layer_ws,
-                                        gathered=copies)
+                                        gathers=gathers)
             measured = []
+            copies = gemm == 0 and gc.gluon_gemm0_copies(gathers)   # no Gluon GEMM0 candidate then
             shape_configs = shape_candidates(candidates[gemm][0], default, copies)
             kernels[gemm] = sorted({gc.kernel_of(c) for c in shape_configs}, key=list(gc.KERNELS).index)
             for config in shape_configs:

@@ -1074,7 +1074,7 @@ class WeaveBackend:
             # KernelConfig.ws_gemm: the table or the Gluon kernels' rule may pick them (gemm_configs, "Kernels")
             configs = tuple(self._held_layout(g, gemm_configs.default_config(
                 g, rows, self.num_local_experts, H, I, warp_specialized=self.ws_gemm,
-                gathered=self.config.gluon_gemm0_copies(I)))
+                gathers=self.config.gemm0_gathers(I)))
                 for g in (0, 1))
             self.grouped_configs[rows] = configs
         return configs
@@ -1220,7 +1220,8 @@ class WeaveBackend:
             y = self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [[self._held_layout(gemm, c)
-                        for c in gemm_configs.default_configs(gemm, *shape, warp_specialized=self.ws_gemm)]
+                        for c in gemm_configs.default_configs(gemm, *shape, warp_specialized=self.ws_gemm,
+                                                              gathers=self.config.gemm0_gathers(shape[2]))]
                        for gemm in (0, 1)]
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)

@@ -246,9 +246,10 @@ class KernelConfig:
             received rows through the layout's gather rows itself: its producer warpgroup copies A's rows with
             cp.async while the weights stay on TMA (kernels/ws_ring.py, "Gathered A rows"), so a call makes no
             gather launch and no copy of its rows (2 x rows x H x 2 bytes; the gather launch took 82 of DeepSeek-V2's
-            1975 us at 2048 tokens on an H100, bench/results/h100-167aeb5), and the Gluon GEMM0 may run where the
-            Triton one reads the gather rows (`gemm0_gather`). Off until measured on a GPU (the `ws-gather` stage
-            of scripts/device_run.sh).
+            1975 us at 2048 tokens on an H100, bench/results/h100-167aeb5). The Gluon GEMM0 then also runs where the
+            Triton one reads the gather rows (`gemm0_gather`), and where only it does, at every prefill size
+            (`ws_gemm.WIDE_CONFIG` above 256 rows per expert: it saves the copy the Triton GEMM0 would need;
+            gemm_configs.ws_rule). Off until measured on a GPU (the `ws-gather` stage of scripts/device_run.sh).
     """
 
     block_m: int = 128
@@ -377,11 +378,12 @@ class KernelConfig:
             return intermediate_size <= GEMM0_GATHER_MAX_I
         return self.gemm0_gather == "on"
 
-    def gluon_gemm0_copies(self, intermediate_size: int) -> bool:
-        """Whether the warp-specialised GEMM0 would need the gather launch's copy where the Triton one reads the
-        gather rows itself (`gathers_in_gemm0` without `ws_gather`): the Gluon rule then keeps the Triton GEMM0 at
-        prefill sizes (gemm_configs.ws_rule's `gathered`)."""
-        return self.gathers_in_gemm0(intermediate_size) and not self.ws_gather
+    def gemm0_gathers(self, intermediate_size: int) -> tuple[str, ...]:
+        """The kernels (gemm_configs.KERNELS) whose GEMM0 reads the received rows through the gather rows in a layer
+        of this intermediate size, instead of after the gather launch's copy: "triton" where `gathers_in_gemm0`,
+        "ws" (the warp-specialised GEMM0, not its decode form) where `ws_gather`."""
+        return (("triton", ) if self.gathers_in_gemm0(intermediate_size) else ()) + (("ws", ) if self.ws_gather
+                                                                                     else ())
 
     def check_profile(self, profile) -> None:
         """Raise ValueError unless the planner's HardwareProfile counts tiles of this config's shape: the cost model

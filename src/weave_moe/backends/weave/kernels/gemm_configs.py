@@ -29,7 +29,7 @@ import torch
 from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
 __all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs", "ws_rule",
-           "reads_gather_rows",
+           "reads_gather_rows", "gluon_gemm0_copies",
            "untuned_config", "check_ws_config", "KERNELS", "kernel_of", "parse_ws_config",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
            "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
@@ -115,28 +115,35 @@ def reads_gather_rows(config, kernel_config, inter: int) -> bool:
     `kernel_config.gathers_in_gemm0(inter)`, a ws_gemm.WsConfig that `gathers` where `kernel_config.ws_gather`, the
     decode form never."""
     kernel = kernel_of(config)
-    if kernel == "triton":
-        return kernel_config.gathers_in_gemm0(inter)
-    return kernel == "ws" and kernel_config.ws_gather and config.gathers
+    return kernel in kernel_config.gemm0_gathers(inter) and (kernel != "ws" or config.gathers)
 
 
-def ws_rule(gemm: int, rows: int, num_local_experts: int, gathered: bool = False):
+def gluon_gemm0_copies(gathers: tuple) -> bool:
+    """Whether the Gluon GEMM0 would need the gather launch's copy where the Triton one reads the gather rows itself:
+    `gathers` (KernelConfig.gemm0_gathers: the KERNELS whose GEMM0 reads them) holds "triton" and not "ws"."""
+    return "triton" in gathers and "ws" not in gathers
+
+
+def ws_rule(gemm: int, rows: int, num_local_experts: int, gathers: tuple = ()):
     """The warp-specialised kernels' own rule (no table): the decode form under ws_gemm.MIN_ROWS_PER_EXPERT rows per
-    expert (`ws_decode.default_config`), else `ws_gemm.default_config` (None where it keeps the Triton kernels);
-    None for GEMM0 at prefill sizes when `gathered` (KernelConfig.gluon_gemm0_copies: the layer's Triton GEMM0 reads
-    the receive buffer through the gather rows there and its Gluon GEMM0 would not, KernelConfig.ws_gather off: it
-    would need the gather launch's copy first, Qwen3-30B-A3B at 8192 tokens 1.301 against 1.234 ms in calls on an
-    H100, bench/results/h100-a9c802a)."""
+    expert (`ws_decode.default_config`), else `ws_gemm.default_config` (None where it keeps the Triton kernels).
+    `gathers`: the kernels whose GEMM0 reads the received rows through the gather rows in the caller's layer
+    (KernelConfig.gemm0_gathers). Where the Triton GEMM0 does and the Gluon one does not (`gluon_gemm0_copies`),
+    None for GEMM0 at prefill sizes: the Gluon GEMM0 would need the gather launch's copy first (Qwen3-30B-A3B at
+    8192 tokens 1.301 against 1.234 ms in calls on an H100, bench/results/h100-a9c802a). Where the Gluon GEMM0 does
+    and the Triton one does not, the Gluon GEMM0 at every prefill size (`ws_gemm.default_config(saves_copy=)`): the
+    Triton GEMM0 would need that copy."""
     if rows < ws_gemm.MIN_ROWS_PER_EXPERT * num_local_experts:
         return ws_decode.default_config(rows, num_local_experts)
-    if gemm == 0 and gathered:
+    if gemm == 0 and gluon_gemm0_copies(gathers):
         return None
-    return ws_gemm.default_config(gemm, rows, num_local_experts)
+    saves_copy = gemm == 0 and "ws" in gathers and "triton" not in gathers
+    return ws_gemm.default_config(gemm, rows, num_local_experts, saves_copy=saves_copy)
 
 
 def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | None = None,
                    inter: int | None = None, *, table: str | os.PathLike | None = None,
-                   warp_specialized: bool = False, gathered: bool = False):
+                   warp_specialized: bool = False, gathers: tuple = ()):
     """The configuration of a GEMM of `rows` rows over `num_local_experts` experts of hidden size `hidden` and
     intermediate size `inter`; `gemm` is 0 or 1. Decided on the host, without the per-expert counts.
 
@@ -148,8 +155,8 @@ def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | N
     Args:
         table: a table file to use instead of the device's (see `tuned_table_path`).
         warp_specialized: the caller may run the warp-specialised kernels (else a GemmConfig always).
-        gathered: the caller's Triton GEMM0 reads its rows through gather rows and its Gluon one would not
-            (KernelConfig.gluon_gemm0_copies, `ws_rule`).
+        gathers: the kernels whose GEMM0 reads its rows through gather rows in the caller's layer
+            (KernelConfig.gemm0_gathers; `ws_rule`).
     """
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
@@ -161,33 +168,35 @@ def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | N
     # a table made with another KernelConfig.gemm0_gather / ws_gather may hold a Gluon GEMM0 that would need the
     # gather launch's copy here
     if warp_specialized and entry is not None and entry.against_ws and not (
-            gathered and gemm == 0 and isinstance(entry.config, ws_gemm.WsConfig)):
+            gluon_gemm0_copies(gathers) and gemm == 0 and isinstance(entry.config, ws_gemm.WsConfig)):
         return entry.config
-    untuned = untuned_config(gemm, rows, num_local_experts, warp_specialized=warp_specialized, gathered=gathered)
+    untuned = untuned_config(gemm, rows, num_local_experts, warp_specialized=warp_specialized, gathers=gathers)
     if entry is not None and isinstance(entry.config, GemmConfig) and isinstance(untuned, GemmConfig):
         return entry.config   # a Triton entry measured without the Gluon kernels, where their rule has nothing
     return untuned
 
 
 def untuned_config(gemm: int, rows: int, num_local_experts: int, *, warp_specialized: bool = False,
-                   gathered: bool = False):
+                   gathers: tuple = ()):
     """What `default_config` picks without a table entry: with `warp_specialized` the Gluon kernels' rule where it
     has a config (`ws_rule`), else the analytical config (what `weave-moe tune` measures its candidates against)."""
-    rule = ws_rule(gemm, rows, num_local_experts, gathered) if warp_specialized else None
+    rule = ws_rule(gemm, rows, num_local_experts, gathers) if warp_specialized else None
     return rule or analytical_config(gemm, rows, num_local_experts)
 
 
 def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int | None = None,
                     inter: int | None = None, *, table: str | os.PathLike | None = None,
-                    warp_specialized: bool = False) -> tuple:
+                    warp_specialized: bool = False, gathers: tuple = ()) -> tuple:
     """Every configuration `default_config` can pick for `gemm` (0 or 1) at this layer shape: the analytical ones
-    (`analytical_configs`), with `warp_specialized` the Gluon kernels' rule's, then the tuned table's configs of the
+    (`analytical_configs`), with `warp_specialized` the Gluon kernels' rule's (for these `gathers`), then the tuned
+    table's configs of the
     shape (every rows bucket; Gluon ones only with `warp_specialized`), without repeats. Without the shape, the
     analytical ones (and the rule's) only. A caller that must not compile during a call (the weave backend, before
     its first-call barrier) compiles these."""
     configs = analytical_configs(gemm)
     if warp_specialized:
-        configs += ws_gemm.default_configs() + ws_decode.default_configs()
+        saves_copy = gemm == 0 and "ws" in gathers and "triton" not in gathers
+        configs += ws_gemm.default_configs(saves_copy) + ws_decode.default_configs()
     if num_local_experts is None or hidden is None or inter is None:
         return configs
     path = _table_path(table)
