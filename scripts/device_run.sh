@@ -66,9 +66,9 @@ for stage in "$@"; do
     # GEMM0 alone through gather rows (the ws configs' cp.async producer, the Triton kernel's, the gather launch +
     # the ws kernel on rows in expert order; checked), then in calls, the serial policy without and with it, checked
     ws-gather) WS_TIMEOUT="${WG_TIMEOUT:-150}" WS_MODELS="${WG_MODELS:-deepseek-v2,deepseek-v3,qwen3-30b-a3b}" WS_TOKENS="${WG_TOKENS:-2048,8192}" WS_CONFIGS="${WG_CONFIGS:-64x256x64w4s4,128x256x64w8s4}" WS_ARGS=--gather "$0" ws-gemm
-        WC_TIMEOUT="${WGC_TIMEOUT:-150}" WC_TOKENS="${WGC_TOKENS:-512,2048}" WC_MODELS="${WGC_MODELS:-deepseek-v2,qwen3-30b-a3b,deepseek-v3}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on" "$0" ws-calls;;
+        WC_TIMEOUT="${WGC_TIMEOUT:-150}" WC_TOKENS="${WGC_TOKENS:-512,2048,8192}" WC_MODELS="${WGC_MODELS:-deepseek-v2,qwen3-30b-a3b,deepseek-v3}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on" "$0" ws-calls;;
     # the first call of the next GPU session (perf-notes 48): ws-gather, then next47 as far as it gets
-    next48) WG_TIMEOUT=130 WGC_TIMEOUT=130 "$0" ws-gather; STP_TIMEOUT=80 "$0" stream-probe
+    next48) WG_TIMEOUT=140 WGC_TIMEOUT=170 "$0" ws-gather; STP_TIMEOUT=70 "$0" stream-probe
         WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b WS_TIMEOUT=120 "$0" ws-gemm;;
     next47) STP_TIMEOUT=100 "$0" stream-probe
         WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b,64x256x64w4s4c2 WS_TIMEOUT=150 "$0" ws-gemm
