@@ -66,10 +66,12 @@ for stage in "$@"; do
     # GEMM0 alone through gather rows (the ws configs' cp.async producer, the Triton kernel's, the gather launch +
     # the ws kernel on rows in expert order; checked), then in calls, the serial policy without and with it, checked
     ws-gather) WS_TIMEOUT="${WG_TIMEOUT:-150}" WS_MODELS="${WG_MODELS:-deepseek-v2,deepseek-v3,qwen3-30b-a3b}" WS_TOKENS="${WG_TOKENS:-2048,8192}" WS_CONFIGS="${WG_CONFIGS:-64x256x64w4s4,128x256x64w8s4}" WS_ARGS=--gather "$0" ws-gemm
-        WC_TIMEOUT="${WGC_TIMEOUT:-150}" WC_TOKENS="${WGC_TOKENS:-512,2048,8192}" WC_MODELS="${WGC_MODELS:-deepseek-v2,qwen3-30b-a3b,deepseek-v3}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on" "$0" ws-calls;;
-    # the first call of the next GPU session (perf-notes 48): ws-gather, then next47 as far as it gets
-    next48) WG_TIMEOUT=140 WGC_TIMEOUT=170 "$0" ws-gather; STP_TIMEOUT=70 "$0" stream-probe
-        WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b WS_TIMEOUT=120 "$0" ws-gemm;;
+        WC_TIMEOUT="${WGC_TIMEOUT:-150}" WC_TOKENS="${WGC_TOKENS:-512,2048,8192}" WC_MODELS="${WGC_MODELS:-deepseek-v2,qwen3-30b-a3b,deepseek-v3}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on" WC_NAME=ws-gather-calls "$0" ws-calls;;
+    # GEMM1 launched programmatically after GEMM0 where both are Gluon (KernelConfig.ws_chain, perf-notes 48): the serial
+    # policy without and with it at decode and prefill sizes, every row checked, 3 rounds
+    ws-chain) WC_TIMEOUT="${WCH_TIMEOUT:-200}" WC_TOKENS="${WCH_TOKENS:-1,8,32,2048}" WC_MODELS="${WCH_MODELS:-qwen3-30b-a3b,deepseek-v3,deepseek-v2}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_chain=on" WC_NAME=ws-chain-calls "$0" ws-calls;;
+    # the first call of the next GPU session (perf-notes 48): ws-gather, ws-chain, then the stream probe
+    next48) WG_TIMEOUT=120 WGC_TIMEOUT=150 "$0" ws-gather; WCH_TIMEOUT=150 "$0" ws-chain; STP_TIMEOUT=70 "$0" stream-probe;;
     next47) STP_TIMEOUT=100 "$0" stream-probe
         WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b,64x256x64w4s4c2 WS_TIMEOUT=150 "$0" ws-gemm
         WD_MODELS=qwen3-30b-a3b,deepseek-v3 WD_TOKENS=1,32 WD_CONFIGS=t8w64k128s8,t8w64k128s8b,t16w64k128s8,t16w64k128s8b WD_TIMEOUT=80 "$0" ws-decode
@@ -79,7 +81,7 @@ for stage in "$@"; do
     ws-decode) timeout "${WD_TIMEOUT:-300}" python3 scripts/ws_gemm_probe.py --decode --models "${WD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${WD_TOKENS:-1,8,32,128}" ${WD_CONFIGS:+--configs "$WD_CONFIGS"} --out "$W/ws_decode_probe.json" > "$W/ws_decode_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/ws_decode_probe.log" | tail -40;;
     # ... and in calls (KernelConfig.ws_gemm, on): the serial policy without and with them at decode and prefill sizes, one rank's
     # work of EP=2, --check on every row, 3 rounds
-    ws-calls) timeout "${WC_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${WC_MODELS:-deepseek-v3,deepseek-v2,qwen3-30b-a3b,qwen3.5-35b-a3b}" --tokens "${WC_TOKENS:-1,32,2048,8192}" --routing uniform --variants "${WC_VARIANTS:-nccl,weave:serial@ws_gemm=off,weave:serial}" --check --iters 10 --rounds 3 --no-progress --timeout $(( ${WC_TIMEOUT:-420} - 10 )) --name ws-calls --out "$W" > "$W/ws-calls.log" 2>&1; echo "rc=$?"; tail -30 "$W/ws-calls.log";;
+    ws-calls) timeout "${WC_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${WC_MODELS:-deepseek-v3,deepseek-v2,qwen3-30b-a3b,qwen3.5-35b-a3b}" --tokens "${WC_TOKENS:-1,32,2048,8192}" --routing uniform --variants "${WC_VARIANTS:-nccl,weave:serial@ws_gemm=off,weave:serial}" --check --iters 10 --rounds 3 --no-progress --timeout $(( ${WC_TIMEOUT:-420} - 10 )) --name "${WC_NAME:-ws-calls}" --out "$W" > "$W/${WC_NAME:-ws-calls}.log" 2>&1; echo "rc=$?"; tail -30 "$W/${WC_NAME:-ws-calls}.log";;
     # the fused decode MLP (kernels/decode_mlp.py: GEMM0 + SiLU-mul + GEMM1 in one launch, split over I) against the
     # grouped GEMM0 -> GEMM1 pair with the layer's configs, on the same rows, cold L2, every variant checked first
     decode-mlp) timeout "${DM_TIMEOUT:-400}" python3 scripts/decode_mlp_probe.py --models "${DM_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${DM_TOKENS:-1,2,4,8}" --block-k "${DM_BLOCK_K:-128}" ${DM_ARGS:-} --out "$W/decode_mlp_probe.json" > "$W/decode_mlp_probe.log" 2>&1; echo "rc=$?"; grep -v "^  " "$W/decode_mlp_probe.log" | tail -22;;

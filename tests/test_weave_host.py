@@ -308,7 +308,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.grouped_serial = grouped and resident and fixed_plan is None
     backend.pairs_planned = False
     backend.interleaved = backend.grouped or backend.grouped_serial
-    backend.ws_gemm = False
+    backend.ws_gemm = backend.ws_chain = False
     backend.gemm0_gather = backend.config.gathers_in_gemm0(I)
     backend.debug_skip_launch, backend.compiled, backend.descriptors = False, set(), {}
     backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, H, I, 16)
@@ -1372,9 +1372,9 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     calls = []
     backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index))
     backend._current_stream = lambda: types.SimpleNamespace(wait_event=lambda event: None)
-    monkeypatch.setattr(ws_gemm, "ws_gemm0", lambda a, w, out, tiles, config, gather:
+    monkeypatch.setattr(ws_gemm, "ws_gemm0", lambda a, w, out, tiles, config, gather, chained:
                         calls.append(("ws gemm0", a, out, tiles, config, gather)))
-    monkeypatch.setattr(ws_gemm, "ws_gemm1", lambda a, w, out, tiles, config:
+    monkeypatch.setattr(ws_gemm, "ws_gemm1", lambda a, w, out, tiles, config, chained:
                         calls.append(("ws gemm1", a, out, tiles, config)))
     layout = types.SimpleNamespace(gather_rows=torch.arange(5, dtype=torch.int32))
     WeaveBackend._grouped_gemms(backend, layout, configs, early=({(64, False): "table"}, None, None))
@@ -1398,20 +1398,31 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
 
 def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
     """KernelConfig.ws_gemm below 64 rows per expert: both GEMMs of a paired call run kernels/ws_decode.py on the
-    call's tile tables (rows in y, h between them)."""
+    call's tile tables (rows in y, h between them); with KernelConfig.ws_chain both chained (GEMM1 launched
+    programmatically after GEMM0), and not where either GEMM is a Triton one."""
     from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
     from weave_moe.backends.weave.kernels import ws_decode
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     calls = []
-    monkeypatch.setattr(ws_decode, "ws_decode_gemm0", lambda a, w, out, tiles, config:
-                        calls.append(("gemm0", a, out, tiles)))
-    monkeypatch.setattr(ws_decode, "ws_decode_gemm1", lambda a, w, out, tiles, config:
-                        calls.append(("gemm1", a, out, tiles)))
+    monkeypatch.setattr(ws_decode, "ws_decode_gemm0", lambda a, w, out, tiles, config, chained:
+                        calls.append(("gemm0", a.data_ptr(), out.data_ptr(), tiles, chained)))
+    monkeypatch.setattr(ws_decode, "ws_decode_gemm1", lambda a, w, out, tiles, config, chained:
+                        calls.append(("gemm1", a.data_ptr(), out.data_ptr(), tiles, chained)))
+    monkeypatch.setattr(gg, "grouped_gemm1", lambda a, w, out, tiles, config, **launch:
+                        calls.append(("triton gemm1", launch.get("chained"))))
     config = ws_decode.WsDecodeConfig(block_t=8)
-    WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"})
     ws = backend.workspace
-    assert [(c[0], c[1].data_ptr(), c[2].data_ptr(), c[3]) for c in calls] == [
-        ("gemm0", ws.y().data_ptr(), ws.h().data_ptr(), "decode table"),
-        ("gemm1", ws.h().data_ptr(), ws.y().data_ptr(), "decode table")]
+    y, h = ws.y().data_ptr(), ws.h().data_ptr()
+    for chain in (False, True):
+        backend.ws_chain = chain
+        calls.clear()
+        WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"})
+        assert calls == [("gemm0", y, h, "decode table", chain), ("gemm1", h, y, "decode table", chain)]
+    triton = gc.analytical_configs(1)[0]
+    assert not WeaveBackend._chains(backend, (config, triton)) and WeaveBackend._chains(backend, (config, config))
+    backend.ws_chain = False
+    assert not WeaveBackend._chains(backend, (config, config))

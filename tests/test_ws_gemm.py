@@ -152,12 +152,16 @@ def test_launch_gemm_runs_each_config_on_its_kernel(monkeypatch):
     for gemm in (0, 1):
         for config in (triton, wide, decode):
             gg.launch_gemm(gemm, config, "a", "w", "out", "tiles", pdl=True)
-    assert calls == [("grouped_gemm0", dict(gather=None, pdl=True)), ("ws_gemm0", dict(gather=None)),
-                     ("ws_decode_gemm0", {}), ("grouped_gemm1", dict(pdl=True)), ("ws_gemm1", {}),
-                     ("ws_decode_gemm1", {})]
+    plain = dict(chained=False)
+    assert calls == [("grouped_gemm0", dict(gather=None, pdl=True)), ("ws_gemm0", dict(gather=None, chained=False)),
+                     ("ws_decode_gemm0", plain), ("grouped_gemm1", dict(pdl=True)), ("ws_gemm1", plain),
+                     ("ws_decode_gemm1", plain)]
     calls.clear()
     gg.launch_gemm(0, wide, "a", "w", "out", "tiles", gather="rows")
-    assert calls == [("ws_gemm0", dict(gather="rows"))]
+    gg.launch_gemm(1, decode, "a", "w", "out", "tiles", chained=True)
+    assert calls == [("ws_gemm0", dict(gather="rows", chained=False)), ("ws_decode_gemm1", dict(chained=True))]
+    with pytest.raises(ValueError, match="not chained"):
+        gg.launch_gemm(1, triton, "a", "w", "out", "tiles", chained=True)
     for config in (decode, ws.WsConfig(split_tail=True), ws.WsConfig(block_n=128, num_warps=4, consumers=2)):
         with pytest.raises(ValueError, match="expert order"):
             gg.launch_gemm(0, config, "a", "w", "out", "tiles", gather="rows")
@@ -438,3 +442,48 @@ def test_gathered_launches_are_checked():
     h, w2, y, tiles, _ = _operands(1, 256, 128)
     with pytest.raises(ValueError, match="GEMM0"):
         ws.ws_launch(1, h, w2, y, tiles, ws.WsConfig(), num_sms=4, gather=rows)
+
+
+CHAIN_CASES = [ws.DEFAULT_CONFIG, ws.WsConfig(split_tail=True), ws.WsConfig(block_n=128, num_warps=4, consumers=2),
+               "t16w64k128s8"]
+
+
+@pytest.mark.parametrize("config", CHAIN_CASES, ids=str)
+def test_chained_gemms_start_gemm1_early_and_wait_before_reading_h(config, tmp_path):
+    """KernelConfig.ws_chain (kernels/ws_ring.py, "Chained launches"), compiled for sm_90 as launched: GEMM0 says
+    `griddepcontrol.launch_dependents` and is a plain launch; GEMM1 is launched programmatically and its producer
+    issues its first weight blocks (the stage's expect counting A and W), then `griddepcontrol.wait`, and only then
+    any A (h) block; the consumer never waits on the grid. Unchained kernels hold neither instruction."""
+    from weave_moe.backends.weave.kernels import ws_decode
+
+    decode = isinstance(config, str)
+    config = ws_decode.WsDecodeConfig.parse(config) if decode else config
+    launch = ws_decode.ws_decode_launch if decode else ws.ws_launch
+    ptx = {}
+    for gemm in (0, 1):
+        a, w, out, tiles, scale = _operands(gemm, 2048, 768, block_m=config.block_m, split_tail=config.split_tail,
+                                            scale=gemm == 1)
+        for chained in (False, True):
+            kernel, _, args, kwargs = launch(gemm, a, w, out, tiles, config, scale=scale, num_sms=132,
+                                             chained=chained)
+            assert kwargs["launch_pdl"] is (chained and gemm == 1)
+            compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+            ptx[gemm, chained] = compiled.asm["ptx"]
+            if chained:
+                report = sm90.ptxas_report(ptx[gemm, chained], tmp_path)
+                assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+    for key, text in ptx.items():
+        chained_gemm0, chained_gemm1 = key == (0, True), key == (1, True)
+        assert ("griddepcontrol.launch_dependents" in text) is chained_gemm0, key
+        assert ("griddepcontrol.wait" in text) is chained_gemm1, key
+    text = ptx[1, True]
+    copy = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+    first_wait = text.index("griddepcontrol.wait")
+    before = text[:first_wait]
+    # before the first wait: the producer's expect of A + W bytes and W copies only (W's descriptor), no A copy
+    a_bytes = config.block_m * config.block_k * 2
+    w_bytes = (config.block_w if decode else config.block_n) * config.block_k * 2
+    assert f"mbarrier.arrive.expect_tx.shared.b64 _, [%r" in before and f"], {a_bytes + w_bytes};" in before
+    descriptors = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", text)
+    early = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", before)
+    assert early and len(set(early)) == 1 and len(set(descriptors)) >= 2, (early, set(descriptors))

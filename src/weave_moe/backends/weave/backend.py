@@ -296,6 +296,7 @@ class WeaveBackend:
         self.interleaved = (self.grouped or self.grouped_serial) and cfg.interleave_w13
         # KernelConfig.ws_gemm: the grouped GEMMs as the warp-specialised Gluon kernels, written for sm_90 (wgmma)
         self.ws_gemm = bool(cfg.ws_gemm and self.interleaved and torch.cuda.get_device_capability(device)[0] == 9)
+        self.ws_chain = self.ws_gemm and cfg.ws_chain and sync.PDL   # _chains
         self.grid_c = torch.full((1,), self.num_sms, dtype=torch.int32, device=device)   # c of a serial plan
         self.gemm0_gather = cfg.gathers_in_gemm0(I)   # the grouped GEMM0 reads its rows itself (_grouped_gemms)
         # a layer whose serial plans run the grouped GEMMs plans with their measured speed (cost_model A8)
@@ -1124,26 +1125,36 @@ class WeaveBackend:
         tables, rows, filled = early or self._grouped_prologue(layout.expert_offsets, keys, device_serial)
         if filled is not None:
             self._current_stream().wait_event(filled)
+        chained = self._chains(configs)
         if self._gathers_in_gemm0(configs[0]):  # GEMM0 reads the received rows through the gather rows itself
-            self._gemm0(self.workspace.recv(), tables[keys[0]], configs[0], gather=layout.gather_rows)
+            self._gemm0(self.workspace.recv(), tables[keys[0]], configs[0], gather=layout.gather_rows, chained=chained)
         else:
             self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None and gather_ahead)
-            self._gemm0(self.workspace.y(), tables[keys[0]], configs[0])
-        self._gemm1(tables[keys[1]], configs[1])
+            self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained)
+        self._gemm1(tables[keys[1]], configs[1], chained=chained)
 
     def _gathers_in_gemm0(self, config) -> bool:
         """Whether GEMM0 of `config` reads the received rows through the gather rows (`gemm_configs.reads_gather_rows`:
         the Triton kernel with gemm0_gather, the warp-specialised one with ws_gather), else after the gather launch."""
         return gemm_configs.reads_gather_rows(config, self.config, self.spec.intermediate_size)
 
-    def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None) -> None:
-        """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`, with the kernel of
-        `config` (`grouped_gemm.launch_gemm`: the Triton grouped GEMM0, or a warp-specialised one)."""
-        grouped_gemm.launch_gemm(0, config, a, self.w13, self.workspace.h(), tiles, gather=gather, **self.gemm_launch)
+    def _chains(self, configs) -> bool:
+        """Whether a call's GEMM1 of `configs` is launched programmatically after its GEMM0 (KernelConfig.ws_chain:
+        both warp-specialised; kernels/ws_ring.py, "Chained launches")."""
+        return self.ws_chain and all(gemm_configs.kernel_of(c) != "triton" for c in configs)
 
-    def _gemm1(self, tiles, config) -> None:
+    def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None,
+               chained: bool = False) -> None:
+        """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`, with the kernel of
+        `config` (`grouped_gemm.launch_gemm`: the Triton grouped GEMM0, or a warp-specialised one, `chained` to the
+        GEMM1 after it: `_chains`)."""
+        launch = dict(chained=True) if chained else self.gemm_launch
+        grouped_gemm.launch_gemm(0, config, a, self.w13, self.workspace.h(), tiles, gather=gather, **launch)
+
+    def _gemm1(self, tiles, config, chained: bool = False) -> None:
         """y = GEMM1 of h on `tiles`, as `_gemm0` picks its kernel."""
-        grouped_gemm.launch_gemm(1, config, self.workspace.h(), self.w2, self.workspace.y(), tiles, **self.gemm_launch)
+        launch = dict(chained=True) if chained else self.gemm_launch
+        grouped_gemm.launch_gemm(1, config, self.workspace.h(), self.w2, self.workspace.y(), tiles, **launch)
 
     def _paired_gemms(self, configs, tables, fused: bool = False) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s):
@@ -1155,9 +1166,9 @@ class WeaveBackend:
             decode_mlp.decode_mlp(self.workspace.y()[:parts.shape[1]], self.w13, self.w2,
                                   tables[self._paired_keys(configs, True)[0]], parts, self.decode_mlp)
             return
-        keys = _tile_keys(configs)
-        self._gemm0(self.workspace.y(), tables[keys[0]], configs[0])
-        self._gemm1(tables[keys[1]], configs[1])
+        keys, chained = _tile_keys(configs), self._chains(configs)
+        self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained)
+        self._gemm1(tables[keys[1]], configs[1], chained=chained)
 
     def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, form: str = "offsets",
                           tokens: torch.Tensor | None = None) -> tuple:
@@ -1227,13 +1238,16 @@ class WeaveBackend:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 # gemm0_gather: the receive buffer through any int32 rows (the tables hold no tile, nothing reads
                 # them); the pair rows in y (_paired_gemms); the gathered rows in y (the gather launch's)
-                if self._gathers_in_gemm0(config):
-                    self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl)
-                if not self._gathers_in_gemm0(config) or self.pair_dispatch is not None:
-                    self._gemm0(y, table, config)
+                # KernelConfig.ws_chain: a Gluon GEMM0 chained to a Gluon GEMM1 too (_chains)
+                for chained in (False, True) if self._chains([config]) else (False, ):
+                    if self._gathers_in_gemm0(config):
+                        self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl, chained=chained)
+                    if not self._gathers_in_gemm0(config) or self.pair_dispatch is not None:
+                        self._gemm0(y, table, config, chained=chained)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
-                self._gemm1(table, config)
+                for chained in (False, True) if self._chains([config]) else (False, ):
+                    self._gemm1(table, config, chained=chained)
             for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
                          for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)

@@ -250,6 +250,13 @@ class KernelConfig:
             Triton one reads the gather rows (`gemm0_gather`), and where only it does, at every prefill size
             (`ws_gemm.WIDE_CONFIG` above 256 rows per expert: it saves the copy the Triton GEMM0 would need;
             gemm_configs.ws_rule). Off until measured on a GPU (the `ws-gather` stage of scripts/device_run.sh).
+        ws_chain: with `ws_gemm`, where both GEMMs of a call are warp-specialised, GEMM1 is launched
+            programmatically after GEMM0 (with programmatic dependent launch on: sync.PDL): GEMM0 lets it start as
+            soon as each of its CTAs has begun, so GEMM1's CTAs take the SMs that GEMM0's last wave leaves idle and
+            load their first weight blocks into their rings before waiting for GEMM0 to end (kernels/ws_ring.py,
+            "Chained launches"). Aimed at decode calls, whose GEMM0 runs 1.45 waves of weight tiles on Qwen3-30B-A3B
+            at 1 token (192 tiles of 64 rows over 132 SMs) and whose GEMM1 then starts cold. Off until measured on a
+            GPU (the `ws-chain` stage of scripts/device_run.sh).
     """
 
     block_m: int = 128
@@ -294,6 +301,7 @@ class KernelConfig:
     serial_at_ep1: bool = True
     ws_gemm: bool = True
     ws_gather: bool = False
+    ws_chain: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

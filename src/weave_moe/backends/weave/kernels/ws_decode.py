@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
-                                                       weight_descriptor, work_tile)
+from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands,
+                                                       let_dependents_start, producer, weight_descriptor, work_tile)
 
 __all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch", "default_config",
            "default_configs"]
@@ -199,10 +199,14 @@ def _decode_consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr
 @gluon.jit
 def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out, w_rows,
                       GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, NUM_SMS: gl.constexpr, STAGES: gl.constexpr,
-                      PRODUCER_REGS: gl.constexpr, W_BLOCKED: gl.constexpr, num_warps: gl.constexpr):
+                      PRODUCER_REGS: gl.constexpr, W_BLOCKED: gl.constexpr, CHAIN: gl.constexpr,
+                      num_warps: gl.constexpr):
     """out[t, j] over every tile of the table: GEMM 0: a = the rows [P, H], w = the interleaved w13 as
     [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
-    [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE."""
+    [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE. CHAIN: GEMM0 lets the next kernel start early,
+    GEMM1 is launched programmatically after it (kernels/ws_ring.py, "Chained launches")."""
+    if CHAIN and GEMM == 0:
+        let_dependents_start()
     a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, 1)
     width = 2 * max_tiles
     num_n = gl.cdiv(w_rows, w_desc.block_type.shape[0])
@@ -210,7 +214,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
         (_decode_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n,
                             K, n_out, GEMM, HAS_SCALE, NUM_SMS, num_warps)),
         (producer, (a_desc, a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
-                     K, w_rows, 1, NUM_SMS, False, W_BLOCKED)),
+                     K, w_rows, 1, NUM_SMS, False, W_BLOCKED, CHAIN and GEMM == 1)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -233,9 +237,10 @@ def default_configs() -> tuple[WsDecodeConfig, ...]:
 
 
 def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable,
-                     config: WsDecodeConfig, scale: torch.Tensor | None = None, num_sms: int | None = None) -> tuple:
+                     config: WsDecodeConfig, scale: torch.Tensor | None = None, num_sms: int | None = None,
+                     chained: bool = False) -> tuple:
     """(kernel, grid, args, kwargs) of one launch, as `ws_gemm.ws_launch` (the same operands and tile table, whose
-    block_m is the config's token rows)."""
+    block_m is the config's token rows; `chained` as there)."""
     K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
     bt, bw, bk = config.block_t, config.block_w, config.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bt, bk], gl.NVMMASharedLayout.get_default_for([bt, bk], gl.bfloat16))
@@ -244,22 +249,26 @@ def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Ten
     args = (a_desc, w_desc, out, scale if scale is not None else out, tiles.table, tiles.num_tiles, tiles.max_tiles,
             K, n_out, w_rows)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, NUM_SMS=num_sms, STAGES=config.stages,
-                  PRODUCER_REGS=config.producer_regs, W_BLOCKED=config.k_blocked, num_warps=config.num_warps)
+                  PRODUCER_REGS=config.producer_regs, W_BLOCKED=config.k_blocked, CHAIN=chained,
+                  num_warps=config.num_warps, launch_pdl=chained and gemm == 1)
     return _ws_decode_kernel, (num_sms, ), args, kwargs
 
 
 def ws_decode_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable,
-                    config: WsDecodeConfig = WsDecodeConfig()) -> torch.Tensor:
+                    config: WsDecodeConfig = WsDecodeConfig(), chained: bool = False) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert (grouped_gemm.grouped_gemm0's result) at decode sizes; w13:
-    `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_t, P)`."""
-    kernel, grid, args, kwargs = ws_decode_launch(0, a, w13, h, tiles, config)
+    `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_t, P)`; `chained`: a chained
+    GEMM1 follows (`ws_gemm.ws_launch`)."""
+    kernel, grid, args, kwargs = ws_decode_launch(0, a, w13, h, tiles, config, chained=chained)
     kernel[grid](*args, **kwargs)
     return h
 
 
 def ws_decode_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable,
-                    config: WsDecodeConfig = WsDecodeConfig(), scale: torch.Tensor | None = None) -> torch.Tensor:
-    """y = scale * (h @ w2[expert]^T) per expert (grouped_gemm.grouped_gemm1's result) at decode sizes."""
-    kernel, grid, args, kwargs = ws_decode_launch(1, h, w2, y, tiles, config, scale)
+                    config: WsDecodeConfig = WsDecodeConfig(), scale: torch.Tensor | None = None,
+                    chained: bool = False) -> torch.Tensor:
+    """y = scale * (h @ w2[expert]^T) per expert (grouped_gemm.grouped_gemm1's result) at decode sizes; `chained`:
+    launched programmatically after a chained GEMM0."""
+    kernel, grid, args, kwargs = ws_decode_launch(1, h, w2, y, tiles, config, scale, chained=chained)
     kernel[grid](*args, **kwargs)
     return y

@@ -53,8 +53,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
 from weave_moe.backends.weave.kernels.ws_ring import (GATHER_WARPS, MAX_RING_BYTES, allocate_ring, check_operands,
-                                                       gather_producer, producer, ready_arrivals, section_work,
-                                                       weight_descriptor, work_tile)
+                                                       gather_producer, let_dependents_start, producer,
+                                                       ready_arrivals, section_work, weight_descriptor, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
            "WIDE_CONFIG", "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
@@ -314,13 +314,16 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
                     w_rows, a_ptr, gather_ptr, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_SMS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                    W_BLOCKED: gl.constexpr, GATHER_A: gl.constexpr, num_warps: gl.constexpr):
+                    W_BLOCKED: gl.constexpr, GATHER_A: gl.constexpr, CHAIN: gl.constexpr, num_warps: gl.constexpr):
     """out[m, j] over every tile of the table: GEMM 0: a = the rows, w = the interleaved w13 as [E_local * 2I, H],
     out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
     w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
     too (tiles of BM / 2 rows, A through a_tail_desc; a_desc again otherwise). GATHER_A (GEMM0, one consumer, no
     split tails): row m of A is a_ptr's row gather_ptr[m] ([*, H], loaded by `gather_producer`; a_desc then only
-    shapes the ring's A buffers)."""
+    shapes the ring's A buffers). CHAIN: GEMM0 lets the next kernel start early, GEMM1 is launched programmatically
+    after it (kernels/ws_ring.py, "Chained launches")."""
+    if CHAIN and GEMM == 0:
+        let_dependents_start()
     a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, ready_arrivals(GATHER_A))
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # ping-pong only
     for i in gl.static_range(2):
@@ -340,7 +343,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps, False)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED)),
+                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED, CHAIN and GEMM == 1)),
         ], [1], [PRODUCER_REGS])
     else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
         gl.warp_specialize([
@@ -349,7 +352,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps, False)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED)),
+                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED, CHAIN and GEMM == 1)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -390,12 +393,14 @@ def default_configs(saves_copy: bool = False) -> tuple[WsConfig, ...]:
 
 def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable, config: WsConfig,
               scale: torch.Tensor | None = None, num_sms: int | None = None,
-              gather: torch.Tensor | None = None) -> tuple:
+              gather: torch.Tensor | None = None, chained: bool = False) -> tuple:
     """(kernel, grid, args, kwargs) of one launch: `gemm` 0 (a [P, H], w the interleaved w13 [E_local, 2I, H], out
     h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or None); `num_sms`: the
     grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's). `gather`
     (GEMM0 of one consumer, no split tails): int32 rows of a, which then holds the source rows [S, H] in any order:
-    row m of A is a[gather[m]] (kernels/ws_ring.py, "Gathered A rows"), as `grouped_gemm.grouped_gemm0(gather=)`."""
+    row m of A is a[gather[m]] (kernels/ws_ring.py, "Gathered A rows"), as `grouped_gemm.grouped_gemm0(gather=)`.
+    `chained`: a GEMM0 that lets a chained GEMM1 start early, or a GEMM1 launched programmatically after such a
+    GEMM0 (kernels/ws_ring.py, "Chained launches"; both of a call or neither)."""
     K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale, gather)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)   # the tails' too: the same swizzle rows
@@ -408,24 +413,26 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   STAGES=config.stages, PRODUCER_REGS=config.producer_regs, CONSUMERS=config.consumers,
                   CONSUMER_REGS=config.consumer_regs, SPLIT_TAIL=config.split_tail, W_BLOCKED=config.k_blocked,
-                  GATHER_A=gather is not None, num_warps=config.num_warps, maxnreg=config.registers)
+                  GATHER_A=gather is not None, CHAIN=chained, num_warps=config.num_warps, maxnreg=config.registers,
+                  launch_pdl=chained and gemm == 1)
     return _ws_gemm_kernel, (num_sms, ), args, kwargs
 
 
 def ws_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable,
-             config: WsConfig = WsConfig(), gather: torch.Tensor | None = None) -> torch.Tensor:
+             config: WsConfig = WsConfig(), gather: torch.Tensor | None = None, chained: bool = False) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert (grouped_gemm.grouped_gemm0's result), one persistent launch;
     w13: `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_m, P)`; with `gather`
-    row m of A is a[gather[m]] (`ws_launch`)."""
-    kernel, grid, args, kwargs = ws_launch(0, a, w13, h, tiles, config, gather=gather)
+    row m of A is a[gather[m]]; `chained`: a chained GEMM1 follows (`ws_launch`)."""
+    kernel, grid, args, kwargs = ws_launch(0, a, w13, h, tiles, config, gather=gather, chained=chained)
     kernel[grid](*args, **kwargs)
     return h
 
 
 def ws_gemm1(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, tiles: TileTable, config: WsConfig = WsConfig(),
-             scale: torch.Tensor | None = None) -> torch.Tensor:
-    """y = scale * (h @ w2[expert]^T) per expert (grouped_gemm.grouped_gemm1's result), one persistent launch."""
-    kernel, grid, args, kwargs = ws_launch(1, h, w2, y, tiles, config, scale)
+             scale: torch.Tensor | None = None, chained: bool = False) -> torch.Tensor:
+    """y = scale * (h @ w2[expert]^T) per expert (grouped_gemm.grouped_gemm1's result), one persistent launch;
+    `chained`: launched programmatically after a chained GEMM0 (`ws_launch`)."""
+    kernel, grid, args, kwargs = ws_launch(1, h, w2, y, tiles, config, scale, chained=chained)
     kernel[grid](*args, **kwargs)
     return y
 

@@ -27,6 +27,15 @@ then counts 1 + GATHER_THREADS arrivals (`ready_arrivals`): the W copy's `expect
 copies write shared memory through the generic proxy and wgmma reads it through the async proxy, so a consumer fences
 (`fence.proxy.async`) after its wait on `ready` and before its MMAs.
 
+Chained launches (programmatic dependent launch, `chained`): a GEMM0 launched with TRIGGER lets the next kernel's
+CTAs start as soon as each of its CTAs has begun (`griddepcontrol.launch_dependents` at its start); a GEMM1 launched
+programmatically after it (CHAINED) lands on the SMs that GEMM0's CTAs leave in its last wave and fills its ring's
+first stages with its first work item's weight blocks (which no kernel writes) before `griddepcontrol.wait` (GEMM0
+has ended and its h is visible), then issues their A blocks (h) and goes on as usual. Only the producer waits: the
+consumer's loads (the routing weights) were written before GEMM0 began, and its stores follow A's loads. A CTA with
+no work item waits too, before its split tails' loads. The tile tables a chained producer reads before its wait
+were written two or more launches before it, by kernels that ended before GEMM0, a plain launch, began.
+
 Work order: grouped_gemm's: GROUP_M consecutive M tiles of the tile table sweep the N tiles together (a weight
 block read from HBM about once, reused from L2), dealt round-robin to the CTAs; section 1 (split tails) after
 section 0, its round-robin going on from where section 0's ended.
@@ -42,7 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 __all__ = ["MAX_RING_BYTES", "GATHER_WARPS", "ready_arrivals", "allocate_ring", "work_tile", "section_work",
-           "load_tile", "producer", "gather_producer", "check_operands", "weight_descriptor", "block_weights"]
+           "load_tile", "producer", "gather_producer", "check_operands", "weight_descriptor", "block_weights",
+           "wait_for_previous_kernel", "let_dependents_start"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
@@ -56,6 +66,21 @@ def ready_arrivals(GATHER_A):
     """Arrivals that complete a stage's `ready` (module docstring): the W copy's `expect`, and with gathered A rows
     one `cp.async.mbarrier.arrive.noinc` per producer thread."""
     return 1 + (32 * GATHER_WARPS.value if GATHER_A else 0)
+
+
+@gluon.jit
+def wait_for_previous_kernel():
+    """`griddepcontrol.wait`: the kernel before this one (programmatic dependent launch) has ended and its memory is
+    visible; a no-op in a plain launch."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def let_dependents_start():
+    """`griddepcontrol.launch_dependents`: the next kernel, if launched programmatically, may start its CTAs once
+    every CTA of this one has said so or ended (module docstring, "Chained launches")."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit
@@ -97,13 +122,14 @@ def section_work(pid, work_before, NUM_SMS: gl.constexpr):
 
 @gluon.jit
 def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K, step, ROWS: gl.constexpr,
-              W_BLOCKED: gl.constexpr):
-    """The TMA loads of one work item's K steps from ring step `step` on (A: ROWS rows into the first ROWS of a
-    stage's A buffer; W: the block at row `w_row`, K step by K step along its columns, or with W_BLOCKED along the
-    K-blocked layout's rows, `w_rows` rows a step: `block_weights`); returns the step after them."""
+              W_BLOCKED: gl.constexpr, k_first=0):
+    """The TMA loads of one work item's K steps from column `k_first` on, from ring step `step` on (A: ROWS rows into
+    the first ROWS of a stage's A buffer; W: the block at row `w_row`, K step by K step along its columns, or with
+    W_BLOCKED along the K-blocked layout's rows, `w_rows` rows a step: `block_weights`); returns the step after
+    them."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.shape[0]
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_first, K, BLOCK_K):
         stage = step % STAGES
         mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
@@ -115,6 +141,30 @@ def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_ro
         load_w(w_desc, w_bufs.index(stage), bar, w_row, w_rows, k, W_BLOCKED)
         step += 1
     return step
+
+
+@gluon.jit
+def load_first_tile_chained(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K,
+                            ROWS: gl.constexpr, W_BLOCKED: gl.constexpr):
+    """A chained launch's first work item (module docstring, "Chained launches"), from ring step 0: the W blocks of
+    its first min(STAGES, K steps) steps into the fresh ring (each stage's first phase: no `empty` to wait for),
+    `griddepcontrol.wait`, their A blocks, then the item's other steps as `load_tile`. Returns the step after it."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    early = gl.minimum(gl.cdiv(K, BLOCK_K), STAGES)
+    for i in range(0, early):
+        bar = ready.index(i)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        load_w(w_desc, w_bufs.index(i), bar, w_row, w_rows, i * BLOCK_K, W_BLOCKED)
+    wait_for_previous_kernel()
+    for i in range(0, early):
+        if ROWS == a_bufs.shape[1]:
+            tma.async_copy_global_to_shared(a_desc, [m_start, i * BLOCK_K], ready.index(i), a_bufs.index(i))
+        else:
+            tma.async_copy_global_to_shared(a_desc, [m_start, i * BLOCK_K], ready.index(i),
+                                            a_bufs.index(i).slice(0, ROWS))
+    return load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K, early, ROWS, W_BLOCKED,
+                     early * BLOCK_K)
 
 
 @gluon.jit
@@ -161,10 +211,11 @@ def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, 
 @gluon.jit
 def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
              w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-             W_BLOCKED: gl.constexpr):
+             W_BLOCKED: gl.constexpr, CHAINED: gl.constexpr):
     """The load partition: every TMA load of the CTA's work items, into the ring (module docstring); with
     SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`); W_BLOCKED: the weights
-    in the K-blocked layout (`block_weights`)."""
+    in the K-blocked layout (`block_weights`); CHAINED: launched programmatically after the kernel that writes A,
+    the first item's first W blocks loaded before waiting for it (module docstring, "Chained launches")."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -173,7 +224,16 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
     # an expert's first weight row: E_local x w_rows rows of K, or E_local x K steps x w_rows rows of BLOCK_K
     expert_rows = w_rows * gl.cdiv(K, BLOCK_K) if W_BLOCKED else w_rows
     step = 0
-    for work in range(pid, num_work, NUM_SMS):
+    first = pid
+    if CHAINED:
+        if pid < num_work:
+            expert, m_start, m_end, n = work_tile(tiles_ptr, width, pid, gl.load(num_tiles_ptr), num_n, GROUP_M)
+            step = load_first_tile_chained(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
+                                           expert * expert_rows + n * BLOCK_N, w_rows, K, BLOCK_M, W_BLOCKED)
+        else:
+            wait_for_previous_kernel()
+        first = pid + NUM_SMS
+    for work in range(first, num_work, NUM_SMS):
         expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
         step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, expert * expert_rows + n * BLOCK_N,
                          w_rows, K, step, BLOCK_M, W_BLOCKED)
