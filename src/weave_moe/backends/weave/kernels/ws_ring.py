@@ -23,13 +23,13 @@ Gathered A rows (`gather_producer`, GEMM0 only): A's rows come from any rows of 
 source[gather[m]], the receive buffer as the layout's gather rows order it), so TMA cannot load them; a producer of
 one warpgroup copies them with `cp.async` (16 bytes per thread and copy) and each of its threads then issues
 `cp.async.mbarrier.arrive.noinc` on the stage's `ready`, which fires once that thread's copies have landed. `ready`
-then counts 1 + GATHER_THREADS arrivals (`ready_arrivals`): the W copy's `expect` and one per producer thread. The
+then counts 1 + 32 x GATHER_WARPS arrivals (`ready_arrivals`): the W copy's `expect` and one per producer thread. The
 copies write shared memory through the generic proxy and wgmma reads it through the async proxy, so a consumer fences
 (`fence.proxy.async`) after its wait on `ready` and before its MMAs.
 
-Chained launches (programmatic dependent launch, `chained`): a GEMM0 launched with TRIGGER lets the next kernel's
-CTAs start as soon as each of its CTAs has begun (`griddepcontrol.launch_dependents` at its start); a GEMM1 launched
-programmatically after it (CHAINED) lands on the SMs that GEMM0's CTAs leave in its last wave and fills its ring's
+Chained launches (programmatic dependent launch; the kernels' `chained` / CHAIN): a chained GEMM0 lets the next
+kernel's CTAs start as soon as each of its CTAs has begun (`griddepcontrol.launch_dependents` at its start); a GEMM1
+launched programmatically after it (`producer`'s CHAINED) lands on the SMs that GEMM0's CTAs leave in its last wave and fills its ring's
 first stages with its first work item's weight blocks (which no kernel writes) before `griddepcontrol.wait` (GEMM0
 has ended and its h is visible), then issues their A blocks (h) and goes on as usual. Only the producer waits: the
 consumer's loads (the routing weights) were written before GEMM0 began, and its stores follow A's loads. A CTA with
