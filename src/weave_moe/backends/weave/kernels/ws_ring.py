@@ -29,9 +29,9 @@ copies write shared memory through the generic proxy and wgmma reads it through 
 
 Chained launches (programmatic dependent launch; the kernels' `chained` / CHAIN): a chained GEMM0 lets the next
 kernel's CTAs start as soon as each of its CTAs has begun (`griddepcontrol.launch_dependents` at its start); a GEMM1
-launched programmatically after it (`producer`'s CHAINED) lands on the SMs that GEMM0's CTAs leave in its last wave and fills its ring's
-first stages with its first work item's weight blocks (which no kernel writes) before `griddepcontrol.wait` (GEMM0
-has ended and its h is visible), then issues their A blocks (h) and goes on as usual. Only the producer waits: the
+launched programmatically after it (`producer`'s CHAINED) lands on the SMs that GEMM0's CTAs leave in its last wave
+and fills its ring's first stages with its first work item's weight blocks (which no kernel writes) before
+`griddepcontrol.wait` (GEMM0 has ended and its h is visible), then issues their A blocks (h) and goes on as usual. Only the producer waits: the
 consumer's loads (the routing weights) were written before GEMM0 began, and its stores follow A's loads. A CTA with
 no work item waits too, before its split tails' loads. The tile tables a chained producer reads before its wait
 were written two or more launches before it, by kernels that ended before GEMM0, a plain launch, began.
