@@ -38,6 +38,30 @@ def test_gemm0_gather_auto_follows_the_intermediate_size():
         KernelConfig.from_text("gemm0_gather=1", "test")
 
 
+def test_which_gemm0_reads_the_gather_rows():
+    """KernelConfig.gemm0_gathers (the kernels whose GEMM0 reads the received rows through the gather rows) and
+    gemm_configs.reads_gather_rows (per config): the Triton GEMM0 by gemm0_gather, the Gluon one by ws_gather where
+    its config `gathers` (one consumer, no split tails), the decode form never."""
+    from weave_moe.backends.weave.config import GEMM0_GATHER_MAX_I
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
+
+    small, large = GEMM0_GATHER_MAX_I, GEMM0_GATHER_MAX_I + 8
+    base, gather = KernelConfig(), KernelConfig.from_text("ws_gather=1", "test")
+    assert (base.gemm0_gathers(small), base.gemm0_gathers(large)) == (("triton", ), ())
+    assert (gather.gemm0_gathers(small), gather.gemm0_gathers(large)) == (("triton", "ws"), ("ws", ))
+    triton, decode = gc.analytical_config(0, 4096, 8), ws_decode.WsDecodeConfig()
+    pingpong = ws_gemm.WsConfig(block_n=128, num_warps=4, consumers=2)
+    cases = [(base, small, triton, True), (base, large, triton, False), (base, small, ws_gemm.DEFAULT_CONFIG, False),
+             (gather, large, ws_gemm.DEFAULT_CONFIG, True), (gather, large, ws_gemm.WIDE_CONFIG, True),
+             (gather, large, pingpong, False), (gather, large, ws_gemm.WsConfig(split_tail=True), False),
+             (gather, small, decode, False), (gather, large, triton, False)]
+    for kernel_config, inter, config, expected in cases:
+        assert gc.reads_gather_rows(config, kernel_config, inter) is expected, (kernel_config, inter, config)
+    assert gc.gluon_gemm0_copies(("triton", )) and not gc.gluon_gemm0_copies(("triton", "ws"))
+    assert not gc.gluon_gemm0_copies(("ws", )) and not gc.gluon_gemm0_copies(())
+
+
 def test_timeout_from_env_is_strict(monkeypatch):
     from weave_moe.backends.weave.config import DEFAULT_TIMEOUT_S, timeout_s_from_env
 
