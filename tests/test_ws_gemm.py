@@ -483,7 +483,7 @@ def test_chained_gemms_start_gemm1_early_and_wait_before_reading_h(config, tmp_p
     # before the first wait: the producer's expect of A + W bytes and W copies only (W's descriptor), no A copy
     a_bytes = config.block_m * config.block_k * 2
     w_bytes = (config.block_w if decode else config.block_n) * config.block_k * 2
-    assert f"mbarrier.arrive.expect_tx.shared.b64 _, [%r" in before and f"], {a_bytes + w_bytes};" in before
+    assert "mbarrier.arrive.expect_tx.shared.b64 _, [%r" in before and f"], {a_bytes + w_bytes};" in before
     descriptors = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", text)
     early = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", before)
     assert early and len(set(early)) == 1 and len(set(descriptors)) >= 2, (early, set(descriptors))
