@@ -245,29 +245,66 @@ class _MBarrier:
         return self.completions % 2 != parity
 
 
-def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int) -> None:
+def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int, gather_threads: int = 0,
+              chained: bool = False, early: int | None = None) -> None:
     """The ring protocol of kernels/ws_ring.py (with ws_gemm.py's turns), its step, stage and phase arithmetic, the
     producer and the consumers interleaved at random: every consumer step must read the stage the producer filled for
     that step, and the producer must never refill a stage an unfinished MMA still reads. Each agent is a generator
-    that yields the condition it waits on."""
+    that yields the condition it waits on. A stage's copies land later, one at a time in random order (a `memory`
+    agent): the W block, and the A block or, with `gather_threads`, one part per producer thread (their
+    cp.async.mbarrier.arrive.noinc); `ready` completes when all of a step's parts have landed. `chained`: the
+    producer issues its first item's first min(stages, k_steps) W blocks, then waits for the kernel before (which
+    ends at a random moment) before any A block ("Chained launches"); `early` overrides that count (to break it)."""
     import random
 
     rng = random.Random(seed)
     ready, empty = [_MBarrier() for _ in range(stages)], [_MBarrier() for _ in range(stages)]
     turn = [_MBarrier() for _ in range(consumers)]   # ping-pong: the mainloops take turns
-    contents = [None] * stages       # the step whose blocks a stage holds
+    parts = ["w"] + ([f"a{t}" for t in range(gather_threads)] if gather_threads else ["a"])
+    contents = [{} for _ in range(stages)]   # part -> the step whose block a stage holds
+    pending = [0] * stages                   # parts of the stage's phase in progress not yet landed
+    in_transit = []                          # (stage, part, step) issued, not landed
     reading = [set() for _ in range(stages)]   # in-flight MMAs (consumer, step) reading each stage
     consumed = []
+    previous = {"ended": False}                # the kernel before a chained launch
+
+    def issue(stage, step, names):
+        for name in names:
+            in_transit.append((stage, name, step))
+            pending[stage] += 1
+
+    def memory():
+        while True:
+            yield lambda: bool(in_transit) or not previous["ended"] or finished()
+            if not previous["ended"] and (not in_transit or rng.random() < 0.2):
+                previous["ended"] = True
+                continue
+            if not in_transit:
+                return
+            stage, name, step = in_transit.pop(rng.randrange(len(in_transit)))
+            contents[stage][name] = step
+            pending[stage] -= 1
+            if pending[stage] == 0 and all(contents[stage].get(n) == step for n in parts):
+                ready[stage].completions += 1
 
     def producer():
-        step = 0
-        for _item in range(items):
-            for _k in range(k_steps):
+        step, first = 0, (min(stages, k_steps) if early is None else early) if chained and items else 0
+        for i in range(first):   # the fresh ring's first phase: no `empty` to wait for
+            issue(i % stages, i, ["w"])
+        if chained:
+            yield lambda: previous["ended"]   # griddepcontrol.wait
+            for i in range(first):
+                issue(i % stages, i, [p for p in parts if p != "w"])
+        for item in range(items):
+            for k in range(k_steps):
+                if item == 0 and k < first:
+                    step += 1
+                    continue
                 stage = step % stages
                 yield lambda s=stage, p=((step // stages) & 1) ^ 1: empty[s].passes(p)
                 assert not reading[stage], f"step {step} refills stage {stage} under an MMA: {reading[stage]}"
-                contents[stage] = step
-                ready[stage].completions += 1   # the copies' bytes arrive (at some later turn: this is one)
+                assert chained is False or previous["ended"], "an A block loaded before the kernel before ended"
+                issue(stage, step, parts)
                 step += 1
 
     def consumer(which):
@@ -279,7 +316,8 @@ def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int) 
             for k in range(k_steps):
                 stage = step % stages
                 yield lambda s=stage, p=(step // stages) & 1: ready[s].passes(p)
-                assert contents[stage] == step, f"consumer {which} reads step {contents[stage]} as {step}"
+                assert all(contents[stage].get(n) == step for n in parts), \
+                    f"consumer {which} reads {contents[stage]} as step {step}"
                 reading[stage].add((which, step))
                 in_flight.append((stage, step))
                 while len(in_flight) > 1:   # warpgroup_mma_wait(1)
@@ -297,7 +335,12 @@ def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int) 
             empty[(step + stages - 1) % stages].completions += 1
             yield lambda: True   # the epilogue
 
-    agents = [producer()] + [consumer(c) for c in range(consumers)]
+    workers = [producer()] + [consumer(c) for c in range(consumers)]
+
+    def finished():
+        return not any(agent in agents for agent in workers)
+
+    agents = workers + [memory()]
     waits = {id(agent): (lambda: True) for agent in agents}
     while agents:
         runnable = [agent for agent in agents if waits[id(agent)]()]
@@ -315,6 +358,27 @@ def test_the_ring_protocol_neither_deadlocks_nor_races(stages, consumers):
     for seed in range(40):
         for items, k_steps in ((1, 1), (3, 1), (5, 3), (7, 9)):
             _simulate(stages, consumers, items, k_steps, seed)
+
+
+@pytest.mark.parametrize("stages,consumers,gather_threads,chained", [
+    (4, 1, 4, False), (2, 1, 3, False),                  # gathered A: one part per producer thread (GEMM0)
+    (4, 1, 0, True), (2, 1, 0, True), (8, 1, 0, True),   # chained GEMM1 (the decode form's 8 stages too)
+    (4, 2, 0, True)])
+def test_the_ring_protocol_with_gathered_rows_and_chained_launches(stages, consumers, gather_threads, chained):
+    """The same simulation with the copies landing out of order: gathered A rows (`ready` waits for every producer
+    thread's part) and a chained launch (the first W blocks before the wait for the kernel before, their A blocks
+    after it, more steps than stages or fewer)."""
+    for seed in range(30):
+        for items, k_steps in ((1, 1), (3, 2), (5, 3), (4, 11)):
+            _simulate(stages, consumers, items, k_steps, seed, gather_threads, chained)
+
+
+def test_the_ring_simulation_fails_on_a_broken_protocol():
+    """The simulation can fail: a chained producer that pre-issues one stage more than the ring holds refills a stage
+    whose first phase has not been consumed (its parts then mix two steps, or its phase never completes)."""
+    with pytest.raises(AssertionError):
+        for seed in range(10):
+            _simulate(2, 1, 3, 5, seed, 0, True, early=3)
 
 
 def test_the_probes_small_checks_report_every_config_from_child_processes():
