@@ -29,7 +29,7 @@ import torch
 from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
 __all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs", "ws_rule",
-           "reads_gather_rows", "gluon_gemm0_copies",
+           "reads_gather_rows", "gluon_gemm0_copies", "gluon_gemm0_saves_copy",
            "untuned_config", "check_ws_config", "KERNELS", "kernel_of", "parse_ws_config",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
            "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
@@ -124,6 +124,12 @@ def gluon_gemm0_copies(gathers: tuple) -> bool:
     return "triton" in gathers and "ws" not in gathers
 
 
+def gluon_gemm0_saves_copy(gathers: tuple) -> bool:
+    """Whether the Gluon GEMM0 reads the gather rows where the Triton one would need the gather launch's copy:
+    `gathers` holds "ws" and not "triton" (the rule then takes the Gluon GEMM0 at every prefill size, `ws_rule`)."""
+    return "ws" in gathers and "triton" not in gathers
+
+
 def ws_rule(gemm: int, rows: int, num_local_experts: int, gathers: tuple = ()):
     """The warp-specialised kernels' own rule (no table): the decode form under ws_gemm.MIN_ROWS_PER_EXPERT rows per
     expert (`ws_decode.default_config`), else `ws_gemm.default_config` (None where it keeps the Triton kernels).
@@ -137,8 +143,8 @@ def ws_rule(gemm: int, rows: int, num_local_experts: int, gathers: tuple = ()):
         return ws_decode.default_config(rows, num_local_experts)
     if gemm == 0 and gluon_gemm0_copies(gathers):
         return None
-    saves_copy = gemm == 0 and "ws" in gathers and "triton" not in gathers
-    return ws_gemm.default_config(gemm, rows, num_local_experts, saves_copy=saves_copy)
+    return ws_gemm.default_config(gemm, rows, num_local_experts,
+                                  saves_copy=gemm == 0 and gluon_gemm0_saves_copy(gathers))
 
 
 def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | None = None,
@@ -195,8 +201,8 @@ def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int
     its first-call barrier) compiles these."""
     configs = analytical_configs(gemm)
     if warp_specialized:
-        saves_copy = gemm == 0 and "ws" in gathers and "triton" not in gathers
-        configs += ws_gemm.default_configs(saves_copy) + ws_decode.default_configs()
+        configs += (ws_gemm.default_configs(gemm == 0 and gluon_gemm0_saves_copy(gathers))
+                    + ws_decode.default_configs())
     if num_local_experts is None or hidden is None or inter is None:
         return configs
     path = _table_path(table)

@@ -214,7 +214,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
         (_decode_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n,
                             K, n_out, GEMM, HAS_SCALE, NUM_SMS, num_warps)),
         (producer, (a_desc, a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
-                     K, w_rows, 1, NUM_SMS, False, W_BLOCKED, CHAIN and GEMM == 1)),
+                     K, w_rows, out_ptr, tiles_ptr, 1, NUM_SMS, False, W_BLOCKED, CHAIN and GEMM == 1, False)),
     ], [1], [PRODUCER_REGS])
 
 

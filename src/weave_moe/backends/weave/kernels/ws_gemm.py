@@ -52,9 +52,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import (GATHER_WARPS, MAX_RING_BYTES, allocate_ring, check_operands,
-                                                       gather_producer, let_dependents_start, producer,
-                                                       ready_arrivals, section_work, weight_descriptor, work_tile)
+from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands,
+                                                       let_dependents_start, producer, producer_warps, ready_arrivals,
+                                                       section_work, weight_descriptor, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
            "WIDE_CONFIG", "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
@@ -319,7 +319,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
     w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
     too (tiles of BM / 2 rows, A through a_tail_desc; a_desc again otherwise). GATHER_A (GEMM0, one consumer, no
-    split tails): row m of A is a_ptr's row gather_ptr[m] ([*, H], loaded by `gather_producer`; a_desc then only
+    split tails): row m of A is a_ptr's row gather_ptr[m] ([*, H], loaded by `producer`'s cp.async; a_desc then only
     shapes the ring's A buffers). CHAIN: GEMM0 lets the next kernel start early, GEMM1 is launched programmatically
     after it (kernels/ws_ring.py, "Chained launches")."""
     if CHAIN and GEMM == 0:
@@ -331,20 +331,14 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     width = 2 * max_tiles
     num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
     # (the partitions' arguments written out in each call: a tuple built here would lose its constexprs)
-    if GATHER_A:
+    if CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, True)),
-            (gather_producer, (a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr,
-                               width, num_n, K, w_rows, GROUP_M, NUM_SMS, W_BLOCKED)),
-        ], [GATHER_WARPS], [PRODUCER_REGS])
-    elif CONSUMERS == 1:
-        gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps, False)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps, GATHER_A)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED, CHAIN and GEMM == 1)),
-        ], [1], [PRODUCER_REGS])
+                         num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED,
+                         CHAIN and GEMM == 1, GATHER_A)),
+        ], [producer_warps(GATHER_A)], [PRODUCER_REGS])
     else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
@@ -352,7 +346,8 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps, False)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED, CHAIN and GEMM == 1)),
+                         num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED,
+                         CHAIN and GEMM == 1, False)),
         ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

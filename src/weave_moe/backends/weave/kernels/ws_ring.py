@@ -19,7 +19,7 @@ barrier. The producer and a single consumer stay so by construction; two consume
 their mainloops (kernels/ws_gemm.py, `turn`), or the second one's first wait on `ready` would pass on a phase two
 behind. tests/test_ws_gemm.py simulates this arithmetic with the partitions interleaved at random.
 
-Gathered A rows (`gather_producer`, GEMM0 only): A's rows come from any rows of a source buffer (row m =
+Gathered A rows (`producer`'s GATHER_A, GEMM0 only): A's rows come from any rows of a source buffer (row m =
 source[gather[m]], the receive buffer as the layout's gather rows order it), so TMA cannot load them; a producer of
 one warpgroup copies them with `cp.async` (16 bytes per thread and copy) and each of its threads then issues
 `cp.async.mbarrier.arrive.noinc` on the stage's `ready`, which fires once that thread's copies have landed. `ready`
@@ -31,9 +31,9 @@ Chained launches (programmatic dependent launch; the kernels' `chained` / CHAIN)
 kernel's CTAs start as soon as each of its CTAs has begun (`griddepcontrol.launch_dependents` at its start); a GEMM1
 launched programmatically after it (`producer`'s CHAINED) lands on the SMs that GEMM0's CTAs leave in its last wave
 and fills its ring's first stages with its first work item's weight blocks (which no kernel writes) before
-`griddepcontrol.wait` (GEMM0 has ended and its h is visible), then issues their A blocks (h) and goes on as usual. Only the producer waits: the
-consumer's loads (the routing weights) were written before GEMM0 began, and its stores follow A's loads. A CTA with
-no work item waits too, before its split tails' loads. The tile tables a chained producer reads before its wait
+`griddepcontrol.wait` (GEMM0 has ended and its h is visible), then issues their A blocks (h) and goes on as usual.
+Only the producer waits: the consumer's loads (the routing weights) were written before GEMM0 began, and its stores
+follow A's loads. A CTA with no work item waits too, before its split tails' loads. The tile tables a chained producer reads before its wait
 were written two or more launches before it, by kernels that ended before GEMM0, a plain launch, began.
 
 Work order: grouped_gemm's: GROUP_M consecutive M tiles of the tile table sweep the N tiles together (a weight
@@ -51,14 +51,21 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 __all__ = ["MAX_RING_BYTES", "GATHER_WARPS", "ready_arrivals", "allocate_ring", "work_tile", "section_work",
-           "load_tile", "producer", "gather_producer", "check_operands", "weight_descriptor", "block_weights",
+           "load_tile", "producer", "producer_warps", "check_operands", "weight_descriptor", "block_weights",
            "wait_for_previous_kernel", "let_dependents_start"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
 MAX_RING_BYTES = 192 * 1024
-#: the warps of `gather_producer` (one warpgroup: what the kernel's register budget holds for a producer anyway)
+#: the warps of a producer that gathers A's rows (one warpgroup: what the kernel's register budget holds for a
+#: producer anyway)
 GATHER_WARPS = gl.constexpr(4)
+
+
+@gluon.constexpr_function
+def producer_warps(GATHER_A):
+    """The producer partition's warps: one issuing TMA copies, or GATHER_WARPS copying gathered A rows."""
+    return GATHER_WARPS.value if GATHER_A else 1
 
 
 @gluon.constexpr_function
@@ -210,12 +217,14 @@ def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, 
 
 @gluon.jit
 def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
-             w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-             W_BLOCKED: gl.constexpr, CHAINED: gl.constexpr):
-    """The load partition: every TMA load of the CTA's work items, into the ring (module docstring); with
-    SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`); W_BLOCKED: the weights
-    in the K-blocked layout (`block_weights`); CHAINED: launched programmatically after the kernel that writes A,
-    the first item's first W blocks loaded before waiting for it (module docstring, "Chained launches")."""
+             w_rows, a_ptr, gather_ptr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+             W_BLOCKED: gl.constexpr, CHAINED: gl.constexpr, GATHER_A: gl.constexpr):
+    """The load partition (`producer_warps` warps): every load of the CTA's work items, into the ring (module
+    docstring); with SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`);
+    W_BLOCKED: the weights in the K-blocked layout (`block_weights`); CHAINED: launched programmatically after the
+    kernel that writes A, the first item's first W blocks loaded before waiting for it (module docstring, "Chained
+    launches"); GATHER_A (no split tails, not chained): A's rows a_ptr[gather_ptr[m]] by cp.async
+    (`load_tile_gathered`; module docstring, "Gathered A rows")."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -235,31 +244,18 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
         first = pid + NUM_SMS
     for work in range(first, num_work, NUM_SMS):
         expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
-        step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, expert * expert_rows + n * BLOCK_N,
-                         w_rows, K, step, BLOCK_M, W_BLOCKED)
+        if GATHER_A:
+            step = load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, m_start, m_end,
+                                      expert * expert_rows + n * BLOCK_N, w_rows, K, step, W_BLOCKED)
+        else:
+            step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
+                             expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M, W_BLOCKED)
     if SPLIT_TAIL:
         num_tails = gl.load(num_tiles_ptr + 1)
         for work in range(section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
             expert, m_start, m_end, n = work_tile(tiles_ptr + width // 2, width, work, num_tails, num_n, GROUP_M)
             step = load_tile(a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
                              expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M // 2, W_BLOCKED)
-
-
-@gluon.jit
-def gather_producer(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
-                    K, w_rows, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, W_BLOCKED: gl.constexpr):
-    """The load partition with gathered A rows (GATHER_WARPS warps; module docstring): `producer`'s walk over the
-    CTA's work items (one section: no split tails), A by cp.async through the gather rows (`load_tile_gathered`)."""
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
-    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
-    pid = gl.program_id(0)
-    num_work = gl.load(num_tiles_ptr) * num_n
-    expert_rows = w_rows * gl.cdiv(K, BLOCK_K) if W_BLOCKED else w_rows
-    step = 0
-    for work in range(pid, num_work, NUM_SMS):
-        expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
-        step = load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, m_start, m_end,
-                                  expert * expert_rows + n * BLOCK_N, w_rows, K, step, W_BLOCKED)
 
 
 def weight_descriptor(w: torch.Tensor, config, block_rows: int) -> TensorDescriptor:
@@ -288,7 +284,7 @@ def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     [E_local, 2I, H], out h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or
     None), bf16 and contiguous; with `config.k_blocked` w in the K-blocked layout of `config`'s block_k (`block_weights`:
     [E_local, K / block_k, w_rows, block_k]); the tile table of `config`'s block_m and split_tail. Returns (K,
-    E_local, w_rows, n_out). With `gather` (GEMM0 of a config that `gathers`: `gather_producer`) a holds the source
+    E_local, w_rows, n_out). With `gather` (GEMM0 of a config that `gathers`: `producer`'s GATHER_A) a holds the source
     rows [S, H] in any order and gather int32 rows of it, one per row of out below the table's last expert end."""
     if gemm not in (0, 1):
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
