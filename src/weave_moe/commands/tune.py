@@ -14,7 +14,8 @@ timed by CUDA events. A candidate that does not compile or launch (e.g. out of s
 Kernels: the candidates are Triton grouped-GEMM configs (the grid options) and, where the layer runs them (an sm_90
 GPU, KernelConfig.ws_gemm on: --ws auto, the default, takes their rule's configs; --ws names others), the
 warp-specialised Gluon kernels' configs (kernels/ws_gemm.py, kernels/ws_decode.py), timed alike; not for a GEMM0
-timed through gather rows (the Gluon kernels read rows in expert order only). The default a candidate must beat is
+whose Gluon kernel would need the gather launch's copy where the Triton one reads the gather rows itself
+(`gemm_configs.gluon_gemm0_copies`: KernelConfig.gemm0_gather without ws_gather). The default a candidate must beat is
 what the layer runs without an entry (`gemm_configs.untuned_config`: there the Gluon kernels' rule where it has a
 config, else the analytical config), always one of the candidates.
 
