@@ -53,7 +53,7 @@ def test_which_gemm0_reads_the_gather_rows():
     triton, decode = gc.analytical_config(0, 4096, 8), ws_decode.WsDecodeConfig()
     pingpong = ws_gemm.WsConfig(block_n=128, num_warps=4, consumers=2)
     cases = [(base, small, triton, True), (base, large, triton, False), (base, small, ws_gemm.DEFAULT_CONFIG, False),
-             (gather, large, ws_gemm.DEFAULT_CONFIG, True), (gather, large, ws_gemm.WIDE_CONFIG, True),
+             (gather, large, ws_gemm.DEFAULT_CONFIG, True), (gather, large, ws_gemm.WsConfig(), True),
              (gather, large, pingpong, False), (gather, large, ws_gemm.WsConfig(split_tail=True), False),
              (gather, small, decode, False), (gather, large, triton, False)]
     for kernel_config, inter, config, expected in cases:
@@ -1385,10 +1385,8 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
     assert WeaveBackend._grouped_configs(backend, 128 * 8) == (
         analytical(0, 128 * 8, 8) if gemm0_gather and not ws_gather else ws_gemm.DEFAULT_CONFIG,
         ws_gemm.DEFAULT_CONFIG)
-    # 512 rows per expert: the Triton kernels, but a Gluon GEMM0 that saves the gather launch's copy (only it reads
-    # the gather rows) at every prefill size
-    assert WeaveBackend._grouped_configs(backend, 512 * 8) == (
-        ws_gemm.WIDE_CONFIG if ws_gather and not gemm0_gather else analytical(0, 512 * 8, 8), analytical(1, 512 * 8, 8))
+    # 512 rows per expert: the Triton kernels, also where only the Gluon GEMM0 would read the gather rows
+    assert WeaveBackend._grouped_configs(backend, 512 * 8) == (analytical(0, 512 * 8, 8), analytical(1, 512 * 8, 8))
     backend.ws_gemm, backend.grouped_configs = False, {}   # not an sm_90 GPU, or ws_gemm off: never a Gluon kernel
     assert WeaveBackend._grouped_configs(backend, 8 * 8) == (analytical(0, 8 * 8, 8), analytical(1, 8 * 8, 8))
     backend.ws_gemm = True
@@ -1427,7 +1425,7 @@ def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
     from weave_moe.backends.weave.backend import WeaveBackend
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
-    from weave_moe.backends.weave.kernels import ws_decode
+    from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
@@ -1448,5 +1446,8 @@ def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
         assert calls == [("gemm0", y, h, "decode table", chain), ("gemm1", h, y, "decode table", chain)]
     triton = gc.analytical_configs(1)[0]
     assert not WeaveBackend._chains(backend, (config, triton)) and WeaveBackend._chains(backend, (config, config))
+    # the prefill form never chains (DeepSeek-V3 at 2048 tokens ran slower chained)
+    prefill = ws_gemm.DEFAULT_CONFIG
+    assert not WeaveBackend._chains(backend, (prefill, prefill)) and not WeaveBackend._chains(backend, (config, prefill))
     backend.ws_chain = False
     assert not WeaveBackend._chains(backend, (config, config))

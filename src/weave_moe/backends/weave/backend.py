@@ -1140,8 +1140,8 @@ class WeaveBackend:
 
     def _chains(self, configs) -> bool:
         """Whether a call's GEMM1 of `configs` is launched programmatically after its GEMM0 (KernelConfig.ws_chain:
-        both warp-specialised; kernels/ws_ring.py, "Chained launches")."""
-        return self.ws_chain and all(gemm_configs.kernel_of(c) != "triton" for c in configs)
+        both the warp-specialised decode form; kernels/ws_ring.py, "Chained launches")."""
+        return self.ws_chain and all(gemm_configs.kernel_of(c) == "ws_decode" for c in configs)
 
     def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None,
                chained: bool = False) -> None:

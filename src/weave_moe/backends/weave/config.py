@@ -247,16 +247,21 @@ class KernelConfig:
             cp.async while the weights stay on TMA (kernels/ws_ring.py, "Gathered A rows"), so a call makes no
             gather launch and no copy of its rows (2 x rows x H x 2 bytes; the gather launch took 82 of DeepSeek-V2's
             1975 us at 2048 tokens on an H100, bench/results/h100-167aeb5). The Gluon GEMM0 then also runs where the
-            Triton one reads the gather rows (`gemm0_gather`), and where only it does, at every prefill size
-            (`ws_gemm.WIDE_CONFIG` above 256 rows per expert: it saves the copy the Triton GEMM0 would need;
-            gemm_configs.ws_rule). Off until measured on a GPU (the `ws-gather` stage of scripts/device_run.sh).
+            Triton one reads the gather rows (`gemm0_gather`), at 64-256 rows per expert as without it
+            (gemm_configs.ws_rule). Off: in calls on an H100 (bench/results/h100-5af6fb0, one rank's work of EP=2)
+            DeepSeek-V2 / V3 at 2048 tokens 0.973 / 0.984 x without it, a tie at 512 tokens, and where the rule
+            then took 128x256x64 tiles through the gather rows above 256 rows per expert, slower (8192 tokens: 1.016
+            / 1.127; since dropped).
         ws_chain: with `ws_gemm`, where both GEMMs of a call are warp-specialised, GEMM1 is launched
             programmatically after GEMM0 (with programmatic dependent launch on: sync.PDL): GEMM0 lets it start as
             soon as each of its CTAs has begun, so GEMM1's CTAs take the SMs that GEMM0's last wave leaves idle and
             load their first weight blocks into their rings before waiting for GEMM0 to end (kernels/ws_ring.py,
-            "Chained launches"). Aimed at decode calls, whose GEMM0 runs 1.45 waves of weight tiles on Qwen3-30B-A3B
-            at 1 token (192 tiles of 64 rows over 132 SMs) and whose GEMM1 then starts cold. Off until measured on a
-            GPU (the `ws-chain` stage of scripts/device_run.sh).
+            "Chained launches"). Decode calls only (both GEMMs the decode form, `WeaveBackend._chains`): their GEMM0
+            runs 1.45 waves of weight tiles on Qwen3-30B-A3B at 1 token (192 tiles of 64 rows over 132 SMs) and
+            their GEMM1 then starts cold. In calls on an H100 (bench/results/h100-5af6fb0, one rank's work of EP=2):
+            at 1 token Qwen3-30B-A3B 55.3 -> 53.3 us, DeepSeek-V2 129.0 -> 124.3, -V3 255.3 -> 252.5, 8-32 tokens
+            0.99-1.00x; at 2048 tokens (the 64x256x64 kernels chained) DeepSeek-V3 5.16 -> 5.61 ms, hence decode
+            only.
     """
 
     block_m: int = 128

@@ -29,7 +29,7 @@ import torch
 from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
 __all__ = ["GemmConfig", "default_config", "default_configs", "analytical_config", "analytical_configs", "ws_rule",
-           "reads_gather_rows", "gluon_gemm0_copies", "gluon_gemm0_saves_copy",
+           "reads_gather_rows", "gluon_gemm0_copies",
            "untuned_config", "check_ws_config", "KERNELS", "kernel_of", "parse_ws_config",
            "tuned_config", "tuned_table_path", "load_tuned_table", "clear_tuned_cache", "check_config",
            "config_from_fields", "device_key", "rows_bucket", "TUNED_TABLE_ENV", "TUNED_DIR", "TUNED_FORMAT",
@@ -124,27 +124,18 @@ def gluon_gemm0_copies(gathers: tuple) -> bool:
     return "triton" in gathers and "ws" not in gathers
 
 
-def gluon_gemm0_saves_copy(gathers: tuple) -> bool:
-    """Whether the Gluon GEMM0 reads the gather rows where the Triton one would need the gather launch's copy:
-    `gathers` holds "ws" and not "triton" (the rule then takes the Gluon GEMM0 at every prefill size, `ws_rule`)."""
-    return "ws" in gathers and "triton" not in gathers
-
-
 def ws_rule(gemm: int, rows: int, num_local_experts: int, gathers: tuple = ()):
     """The warp-specialised kernels' own rule (no table): the decode form under ws_gemm.MIN_ROWS_PER_EXPERT rows per
     expert (`ws_decode.default_config`), else `ws_gemm.default_config` (None where it keeps the Triton kernels).
     `gathers`: the kernels whose GEMM0 reads the received rows through the gather rows in the caller's layer
     (KernelConfig.gemm0_gathers). Where the Triton GEMM0 does and the Gluon one does not (`gluon_gemm0_copies`),
     None for GEMM0 at prefill sizes: the Gluon GEMM0 would need the gather launch's copy first (Qwen3-30B-A3B at
-    8192 tokens 1.301 against 1.234 ms in calls on an H100, bench/results/h100-a9c802a). Where the Gluon GEMM0 does
-    and the Triton one does not, the Gluon GEMM0 at every prefill size (`ws_gemm.default_config(saves_copy=)`): the
-    Triton GEMM0 would need that copy."""
+    8192 tokens 1.301 against 1.234 ms in calls on an H100, bench/results/h100-a9c802a)."""
     if rows < ws_gemm.MIN_ROWS_PER_EXPERT * num_local_experts:
         return ws_decode.default_config(rows, num_local_experts)
     if gemm == 0 and gluon_gemm0_copies(gathers):
         return None
-    return ws_gemm.default_config(gemm, rows, num_local_experts,
-                                  saves_copy=gemm == 0 and gluon_gemm0_saves_copy(gathers))
+    return ws_gemm.default_config(gemm, rows, num_local_experts)
 
 
 def default_config(gemm: int, rows: int, num_local_experts: int, hidden: int | None = None,
@@ -201,8 +192,7 @@ def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int
     its first-call barrier) compiles these."""
     configs = analytical_configs(gemm)
     if warp_specialized:
-        configs += (ws_gemm.default_configs(gemm == 0 and gluon_gemm0_saves_copy(gathers))
-                    + ws_decode.default_configs())
+        configs += ws_gemm.default_configs() + ws_decode.default_configs()
     if num_local_experts is None or hidden is None or inter is None:
         return configs
     path = _table_path(table)

@@ -57,7 +57,7 @@ from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_r
                                                        section_work, weight_descriptor, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
-           "WIDE_CONFIG", "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
+           "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
 
 #: registers a thread may hold (the hardware's limit per thread)
 MAX_REGS = 255
@@ -356,13 +356,9 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
 MIN_ROWS_PER_EXPERT, MAX_ROWS_PER_EXPERT = 64, 256
 #: what `default_config` picks: measured fastest of the candidates at 128-154 rows per expert
 DEFAULT_CONFIG = WsConfig(block_m=64, num_warps=4)
-#: ... and above MAX_ROWS_PER_EXPERT for a GEMM0 that saves the gather launch's copy (`saves_copy`): 128x256x64
-#: tiles over two warpgroups, 4 stages (DeepSeek-V3's GEMM0 at 8192 tokens on an H100: 6.21 ms against the Triton
-#: kernel's 5.88 on rows in expert order, bench/results/h100-a9c802a; the copy it saves moves 2 x rows x H x 2 bytes)
-WIDE_CONFIG = WsConfig()
 
 
-def default_config(gemm: int, rows: int, num_local_experts: int, saves_copy: bool = False) -> WsConfig | None:
+def default_config(gemm: int, rows: int, num_local_experts: int) -> WsConfig | None:
     """The config of a warp-specialised GEMM of `rows` rows over `num_local_experts` experts (KernelConfig.ws_gemm),
     or None where the Triton grouped GEMMs keep it: DEFAULT_CONFIG (64x256x64 tiles, one warpgroup, 4 stages) from
     MIN_ROWS_PER_EXPERT to MAX_ROWS_PER_EXPERT rows per expert on average, where the GEMMs stream their weights.
@@ -370,20 +366,17 @@ def default_config(gemm: int, rows: int, num_local_experts: int, saves_copy: boo
     layer's config, no H100 prefill table there): GEMM0 + GEMM1 at 2048 tokens per rank, one rank's work of EP=2,
     DeepSeek-V3 (128 rows per expert) 0.753 / 0.991, DeepSeek-V2 (154) 0.869 / 0.936, Qwen3.5-35B-A3B (128) 0.936 /
     0.929; at 384-1024 rows per expert 0.99-1.06 (DeepSeek-V3 at 8192 tokens 1.057 / 1.062): the Triton kernels
-    keep those, unless `saves_copy` (GEMM0 through the gather rows where the Triton GEMM0 would need the gather
-    launch's copy, gemm_configs.ws_rule): WIDE_CONFIG there. Below MIN_ROWS_PER_EXPERT: None here (kernels/
-    ws_decode.py's `default_config` serves decode sizes)."""
+    keep those, also where the Gluon GEMM0 would read the gather rows (KernelConfig.ws_gather) and the Triton one
+    needs the gather launch's copy first: 128x256x64 tiles through the gather rows made DeepSeek-V3's call at 8192
+    tokens 13.01 against 11.55 ms, DeepSeek-V2's 4.33 against 4.26 (bench/results/h100-5af6fb0). Below
+    MIN_ROWS_PER_EXPERT: None here (kernels/ws_decode.py's `default_config` serves decode sizes)."""
     mean = rows / max(num_local_experts, 1)
-    if mean < MIN_ROWS_PER_EXPERT:
-        return None
-    if mean <= MAX_ROWS_PER_EXPERT:
-        return DEFAULT_CONFIG
-    return WIDE_CONFIG if saves_copy and gemm == 0 else None
+    return DEFAULT_CONFIG if MIN_ROWS_PER_EXPERT <= mean <= MAX_ROWS_PER_EXPERT else None
 
 
-def default_configs(saves_copy: bool = False) -> tuple[WsConfig, ...]:
+def default_configs() -> tuple[WsConfig, ...]:
     """Every config `default_config` may pick (what a layer compiles before its first call)."""
-    return (DEFAULT_CONFIG, WIDE_CONFIG) if saves_copy else (DEFAULT_CONFIG, )
+    return (DEFAULT_CONFIG, )
 
 
 def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable, config: WsConfig,
