@@ -251,7 +251,8 @@ class KernelConfig:
             (gemm_configs.ws_rule). Off: in calls on an H100 (bench/results/h100-5af6fb0, one rank's work of EP=2)
             DeepSeek-V2 / V3 at 2048 tokens 0.973 / 0.984 x without it, a tie at 512 tokens, and where the rule
             then took 128x256x64 tiles through the gather rows above 256 rows per expert, slower (8192 tokens: 1.016
-            / 1.127; since dropped).
+            / 1.127; since dropped); with the band only and the re-tuned table, DeepSeek-V2 at 2048 tokens 1.060
+            (bench/results/h100-1eee06e).
         ws_chain: with `ws_gemm`, where both GEMMs of a call are warp-specialised, GEMM1 is launched
             programmatically after GEMM0 (with programmatic dependent launch on: sync.PDL): GEMM0 lets it start as
             soon as each of its CTAs has begun, so GEMM1's CTAs take the SMs that GEMM0's last wave leaves idle and
@@ -261,7 +262,8 @@ class KernelConfig:
             their GEMM1 then starts cold. In calls on an H100 (bench/results/h100-5af6fb0, one rank's work of EP=2):
             at 1 token Qwen3-30B-A3B 55.3 -> 53.3 us, DeepSeek-V2 129.0 -> 124.3, -V3 255.3 -> 252.5, 8-32 tokens
             0.99-1.00x; at 2048 tokens (the 64x256x64 kernels chained) DeepSeek-V3 5.16 -> 5.61 ms, hence decode
-            only.
+            only. Off: on a second host Qwen3-30B-A3B at 1 token measured 68.9 -> 78.6 us (bench/results/
+            h100-1eee06e), and no resident check with it has completed yet.
     """
 
     block_m: int = 128

@@ -220,15 +220,13 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
 
 def default_config(rows: int, num_local_experts: int) -> WsDecodeConfig:
     """The decode config for `rows` rows over `num_local_experts` experts (KernelConfig.ws_gemm under
-    `ws_gemm.MIN_ROWS_PER_EXPERT` rows per expert): token tiles of 16 to 64 rows by the mean rows per expert (at most
+    `ws_gemm.MIN_ROWS_PER_EXPERT` rows per expert): token tiles of 8 to 64 rows by the mean rows per expert (at most
     about 1.5 of it padding each expert's last tile), 64 weight rows, BLOCK_K 128, the deepest ring within the shared
     memory. On an H100 (bench/results/h100-a9c802a, Qwen3-30B-A3B, one rank's work of EP=2, cold L2), against the
     Triton kernels with the H100 table's configs, GEMM0 / GEMM1: at 1 token 0.958 / 1.029 (20.5 / 11.8 us), at 32
-    tokens 0.895 / 0.981; in calls 0.98-0.99x at 1-8 tokens, a tie at 32-128. No 8-row tiles: on DeepSeek-V3 (H
-    7168) they streamed the weights at 2.6-2.7 TB/s against 3.0-3.2 for 16-row ones (GEMM0 at 1 token 181.7 against
-    154.9 us, at 32 tokens 2447 against 2064; Qwen3-30B-A3B a tie; bench/results/h100-5af6fb0)."""
+    tokens 0.895 / 0.981; in calls 0.98-0.99x at 1-8 tokens, a tie at 32-128."""
     mean = rows / max(num_local_experts, 1)
-    block_t = next(t for t in (16, 32, 64) if mean <= t * 0.75 or t == 64)
+    block_t = next(t for t in (8, 16, 32, 64) if mean <= t * 0.75 or t == 64)
     stages = min(8, MAX_RING_BYTES // (2 * (64 + block_t) * 128))
     return WsDecodeConfig(block_t=block_t, block_w=64, block_k=128, stages=stages)
 
