@@ -254,6 +254,29 @@ def test_summary_geomeans_per_token_band():
     assert report.geomean([None, 0.0, math.inf]) is None
 
 
+def test_library_standing_takes_each_configurations_fastest_weave_variant():
+    rows = _rows()
+    assert report.library_standing(rows) == []   # no anchor: nothing to stand against
+    anchors = {128: 1.2, 512: 1.0, 4096: 10.0}
+    for row in rows:
+        row["lib_compute_ms"] = anchors[row["tokens_per_rank"]]
+    rows += [_row("m", 512, "uniform", "weave:serial", 0.9, check_passed=True),      # faster than weave: it counts
+             _row("m", 128, "uniform", "weave:serial", 0.5, check_passed=False),     # failed its check: ignored
+             _row("m", 4096, "uniform", "weave:serial", None, error="boom")]         # no time: ignored
+    for row in rows[-3:]:
+        row["lib_compute_ms"] = anchors[row["tokens_per_rank"]]
+    standing = {s["tokens"]: s for s in report.library_standing(rows)}
+    small, large = standing["128-512"], standing["4096"]
+    # 128: weave 1.0 / 1.2; 512: weave:serial 0.9 / 1.0 (weave's 1.5 is slower); baselines never count
+    assert (small["configs"], small["at_or_under"]) == (2, 2)
+    assert small["geomean"] == pytest.approx(math.sqrt(1.0 / 1.2 * 0.9))
+    assert small["worst"] == ("m", 512, "uniform", pytest.approx(0.9))
+    assert (large["configs"], large["at_or_under"], large["worst"][3]) == (1, 0, pytest.approx(1.2))
+    text = report.markdown(rows, {"name": "t"})
+    assert "### Against the library compute" in text
+    assert "- 4096 tokens per rank: at or under in 0 of 1, geomean 1.200, worst m 4096 uniform 1.200" in text
+
+
 def test_markdown_and_csv_columns(tmp_path):
     rows = _rows()
     text = report.markdown(rows, {"name": "t", "emulate_ep": 2})

@@ -31,7 +31,7 @@ from weave_moe.bench.variants import BASELINES
 
 __all__ = ["CSV_COLUMNS", "E2E_COLUMNS", "result_paths", "unique_name", "write_all", "write_tables", "write_csv",
            "merge", "combine_parts", "rewrite", "load", "load_rows", "load_attention", "add_rankings", "geomean",
-           "token_bands", "summary", "failed_rows", "markdown", "plot_latency", "plot_vs_baseline", "e2e_rows"]
+           "token_bands", "summary", "library_standing", "failed_rows", "markdown", "plot_latency", "plot_vs_baseline", "e2e_rows"]
 
 CSV_COLUMNS = (
     "model", "tokens_per_rank", "routing", "skew", "variant", "backend", "policy", "world_size", "emulate_ep",
@@ -306,6 +306,28 @@ def summary(rows: list[dict]) -> list[dict]:
     return table
 
 
+def library_standing(rows: list[dict]) -> list[dict]:
+    """Per token band, the fastest weave variant of each configuration against the library compute anchor
+    (`lib_compute_ms`: `torch._grouped_mm` GEMM0 + SiLU-mul + GEMM1 on the same groups, no communication): how many
+    configurations are at or under it, the geomean of the ratios and the worst one. Only rows that ran and did not
+    fail a check count; configurations without an anchor or a weave row are left out. [dict(tokens, configs,
+    at_or_under, geomean, worst=(model, tokens per rank, routing, ratio))], bands without any left out."""
+    table = []
+    for label, low, high in token_bands(rows):
+        best: dict[tuple, float] = {}
+        for row in rows:
+            if not (low <= row["tokens_per_rank"] <= high) or _backend(row) != "weave" or not _ok(row) \
+                    or row.get("check_passed") is False or not row.get("lib_compute_ms"):
+                continue
+            ratio = row["median_ms"] / row["lib_compute_ms"]
+            best[_key(row)] = min(ratio, best.get(_key(row), math.inf))
+        if best:
+            worst = max(best, key=best.get)
+            table.append(dict(tokens=label, configs=len(best), at_or_under=sum(r <= 1.0 for r in best.values()),
+                              geomean=geomean(best.values()), worst=(*worst, best[worst])))
+    return table
+
+
 def failed_rows(rows: list[dict]) -> list[dict]:
     """Rows that make the run fail: an error (not a skip), or a --check that did not pass."""
     return [r for r in rows if r.get("error") or r.get("check_passed") is False]
@@ -389,6 +411,15 @@ def markdown(rows: list[dict], metadata: dict, paths: dict | None = None, attent
             lines.append(f"| {s['variant']} | {s['configs']} | {s['failed']} | {s['skipped']} | {s['checks']} | "
                          f"{_fmt(s['x_best_baseline'])} | " + "".join(f"{_fmt(s[f'x_{b}'])} | " for b in baselines)
                          + f"{_fmt(s['x_floor'])} |")
+        lines.append("")
+    standing = library_standing(rows)
+    if standing:
+        lines += ["### Against the library compute", "",
+                  "The fastest weave variant of each configuration / lib compute (`torch._grouped_mm` alone):", ""]
+        for s in standing:
+            model, tokens, routing, ratio = s["worst"]
+            lines.append(f"- {s['tokens']} tokens per rank: at or under in {s['at_or_under']} of {s['configs']}, "
+                         f"geomean {_fmt(s['geomean'], '.3f')}, worst {model} {tokens} {routing} {ratio:.3f}")
         lines.append("")
     lines += _configuration_table(rows)
     lines += _e2e_markdown(rows, attention or [])

@@ -225,6 +225,11 @@ def _print_summary(rows, paths) -> None:
                           report._fmt(s["x_best_baseline"]), *(report._fmt(s[f"x_{b}"]) for b in baselines),
                           report._fmt(s["x_floor"]))
         console.print(table)
+    for s in report.library_standing(rows):
+        model, tokens, routing, ratio = s["worst"]
+        console.print(f"{s['tokens']} tokens per rank, fastest weave variant / lib compute: at or under in "
+                      f"{s['at_or_under']} of {s['configs']}, geomean {report._fmt(s['geomean'], '.3f')}, worst "
+                      f"{model} {tokens} {routing} {ratio:.3f}", highlight=False)
     skipped = dict.fromkeys((r["variant"], r["skipped"]) for r in rows if r.get("skipped"))
     for variant, reason in skipped:
         console.print(f"skipped {variant}: {reason}", highlight=False)

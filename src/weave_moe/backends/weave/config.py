@@ -253,11 +253,11 @@ class KernelConfig:
             then took 128x256x64 tiles through the gather rows above 256 rows per expert, slower (8192 tokens: 1.016
             / 1.127; since dropped); with the band only and the re-tuned table, DeepSeek-V2 at 2048 tokens 1.060
             (bench/results/h100-1eee06e).
-        ws_chain: with `ws_gemm`, where both GEMMs of a call are warp-specialised, GEMM1 is launched
+        ws_chain: with `ws_gemm`, where both GEMMs of a call run the warp-specialised decode form, GEMM1 is launched
             programmatically after GEMM0 (with programmatic dependent launch on: sync.PDL): GEMM0 lets it start as
             soon as each of its CTAs has begun, so GEMM1's CTAs take the SMs that GEMM0's last wave leaves idle and
             load their first weight blocks into their rings before waiting for GEMM0 to end (kernels/ws_ring.py,
-            "Chained launches"). Decode calls only (both GEMMs the decode form, `WeaveBackend._chains`): their GEMM0
+            "Chained launches"). Decode calls only (`WeaveBackend._chains`): their GEMM0
             runs 1.45 waves of weight tiles on Qwen3-30B-A3B at 1 token (192 tiles of 64 rows over 132 SMs) and
             their GEMM1 then starts cold. In calls on an H100 (bench/results/h100-5af6fb0, one rank's work of EP=2):
             at 1 token Qwen3-30B-A3B 55.3 -> 53.3 us, DeepSeek-V2 129.0 -> 124.3, -V3 255.3 -> 252.5, 8-32 tokens
