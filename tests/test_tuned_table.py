@@ -314,6 +314,24 @@ def test_tune_list_shows_shapes_and_candidates_without_a_gpu(capsys):
     assert "GEMM0: 21 candidates" in out and "GEMM1: 20 candidates" in out
 
 
+def test_tune_routing_option(capsys):
+    from weave_moe.commands import tune
+
+    assert tune.tune_routings("skewed, uniform,skewed", 3.0) == ("skewed", "uniform")
+    assert tune.geomean_ms([1.0, 4.0]) == pytest.approx(2.0)
+    for bad in ("", "zipf", "uniform,zipf"):
+        with pytest.raises(ValueError, match="--routing"):
+            tune.tune_routings(bad, 3.0)
+    with pytest.raises(ValueError, match="--skew"):
+        tune.tune_routings("skewed", 0.5)
+    assert tune.tune_routings("uniform", 0.5) == ("uniform", )   # the skew only matters for skewed routing
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--tokens", "2048",
+                     "--routing", "uniform,skewed"]) == 0
+    assert "timed on uniform, skewed routings (geomean)" in capsys.readouterr().out
+    assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--routing", "zipf"]) == 2
+    assert "--routing" in capsys.readouterr().err
+
+
 def test_tune_candidates_include_the_defaults_and_skip_what_cannot_work():
     for gemm in (0, 1):
         candidates, skipped = tune.candidate_configs(gemm, [64, 128], [128, 256], [64], [4, 8], [3, 4, 5])

@@ -2,9 +2,10 @@
 tuned table that `gemm_configs.default_config` looks up (kernels/tuned/<device key>.json).
 
 Work per (model, tokens): the per-rank work of EP = N (`--emulate-ep N`, as `weave-moe bench --emulate-ep`): E / N
-local experts, T tokens each picking k distinct local experts uniformly at random (weave_moe.routing.uniform), so
-T * k rows grouped by expert; both GEMMs of the layer: GEMM0 + SiLU-mul (a [P, H] x interleaved w13 -> h [P, I]) and
-GEMM1 (h x w2 -> y [P, H]), timed apart.
+local experts, T tokens each picking k distinct local experts uniformly at random (weave_moe.routing.uniform; with
+`--routing uniform,skewed` also with the skewed routing, a candidate's time then the geomean over both), so T * k rows
+grouped by expert; both GEMMs of the layer: GEMM0 + SiLU-mul (a [P, H] x interleaved w13 -> h [P, I]) and GEMM1 (h x
+w2 -> y [P, H]), timed apart.
 
 Per candidate: one run checked against an fp32 reference of the same bf16 inputs on up to 16 experts spread over the
 range (relative Frobenius error <= weave_moe.reference.DEFAULT_TOLERANCE; outputs poisoned with NaN first and every
@@ -84,6 +85,12 @@ def add_arguments(parser) -> None:
                              "rounds of alternating order (A B C D, D C B A, ...) and decide by the median over the "
                              "rounds: one pass times each candidate once, in one GPU state (a candidate timed right "
                              "after seconds of compiling runs at the higher clocks of an idle GPU); 0: one pass only")
+    parser.add_argument("--routing", default="uniform",
+                        help="routings each candidate is timed on, comma-separated: uniform, skewed (busiest expert "
+                             "--skew x the mean); with several, a candidate's time is the geomean over them, so an "
+                             "entry holds where one routing alone would overfit (a rows bucket's entry serves every "
+                             "routing of that size)")
+    parser.add_argument("--skew", type=float, default=3.0, help="busiest / mean expert rows of --routing skewed")
     parser.add_argument("--seed", type=int, default=0, help="routing and data seed")
     parser.add_argument("--warm-l2", action="store_true",
                         help="time every launch on the same experts, so weights that fit in the L2 cache stay there "
@@ -206,6 +213,30 @@ def shape_candidates(candidates: list, default, gathered: bool) -> list:
     return chosen if default in chosen else chosen + [default]
 
 
+#: the routings `--routing` names
+ROUTINGS = ("uniform", "skewed")
+
+
+def tune_routings(text: str, skew: float) -> tuple[str, ...]:
+    """The routings of `--routing` (ROUTINGS, in the order given, without repeats); ValueError naming the text for
+    an unknown one, none, or a skew below 1 where skewed routing is asked for."""
+    routings = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [r for r in routings if r not in ROUTINGS]
+    if not routings or unknown:
+        raise ValueError(f"--routing: expected comma-separated names of {', '.join(ROUTINGS)}, given {text!r}")
+    if "skewed" in routings and not skew >= 1.0:
+        raise ValueError(f"--skew: expected a number >= 1 (busiest / mean expert rows), given {skew}")
+    return routings
+
+
+def geomean_ms(times) -> float:
+    """One candidate's time over several routings: the geometric mean of its times (ms)."""
+    import math
+
+    times = list(times)
+    return math.exp(sum(math.log(t) for t in times) / len(times))
+
+
 def tune_shapes(specs, tokens: list[int], emulate_ep: int) -> list[dict]:
     """[{"model", "tokens", "E_local", "k", "H", "I", "rows", "rows_bucket"}] of every (model, tokens)."""
     from weave_moe.backends.weave.kernels.gemm_configs import rows_bucket
@@ -266,6 +297,7 @@ def run(args) -> int:
         if args.pairs < 0 or (args.pairs and sorted(set(gemms)) != [0, 1]):
             raise ValueError(f"--pairs: expected an int >= 0, and both GEMMs (--gemms 0,1), given --pairs "
                              f"{args.pairs} --gemms {args.gemms}")
+        routings = tune_routings(args.routing, args.skew)
         shapes = tune_shapes(specs, tokens, args.emulate_ep)
     except (KeyError, ValueError) as error:
         return refuse(str(error).strip("'\""))
@@ -284,7 +316,7 @@ def run(args) -> int:
         except ValueError as error:
             return refuse(str(error))
     if args.list:
-        _print_plan(shapes, gemms, grid, ws)
+        _print_plan(shapes, gemms, grid, ws, routings)
         return 0
     if not cuda:
         return refuse("needs a CUDA GPU (torch.cuda.is_available() is False): the table holds times measured on "
@@ -298,11 +330,12 @@ def run(args) -> int:
         table = _start_table(out, args.replace)
     except ValueError as error:
         return refuse(str(error))
-    return _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table)
+    return _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings)
 
 
-def _print_plan(shapes, gemms, grid, ws=()) -> None:
-    print(f"{len(shapes)} shapes (model, T: E_local x H x I, rows -> bucket):")
+def _print_plan(shapes, gemms, grid, ws=(), routings=("uniform", )) -> None:
+    print(f"{len(shapes)} shapes (model, T: E_local x H x I, rows -> bucket), timed on {', '.join(routings)} "
+          f"routing{'s (geomean)' if len(routings) > 1 else ''}:")
     for s in shapes:
         print(f"  {s['model']}, T={s['tokens']}: {s['E_local']} x {s['H']} x {s['I']}, {s['rows']} rows -> "
               f"{s['rows_bucket']}")
@@ -363,7 +396,8 @@ class _Work:
     GEMM0 is timed so: its rows scattered over a source buffer in a random order. The
     launches use programmatic dependent launch where the layer's do (KernelConfig.grouped_pdl)."""
 
-    def __init__(self, shape: dict, seed: int, l2_bytes: int | None = None):
+    def __init__(self, shape: dict, seed: int, l2_bytes: int | None = None, routing_name: str = "uniform",
+                 skew: float = 3.0):
         import torch
         import torch.nn.functional as F
 
@@ -373,7 +407,11 @@ class _Work:
         from weave_moe.reference import _ieee_fp32_matmul
 
         E, H, I = shape["E_local"], shape["H"], shape["I"]
-        ids, _ = routing.uniform(shape["tokens"], E, shape["k"], seed=seed)
+        if routing_name == "skewed":
+            ids, _ = routing.skewed(shape["tokens"], E, shape["k"], skew=skew, seed=seed)
+        else:
+            ids, _ = routing.uniform(shape["tokens"], E, shape["k"], seed=seed)
+        self.routing = routing_name
         counts = torch.bincount(ids.long().flatten(), minlength=E)
         self.rows = int(counts.sum())
         active = int((counts > 0).sum())
@@ -510,7 +548,7 @@ def rotated_counts(counts, rotation: int, rotations: int):
     return torch.roll(counts, rotation * (len(counts) // max(rotations, 1)))
 
 
-def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
+def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=("uniform", )) -> int:
     import datetime
     import shlex
     import statistics
@@ -541,6 +579,7 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
                                                                    if sys.argv[1:2] == ["tune"] else sys.argv),
         emulate_ep=args.emulate_ep, models=[s.name for s in specs], tokens=sorted({s["tokens"] for s in shapes}),
         reps=args.reps, min_gain=args.min_gain, tolerance=DEFAULT_TOLERANCE, confirm_rounds=args.confirm,
+        routing=list(routings), skew=args.skew if "skewed" in routings else None,
         candidates={f"gemm{g}": [config_name(c) for c in candidates[g][0]] for g in gemms},
         timing=("median of CUDA-event-timed CUDA-graph replays (3 warm-ups), one launch per replay" if args.warm_l2
                 else "median of CUDA-event-timed CUDA-graph replays (3 warm-ups); a replay runs `rotations` launches "
@@ -556,17 +595,23 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
         for config, reason in candidates[g][1]:
             print(f"  GEMM{g} skipped {config_name(config)}: {reason}")
 
-    def time_alone(work, gemm, config) -> float:
-        """ms of one launch of `config` alone: the median of --reps replays, each over the cold rotations."""
-        launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
-        return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches], args.reps)) / len(launches)
+    def time_alone(works, gemm, config) -> float:
+        """ms of one launch of `config` alone: the median of --reps replays, each over the cold rotations; over
+        several routings' works the geomean of theirs."""
+        def one(work):
+            launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
+            return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches],
+                                                     args.reps)) / len(launches)
+        return geomean_ms(one(work) for work in works)
 
     results, failed, started = [], 0, time.time()
     for shape in shapes:
         print(f"{shape['model']} T={shape['tokens']}: {shape['E_local']} x {shape['H']} x {shape['I']}, "
               f"{shape['rows']} rows (elapsed {time.time() - started:.0f} s)", flush=True)
         try:
-            work = _Work(shape, args.seed, None if args.warm_l2 else props.L2_cache_size)
+            works = [_Work(shape, args.seed, None if args.warm_l2 else props.L2_cache_size, name, args.skew)
+                     for name in routings]
+            work = works[0]
         except Exception:
             traceback.print_exc()
             failed += 1
@@ -583,13 +628,13 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
             for config in shape_configs:
                 name = config_name(config)
                 try:
-                    err = work.error(gemm, work.launcher(gemm, config))
+                    err = max(w.error(gemm, w.launcher(gemm, config)) for w in works)
                     if not err <= DEFAULT_TOLERANCE:
                         print(f"  GEMM{gemm} {name}: WRONG, error {err:.2e} > {DEFAULT_TOLERANCE:g}", flush=True)
                         continue
                     if not measured:   # a shape's first timing of a GEMM can run slow throughout (an H100,
-                        time_alone(work, gemm, config)   # bench/results/h100-1eee06e): timed twice, the second kept
-                    ms = time_alone(work, gemm, config)
+                        time_alone(works, gemm, config)   # bench/results/h100-1eee06e): timed twice, the second kept
+                    ms = time_alone(works, gemm, config)
                 except Exception as error:  # a config that does not compile or launch must not stop the sweep
                     print(f"  GEMM{gemm} {name}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
                     torch.cuda.synchronize()
@@ -600,7 +645,7 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
             counts[gemm] = len(measured)
             if args.confirm and measured:
                 measured = confirm_measured(measured, default, args.confirm,
-                                            lambda config, gemm=gemm, work=work: time_alone(work, gemm, config))
+                                            lambda config, gemm=gemm, works=works: time_alone(works, gemm, config))
                 for ms, config, _ in measured:
                     print(f"  GEMM{gemm} {config_name(config)}: {ms:.4f} ms over {args.confirm} rounds "
                           f"(confirmed)", flush=True)
@@ -608,7 +653,7 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
         chosen = {}
         if args.pairs and all(alone.get(g, (None, []))[1] for g in (0, 1)):
             try:
-                chosen = _tune_pairs(work, alone, args.pairs, args.reps)
+                chosen = _tune_pairs(works, alone, args.pairs, args.reps)
             except Exception as error:  # the GEMMs alone still stand
                 print(f"  pairs: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
                 torch.cuda.synchronize()
@@ -625,7 +670,7 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
                 continue
             results.append(result)
             _write_table(out, table)
-        del work
+        del work, works
         torch.cuda.empty_cache()
     table["entries"].sort(key=lambda e: tuple(e[k] for k in ("gemm", "E_local", "H", "I", "rows_bucket")))
     table["measured_default"].sort(key=lambda e: tuple(e[k] for k in ("gemm", "E_local", "H", "I", "rows_bucket")))
@@ -637,19 +682,22 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table) -> int:
     return 1 if failed else 0
 
 
-def _tune_pairs(work, alone: dict, top: int, reps: int) -> dict:
+def _tune_pairs(works, alone: dict, top: int, reps: int) -> dict:
     """Time GEMM0 -> GEMM1 pairs back to back (GEMM1 reading GEMM0's h) in one graph, on the cold rotations of both:
-    the `top` fastest configs of each GEMM alone, crossed, and the analytical default pair; `pair_choice` of them."""
+    the `top` fastest configs of each GEMM alone, crossed, and the analytical default pair; `pair_choice` of them.
+    `works`: one per routing, a pair's time the geomean over them."""
     import statistics
 
     from weave_moe.bench.anchor import graph_replay_ms
 
-    rotations = len(work.rotated_offsets)
-
-    def pair_ms(first, second):
+    def one(work, first, second):
+        rotations = len(work.rotated_offsets)
         launches = [launch for r in range(rotations)
                     for launch in (work.launcher(0, first, r), work.launcher(1, second, r, after_gemm0=True))]
         return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches], reps)) / rotations
+
+    def pair_ms(first, second):
+        return geomean_ms(one(work, first, second) for work in works)
 
     fastest = {g: [config for _, config, _ in sorted(alone[g][1], key=lambda m: m[0])[:top]] for g in (0, 1)}
     timed = {}
