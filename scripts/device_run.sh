@@ -71,6 +71,13 @@ for stage in "$@"; do
     # policy without and with it at decode and prefill sizes, every row checked, 3 rounds
     ws-chain) WC_TIMEOUT="${WCH_TIMEOUT:-200}" WC_TOKENS="${WCH_TOKENS:-1,8,32,2048}" WC_MODELS="${WCH_MODELS:-qwen3-30b-a3b,deepseek-v3,deepseek-v2}" WC_VARIANTS="nccl,weave:serial,weave:serial@ws_chain=on" WC_NAME=ws-chain-calls "$0" ws-calls;;
     # the first call of the next GPU session (perf-notes 48): ws-gather, ws-chain, then the stream probe
+    # the gather launch's copy by received row (KernelConfig.scatter_rows) against by pair, where a call makes one
+    # (I > 1024: the Triton GEMM0 does not read the gather rows), at prefill sizes, --check on every row, 3 rounds
+    scatter-rows) timeout "${SR_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${SR_MODELS:-deepseek-v3,deepseek-v2,deepseek-v2-lite,phi-3.5-moe}" --tokens "${SR_TOKENS:-2048,8192}" --routing uniform --variants "${SR_VARIANTS:-nccl,weave:serial,weave:serial@scatter_rows=on}" --check --iters 10 --rounds 3 --no-progress --timeout $(( ${SR_TIMEOUT:-420} - 10 )) --name scatter-rows --out "$W" > "$W/scatter-rows.log" 2>&1; echo "rc=$?"; tail -30 "$W/scatter-rows.log";;
+    # the next session's first call (docs/perf-notes.md, "The next GPU session, one list (as of entry 49)"), ~9 min
+    next49) SR_TIMEOUT=200 "$0" scatter-rows
+        WC_TIMEOUT=150 WC_TOKENS=1,8,32 WC_MODELS=qwen3-30b-a3b,deepseek-v2,deepseek-v3 WC_VARIANTS=nccl,weave:serial,weave:serial@ws_chain=on WC_ROUNDS=5 WC_NAME=chain-decode "$0" ws-calls
+        EVAL_TIMEOUT=230 EVAL_TOKENS=2048,8192 EVAL_MODELS=deepseek-v2,deepseek-v2-lite EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3-rest "$0" eval6-emu;;
     next48) WG_TIMEOUT=120 WGC_TIMEOUT=150 "$0" ws-gather; WCH_TIMEOUT=150 "$0" ws-chain; STP_TIMEOUT=70 "$0" stream-probe;;
     next47) STP_TIMEOUT=100 "$0" stream-probe
         WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,64x256x64w4s4b,64x256x128w4s2,64x256x128w4s2b,64x256x64w4s4c2 WS_TIMEOUT=150 "$0" ws-gemm
@@ -102,7 +109,7 @@ for stage in "$@"; do
     # eval6 on one GPU (EVAL_ROUNDS rounds, 3 by default: one round moved rows by up to 8% between runs, perf-notes 49):
     # every paper model, the per-rank work of EP=2, every baseline that runs at EP=1 and the weave
     # policies, --check on all; partial JSON/CSV survive the timeout
-    eval6-emu) timeout "${EVAL_TIMEOUT:-560}" python3 -m weave_moe.bench --emulate-ep 2 --tokens "${EVAL_TOKENS:-128,2048,8192}" --routing "${EVAL_ROUTING:-uniform,skewed}" --variants "${EVAL_VARIANTS:-nccl,weave:serial,weave:static:20,weave}" --check --iters 10 --rounds "${EVAL_ROUNDS:-3}" --no-progress --timeout 300 --name "${BENCH_NAME:-h200-eval6-emu-ep2}" --out "$W" > "$W/eval6.log" 2>&1; echo "rc=$?"; tail -40 "$W/eval6.log";;
+    eval6-emu) timeout "${EVAL_TIMEOUT:-560}" python3 -m weave_moe.bench --emulate-ep 2 ${EVAL_MODELS:+--models "$EVAL_MODELS"} --tokens "${EVAL_TOKENS:-128,2048,8192}" --routing "${EVAL_ROUTING:-uniform,skewed}" --variants "${EVAL_VARIANTS:-nccl,weave:serial,weave:static:20,weave}" --check --iters 10 --rounds "${EVAL_ROUNDS:-3}" --no-progress --timeout 300 --name "${BENCH_NAME:-h200-eval6-emu-ep2}" --out "$W" > "$W/eval6.log" 2>&1; echo "rc=$?"; tail -40 "$W/eval6.log";;
     hf) mkdir -p "$W/hf"; timeout 400 python3 examples/hf_generate.py --preset qwen3-30b-a3b --new-tokens 8 --time-dir "$W/hf" > "$W/hf/hf_generate_gpu_ep1.log" 2>&1; echo "rc=$?"; tail -15 "$W/hf/hf_generate_gpu_ep1.log";;
     # validate-all / verify: a fresh machine compiles ~20 layer shapes' task tables (~5 s each, cold) before the suite's
     # ~60 s; the first run gets 400 s, later ones find the caches warm.

@@ -566,6 +566,72 @@ def test_gather_loads_its_indices_before_its_wait_only_when_the_count_is_ready(c
     assert ".local" not in ptx
 
 
+@pytest.mark.parametrize("top_k", [6, 8])
+def test_scatter_rows_compiles_for_sm90_without_local_memory(top_k):
+    """The copy by received row (KernelConfig.scatter_rows) compiled for sm_90 as a launch specialises it (DeepSeek-V3's
+    H): it waits for the launch before it first (its tables come from it), holds no local memory, and stores each
+    16-byte piece of a row it loads to its top-k pairs' rows (K vector stores per vector load)."""
+    from weave_moe.backends.weave.kernels import grouped_tiles, sync
+
+    H = 7168
+    src, dst = torch.empty(100, H, dtype=torch.bfloat16), torch.empty(800, H, dtype=torch.bfloat16)
+    words = torch.zeros(2000, dtype=torch.int32)
+    args = (src, words[:800], words[:100 * top_k].view(100, top_k), dst, words[:40].view(10, 4), words[2:3],
+            words[4:5], H)
+    kwargs = dict(K=top_k, KP=8, TASK_WORDS=4, START=2, COUNT=3, ROWS=16, BLOCK_H=512, num_warps=8, **sync.LAUNCH)
+    ptx = sm90.compile_for_sm90(grouped_tiles._scatter_rows_kernel, args, kwargs).asm["ptx"]
+    assert ".local" not in ptx
+    if sync.PDL:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    loads, stores = ptx.count("ld.global.v4.b32"), ptx.count("st.global.v4.b32")
+    assert loads and stores == top_k * loads, (loads, stores)
+
+
+SCATTER_SCRIPT = textwrap.dedent(
+    r"""
+    import torch
+    from weave_moe.backends.weave.kernels import grouped_tiles as gt
+    from weave_moe.backends.weave.layout import COMBINE_COLUMNS, META_FIELDS, build_layout
+
+    H, E, K = 40, 8, 3
+    for world_size, tokens, seed in ((1, [9], 0), (2, [7, 5], 1), (2, [0, 6], 2), (1, [0], 3)):
+        torch.manual_seed(seed)
+        max_tokens = max(tokens) + 2
+        all_ids = torch.full((world_size, max_tokens, K), -1, dtype=torch.int32)
+        for r, t in enumerate(tokens):
+            if t:
+                all_ids[r, :t] = torch.stack([torch.randperm(E)[:K] for _ in range(t)]).int()
+                all_ids[r, :t:3, 0] = -1   # some slots without an expert
+        all_w = torch.rand(world_size, max_tokens, K)
+        for rank in range(world_size):
+            lay = build_layout(all_ids, all_w, torch.tensor(tokens), torch.ones(world_size, dtype=torch.long), rank,
+                               E, hidden_size=H, intermediate_size=16, block_m=4, block_n0=8, block_n1=8,
+                               dispatch_rows=3, combine_rows=3, reduce_rows=3)
+            src = torch.randn(world_size * max_tokens, H).bfloat16()
+            pairs = lay.expert_offsets[-1:].clone()
+            num_tasks = lay.meta[META_FIELDS.index("num_combine_tasks"):][:1].clone()
+            columns = (COMBINE_COLUMNS.index("start"), COMBINE_COLUMNS.index("count"))
+            want = torch.full((lay.max_pairs + 2, H), float("nan")).bfloat16()
+            gt.gather_rows(src, lay.gather_rows, want, pairs, 3)
+            for count in (pairs, torch.zeros(1, dtype=torch.int32)):
+                got = torch.full_like(want, float("nan"))
+                gt.scatter_rows(src, lay.gather_rows, lay.combine_pos, got, lay.combine_tasks, num_tasks, count, 3,
+                                *columns)
+                n = int(count)
+                assert torch.equal(got[:n], want[:n]), (world_size, tokens, rank, n)
+                assert got[n:].isnan().all(), (world_size, tokens, rank, n, "rows past the pairs were written")
+    print("SCATTER ROWS INTERPRETER OK")
+    """
+)
+
+
+def test_scatter_rows_writes_what_the_gather_writes_under_interpreter():
+    """KernelConfig.scatter_rows: the received rows copied by row (each read once) into the pairs' rows, bit for bit
+    the gather launch's result on the torch layout's tables, at EP = 1 and 2, with empty ranks and slots without an
+    expert; nothing when the count is 0."""
+    run_interpreted(SCATTER_SCRIPT, "SCATTER ROWS INTERPRETER OK", timeout=600)
+
+
 def test_grouped_prologue_under_interpreter():
     """The grouped GEMMs' one-launch prologue: tile tables equal build_tile_table_torch's, rows gathered bitwise,
     rows past the count untouched; under a split plan nothing at all (no tile, no row); the tables made from rows per

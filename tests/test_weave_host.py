@@ -962,6 +962,24 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     assert calls[-1][1].data_ptr() == ws.h().data_ptr() and calls[-1][2].data_ptr() == ws.y().data_ptr()
     # both GEMMs launched plainly by default (KernelConfig.grouped_pdl)
     assert launched_pdl == [backend.config.grouped_pdl] * 2 and backend.config.grouped_pdl is False
+    # KernelConfig.scatter_rows: the copy by received row from the layout's combine tables, same count, into y
+    backend.config = dataclasses.replace(backend.config, scatter_rows=True)
+    scattered = []
+    monkeypatch.setattr(backend_module.grouped_tiles, "scatter_rows", lambda *args: scattered.append(args))
+    layout = types.SimpleNamespace(gather_rows=layout.gather_rows, combine_pos=torch.zeros(3, 2, dtype=torch.int32),
+                                   combine_tasks=torch.zeros(2, 4, dtype=torch.int32),
+                                   meta=torch.arange(5, dtype=torch.int32))
+    calls.clear()
+    WeaveBackend._grouped_gemms(backend, layout, configs, early=({keys[0]: "table"}, rows, None))
+    names = [call[0] for call in calls]
+    if gemm0_gather:   # GEMM0 reads the gather rows itself: neither copy
+        assert names == ["gemm0", "gemm1"] and not scattered
+    else:
+        assert names == ["gemm0", "gemm1"] and len(scattered) == 1
+        src, gather, pos, dst, tasks, num_tasks, count, _, start, count_column = scattered[0]
+        assert src.data_ptr() == ws.recv().data_ptr() and dst.data_ptr() == ws.y().data_ptr()
+        assert gather is layout.gather_rows and pos is layout.combine_pos and tasks is layout.combine_tasks
+        assert int(num_tasks) == 2 and count is rows and (start, count_column) == (2, 3)   # META_FIELDS, COMBINE_COLUMNS
 
 
 def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatch):

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 import time
+import types
 
 import torch
 
@@ -41,6 +42,7 @@ from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
 from weave_moe.backends.weave.kernels.tables import TableBuffers, build_layout_triton, counter_words
 from weave_moe.backends.weave.kernels import sync
 from weave_moe.backends.weave.kernels.sync import ERROR_NAMES
+from weave_moe.backends.weave.layout import COMBINE_COLUMNS, META_FIELDS
 from weave_moe.backends.weave.workspace import SymmetricWorkspace
 from weave_moe.models import MoESpec
 from weave_moe.plan import MAX_CHUNKS, HardwareProfile, Plan, Workload, parse_policy, plan, plans_serial
@@ -1129,7 +1131,10 @@ class WeaveBackend:
         if self._gathers_in_gemm0(configs[0]):  # GEMM0 reads the received rows through the gather rows itself
             self._gemm0(self.workspace.recv(), tables[keys[0]], configs[0], gather=layout.gather_rows, chained=chained)
         else:
-            self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None and gather_ahead)
+            if self.config.scatter_rows:
+                self._scatter_rows(layout, rows)
+            else:
+                self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None and gather_ahead)
             self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained)
         self._gemm1(tables[keys[1]], configs[1], chained=chained)
 
@@ -1218,6 +1223,14 @@ class WeaveBackend:
         grouped_tiles.gather_rows(self.workspace.recv(), index, self.workspace.y(), rows, 4 * self.num_sms,
                                   count_ready=count_ready)
 
+    def _scatter_rows(self, layout, rows) -> None:
+        """`_gather_rows`' copy by received row (KernelConfig.scatter_rows): each received row of recv read once and
+        written to its pairs' rows in y (the layout's combine tables list them); `rows` 0 copies nothing."""
+        meta = META_FIELDS.index("num_combine_tasks")
+        grouped_tiles.scatter_rows(self.workspace.recv(), layout.gather_rows, layout.combine_pos, self.workspace.y(),
+                                   layout.combine_tasks, layout.meta[meta:meta + 1], rows, 4 * self.num_sms,
+                                   COMBINE_COLUMNS.index("start"), COMBINE_COLUMNS.index("count"))
+
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`), every grouped-GEMM config it may
         pick and the dispatches beside the tables (KernelConfig.early_dispatch, dispatch_beside_emit), for these
@@ -1256,6 +1269,12 @@ class WeaveBackend:
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
+                    if self.config.scatter_rows:   # a zero count: nothing read past it, nothing written
+                        k = self.spec.top_k
+                        meta = torch.zeros(len(META_FIELDS), dtype=torch.int32, device=empty.device)
+                        tables = types.SimpleNamespace(gather_rows=self.ctrl, combine_pos=self.ctrl[:k].view(1, k),
+                                                       combine_tasks=self.ctrl[:4].view(1, 4), meta=meta)
+                        self._scatter_rows(tables, empty[-1:])
                 if self.pair_dispatch is not None:
                     # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
                     # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose

@@ -264,6 +264,14 @@ class KernelConfig:
             0.99-1.00x; at 2048 tokens (the 64x256x64 kernels chained) DeepSeek-V3 5.16 -> 5.61 ms, hence decode
             only. Off: on a second host Qwen3-30B-A3B at 1 token measured 68.9 -> 78.6 us (bench/results/
             h100-1eee06e), and no resident check with it has completed yet.
+        scatter_rows: where a serial call's GEMM0 reads its rows after the gather launch, that launch copies by
+            received row instead of by pair (`grouped_tiles.scatter_rows`): each received row is read once and
+            written to its pairs' rows (the combine tables list them), where the gather reads it once per pair
+            (k times on one rank's work of EP = 2). At DeepSeek-V3's 8192 tokens the receive buffer (117 MB) does not
+            stay in L2, so the gather moves ~1.9 GB and the scatter ~1.1 GB (the gather launch took ~0.8 ms of an
+            11 ms call on an H100, bench/results/h100-5af6fb0); where the received rows fit in L2 the two read about
+            the same bytes from memory. Off until measured on a GPU (the `scatter-rows` stage of
+            scripts/device_run.sh).
     """
 
     block_m: int = 128
@@ -309,6 +317,7 @@ class KernelConfig:
     ws_gemm: bool = True
     ws_gather: bool = False
     ws_chain: bool = False
+    scatter_rows: bool = False
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
