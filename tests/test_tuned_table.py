@@ -103,8 +103,7 @@ def test_the_layers_kernel_is_the_table_entry_measured_against_ws_else_the_ws_ru
         every = gc.default_configs(0, E, H, I, warp_specialized=True)
         for rows in (1, 8, 64, 512, 4096, 8192, 32768, 2 ** 20):
             assert pick(0, rows) in every and pick(0, rows, gathers=("triton", )) in every
-            assert pick(0, rows, gathers=("ws", )) in gc.default_configs(0, E, H, I, warp_specialized=True,
-                                                                         gathers=("ws", ))
+            assert pick(0, rows, gathers=("ws", )) in every
             assert gc.default_config(0, rows, E, H, I) in plain
     finally:
         gc.clear_tuned_cache()
@@ -277,9 +276,9 @@ def test_a_layer_compiles_every_config_it_may_pick_with_the_shipped_tables(warp_
     try:
         for path in sorted(gc.TUNED_DIR.glob("*.json")):
             for gemm, experts, hidden, inter in gc.load_tuned_table(path)["shapes"]:
+                allowed = set(gc.default_configs(gemm, experts, hidden, inter, table=path,
+                                                 warp_specialized=warp_specialized))
                 for gathers in ((), ("triton", ), ("ws", ), ("triton", "ws")):
-                    allowed = set(gc.default_configs(gemm, experts, hidden, inter, table=path,
-                                                     warp_specialized=warp_specialized, gathers=gathers))
                     for rows in sorted({1, 2, 7, 8, 63, 64, 65, 100, 1000} | {
                             experts * m for m in (1, 8, 63, 64, 128, 256, 257, 1024)}):
                         config = gc.default_config(gemm, rows, experts, hidden, inter, table=path,
@@ -318,7 +317,6 @@ def test_tune_routing_option(capsys):
     from weave_moe.commands import tune
 
     assert tune.tune_routings("skewed, uniform,skewed", 3.0) == ("skewed", "uniform")
-    assert tune.geomean_ms([1.0, 4.0]) == pytest.approx(2.0)
     for bad in ("", "zipf", "uniform,zipf"):
         with pytest.raises(ValueError, match="--routing"):
             tune.tune_routings(bad, 3.0)

@@ -229,14 +229,6 @@ def tune_routings(text: str, skew: float) -> tuple[str, ...]:
     return routings
 
 
-def geomean_ms(times) -> float:
-    """One candidate's time over several routings: the geometric mean of its times (ms)."""
-    import math
-
-    times = list(times)
-    return math.exp(sum(math.log(t) for t in times) / len(times))
-
-
 def tune_shapes(specs, tokens: list[int], emulate_ep: int) -> list[dict]:
     """[{"model", "tokens", "E_local", "k", "H", "I", "rows", "rows_bucket"}] of every (model, tokens)."""
     from weave_moe.backends.weave.kernels.gemm_configs import rows_bucket
@@ -411,7 +403,6 @@ class _Work:
             ids, _ = routing.skewed(shape["tokens"], E, shape["k"], skew=skew, seed=seed)
         else:
             ids, _ = routing.uniform(shape["tokens"], E, shape["k"], seed=seed)
-        self.routing = routing_name
         counts = torch.bincount(ids.long().flatten(), minlength=E)
         self.rows = int(counts.sum())
         active = int((counts > 0).sum())
@@ -563,6 +554,7 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=(
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import sync
     from weave_moe.bench.anchor import graph_replay_ms
+    from weave_moe.bench.report import geomean
     from weave_moe.bench.metadata import git_commit
     from weave_moe.reference import DEFAULT_TOLERANCE
 
@@ -602,7 +594,7 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=(
             launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
             return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches],
                                                      args.reps)) / len(launches)
-        return geomean_ms(one(work) for work in works)
+        return geomean([one(work) for work in works])
 
     results, failed, started = [], 0, time.time()
     for shape in shapes:
@@ -689,6 +681,7 @@ def _tune_pairs(works, alone: dict, top: int, reps: int) -> dict:
     import statistics
 
     from weave_moe.bench.anchor import graph_replay_ms
+    from weave_moe.bench.report import geomean
 
     def one(work, first, second):
         rotations = len(work.rotated_offsets)
@@ -697,7 +690,7 @@ def _tune_pairs(works, alone: dict, top: int, reps: int) -> dict:
         return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches], reps)) / rotations
 
     def pair_ms(first, second):
-        return geomean_ms(one(work, first, second) for work in works)
+        return geomean([one(work, first, second) for work in works])
 
     fastest = {g: [config for _, config, _ in sorted(alone[g][1], key=lambda m: m[0])[:top]] for g in (0, 1)}
     timed = {}

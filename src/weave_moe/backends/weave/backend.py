@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import math
 import time
-import types
 
 import torch
 
@@ -1132,7 +1131,9 @@ class WeaveBackend:
             self._gemm0(self.workspace.recv(), tables[keys[0]], configs[0], gather=layout.gather_rows, chained=chained)
         else:
             if self.config.scatter_rows:
-                self._scatter_rows(layout, rows)
+                meta = META_FIELDS.index("num_combine_tasks")
+                self._scatter_rows(layout.gather_rows, layout.combine_pos, layout.combine_tasks,
+                                   layout.meta[meta:meta + 1], rows)
             else:
                 self._gather_rows(layout.gather_rows, rows, count_ready=filled is not None and gather_ahead)
             self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained)
@@ -1223,13 +1224,12 @@ class WeaveBackend:
         grouped_tiles.gather_rows(self.workspace.recv(), index, self.workspace.y(), rows, 4 * self.num_sms,
                                   count_ready=count_ready)
 
-    def _scatter_rows(self, layout, rows) -> None:
+    def _scatter_rows(self, index, pos, tasks, num_tasks, rows) -> None:
         """`_gather_rows`' copy by received row (KernelConfig.scatter_rows): each received row of recv read once and
-        written to its pairs' rows in y (the layout's combine tables list them); `rows` 0 copies nothing."""
-        meta = META_FIELDS.index("num_combine_tasks")
-        grouped_tiles.scatter_rows(self.workspace.recv(), layout.gather_rows, layout.combine_pos, self.workspace.y(),
-                                   layout.combine_tasks, layout.meta[meta:meta + 1], rows, 4 * self.num_sms,
-                                   COMBINE_COLUMNS.index("start"), COMBINE_COLUMNS.index("count"))
+        written to its pairs' rows in y, listed by the layout's combine tables (`pos`, `tasks` and their count
+        `num_tasks`); `rows` 0 copies nothing."""
+        grouped_tiles.scatter_rows(self.workspace.recv(), index, pos, self.workspace.y(), tasks, num_tasks, rows,
+                                   4 * self.num_sms, COMBINE_COLUMNS.index("start"), COMBINE_COLUMNS.index("count"))
 
     def _compile_kernels(self, args, launch_options) -> None:
         """Compile every megakernel variant a call can launch (`kernel_variants`), every grouped-GEMM config it may
@@ -1244,8 +1244,7 @@ class WeaveBackend:
             y = self.workspace.y()
             shape = (self.num_local_experts, self.spec.hidden_size, self.spec.intermediate_size)
             configs = [[self._held_layout(gemm, c)
-                        for c in gemm_configs.default_configs(gemm, *shape, warp_specialized=self.ws_gemm,
-                                                              gathers=self.config.gemm0_gathers(shape[2]))]
+                        for c in gemm_configs.default_configs(gemm, *shape, warp_specialized=self.ws_gemm)]
                        for gemm in (0, 1)]
             for config in configs[0]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
@@ -1269,12 +1268,10 @@ class WeaveBackend:
                     # before, the zeros) and after one on this stream (here the prologue just enqueued)
                     self._gather_rows(self.ctrl, empty[-1:], count_ready=True)
                     self._gather_rows(self.ctrl, rows, count_ready=False)
-                    if self.config.scatter_rows:   # a zero count: nothing read past it, nothing written
-                        k = self.spec.top_k
-                        meta = torch.zeros(len(META_FIELDS), dtype=torch.int32, device=empty.device)
-                        tables = types.SimpleNamespace(gather_rows=self.ctrl, combine_pos=self.ctrl[:k].view(1, k),
-                                                       combine_tasks=self.ctrl[:4].view(1, 4), meta=meta)
-                        self._scatter_rows(tables, empty[-1:])
+                    if self.config.scatter_rows:   # a zero count: no table read, nothing written
+                        pos = self.ctrl[:self.spec.top_k].view(1, -1)
+                        tasks = self.ctrl[:len(COMBINE_COLUMNS)].view(1, -1)
+                        self._scatter_rows(self.ctrl, pos, tasks, empty[-1:], empty[-1:])
                 if self.pair_dispatch is not None:
                     # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
                     # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose

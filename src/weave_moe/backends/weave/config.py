@@ -268,9 +268,9 @@ class KernelConfig:
             received row instead of by pair (`grouped_tiles.scatter_rows`): each received row is read once and
             written to its pairs' rows (the combine tables list them), where the gather reads it once per pair
             (k times on one rank's work of EP = 2). At DeepSeek-V3's 8192 tokens the receive buffer (117 MB) does not
-            stay in L2, so the gather moves ~1.9 GB and the scatter ~1.1 GB (the gather launch took ~0.8 ms of an
-            11 ms call on an H100, bench/results/h100-5af6fb0); where the received rows fit in L2 the two read about
-            the same bytes from memory. Off until measured on a GPU (the `scatter-rows` stage of
+            stay in L2, so the gather moves ~1.9 GB and the scatter ~1.1 GB (an estimate: the probe's gather of
+            DeepSeek-V2's 49152 rows at 8192 tokens took 344 us for 1.0 GB on an H100, bench/results/h100-5af6fb0);
+            where the received rows fit in L2 the two read about the same bytes from memory. Off until measured on a GPU (the `scatter-rows` stage of
             scripts/device_run.sh).
     """
 

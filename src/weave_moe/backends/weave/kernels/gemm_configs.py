@@ -183,11 +183,11 @@ def untuned_config(gemm: int, rows: int, num_local_experts: int, *, warp_special
 
 def default_configs(gemm: int, num_local_experts: int | None = None, hidden: int | None = None,
                     inter: int | None = None, *, table: str | os.PathLike | None = None,
-                    warp_specialized: bool = False, gathers: tuple = ()) -> tuple:
-    """Every configuration `default_config` can pick for `gemm` (0 or 1) at this layer shape: the analytical ones
-    (`analytical_configs`), with `warp_specialized` the Gluon kernels' rule's (for these `gathers`), then the tuned
-    table's configs of the
-    shape (every rows bucket; Gluon ones only with `warp_specialized`), without repeats. Without the shape, the
+                    warp_specialized: bool = False) -> tuple:
+    """Every configuration `default_config` can pick for `gemm` (0 or 1) at this layer shape, whatever the caller's
+    gather rows: the analytical ones (`analytical_configs`), with `warp_specialized` the Gluon kernels' rule's, then
+    the tuned table's configs of the shape (every rows bucket; Gluon ones only with `warp_specialized`), without
+    repeats. Without the shape, the
     analytical ones (and the rule's) only. A caller that must not compile during a call (the weave backend, before
     its first-call barrier) compiles these."""
     configs = analytical_configs(gemm)

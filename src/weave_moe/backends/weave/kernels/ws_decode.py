@@ -32,10 +32,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands,
-                                                       let_dependents_start, producer, weight_descriptor, work_tile)
+from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
+                                                       weight_descriptor, work_tile)
 
 __all__ = ["WsDecodeConfig", "ws_decode_gemm0", "ws_decode_gemm1", "ws_decode_launch", "default_config",
            "default_configs"]
@@ -206,7 +207,7 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
     [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE. CHAIN: GEMM0 lets the next kernel start early,
     GEMM1 is launched programmatically after it (kernels/ws_ring.py, "Chained launches")."""
     if CHAIN and GEMM == 0:
-        let_dependents_start()
+        gdc_launch_dependents()   # the chained GEMM1 may start its CTAs (ws_ring, "Chained launches")
     a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, 1)
     width = 2 * max_tiles
     num_n = gl.cdiv(w_rows, w_desc.block_type.shape[0])

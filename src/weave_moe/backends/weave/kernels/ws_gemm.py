@@ -50,11 +50,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands,
-                                                       let_dependents_start, producer, producer_warps, ready_arrivals,
-                                                       section_work, weight_descriptor, work_tile)
+from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_ring, check_operands, producer,
+                                                       producer_warps, ready_arrivals, section_work,
+                                                       weight_descriptor, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
            "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
@@ -323,7 +324,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     shapes the ring's A buffers). CHAIN: GEMM0 lets the next kernel start early, GEMM1 is launched programmatically
     after it (kernels/ws_ring.py, "Chained launches")."""
     if CHAIN and GEMM == 0:
-        let_dependents_start()
+        gdc_launch_dependents()   # the chained GEMM1 may start its CTAs (ws_ring, "Chained launches")
     a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, ready_arrivals(GATHER_A))
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # ping-pong only
     for i in gl.static_range(2):

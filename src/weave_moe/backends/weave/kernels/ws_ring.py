@@ -49,10 +49,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_wait
 
 __all__ = ["MAX_RING_BYTES", "GATHER_WARPS", "ready_arrivals", "allocate_ring", "work_tile", "section_work",
-           "load_tile", "producer", "producer_warps", "check_operands", "weight_descriptor", "block_weights",
-           "wait_for_previous_kernel", "let_dependents_start"]
+           "load_tile", "producer", "producer_warps", "check_operands", "weight_descriptor", "block_weights"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
 #: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
@@ -73,21 +73,6 @@ def ready_arrivals(GATHER_A):
     """Arrivals that complete a stage's `ready` (module docstring): the W copy's `expect`, and with gathered A rows
     one `cp.async.mbarrier.arrive.noinc` per producer thread."""
     return 1 + (32 * GATHER_WARPS.value if GATHER_A else 0)
-
-
-@gluon.jit
-def wait_for_previous_kernel():
-    """`griddepcontrol.wait`: the kernel before this one (programmatic dependent launch) has ended and its memory is
-    visible; a no-op in a plain launch."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def let_dependents_start():
-    """`griddepcontrol.launch_dependents`: the next kernel, if launched programmatically, may start its CTAs once
-    every CTA of this one has said so or ended (module docstring, "Chained launches")."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
 
 
 @gluon.jit
@@ -163,7 +148,7 @@ def load_first_tile_chained(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_star
         bar = ready.index(i)
         mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
         load_w(w_desc, w_bufs.index(i), bar, w_row, w_rows, i * BLOCK_K, W_BLOCKED)
-    wait_for_previous_kernel()
+    gdc_wait()   # the kernel before this one has ended, its memory visible
     for i in range(0, early):
         if ROWS == a_bufs.shape[1]:
             tma.async_copy_global_to_shared(a_desc, [m_start, i * BLOCK_K], ready.index(i), a_bufs.index(i))
@@ -240,7 +225,7 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
             step = load_first_tile_chained(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
                                            expert * expert_rows + n * BLOCK_N, w_rows, K, BLOCK_M, W_BLOCKED)
         else:
-            wait_for_previous_kernel()
+            gdc_wait()
         first = pid + NUM_SMS
     for work in range(first, num_work, NUM_SMS):
         expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
