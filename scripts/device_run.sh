@@ -75,6 +75,10 @@ for stage in "$@"; do
     # (I > 1024: the Triton GEMM0 does not read the gather rows), at prefill sizes, --check on every row, 3 rounds
     scatter-rows) timeout "${SR_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${SR_MODELS:-deepseek-v3,deepseek-v2,deepseek-v2-lite,phi-3.5-moe}" --tokens "${SR_TOKENS:-2048,8192}" --routing uniform --variants "${SR_VARIANTS:-nccl,weave:serial,weave:serial@scatter_rows=on}" --check --iters 10 --rounds 3 --no-progress --timeout $(( ${SR_TIMEOUT:-420} - 10 )) --name scatter-rows --out "$W" > "$W/scatter-rows.log" 2>&1; echo "rc=$?"; tail -30 "$W/scatter-rows.log";;
     # the next session's first call (docs/perf-notes.md, "The next GPU session, one list (as of entry 49)"), ~9 min
+    # DeepSeek-V2 at 2048 tokens (issue 14's worst row): each GEMM alone per config against the library's, then the
+    # call with the analytical configs against the shipped table's, uniform and skewed, with the call's timeline
+    next51) WS_MODELS=deepseek-v2 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,128x256x64w8s4,128x256x64w8s3,64x256x64w4s4c2,128x256x64w8s4t WS_TIMEOUT=130 "$0" ws-gemm
+        TA_TABLES="off shipped" TA_MODELS=deepseek-v2 TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS=nccl,weave:serial TA_TIMEOUT=120 TA_PROFILE=deepseek-v2:2048 "$0" table-ab;;
     next49) SR_TIMEOUT=200 "$0" scatter-rows
         WC_TIMEOUT=150 WC_TOKENS=1,8,32 WC_MODELS=qwen3-30b-a3b,deepseek-v2,deepseek-v3 WC_VARIANTS=nccl,weave:serial,weave:serial@ws_chain=on WC_ROUNDS=5 WC_NAME=chain-decode "$0" ws-calls
         EVAL_TIMEOUT=230 EVAL_TOKENS=2048,8192 EVAL_MODELS=deepseek-v2,deepseek-v2-lite EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3-rest "$0" eval6-emu;;
@@ -225,7 +229,7 @@ for stage in "$@"; do
     # device, "off" = the analytical defaults, else a path, e.g. one the tune stage wrote); results numbered as listed
     table-ab) i=0; : > "$W/table-ab.txt"; for tbl in ${TA_TABLES:-shipped off}; do i=$((i + 1)); echo "$i $tbl" >> "$W/table-ab.txt"
           if [ "$tbl" = shipped ]; then unset WEAVE_MOE_TUNED_TABLE; else export WEAVE_MOE_TUNED_TABLE=$tbl; fi
-          timeout "${TA_TIMEOUT:-200}" python3 -m weave_moe.bench --emulate-ep 2 --models "${TA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${TA_TOKENS:-1,8,32,128,512}" --routing uniform --variants "${TA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${TA_TIMEOUT:-200} - 10 )) --name "table-ab$i" --out "$W" > "$W/bench-table-ab$i.log" 2>&1; echo "bench $i ($tbl) rc=$?"; tail -16 "$W/bench-table-ab$i.log" | cut -c1-220
+          timeout "${TA_TIMEOUT:-200}" python3 -m weave_moe.bench --emulate-ep 2 --models "${TA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${TA_TOKENS:-1,8,32,128,512}" --routing "${TA_ROUTING:-uniform}" --variants "${TA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${TA_TIMEOUT:-200} - 10 )) --name "table-ab$i" --out "$W" > "$W/bench-table-ab$i.log" 2>&1; echo "bench $i ($tbl) rc=$?"; tail -16 "$W/bench-table-ab$i.log" | cut -c1-220
           for mt in ${TA_PROFILE:-}; do  # model:tokens, weave:serial's kernel timeline with this table
             timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${mt%%:*}" --tokens "${mt##*:}" --variants weave:serial --rows 30 > "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt" 2>&1; echo "profile $i $mt rc=$?"; grep -E "^#####.*span" "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt"
           done

@@ -917,8 +917,9 @@ def test_resident_and_host_driven_calls_compile_before_their_first_enqueue(monke
 @pytest.mark.parametrize("forked", [False, True])
 @pytest.mark.parametrize("gemm0_gather", [False, True])
 def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_gather, forked):
-    """The grouped GEMM stage: by default a gather launch copies the received rows into y in expert order and GEMM0
-    reads y; with KernelConfig.gemm0_gather no gather launch, GEMM0 reads the receive buffer through the layout's
+    """The grouped GEMM stage: without KernelConfig.scatter_rows a gather launch copies the received rows into y in
+    expert order (by pair) and GEMM0 reads y, with it (the default) the copy runs by received row; with
+    KernelConfig.gemm0_gather no copy launch, GEMM0 reads the receive buffer through the layout's
     gather rows. GEMM1 reads h and writes y either way. After a prologue forked onto a side stream (`forked`: its
     event given) the stream waits for it first, and the gather reads the count ahead of its wait (count_ready);
     after one on the same stream it may not."""
@@ -930,7 +931,9 @@ def test_grouped_stage_gathers_rows_or_lets_gemm0_read_them(monkeypatch, gemm0_g
     from weave_moe.plan import Plan
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
-    backend.config = dataclasses.replace(backend.config, gemm0_gather="on" if gemm0_gather else "off")
+    assert backend.config.scatter_rows is True
+    backend.config = dataclasses.replace(backend.config, gemm0_gather="on" if gemm0_gather else "off",
+                                         scatter_rows=False)
     calls, launched_pdl = [], []
     backend._gather_rows = lambda index, rows, count_ready: calls.append(("gather", index, rows, count_ready))
     backend._current_stream = lambda: types.SimpleNamespace(wait_event=lambda event: calls.append(("join", event)))
@@ -1389,7 +1392,7 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     backend.config = dataclasses.replace(backend.config, gemm0_gather="on" if gemm0_gather else "off",
-                                         ws_gather=ws_gather)
+                                         ws_gather=ws_gather, scatter_rows=False)   # the copy by pair: "gather" below
     backend.ws_gemm, backend.grouped_configs = True, {}
     del backend._grouped_configs   # the real one
     monkeypatch.setattr(WeaveBackend, "_held_layout", lambda self, gemm, config: config)

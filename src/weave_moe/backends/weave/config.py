@@ -262,16 +262,21 @@ class KernelConfig:
             their GEMM1 then starts cold. In calls on an H100 (bench/results/h100-5af6fb0, one rank's work of EP=2):
             at 1 token Qwen3-30B-A3B 55.3 -> 53.3 us, DeepSeek-V2 129.0 -> 124.3, -V3 255.3 -> 252.5, 8-32 tokens
             0.99-1.00x; at 2048 tokens (the 64x256x64 kernels chained) DeepSeek-V3 5.16 -> 5.61 ms, hence decode
-            only. Off: on a second host Qwen3-30B-A3B at 1 token measured 68.9 -> 78.6 us (bench/results/
-            h100-1eee06e), and no resident check with it has completed yet.
+            only. On: a second host measured Qwen3-30B-A3B at 1 token 68.9 -> 78.6 us (bench/results/h100-1eee06e,
+            a 1-token row that spread widely there), a third, 5 rounds, 101.2 -> 91.1 us, DeepSeek-V2 147.6 -> 139.7,
+            -V3 279.1 -> 272.2, 8-32 tokens 0.99-1.00x (bench/results/h100-c787491); the resident check with it and
+            scatter_rows passed 22 of 22 (1000 calls).
         scatter_rows: where a serial call's GEMM0 reads its rows after the gather launch, that launch copies by
             received row instead of by pair (`grouped_tiles.scatter_rows`): each received row is read once and
             written to its pairs' rows (the combine tables list them), where the gather reads it once per pair
             (k times on one rank's work of EP = 2). At DeepSeek-V3's 8192 tokens the receive buffer (117 MB) does not
             stay in L2, so the gather moves ~1.9 GB and the scatter ~1.1 GB (an estimate: the probe's gather of
             DeepSeek-V2's 49152 rows at 8192 tokens took 344 us for 1.0 GB on an H100, bench/results/h100-5af6fb0);
-            where the received rows fit in L2 the two read about the same bytes from memory. Off until measured on a GPU (the `scatter-rows` stage of
-            scripts/device_run.sh).
+            where the received rows fit in L2 the two read about the same bytes from memory. On: in calls on an H100
+            (bench/results/h100-c787491, one rank's work of EP=2, 3 rounds; call / library GEMMs) at 8192 tokens
+            DeepSeek-V3 1.000 -> 0.969, -V2 1.004 -> 0.981, V2-Lite 0.929 -> 0.908, Phi-3.5-MoE 0.993 -> 0.972; at
+            2048 tokens a tie on DeepSeek-V3, V2-Lite and Phi-3.5-MoE, DeepSeek-V2 1.147 -> 1.178 (a row that spread
+            1.10-1.26 over this week's runs); the resident check with it passed 22 of 22 (1000 calls).
     """
 
     block_m: int = 128
@@ -316,8 +321,8 @@ class KernelConfig:
     serial_at_ep1: bool = True
     ws_gemm: bool = True
     ws_gather: bool = False
-    ws_chain: bool = False
-    scatter_rows: bool = False
+    ws_chain: bool = True
+    scatter_rows: bool = True
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
