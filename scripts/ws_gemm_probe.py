@@ -6,7 +6,11 @@ T x k rows of uniform routing; `weave-moe tune`'s `_Work`, so the same rows, wei
 rows; GEMM0's rows in expert order, as a paired call and the gather launch leave them), each GEMM alone:
 - `triton`: kernels/grouped_gemm.py with the config the layer picks (this device's tuned table, else the analytical
   default);
-- `library`: `torch._grouped_mm` on the same groups (GEMM0 followed by the SiLU-mul in torch, as the nccl backend);
+- `library`: `torch._grouped_mm` on the same groups, each GEMM timed alone (checked with GEMM0's SiLU-mul in torch,
+  as the nccl backend runs it, and GEMM1's output copied into y; timed without either: until 2026-12-06 the column
+  timed an fp32 SiLU-mul over GEMM0's interleaved output and a copy of GEMM1's too, DeepSeek-V2 at 2048 tokens 1312 +
+  620 us where the bench's library anchor, both GEMMs and a bf16 SiLU-mul, took 1631 us, bench/results/h100-9401955).
+  The Gluon and Triton GEMM0 fuse the SiLU-mul: this column leaves out work that they do;
 - `ws <config>`: kernels/ws_gemm.py for each candidate config.
 First every candidate runs a small check in child processes (`smoke`: 4 experts of 0 / 1 / 37 / 200 rows, both
 GEMMs against the fp32 reference; a config that hangs or faults the GPU costs --smoke-timeout once and is named,
@@ -239,8 +243,9 @@ def main(argv=None) -> int:
 
         warmed = set()   # the GEMMs of this shape timed once already (see `record`)
 
-        def record(gemm: int, name: str, launchers) -> None:
-            """Check rotation 0's launch, then time every rotation's in one graph; launchers(r) -> callable. A shape's
+        def record(gemm: int, name: str, launchers, timed=None) -> None:
+            """Check rotation 0's launch, then time every rotation's in one graph; launchers(r) -> callable (`timed`,
+            when given, the launchers timed instead: the library's GEMM without what only its check needs). A shape's
             first timing of each GEMM runs twice and keeps the second: on an H100 the first variant timed on a shape
             measured up to 1.18x the same kernel's time in a run that timed it second (DeepSeek-V3's t8 decode GEMMs
             in bench/results/h100-5af6fb0/ws_decode_probe.log, DeepSeek-V2's t16 ones in
@@ -252,7 +257,7 @@ def main(argv=None) -> int:
                 error = work.error(gemm, launchers(0))
                 ms = float("nan")
                 if error <= DEFAULT_TOLERANCE:
-                    launches = [launchers(r) for r in range(rotations)]
+                    launches = [(timed or launchers)(r) for r in range(rotations)]
                     for _ in range(1 if gemm in warmed else 2):
                         ms = statistics.median(graph_replay_ms(lambda: [launch() for launch in launches],
                                                                args.reps)) / rotations
@@ -275,23 +280,27 @@ def main(argv=None) -> int:
             config = gc.default_config(gemm, work.rows, E, H, I)
             record(gemm, f"triton {config!r}", lambda r, gemm=gemm, config=config: work.launcher(gemm, config, r))
 
-        def library0(r):
+        def library0(r):   # checked with the SiLU-mul (h against the reference); timed as the GEMM alone
             offs = work.rotated_offsets[r][1:]
 
-            def run():
-                gate_up = torch._grouped_mm(work.a[:work.rows], w13_t, offs=offs).view(work.rows, I, 2)
-                work.h[:work.rows] = (F.silu(gate_up[..., 0].float()) * gate_up[..., 1].float()).bfloat16()
+            def run(check: bool = True):
+                gate_up = torch._grouped_mm(work.a[:work.rows], w13_t, offs=offs)
+                if check:
+                    gate_up = gate_up.view(work.rows, I, 2)
+                    work.h[:work.rows] = (F.silu(gate_up[..., 0].float()) * gate_up[..., 1].float()).bfloat16()
             return run
 
-        def library1(r):
+        def library1(r):   # checked through y; timed as the GEMM alone (its output not copied)
             offs = work.rotated_offsets[r][1:]
 
-            def run():
-                work.y[:work.rows] = torch._grouped_mm(work.h_in[:work.rows], w2_t, offs=offs)
+            def run(check: bool = True):
+                out = torch._grouped_mm(work.h_in[:work.rows], w2_t, offs=offs)
+                if check:
+                    work.y[:work.rows] = out
             return run
 
-        record(0, "library", library0)
-        record(1, "library", library1)
+        record(0, "library", library0, timed=lambda r: lambda: library0(r)(check=False))
+        record(1, "library", library1, timed=lambda r: lambda: library1(r)(check=False))
         if args.gather and not args.decode:   # GEMM0's rows scattered over a source buffer: source[gather[m]] = a[m]
             from weave_moe.backends.weave.kernels import grouped_gemm as gg
             from weave_moe.backends.weave.kernels import grouped_tiles
