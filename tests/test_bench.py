@@ -640,6 +640,46 @@ def test_round_orders_put_every_variant_first_and_last_alike():
     assert round_orders(1, 3) == [[0]] * 3
 
 
+@pytest.mark.parametrize("anchor", [True, False])
+def test_rounds_time_the_library_anchor_between_the_variants(monkeypatch, anchor):
+    """With --rounds the library compute anchor is timed in every round, at its own slot of the round's order (the
+    variants' and its own turn rotate alike), and the row's lib_compute_ms is the median of all its replays; without
+    the anchor the variants' order is the one it was."""
+    from weave_moe.bench import harness
+    from weave_moe.bench.config import BenchConfig
+    from weave_moe.bench.variants import parse_variants
+    from weave_moe.models import MoESpec
+
+    spec = MoESpec(8, 2, 64, 32, name="tiny")
+    config = BenchConfig(models=(spec,), variants=parse_variants("nccl,reference"), iters=7, rounds=3,
+                         anchor=anchor)
+    events, anchor_ms = [], iter([[4.0, 6.0], [1.0], [3.0, 2.0]])   # median of all five: 3, no round's
+    monkeypatch.setattr(harness, "_build_layer", lambda *args: harness._Outcome(layer="layer"))
+    monkeypatch.setattr(harness, "_time_into", lambda run, outcome, inputs, calls, device:
+                        events.append((config.variants.index(run.result["variant"]), calls)))
+
+    def start(config_, outcome, inputs, world_size, names=iter(config.variants)):
+        return harness._Run(dict(variant=next(names)), None, [])
+    monkeypatch.setattr(harness, "_start", start)
+
+    def anchor_round(config_, spec_, inputs, w13, w2, device, calls, times):
+        events.append(("anchor", calls))
+        times += next(anchor_ms)
+        return None
+    monkeypatch.setattr(harness, "_anchor_round", anchor_round)
+    monkeypatch.setattr(harness, "_finish", lambda config_, model, spec_, variant, outcome, inputs, *rest:
+                        dict(variant=variant, lib_compute_ms=inputs.lib_compute_ms))
+    inputs = harness._ConfigInputs(tokens=4, routing="uniform", sets=[], floors=[], group_sizes=[[1, 2]])
+    rows = harness._bench_in_rounds(config, spec, spec, {(4, "uniform"): inputs}, 0, 1, torch.device("cpu"),
+                                    None, None, None)
+    slots = len(config.variants) + anchor
+    expected = [("anchor" if index == 2 else index, calls)
+                for calls, order in zip([3, 2, 2], harness.round_orders(slots, 3)) for index in order]
+    assert events == expected
+    assert sum(1 for name, _ in events if name == "anchor") == (3 if anchor else 0)
+    assert [row["lib_compute_ms"] for row in rows] == ([3.0, 3.0] if anchor else [None, None])
+
+
 def test_rounds_must_fit_the_timed_calls():
     from weave_moe.bench.config import BenchConfig
     from weave_moe.models import MoESpec
@@ -652,12 +692,13 @@ def test_rounds_must_fit_the_timed_calls():
 
 
 def test_tiny_run_in_interleaved_rounds(tmp_path):
-    """`--rounds 2`: every variant's layer kept, each configuration timed in two rounds; the same rows (the config's
-    order, every check passed) and exactly --iters timed calls per row."""
+    """`--rounds 2`: every variant's layer kept, each configuration timed in two rounds, the library anchor in each
+    too (two gloo ranks: its collectives in step); the same rows (the config's order, every check passed) and
+    exactly --iters timed calls per row."""
     code = main(["bench", "--model-dims", "8,2,64,32", "--tokens", "16", "--routing", "uniform,skewed",
                  "--variants", "nccl,reference", "--own-process", "", "--iters", "5", "--rounds", "2", "--warmup",
                  "1", "--rotate", "2", "--check", "--device", "cpu", "--nproc", "2", "--name", "rounds", "--out",
-                 str(tmp_path), "--no-progress", "--timeout", "120", "--no-breakdown", "--no-anchor"])
+                 str(tmp_path), "--no-progress", "--timeout", "120", "--no-breakdown"])
     assert code == 0
     with open(report.result_paths(str(tmp_path), "rounds")["json"]) as handle:
         data = json.load(handle)
@@ -666,7 +707,7 @@ def test_tiny_run_in_interleaved_rounds(tmp_path):
                                                             ("reference", "uniform"), ("reference", "skewed")]
     for row in rows:
         assert row["check_passed"] and row["error"] in (None, "") and row["iters"] == 5, row
-        assert row["median_ms"] > 0
+        assert row["median_ms"] > 0 and row["lib_compute_ms"] > 0 and row["x_lib_compute"] > 0, row
 
 
 @pytest.mark.parametrize("wrong_call", [None, 0, 3])   # call 3: after the 2 warm-up calls

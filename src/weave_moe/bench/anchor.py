@@ -8,7 +8,9 @@ already grouped by expert, no routing, no communication, no permutation):
     y       = torch._grouped_mm(h, w2^T, offs)               [P, H]   GEMM1
 
 captured once in a CUDA graph and replayed (no launch gaps, no host work), each replay bracketed by CUDA events; the
-row's `lib_compute_ms` is the median over replays, max over ranks. A well-built baseline spends at least this on its
+row's `lib_compute_ms` is the median over replays, max over ranks. With the bench's rounds (`--rounds` > 1) the
+anchor is timed in every round, between the variants, so that a drift of the GPU's clocks over a configuration
+reaches it as it reaches them (bench/harness.py). A well-built baseline spends at least this on its
 experts; a backend whose call is close to it has little communication or glue left to hide.
 
 Shape legend: P = pairs on this rank, E_local = local experts, H = hidden, I = intermediate.
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 
 from weave_moe.backends.weave.graphs import capturing
 
-__all__ = ["local_group_sizes", "grouped_expert_compute", "time_library_compute", "grouped_mm_usable"]
+__all__ = ["local_group_sizes", "grouped_expert_compute", "time_library_compute", "library_compute_times",
+           "grouped_mm_usable"]
 
 
 def local_group_sizes(topk_ids_all: torch.Tensor, num_experts: int, world_size: int, rank: int) -> list[int]:
@@ -73,7 +76,14 @@ def grouped_expert_compute(x_sorted: torch.Tensor, offsets: torch.Tensor, w13: t
 
 def time_library_compute(group_sizes_per_set: list[list[int]], w13: torch.Tensor, w2: torch.Tensor,
                          iters: int, seed: int = 0) -> float:
-    """Median ms of `grouped_expert_compute` over replays, cycling through the input sets' groups.
+    """Median ms of `grouped_expert_compute` over replays, cycling through the input sets' groups
+    (`library_compute_times`' median)."""
+    return statistics.median(library_compute_times(group_sizes_per_set, w13, w2, iters, seed))
+
+
+def library_compute_times(group_sizes_per_set: list[list[int]], w13: torch.Tensor, w2: torch.Tensor,
+                          iters: int, seed: int = 0) -> list[float]:
+    """ms of each replay of `grouped_expert_compute`, cycling through the input sets' groups.
 
     Args:
         group_sizes_per_set: per input set, this rank's [E_local] pairs per local expert.
@@ -104,7 +114,7 @@ def time_library_compute(group_sizes_per_set: list[list[int]], w13: torch.Tensor
                 grouped_expert_compute(x_sorted, offsets, w13, w2)
                 times.append((time.perf_counter() - start) * 1e3)
         del x_sorted, offsets
-    return statistics.median(times)
+    return times
 
 
 def _time_graph(x_sorted, offsets, w13, w2, replays: int) -> list[float]:

@@ -16,6 +16,10 @@ Rounds (`config.rounds` = N > 1): every variant's layer of a model is built firs
 each is checked and warmed up, then the timed calls come in N rounds of about iters / N calls, the variants in
 another order each round (rotated, every other round reversed), so that a drift of the GPU's clocks or of the
 machine's load over the minutes a configuration takes reaches every variant alike instead of whichever ran last.
+The library compute anchor takes part as one more slot of each round's order (`config.anchor`): timed before every
+variant it had measured the GPU while it was idle, on one H100 up to 15% away from the calls timed after it (nccl's
+DeepSeek-V3 call at 8192 tokens 11.42 and 13.14 ms in two runs minutes apart, the anchor 10.58 and 10.50;
+bench/results/h100-c787491).
 It holds every variant's layer (and their copies of the weights) at once.
 
 Timing: `torch.cuda.synchronize()` + `dist.barrier()` before the timed loop only; inside it nothing but the layer
@@ -266,6 +270,7 @@ class _ConfigInputs:
     reference: torch.Tensor | None = None  # [EP * S, H] fp32 reference of the gathered check rows
     lib_compute_ms: float | None = None  # the library compute anchor, max over ranks (None: not measured)
     lib_compute_error: str = ""  # why it is missing
+    group_sizes: list | None = None  # R lists: this rank's pairs per local expert of each set (the anchor's groups)
 
 
 @dataclass
@@ -402,7 +407,7 @@ def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w
         local = slice(rank * tokens, (rank + 1) * tokens)
         sets.append((x, torch.as_tensor(ids)[local].to(device=device, dtype=torch.int32).contiguous(),
                      torch.as_tensor(weights)[local].to(device=device, dtype=torch.float32).contiguous()))
-    config_inputs = _ConfigInputs(tokens=tokens, routing=routing, sets=sets, floors=floors)
+    config_inputs = _ConfigInputs(tokens=tokens, routing=routing, sets=sets, floors=floors, group_sizes=group_sizes)
     if config.check:
         generator = torch.Generator().manual_seed(_seed(config, spec.name, tokens, routing, "check"))
         num_rows = min(tokens, config.check_rows)
@@ -410,25 +415,32 @@ def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w
         config_inputs.check_idx = check_idx.to(device)
         config_inputs.reference = _distributed_reference(sets[0], config_inputs.check_idx, spec, rank, world_size,
                                                          w13, w2)
-    if config.anchor:
-        config_inputs.lib_compute_ms, config_inputs.lib_compute_error = _library_anchor(
-            config, spec, group_sizes, w13, w2, world_size, device)
+    if config.anchor and config.rounds == 1:   # with rounds: timed in each round (_bench_in_rounds)
+        times, error = [], _anchor_round(config, spec, config_inputs, w13, w2, device, config.iters, [])
+        config_inputs.lib_compute_ms, config_inputs.lib_compute_error = _anchor_result(times, error, world_size,
+                                                                                       device)
     return config_inputs
 
 
-def _library_anchor(config, spec, group_sizes, w13, w2, world_size, device) -> tuple[float | None, str]:
-    """(max over ranks of each rank's median ms, "") or (None, why not); the same on every rank."""
-    from weave_moe.bench.anchor import grouped_mm_usable, time_library_compute
+def _anchor_round(config, spec, inputs, w13, w2, device, iters: int, times: list) -> str | None:
+    """`iters` more replays of the library compute anchor on this configuration's groups, appended to `times` (ms);
+    returns every rank's error (None: none), the same on every rank (a collective)."""
+    from weave_moe.bench.anchor import grouped_mm_usable, library_compute_times
 
     error = grouped_mm_usable(device, spec.hidden_size, spec.intermediate_size)
-    local_ms = math.nan
     if error is None:
         try:
-            local_ms = time_library_compute(group_sizes, w13, w2, iters=config.iters, seed=config.seed)
+            times += library_compute_times(inputs.group_sizes, w13, w2, iters=iters, seed=config.seed)
         except Exception as exc:  # noqa: BLE001 - the anchor is missing from the rows, the variants still run
             error = _describe(exc)
     error = _agree(error)
     _free(device)
+    return error
+
+
+def _anchor_result(times: list, error: str | None, world_size: int, device) -> tuple[float | None, str]:
+    """(max over ranks of each rank's median ms, "") or (None, why not); the same on every rank (a collective)."""
+    local_ms = statistics.median(times) if times and error is None else math.nan
     slowest = _gather_rows(torch.tensor([local_ms], dtype=torch.float64, device=device), world_size).max().item()
     return (None, error) if error is not None else (slowest, "")
 
@@ -604,16 +616,25 @@ def _bench_in_rounds(config, model, spec, inputs, rank, world_size, device, w13,
     outcomes = [_build_layer(spec, variant, config, device, w13, w2) for variant in variants]
     iters, rounds = config.iters, config.rounds
     per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]   # config.iters calls in all
+    anchor = len(variants)   # the library compute anchor's slot in each round's order (config.anchor)
     rows: dict[tuple, dict] = {}
     for key, config_inputs in inputs.items():
         runs = [_start(config, outcome, config_inputs, world_size) for outcome in outcomes]
         for run in runs:
             run.stopped = _failed_anywhere(run.error)
-        for calls, order in zip(per_round, round_orders(len(variants), rounds)):
+        anchor_times, anchor_error = [], None
+        for calls, order in zip(per_round, round_orders(len(variants) + config.anchor, rounds)):
             for index in order:
-                if outcomes[index].layer is not None and not runs[index].stopped:
+                if index == anchor:
+                    if anchor_error is None:
+                        anchor_error = _anchor_round(config, spec, config_inputs, w13, w2, device, calls,
+                                                     anchor_times)
+                elif outcomes[index].layer is not None and not runs[index].stopped:
                     _time_into(runs[index], outcomes[index], config_inputs, calls, device)
                     runs[index].stopped = _failed_anywhere(runs[index].error)
+        if config.anchor:
+            config_inputs.lib_compute_ms, config_inputs.lib_compute_error = _anchor_result(
+                anchor_times, anchor_error, world_size, device)
         for index, (variant, outcome) in enumerate(zip(variants, outcomes)):
             rows[index, key] = _finish(config, model, spec, variant, outcome, config_inputs, rank, world_size,
                                        device, runs[index])
