@@ -416,7 +416,8 @@ def _make_inputs(config, spec, tokens, routing, rank, world_size, device, w13, w
         config_inputs.reference = _distributed_reference(sets[0], config_inputs.check_idx, spec, rank, world_size,
                                                          w13, w2)
     if config.anchor and config.rounds == 1:   # with rounds: timed in each round (_bench_in_rounds)
-        times, error = [], _anchor_round(config, spec, config_inputs, w13, w2, device, config.iters, [])
+        times = []
+        error = _anchor_round(config, spec, config_inputs, w13, w2, device, config.iters, times)
         config_inputs.lib_compute_ms, config_inputs.lib_compute_error = _anchor_result(times, error, world_size,
                                                                                        device)
     return config_inputs
