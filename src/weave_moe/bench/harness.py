@@ -16,9 +16,9 @@ Rounds (`config.rounds` = N > 1): every variant's layer of a model is built firs
 each is checked and warmed up, then the timed calls come in N rounds of about iters / N calls, the variants in
 another order each round (rotated, every other round reversed), so that a drift of the GPU's clocks or of the
 machine's load over the minutes a configuration takes reaches every variant alike instead of whichever ran last.
-The library compute anchor takes part as one more slot of each round's order (`config.anchor`): timed before every
-variant it had measured the GPU while it was idle, on one H100 up to 15% away from the calls timed after it (nccl's
-DeepSeek-V3 call at 8192 tokens 11.42 and 13.14 ms in two runs minutes apart, the anchor 10.58 and 10.50;
+The library compute anchor takes part as one more slot of each round's order (`config.anchor`): timed once before
+every variant, it could not see a drift that reached the calls timed after it (on one H100, nccl's DeepSeek-V3 call
+at 8192 tokens took 11.42 and 13.14 ms in two runs minutes apart while the anchor took 10.58 and 10.50;
 bench/results/h100-c787491).
 It holds every variant's layer (and their copies of the weights) at once.
 
