@@ -624,7 +624,7 @@ def _bench_in_rounds(config, model, spec, inputs, rank, world_size, device, w13,
         for run in runs:
             run.stopped = _failed_anywhere(run.error)
         anchor_times, anchor_error = [], None
-        for calls, order in zip(per_round, round_orders(len(variants) + config.anchor, rounds)):
+        for calls, order in zip(per_round, round_orders(len(variants) + int(config.anchor), rounds)):
             for index in order:
                 if index == anchor:
                     if anchor_error is None:
