@@ -16,7 +16,8 @@ First every candidate runs a small check in child processes (`smoke`: 4 experts 
 GEMMs against the fp32 reference; a config that hangs or faults the GPU costs --smoke-timeout once and is named,
 not timed). Every variant is then checked on each shape (outputs poisoned with NaN: an unwritten row fails; the
 checked rows against the fp32 reference within the reference's tolerance); only a checked variant is timed (CUDA-
-graph replays, median of --reps, cold L2 unless --warm-l2). Prints TFLOP/s and the TB/s of the least bytes each GEMM
+graph replays, median of --reps, cold L2 unless --warm-l2), a shape's variants of each GEMM in --rounds interleaved
+rounds (the order rotated, every other round reversed), the median over rounds. Prints TFLOP/s and the TB/s of the least bytes each GEMM
 must move (its active experts' weights, its rows in and out: against the GPU's HBM bandwidth where the weights
 stream), and writes JSON after every shape (--out). A config named with "b" (e.g. 64x256x64w4s4b) reads the weights
 in the K-blocked layout (`ws_ring.block_weights`, made once per shape and K step).
@@ -127,6 +128,21 @@ def smoke(config, decode: bool) -> str:
     return "PASS " + ", ".join(errors)
 
 
+def time_in_rounds(items: list, rounds: int, time_once) -> list[float]:
+    """Each item's median time over `rounds` interleaved rounds: round r times every item once, in the bench's order
+    for round r (`harness.round_orders`: rotated by one per round, every other round reversed), so that a drift of
+    the GPU over the minutes a shape takes reaches every item alike. `time_once(item, first)` -> ms, `first`: the
+    item is the first timed of its group (`items`' first element of each `group`) in round 0, which a caller may time
+    twice (the first-timed artifact, `record`)."""
+    from weave_moe.bench.harness import round_orders
+
+    times: list[list[float]] = [[] for _ in items]
+    for r, order in enumerate(round_orders(len(items), rounds)):
+        for position, index in enumerate(order):
+            times[index].append(time_once(items[index], r == 0 and position == 0))
+    return [statistics.median(values) for values in times]
+
+
 def smoke_all(texts: list[str], decode: bool, timeout_s: float) -> dict:
     """`smoke` for every config, in child processes so that a config that hangs or faults the GPU costs at most
     `timeout_s` and names itself: {text: "PASS ..." / "FAIL ..." / "HANG"}. A child runs the configs in order,
@@ -170,7 +186,10 @@ def main(argv=None) -> int:
     parser.add_argument("--decode", action="store_true", help="the decode GEMMs (kernels/ws_decode.py)")
     parser.add_argument("--configs", default=None, help="candidates (default: DEFAULT_CONFIGS or "
                                                          "DEFAULT_DECODE_CONFIGS)")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=5, help="replays per round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="a shape's variants of each GEMM timed in this many interleaved rounds (rotated order), "
+                             "each --reps replays; the median over rounds")
     parser.add_argument("--smoke-timeout", type=float, default=90.0,
                         help="seconds for the small check of the configs, first (a hang costs this once)")
     parser.add_argument("--smoke-only", action="store_true", help=argparse.SUPPRESS)   # smoke_all's child
@@ -178,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gather", action="store_true", help="GEMM0 through gather rows too (module docstring)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.reps < 1:
+        parser.error(f"--rounds and --reps must be >= 1, given {args.rounds} and {args.reps}")
 
     import torch
     import torch.nn.functional as F
@@ -241,40 +262,52 @@ def main(argv=None) -> int:
         w2_t = work.w2.transpose(1, 2)     # [E, I, H]
         row = dict(shape, variants={})
 
-        warmed = set()   # the GEMMs of this shape timed once already (see `record`)
+        checked = {0: [], 1: []}   # per GEMM: (name, error, launches) of the variants checked, timed after all
 
         def record(gemm: int, name: str, launchers, timed=None) -> None:
-            """Check rotation 0's launch, then time every rotation's in one graph; launchers(r) -> callable (`timed`,
-            when given, the launchers timed instead: the library's GEMM without what only its check needs). A shape's
-            first timing of each GEMM runs twice and keeps the second: on an H100 the first variant timed on a shape
-            measured up to 1.18x the same kernel's time in a run that timed it second (DeepSeek-V3's t8 decode GEMMs
-            in bench/results/h100-5af6fb0/ws_decode_probe.log, DeepSeek-V2's t16 ones in
-            bench/results/h100-1eee06e/ws_decode_probe-reversed.log)."""
+            """Check rotation 0's launch now; a variant within the tolerance is timed with the shape's others
+            (`time_checked`), every rotation's launch in one graph. launchers(r) -> callable (`timed`, when given,
+            the launchers timed instead: the library's GEMM without what only its check needs)."""
             nonlocal failures
-            rotations = work.rotations[gemm]
             entry = row["variants"].setdefault(name, {})
             try:
                 error = work.error(gemm, launchers(0))
-                ms = float("nan")
-                if error <= DEFAULT_TOLERANCE:
-                    launches = [(timed or launchers)(r) for r in range(rotations)]
-                    for _ in range(1 if gemm in warmed else 2):
-                        ms = statistics.median(graph_replay_ms(lambda: [launch() for launch in launches],
-                                                               args.reps)) / rotations
-                    warmed.add(gemm)
+                launches = [(timed or launchers)(r) for r in range(work.rotations[gemm])]
             except Exception as exc:   # a config that does not compile or launch here: skipped, named
                 entry[f"gemm{gemm}"] = dict(skipped=f"{type(exc).__name__}: {str(exc)[:300]}")
                 print(f"  {shape['model']} T={shape['tokens']} GEMM{gemm} {name}: skipped, {type(exc).__name__}: "
                       f"{str(exc)[:200]}", flush=True)
                 return
             failures += error > DEFAULT_TOLERANCE
-            timed = ms == ms
-            entry[f"gemm{gemm}"] = dict(ms=ms, error=error, tflops=flops[gemm] / ms / 1e9 if timed else None,
-                                        min_tbps=min_bytes[gemm] / ms / 1e9 if timed else None)
-            print(f"  {shape['model']} T={shape['tokens']} GEMM{gemm} {name}: {ms * 1e3:.1f} us, "
-                  f"{flops[gemm] / ms / 1e9 if timed else float('nan'):.0f} TFLOP/s, "
-                  f"{min_bytes[gemm] / ms / 1e9 if timed else float('nan'):.2f} TB/s of its least bytes, "
-                  f"error {error:.1e}", flush=True)
+            entry[f"gemm{gemm}"] = dict(ms=float("nan"), error=error, tflops=None, min_tbps=None)
+            if error <= DEFAULT_TOLERANCE:
+                checked[gemm].append((name, error, launches))
+            else:
+                print(f"  {shape['model']} T={shape['tokens']} GEMM{gemm} {name}: error {error:.1e}, not timed",
+                      flush=True)
+
+        def time_checked() -> None:
+            """Every checked variant of each GEMM timed in --rounds interleaved rounds (`time_in_rounds`). The first
+            timed in round 0 runs twice and keeps the second: on an H100 the first variant timed on a shape
+            measured up to 1.18x the same kernel's time in a run that timed it second (DeepSeek-V3's t8 decode GEMMs
+            in bench/results/h100-5af6fb0/ws_decode_probe.log, DeepSeek-V2's t16 ones in
+            bench/results/h100-1eee06e/ws_decode_probe-reversed.log)."""
+            for gemm, items in checked.items():
+                rotations = work.rotations[gemm]
+
+                def time_once(item, first):
+                    launches = item[2]
+                    for _ in range(2 if first else 1):
+                        ms = statistics.median(graph_replay_ms(lambda: [launch() for launch in launches],
+                                                               args.reps)) / rotations
+                    return ms
+                for (name, error, _), ms in zip(items, time_in_rounds(items, args.rounds, time_once)):
+                    row["variants"][name][f"gemm{gemm}"].update(ms=ms, tflops=flops[gemm] / ms / 1e9,
+                                                                min_tbps=min_bytes[gemm] / ms / 1e9)
+                    print(f"  {shape['model']} T={shape['tokens']} GEMM{gemm} {name}: {ms * 1e3:.1f} us, "
+                          f"{flops[gemm] / ms / 1e9:.0f} TFLOP/s, {min_bytes[gemm] / ms / 1e9:.2f} TB/s of its "
+                          f"least bytes, error {error:.1e}", flush=True)
+                items.clear()
 
         for gemm in (0, 1):
             config = gc.default_config(gemm, work.rows, E, H, I)
@@ -351,6 +384,7 @@ def main(argv=None) -> int:
 
             record(0, str(config), ws0)
             record(1, str(config), ws1)
+        time_checked()
         results.append(row)
         write()
     print(f"\n{'model':18s} {'T':>5s} {'gemm':>4s}  {'triton us':>9s} {'library us':>10s} {'best ws us':>10s} "

@@ -198,6 +198,32 @@ def test_k_blocked_weights_compile_and_refuse_the_plain_layout(tmp_path):
         gc.parse_ws_config("64x256x64w4s4b")
 
 
+def test_the_probe_times_a_shapes_variants_in_interleaved_rounds():
+    """scripts/ws_gemm_probe.py's `time_in_rounds`: every variant once per round, in the bench's rotating order, the
+    median over rounds; only round 0's first variant is marked for the second timing (the first-timed artifact)."""
+    import importlib.util
+    from pathlib import Path
+
+    from weave_moe.bench.harness import round_orders
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ws_gemm_probe.py"
+    spec = importlib.util.spec_from_file_location("ws_gemm_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    calls, clock = [], iter(range(100))
+
+    def time_once(item, first):
+        calls.append((item, first))
+        return float(next(clock)) + (10.0 if item == "b" else 0.0)
+    medians = probe.time_in_rounds(["a", "b", "c"], 3, time_once)
+    assert [item for item, _ in calls] == ["abc"[i] for order in round_orders(3, 3) for i in order]
+    assert [first for _, first in calls] == [True] + [False] * 8
+    times = {item: [] for item in "abc"}
+    for tick, (item, _) in enumerate(calls):
+        times[item].append(tick + (10.0 if item == "b" else 0.0))
+    assert medians == [sorted(times[item])[1] for item in "abc"]
+
+
 def test_the_probes_configs_parse():
     import importlib.util
     from pathlib import Path
