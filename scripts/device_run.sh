@@ -75,9 +75,11 @@ for stage in "$@"; do
     # (I > 1024: the Triton GEMM0 does not read the gather rows), at prefill sizes, --check on every row, 3 rounds
     scatter-rows) timeout "${SR_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${SR_MODELS:-deepseek-v3,deepseek-v2,deepseek-v2-lite,phi-3.5-moe}" --tokens "${SR_TOKENS:-2048,8192}" --routing uniform --variants "${SR_VARIANTS:-nccl,weave:serial,weave:serial@scatter_rows=on}" --check --iters 10 --rounds 3 --no-progress --timeout $(( ${SR_TIMEOUT:-420} - 10 )) --name scatter-rows --out "$W" > "$W/scatter-rows.log" 2>&1; echo "rc=$?"; tail -30 "$W/scatter-rows.log";;
     # the next session's first call (docs/perf-notes.md, "The next GPU session, one list (as of entry 49)"), ~9 min
-    # the table without DeepSeek-V2 2048's GEMM0 entry (entry 51) in calls, with the Gluon GEMM0 through the gather
+    # EP=2's protocol on one GPU with scatter_rows / ws_chain on (entry 51: checked at EP=1 only on a GPU); the table
+    # without DeepSeek-V2 2048's GEMM0 entry (entry 51) in calls, with the Gluon GEMM0 through the gather
     # rows beside it (ws_gather, now on the 64x256x64 default there), uniform and skewed; then issue 14's record
-    next52) TA_TABLES=shipped TA_MODELS=deepseek-v2,deepseek-v3 TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS=nccl,weave:serial,weave:serial@ws_gather=on TA_TIMEOUT=200 TA_PROFILE=deepseek-v2:2048 "$0" table-ab
+    next52) SV_TIMEOUT=200 "$0" shared-validate
+        TA_TABLES=shipped TA_MODELS=deepseek-v2,deepseek-v3 TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS=nccl,weave:serial,weave:serial@ws_gather=on TA_TIMEOUT=200 TA_PROFILE=deepseek-v2:2048 "$0" table-ab
         EVAL_TIMEOUT=320 EVAL_TOKENS=2048,8192 EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3 "$0" eval6-emu;;
     # DeepSeek-V2 at 2048 tokens (issue 14's worst row): each GEMM alone per config against the library's, then the
     # call with the analytical configs against the shipped table's, uniform and skewed, with the call's timeline
