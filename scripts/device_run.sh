@@ -80,6 +80,10 @@ for stage in "$@"; do
     # rows beside it (ws_gather, now on the 64x256x64 default there), uniform and skewed; then issue 14's record
     next52) SV_TIMEOUT=200 "$0" shared-validate
         TA_TABLES=shipped TA_MODELS=deepseek-v2,deepseek-v3 TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS=nccl,weave:serial,weave:serial@ws_gather=on TA_TIMEOUT=200 TA_PROFILE=deepseek-v2:2048 "$0" table-ab;;
+    # the H100 prefill entries re-tuned into the shipped table, both routings, 3 confirmation rounds, the probe order
+    # fixed (perf-notes 51, list item 1): three models a call
+    retune-a) TUNE_TIMEOUT=560 TUNE_MODELS=deepseek-v3,deepseek-v2,phi-3.5-moe TUNE_TOKENS=2048,8192 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
+    retune-b) TUNE_TIMEOUT=560 TUNE_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite TUNE_TOKENS=2048,8192 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
     # ... and, as a second call (one call may run 600 s), issue 14's record with the anchor in the rounds
     next52b) EVAL_TIMEOUT=500 EVAL_TOKENS=2048,8192 EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3 "$0" eval6-emu;;
     # DeepSeek-V2 at 2048 tokens (issue 14's worst row): each GEMM alone per config against the library's, then the
