@@ -131,9 +131,8 @@ def smoke(config, decode: bool) -> str:
 def time_in_rounds(items: list, rounds: int, time_once) -> list[float]:
     """Each item's median time over `rounds` interleaved rounds: round r times every item once, in the bench's order
     for round r (`harness.round_orders`: rotated by one per round, every other round reversed), so that a drift of
-    the GPU over the minutes a shape takes reaches every item alike. `time_once(item, first)` -> ms, `first`: the
-    item is the first timed of its group (`items`' first element of each `group`) in round 0, which a caller may time
-    twice (the first-timed artifact, `record`)."""
+    the GPU over the minutes a shape takes reaches every item alike. `time_once(item, first)` -> ms; `first` is True
+    for the first timing of round 0 only, which a caller may run twice (the first-timed artifact, `time_checked`)."""
     from weave_moe.bench.harness import round_orders
 
     times: list[list[float]] = [[] for _ in items]
