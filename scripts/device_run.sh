@@ -84,6 +84,12 @@ for stage in "$@"; do
     # fixed (perf-notes 51, list item 1): three models a call
     retune-a) TUNE_TIMEOUT=560 TUNE_MODELS=deepseek-v3,deepseek-v2,phi-3.5-moe TUNE_TOKENS=2048,8192 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
     retune-b) TUNE_TIMEOUT=560 TUNE_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite TUNE_TOKENS=2048,8192 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
+    # 192-row tiles (three 64-row consumers sharing each W stage: ws_ring "Row parts") on DeepSeek-V2 / V3 at 2048
+    # tokens, each GEMM alone beside the 64- and 128-row configs; then DeepSeek-V2 2048 tuned with them among the
+    # candidates into the shipped table, and its calls with that table (uniform, skewed) and a timeline
+    rowparts) WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,128x256x64w8s4,192x128x64w4s4,192x128x64w4s3 WS_TIMEOUT=220 "$0" ws-gemm
+        TUNE_TIMEOUT=150 TUNE_MODELS=deepseek-v2 TUNE_TOKENS=2048 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,128x256x64w8s4,192x128x64w4s4,192x128x64w4s3 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune
+        TA_TABLES=shipped TA_MODELS=deepseek-v2 TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS=nccl,weave:serial TA_TIMEOUT=150 TA_PROFILE=deepseek-v2:2048 "$0" table-ab;;
     # ... and, as a second call (one call may run 600 s), issue 14's record with the anchor in the rounds
     next52b) EVAL_TIMEOUT=500 EVAL_TOKENS=2048,8192 EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3 "$0" eval6-emu;;
     # DeepSeek-V2 at 2048 tokens (issue 14's worst row): each GEMM alone per config against the library's, then the

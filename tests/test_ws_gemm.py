@@ -26,13 +26,21 @@ def test_configs_refuse_what_cannot_run():
     ws.WsConfig()
     assert (ws.WsConfig().registers, ws.WsConfig(block_m=64, num_warps=4).registers,
             ws.WsConfig(block_n=128, num_warps=4, consumers=2).registers) == (168, 248, 168)
+    parts = ws.WsConfig(block_m=192, block_n=128, num_warps=4)   # three row parts: 16 warps, 128 registers each
+    assert (parts.row_parts, parts.warps, parts.registers, parts.part_regs) == (3, 16, 128, 152)
+    assert ws.WsConfig.parse(parts.short) == parts and ws.WsConfig().row_parts == 1
     for bad, message in ((dict(block_m=32), "block_m"), (dict(block_n=512), "block_n"), (dict(num_warps=2), "warps"),
                          (dict(stages=1), "stages"), (dict(producer_regs=30), "producer_regs"),
                          (dict(maxnreg=200), "registers of an SM"), (dict(consumers=3), "consumers"),
                          (dict(consumers=2), "ping-pong"), (dict(consumer_regs=300), "consumer_regs"),
                          (dict(block_m=128, block_n=256, num_warps=4), "accumulator"),
                          (dict(block_m=64, num_warps=4, split_tail=True), "split_tail"),
-                         (dict(block_n=128, num_warps=4, consumers=2, split_tail=True), "split_tail")):
+                         (dict(block_n=128, num_warps=4, consumers=2, split_tail=True), "split_tail"),
+                         (dict(block_m=256, num_warps=4), "block_m"),
+                         (dict(block_m=192, block_n=128, num_warps=8), "192-row tiles"),
+                         (dict(block_m=192, block_n=128, num_warps=4, split_tail=True), "192-row tiles"),
+                         (dict(block_m=192, block_n=256, num_warps=4, stages=3), "block_n=128"),
+                         (dict(block_m=192, block_n=128, num_warps=4, stages=5), "shared memory")):
         with pytest.raises(ValueError, match=message):
             ws.WsConfig(**bad)
 
@@ -66,6 +74,8 @@ CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shap
     (1, ws.WsConfig(split_tail=True, stages=3), 2048, 768, True),
     (1, ws.WsConfig(block_m=64, block_n=128, num_warps=8), 2048, 768, True),
     (0, ws.WsConfig(block_n=128, block_k=128, stages=3), 2048, 768, False),
+    (0, ws.WsConfig(block_m=192, block_n=128, num_warps=4), 5120, 1536, False),   # DeepSeek-V2's: row parts
+    (1, ws.WsConfig(block_m=192, block_n=128, num_warps=4, stages=3), 5120, 1536, True),
 ]
 
 
@@ -78,9 +88,9 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
     compiled = sm90.compile_for_sm90(kernel, args, kwargs)
     ptx = compiled.asm["ptx"]
     # the producer's loads: A and W through the bulk tensor copy engine, completing the stage's mbarrier (a block
-    # row of more than the 128-byte swizzle is copied as several boxes)
+    # row of more than the 128-byte swizzle is copied as several boxes; row parts: an A box each)
     boxes = max(1, 2 * config.block_k // 128)
-    loads = 2 * boxes * (2 if config.split_tail else 1)   # the tails' loads are their own instructions
+    loads = (config.row_parts + 1) * boxes * (2 if config.split_tail else 1)   # the tails': their own instructions
     assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx") == loads
     # the partitions' registers: the producer's warpgroup gives registers back, the consumer takes them
     counts = {int(v) for v in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx)}
@@ -90,12 +100,12 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
     expected = {}
     for rows in (config.block_m, config.block_m // 2) if config.split_tail else (config.block_m, ):
         warps_n = 2 if (rows, config.num_warps) == (64, 8) else 1
-        rows_per_warpgroup = rows // max(1, config.num_warps // 4 // warps_n)
-        # per consumer: BLOCK_K / 16 steps, each over the warpgroup's rows in m64 slices
+        rows_per_warpgroup = rows // config.row_parts // max(1, config.num_warps // 4 // warps_n)
+        # per consumer (each row part its own): BLOCK_K / 16 steps, each over the warpgroup's rows in m64 slices
         expected[f"m64n{config.block_n // warps_n}k16"] = config.block_k // 16 * (rows_per_warpgroup // 64)
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
     assert {shape: shapes.count(shape) for shape in set(shapes)} == {
-        shape: count * config.consumers for shape, count in expected.items()}
+        shape: count * config.consumers * config.row_parts for shape, count in expected.items()}
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # no CTA-wide barrier in the loops: the partitions meet only through mbarriers and named barriers of their own
     # warps (`bar.sync 0, <threads>`), after the start (`barrier.sync 1`, the warp-specialize dispatch)
@@ -261,18 +271,24 @@ def test_default_config_takes_the_weight_streaming_sizes_only():
 
 
 class _MBarrier:
-    """An mbarrier of arrival count 1: `wait(parity)` passes once the phase of that parity has completed, i.e.
+    """An mbarrier of arrival count `count`: `wait(parity)` passes once the phase of that parity has completed, i.e.
     while the phase in progress has the other parity (a fresh barrier: phase 0 in progress, so parity 1 passes)."""
 
-    def __init__(self):
-        self.completions = 0
+    def __init__(self, count: int = 1):
+        self.completions, self.count, self.arrivals = 0, count, 0
+
+    def arrive(self):
+        self.arrivals += 1
+        if self.arrivals == self.count:
+            self.completions, self.arrivals = self.completions + 1, 0
 
     def passes(self, parity: int) -> bool:
         return self.completions % 2 != parity
 
 
 def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int, gather_threads: int = 0,
-              chained: bool = False, early: int | None = None) -> None:
+              chained: bool = False, early: int | None = None, parts: int = 1,
+              empty_arrivals: int | None = None) -> None:
     """The ring protocol of kernels/ws_ring.py (with ws_gemm.py's turns), its step, stage and phase arithmetic, the
     producer and the consumers interleaved at random: every consumer step must read the stage the producer filled for
     that step, and the producer must never refill a stage an unfinished MMA still reads. Each agent is a generator
@@ -280,13 +296,20 @@ def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int, 
     agent): the W block, and the A block or, with `gather_threads`, one part per producer thread (their
     cp.async.mbarrier.arrive.noinc); `ready` completes when all of a step's parts have landed. `chained`: the
     producer issues its first item's first min(stages, k_steps) W blocks, then waits for the kernel before (which
-    ends at a random moment) before any A block ("Chained launches"); `early` overrides that count (to break it)."""
+    ends at a random moment) before any A block ("Chained launches"); `early` overrides that count (to break it).
+    `parts` > 1 (one consumer per row part, every item; ws_ring "Row parts"): each item has 1 to `parts` parts with
+    rows (at random), whose A blocks the producer copies; a part without rows waits on `ready` and releases the stage
+    at once; `empty` counts `parts` arrivals (`empty_arrivals` overrides that, to break it)."""
     import random
 
     rng = random.Random(seed)
-    ready, empty = [_MBarrier() for _ in range(stages)], [_MBarrier() for _ in range(stages)]
+    ready, empty = [_MBarrier() for _ in range(stages)], [_MBarrier(empty_arrivals or parts) for _ in range(stages)]
+    active = [rng.randint(1, parts) for _ in range(items)]   # row parts with rows, per item
     turn = [_MBarrier() for _ in range(consumers)]   # ping-pong: the mainloops take turns
-    parts = ["w"] + ([f"a{t}" for t in range(gather_threads)] if gather_threads else ["a"])
+    if parts > 1:   # an A block per row part: part names per item
+        names = [["w"] + [f"a{p}" for p in range(n)] for n in active]
+    else:
+        names = [["w"] + ([f"a{t}" for t in range(gather_threads)] if gather_threads else ["a"])] * items
     contents = [{} for _ in range(stages)]   # part -> the step whose block a stage holds
     pending = [0] * stages                   # parts of the stage's phase in progress not yet landed
     in_transit = []                          # (stage, part, step) issued, not landed
@@ -310,7 +333,7 @@ def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int, 
             stage, name, step = in_transit.pop(rng.randrange(len(in_transit)))
             contents[stage][name] = step
             pending[stage] -= 1
-            if pending[stage] == 0 and all(contents[stage].get(n) == step for n in parts):
+            if pending[stage] == 0 and all(contents[stage].get(n) == step for n in names[step // k_steps]):
                 ready[stage].completions += 1
 
     def producer():
@@ -320,7 +343,7 @@ def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int, 
         if chained:
             yield lambda: previous["ended"]   # griddepcontrol.wait
             for i in range(first):
-                issue(i % stages, i, [p for p in parts if p != "w"])
+                issue(i % stages, i, [p for p in names[0] if p != "w"])
         for item in range(items):
             for k in range(k_steps):
                 if item == 0 and k < first:
@@ -330,19 +353,28 @@ def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int, 
                 yield lambda s=stage, p=((step // stages) & 1) ^ 1: empty[s].passes(p)
                 assert not reading[stage], f"step {step} refills stage {stage} under an MMA: {reading[stage]}"
                 assert chained is False or previous["ended"], "an A block loaded before the kernel before ended"
-                issue(stage, step, parts)
+                issue(stage, step, names[item])
                 step += 1
 
     def consumer(which):
         in_flight = []   # (stage, step) of this consumer's MMA groups not yet waited for
-        for index in range(which, items, consumers):   # the CTA's item index
+        # the CTA's item indices: alternate ones (ping-pong), or every one (row part `which`)
+        for index in range(which, items, consumers) if parts == 1 else range(items):
             step = index * k_steps
             if consumers == 2:   # the other consumer's mainloops of the items before this one
                 yield lambda turns=index // 2 + which: turns == 0 or turn[which].passes((turns - 1) & 1)
+            if parts > 1 and which >= active[index]:   # a row part without rows: `_pass_tile`
+                for k in range(k_steps):
+                    stage = step % stages
+                    yield lambda s=stage, p=(step // stages) & 1: ready[s].passes(p)
+                    empty[stage].arrive()
+                    step += 1
+                continue
+            reads = ["w", f"a{which}"] if parts > 1 else names[index]
             for k in range(k_steps):
                 stage = step % stages
                 yield lambda s=stage, p=(step // stages) & 1: ready[s].passes(p)
-                assert all(contents[stage].get(n) == step for n in parts), \
+                assert all(contents[stage].get(n) == step for n in reads), \
                     f"consumer {which} reads {contents[stage]} as step {step}"
                 reading[stage].add((which, step))
                 in_flight.append((stage, step))
@@ -350,18 +382,19 @@ def _simulate(stages: int, consumers: int, items: int, k_steps: int, seed: int, 
                     done_stage, done_step = in_flight.pop(0)
                     reading[done_stage].discard((which, done_step))
                 if k > 0:
-                    empty[(step + stages - 1) % stages].completions += 1
-                consumed.append(step)
+                    empty[(step + stages - 1) % stages].arrive()
+                if which == 0 or parts == 1:   # (part 0 always has rows)
+                    consumed.append(step)
                 step += 1
             if consumers == 2:
                 turn[1 - which].completions += 1
             for done_stage, done_step in in_flight:   # warpgroup_mma_wait(0)
                 reading[done_stage].discard((which, done_step))
             in_flight.clear()
-            empty[(step + stages - 1) % stages].completions += 1
+            empty[(step + stages - 1) % stages].arrive()
             yield lambda: True   # the epilogue
 
-    workers = [producer()] + [consumer(c) for c in range(consumers)]
+    workers = [producer()] + [consumer(c) for c in range(consumers if parts == 1 else parts)]
 
     def finished():
         return not any(agent in agents for agent in workers)
@@ -399,12 +432,26 @@ def test_the_ring_protocol_with_gathered_rows_and_chained_launches(stages, consu
             _simulate(stages, consumers, items, k_steps, seed, gather_threads, chained)
 
 
+@pytest.mark.parametrize("stages,parts,chained", [(2, 3, False), (3, 3, False), (4, 3, False), (4, 2, False),
+                                                  (3, 3, True)])
+def test_the_ring_protocol_with_row_parts(stages, parts, chained):
+    """192-row tiles (ws_ring, "Row parts"): every consumer reads every stage's W block and its own A block; parts
+    without rows in an item only pass its stages on; `empty` completes once all parts have released a stage."""
+    for seed in range(30):
+        for items, k_steps in ((1, 1), (3, 2), (5, 3), (4, 11)):
+            _simulate(stages, 1, items, k_steps, seed, chained=chained, parts=parts)
+
+
 def test_the_ring_simulation_fails_on_a_broken_protocol():
     """The simulation can fail: a chained producer that pre-issues one stage more than the ring holds refills a stage
     whose first phase has not been consumed (its parts then mix two steps, or its phase never completes)."""
     with pytest.raises(AssertionError):
         for seed in range(10):
             _simulate(2, 1, 3, 5, seed, 0, True, early=3)
+    # row parts whose `empty` completes on one part's arrival: a stage is refilled under another part's MMA
+    with pytest.raises(AssertionError):
+        for seed in range(10):
+            _simulate(3, 1, 4, 6, seed, parts=3, empty_arrivals=1)
 
 
 def test_the_probes_small_checks_report_every_config_from_child_processes():

@@ -62,6 +62,8 @@ __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "d
 
 #: registers a thread may hold (the hardware's limit per thread)
 MAX_REGS = 255
+#: rows of a row part: one warpgroup's wgmma height (module docstring, "Row parts")
+ROW_PART = 64
 #: fp32 accumulator registers per consumer thread at most: 128x256 over 8 warps; 128x256 over 4 warps (256) spills
 #: in ptxas (tests/test_ws_gemm.py)
 ACCUMULATOR_REGS = 128
@@ -72,8 +74,10 @@ class WsConfig:
     """Tile shape and partitions of one warp-specialised grouped GEMM launch.
 
     Attributes:
-        block_m: rows per M tile: 64 (one warpgroup of 4 warps, or two side by side over N) or 128 (two warpgroups
-            of 64 rows, or one over both halves when the accumulator fits: ACCUMULATOR_REGS).
+        block_m: rows per M tile: 64 (one warpgroup of 4 warps, or two side by side over N), 128 (two warpgroups
+            of 64 rows, or one over both halves when the accumulator fits: ACCUMULATOR_REGS) or 192 (row parts:
+            three consumer partitions of one warpgroup, each over 64 rows of every work item, the W stage shared;
+            `row_parts`).
         block_n: accumulator columns per tile (GEMM0: BN / 2 gate-up pairs, BN / 2 columns of h), at most 256.
         block_k: K step.
         stages: shared-memory stages of the load ring (at least 2).
@@ -110,8 +114,8 @@ class WsConfig:
     k_blocked: bool = False
 
     def __post_init__(self):
-        if self.block_m not in (64, 128):
-            raise ValueError(f"WsConfig.block_m must be 64 or 128, got {self.block_m}")
+        if self.block_m not in (64, 128, ROW_PART * 3):
+            raise ValueError(f"WsConfig.block_m must be 64, 128 or {ROW_PART * 3}, got {self.block_m}")
         if self.block_n not in (64, 128, 256):
             raise ValueError(f"WsConfig.block_n must be 64, 128 or 256, got {self.block_n}")
         if self.block_k not in (32, 64, 128):
@@ -122,9 +126,18 @@ class WsConfig:
             # one stage would be refilled while the MMA that reads it is in flight (the consumer releases a stage
             # one step late)
             raise ValueError(f"WsConfig.stages must be in [2, 8] and group_m >= 1, got {self.stages}, {self.group_m}")
-        if self.block_m * self.block_n > ACCUMULATOR_REGS * 32 * self.num_warps:
-            raise ValueError(f"WsConfig: a {self.block_m}x{self.block_n} fp32 accumulator over {self.num_warps} warps "
+        if self.row_parts > 1 and (self.num_warps != 4 or self.consumers != 1 or self.split_tail):
+            raise ValueError(f"WsConfig: {self.block_m}-row tiles are {self.row_parts} consumers of one warpgroup "
+                             f"each (num_warps=4, consumers=1, no split_tail)")
+        rows = self.block_m // self.row_parts
+        if rows * self.block_n > ACCUMULATOR_REGS * 32 * self.num_warps:
+            raise ValueError(f"WsConfig: a {rows}x{self.block_n} fp32 accumulator over {self.num_warps} warps "
                              f"holds more than {ACCUMULATOR_REGS} registers per thread (it spills)")
+        if self.row_parts > 1 and rows * self.block_n > self.registers // 2 * 32 * self.num_warps:
+            # ptxas allocates every partition within the launch's registers (128 for 16 warps): a 64x256
+            # accumulator's wgmma needs 154 there (tests/test_ws_gemm.py), a 64x128 one compiles without spills
+            raise ValueError(f"WsConfig: {self.row_parts} row parts of {rows}x{self.block_n} accumulators need more "
+                             f"than the {self.registers} registers per thread of {self.warps} warps: use block_n=128")
         if not 24 <= self.producer_regs <= 256 or self.producer_regs % 8:
             raise ValueError(f"WsConfig.producer_regs must be a multiple of 8 in [24, 256], got {self.producer_regs}")
         if self.shared_bytes > MAX_RING_BYTES:
@@ -145,9 +158,22 @@ class WsConfig:
                              f"registers of an SM")
 
     @property
+    def row_parts(self) -> int:
+        """Consumer partitions that share each work item, one per ROW_PART rows (module docstring, "Row parts")."""
+        return self.block_m // ROW_PART if self.block_m > 128 else 1
+
+    @property
+    def part_regs(self) -> int:
+        """With row parts, each worker consumer's registers per thread (setmaxnreg): an equal share of the CTA's
+        (`registers` per thread over every partition's warpgroups) after the producer's, a multiple of 8; the default
+        partition (the first part) gets what is left."""
+        groups = self.warps // 4
+        return (groups * self.registers - self.producer_regs) // self.row_parts // 8 * 8
+
+    @property
     def warps(self) -> int:
         """Every partition's warps: the consumers', and the producer's warp rounded up to a warpgroup."""
-        return self.consumers * self.num_warps + 4
+        return self.consumers * self.row_parts * self.num_warps + 4
 
     @property
     def registers(self) -> int:
@@ -157,8 +183,8 @@ class WsConfig:
     @property
     def gathers(self) -> bool:
         """Whether GEMM0 of this config may read A's rows through gather rows (`ws_launch(gather=)`): one consumer,
-        no split tails (the gathering producer walks section 0 only)."""
-        return self.consumers == 1 and not self.split_tail
+        no split tails (the gathering producer walks section 0 only), at most 128 rows (its warpgroup's copies)."""
+        return self.consumers == 1 and not self.split_tail and self.row_parts == 1
 
     @property
     def shared_bytes(self) -> int:
@@ -232,13 +258,15 @@ def _store_layout(block_n, num_warps):
 @gluon.jit
 def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K, n_out,
                   GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, ROWS: gl.constexpr, CONSUMER: gl.constexpr,
-                  CONSUMERS: gl.constexpr, WARPS: gl.constexpr, GATHER_A: gl.constexpr):
-    """One work item of ROWS rows (the first ROWS of each stage's A buffer) from ring step `step` on: its wgmma,
-    then its epilogue; returns the step after it. GATHER_A: the A blocks were written by cp.async (generic proxy),
-    fenced before the wgmma reads them (ws_ring, "Gathered A rows")."""
+                  CONSUMERS: gl.constexpr, WARPS: gl.constexpr, GATHER_A: gl.constexpr, PART: gl.constexpr = 0,
+                  PARTS: gl.constexpr = 1):
+    """One work item of ROWS rows (the first ROWS of each stage's A buffer, or with PARTS > 1 the buffer of row part
+    PART: ws_ring, "Row parts"; out's rows from `m_start`) from ring step `step` on: its wgmma, then its epilogue;
+    returns the step after it. GATHER_A: the A blocks were written by cp.async (generic proxy), fenced before the
+    wgmma reads them (ws_ring, "Gathered A rows")."""
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = w_bufs.shape[1]
-    STAGES: gl.constexpr = a_bufs.shape[0]
+    STAGES: gl.constexpr = w_bufs.shape[0]
     OUT_N: gl.constexpr = BLOCK_N // 2 if GEMM == 0 else BLOCK_N
     mma_layout: gl.constexpr = _mma_layout(ROWS, BLOCK_N, WARPS)
     out_layout: gl.constexpr = _store_layout(OUT_N, WARPS)
@@ -248,7 +276,9 @@ def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_star
         mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
         if GATHER_A:
             fence_async_shared()
-        if ROWS == a_bufs.shape[1]:
+        if PARTS > 1:
+            a = a_bufs.index(stage * PARTS + PART)
+        elif ROWS == a_bufs.shape[1]:
             a = a_bufs.index(stage)
         else:
             a = a_bufs.index(stage).slice(0, ROWS)
@@ -278,14 +308,29 @@ def _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_star
 
 
 @gluon.jit
+def _pass_tile(ready, empty, step, K, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """A row part with no rows in a work item (module docstring, "Row parts"): each of the item's steps waits for
+    its stage and releases it, so the ring's `empty` still counts every part once per step; returns the step after
+    the item."""
+    for k in range(0, K, BLOCK_K):
+        stage = step % STAGES
+        mbarrier.wait(ready.index(stage), (step // STAGES) & 1)
+        mbarrier.arrive(empty.index(stage))
+        step += 1
+    return step
+
+
+@gluon.jit
 def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
               n_out, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr,
               SPLIT_TAIL: gl.constexpr, CONSUMER: gl.constexpr, CONSUMERS: gl.constexpr, WARPS: gl.constexpr,
-              GATHER_A: gl.constexpr):
+              GATHER_A: gl.constexpr, PART: gl.constexpr = 0, PARTS: gl.constexpr = 1):
     """An MMA partition (consumer CONSUMER of CONSUMERS, WARPS warps): the wgmma of every stage of its work items
     (the CTA's items CONSUMER, CONSUMER + CONSUMERS, ...), then each tile's epilogue (module docstring). With two
     consumers their mainloops take turns (`turn`, module docstring); with SPLIT_TAIL (one consumer) section 1's
-    half-height tiles follow section 0's."""
+    half-height tiles follow section 0's. With PARTS > 1 (one consumer, "Row parts") it is row part PART of every
+    item: its buffer's rows (a_bufs.shape[1]) from PART times that on, or none past the expert's end
+    (`_pass_tile`)."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
     pid = gl.program_id(0)
@@ -300,8 +345,17 @@ def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr,
         if CONSUMERS == 2:   # wait for the other consumer's mainloops of the items before this one
             turns = index // 2 + CONSUMER
             mbarrier.wait(turn.index(CONSUMER), (turns - 1) & 1, pred=turns > 0)
-        step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K,
-                             n_out, GEMM, HAS_SCALE, BLOCK_M, CONSUMER, CONSUMERS, WARPS, GATHER_A)
+        if PARTS == 1:
+            step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, m_start, m_end, n, step, K,
+                                 n_out, GEMM, HAS_SCALE, BLOCK_M, CONSUMER, CONSUMERS, WARPS, GATHER_A)
+        else:
+            part_start = m_start + PART * BLOCK_M   # a part's buffer: BLOCK_M rows (ws_ring, "Row parts")
+            if part_start < m_end:
+                step = _consume_tile(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, part_start, m_end, n,
+                                     step, K, n_out, GEMM, HAS_SCALE, BLOCK_M, CONSUMER, CONSUMERS, WARPS, GATHER_A,
+                                     PART, PARTS)
+            else:
+                step = _pass_tile(ready, empty, step, K, BLOCK_K, w_bufs.shape[0])
     if SPLIT_TAIL:   # one consumer: `step` is the ring's step after section 0
         num_tails = gl.load(num_tiles_ptr + 1)
         for work in range(section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
@@ -315,24 +369,38 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
                     w_rows, a_ptr, gather_ptr, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_SMS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                     CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-                    W_BLOCKED: gl.constexpr, GATHER_A: gl.constexpr, CHAIN: gl.constexpr, num_warps: gl.constexpr):
+                    W_BLOCKED: gl.constexpr, GATHER_A: gl.constexpr, CHAIN: gl.constexpr, ROW_PARTS: gl.constexpr,
+                    PART_REGS: gl.constexpr, num_warps: gl.constexpr):
     """out[m, j] over every tile of the table: GEMM 0: a = the rows, w = the interleaved w13 as [E_local * 2I, H],
     out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
     w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
     too (tiles of BM / 2 rows, A through a_tail_desc; a_desc again otherwise). GATHER_A (GEMM0, one consumer, no
     split tails): row m of A is a_ptr's row gather_ptr[m] ([*, H], loaded by `producer`'s cp.async; a_desc then only
     shapes the ring's A buffers). CHAIN: GEMM0 lets the next kernel start early, GEMM1 is launched programmatically
-    after it (kernels/ws_ring.py, "Chained launches")."""
+    after it (kernels/ws_ring.py, "Chained launches"). ROW_PARTS > 1: that many consumers share each work item, one
+    per BLOCK_M / ROW_PARTS rows ("Row parts"), the workers with PART_REGS registers."""
     if CHAIN and GEMM == 0:
         gdc_launch_dependents()   # the chained GEMM1 may start its CTAs (ws_ring, "Chained launches")
-    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, ready_arrivals(GATHER_A))
+    a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, ready_arrivals(GATHER_A), ROW_PARTS)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # ping-pong only
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     width = 2 * max_tiles
     num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
     # (the partitions' arguments written out in each call: a tuple built here would lose its constexprs)
-    if CONSUMERS == 1:
+    if ROW_PARTS == 3:   # three row parts: the default partition the first, two workers the others
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, False, 0, 3)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, False, 1, 3)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, False, 2, 3)),
+            (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
+                         num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, False, W_BLOCKED,
+                         CHAIN and GEMM == 1, False, 3)),
+        ], [num_warps, num_warps, 1], [PART_REGS, PART_REGS, PRODUCER_REGS])
+    elif CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps, GATHER_A)),
@@ -392,8 +460,9 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     GEMM0 (kernels/ws_ring.py, "Chained launches"; both of a call or neither)."""
     K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale, gather)
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    a_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16)   # the tails' too: the same swizzle rows
-    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], a_layout)
+    a_box = [bm // config.row_parts, bk]   # a row part's box (kernels/ws_ring.py, "Row parts")
+    a_layout = gl.NVMMASharedLayout.get_default_for(a_box, gl.bfloat16)   # the tails' too: the same swizzle rows
+    a_desc = TensorDescriptor.from_tensor(a, a_box, a_layout)
     a_tail_desc = TensorDescriptor.from_tensor(a, [bm // 2, bk], a_layout) if config.split_tail else a_desc
     w_desc = weight_descriptor(w, config, bn)
     num_sms = num_sms or torch.cuda.get_device_properties(a.device).multi_processor_count
@@ -402,7 +471,8 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   STAGES=config.stages, PRODUCER_REGS=config.producer_regs, CONSUMERS=config.consumers,
                   CONSUMER_REGS=config.consumer_regs, SPLIT_TAIL=config.split_tail, W_BLOCKED=config.k_blocked,
-                  GATHER_A=gather is not None, CHAIN=chained, num_warps=config.num_warps, maxnreg=config.registers,
+                  GATHER_A=gather is not None, CHAIN=chained, ROW_PARTS=config.row_parts, PART_REGS=config.part_regs,
+                  num_warps=config.num_warps, maxnreg=config.registers,
                   launch_pdl=chained and gemm == 1)
     return _ws_gemm_kernel, (num_sms, ), args, kwargs
 

@@ -14,6 +14,14 @@ most one MMA group is in flight and then arrives on `empty` of the step before (
 at an item's end drains and arrives on `empty` of its last step. So the producer runs up to S steps ahead, across
 items. Every partition derives the walk from the same tile table, so they agree on every step.
 
+Row parts (kernels/ws_gemm.py's 192-row tiles): a stage holds PARTS A blocks, one per consumer, each a TMA box of
+the part's rows (TMA boxes are powers of two), and one W block that every consumer reads; the producer copies the
+A blocks of the parts that have rows before the expert's end (`ready` expects their bytes and W's: `expect_step`),
+and `empty`
+counts one arrival per consumer (`allocate_ring`'s PARTS), so a stage is refilled once every part's MMAs that read
+it have finished. A part waits on `ready` before each arrival, also where it has no rows, so it arrives once per
+phase.
+
 Parity. A wait names a phase only by its parity: it is right while the waiter is at most one phase ahead of the
 barrier. The producer and a single consumer stay so by construction; two consumers (ping-pong) must take turns at
 their mainloops (kernels/ws_gemm.py, `turn`), or the second one's first wait on `ready` would pass on a phase two
@@ -76,17 +84,17 @@ def ready_arrivals(GATHER_A):
 
 
 @gluon.jit
-def allocate_ring(a_desc, w_desc, STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr):
-    """The ring's shared memory (module docstring): STAGES A and W blocks of the descriptors' boxes, and the
-    `ready` / `empty` mbarriers of each stage, initialised with arrival counts READY_ARRIVALS (`ready_arrivals`) and
-    1."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+def allocate_ring(a_desc, w_desc, STAGES: gl.constexpr, READY_ARRIVALS: gl.constexpr, PARTS: gl.constexpr = 1):
+    """The ring's shared memory (module docstring): STAGES W blocks and STAGES x PARTS A blocks of the descriptors'
+    boxes (stage s's row parts at s * PARTS ...; "Row parts"), and the `ready` / `empty` mbarriers of each stage,
+    initialised with arrival counts READY_ARRIVALS (`ready_arrivals`) and PARTS (one consumer per part)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES * PARTS] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=READY_ARRIVALS)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=PARTS)
     return a_bufs, w_bufs, ready, empty
 
 
@@ -113,23 +121,58 @@ def section_work(pid, work_before, NUM_SMS: gl.constexpr):
 
 
 @gluon.jit
-def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K, step, ROWS: gl.constexpr,
-              W_BLOCKED: gl.constexpr, k_first=0):
-    """The TMA loads of one work item's K steps from column `k_first` on, from ring step `step` on (A: ROWS rows into
-    the first ROWS of a stage's A buffer; W: the block at row `w_row`, K step by K step along its columns, or with
-    W_BLOCKED along the K-blocked layout's rows, `w_rows` rows a step: `block_weights`); returns the step after
-    them."""
-    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    for k in range(k_first, K, BLOCK_K):
-        stage = step % STAGES
-        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
-        bar = ready.index(stage)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+def load_a(a_desc, a_bufs, bar, stage, m_start, m_end, k, ROWS: gl.constexpr, PARTS: gl.constexpr):
+    """The TMA copies of one K step's A block into stage `stage`, completing on `bar`: ROWS rows from `m_start` into
+    the first ROWS of the stage's A buffer, or with PARTS > 1 each row part's box that starts before `m_end` into
+    its own buffer ("Row parts"; `row_parts` counts them)."""
+    if PARTS == 1:
         if ROWS == a_bufs.shape[1]:
             tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage))
         else:
             tma.async_copy_global_to_shared(a_desc, [m_start, k], bar, a_bufs.index(stage).slice(0, ROWS))
+    else:
+        PART_ROWS: gl.constexpr = a_bufs.shape[1]
+        for part in gl.static_range(PARTS):
+            if m_start + part * PART_ROWS < m_end:
+                tma.async_copy_global_to_shared(a_desc, [m_start + part * PART_ROWS, k], bar,
+                                                a_bufs.index(stage * PARTS + part))
+
+
+@gluon.jit
+def expect_step(bar, a_desc, w_desc, parts, PARTS: gl.constexpr):
+    """The producer's arrival on a stage's `ready` with the bytes of one K step (`load_a`'s and `load_w`'s copies):
+    one A box, or with PARTS > 1 `parts` of them (the row parts with rows: 1 to PARTS; an mbarrier's expected bytes
+    are an instruction's constant, so one predicated arrival per count)."""
+    if PARTS == 1:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    else:
+        for p in gl.static_range(1, PARTS + 1):
+            mbarrier.expect(bar, p * a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=parts == p)
+
+
+@gluon.jit
+def row_parts(a_desc, m_start, m_end, PARTS: gl.constexpr):
+    """The row parts of a work item that have rows before the expert's end (1 without row parts)."""
+    PART_ROWS: gl.constexpr = a_desc.block_type.shape[0]
+    return gl.minimum(gl.cdiv(m_end - m_start, PART_ROWS), PARTS) if PARTS > 1 else 1
+
+
+@gluon.jit
+def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K, step, ROWS: gl.constexpr,
+              W_BLOCKED: gl.constexpr, k_first=0, m_end=0, PARTS: gl.constexpr = 1):
+    """The TMA loads of one work item's K steps from column `k_first` on, from ring step `step` on (A: `load_a`, ROWS
+    rows, or PARTS row parts up to `m_end`; W: the block at row `w_row`, K step by K step along its columns, or with
+    W_BLOCKED along the K-blocked layout's rows, `w_rows` rows a step: `block_weights`); returns the step after
+    them."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    parts = row_parts(a_desc, m_start, m_end, PARTS)
+    for k in range(k_first, K, BLOCK_K):
+        stage = step % STAGES
+        mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
+        bar = ready.index(stage)
+        expect_step(bar, a_desc, w_desc, parts, PARTS)
+        load_a(a_desc, a_bufs, bar, stage, m_start, m_end, k, ROWS, PARTS)
         load_w(w_desc, w_bufs.index(stage), bar, w_row, w_rows, k, W_BLOCKED)
         step += 1
     return step
@@ -137,26 +180,23 @@ def load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_ro
 
 @gluon.jit
 def load_first_tile_chained(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K,
-                            ROWS: gl.constexpr, W_BLOCKED: gl.constexpr):
+                            ROWS: gl.constexpr, W_BLOCKED: gl.constexpr, m_end=0, PARTS: gl.constexpr = 1):
     """A chained launch's first work item (module docstring, "Chained launches"), from ring step 0: the W blocks of
     its first min(STAGES, K steps) steps into the fresh ring (each stage's first phase: no `empty` to wait for),
     `griddepcontrol.wait`, their A blocks, then the item's other steps as `load_tile`. Returns the step after it."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    STAGES: gl.constexpr = a_bufs.shape[0]
+    STAGES: gl.constexpr = w_bufs.shape[0]
     early = gl.minimum(gl.cdiv(K, BLOCK_K), STAGES)
+    parts = row_parts(a_desc, m_start, m_end, PARTS)
     for i in range(0, early):
         bar = ready.index(i)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        expect_step(bar, a_desc, w_desc, parts, PARTS)
         load_w(w_desc, w_bufs.index(i), bar, w_row, w_rows, i * BLOCK_K, W_BLOCKED)
     gdc_wait()   # the kernel before this one has ended, its memory visible
     for i in range(0, early):
-        if ROWS == a_bufs.shape[1]:
-            tma.async_copy_global_to_shared(a_desc, [m_start, i * BLOCK_K], ready.index(i), a_bufs.index(i))
-        else:
-            tma.async_copy_global_to_shared(a_desc, [m_start, i * BLOCK_K], ready.index(i),
-                                            a_bufs.index(i).slice(0, ROWS))
+        load_a(a_desc, a_bufs, ready.index(i), i, m_start, m_end, i * BLOCK_K, ROWS, PARTS)
     return load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start, w_row, w_rows, K, early, ROWS, W_BLOCKED,
-                     early * BLOCK_K)
+                     early * BLOCK_K, m_end, PARTS)
 
 
 @gluon.jit
@@ -203,13 +243,14 @@ def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, 
 @gluon.jit
 def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n, K,
              w_rows, a_ptr, gather_ptr, GROUP_M: gl.constexpr, NUM_SMS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
-             W_BLOCKED: gl.constexpr, CHAINED: gl.constexpr, GATHER_A: gl.constexpr):
+             W_BLOCKED: gl.constexpr, CHAINED: gl.constexpr, GATHER_A: gl.constexpr, PARTS: gl.constexpr = 1):
     """The load partition (`producer_warps` warps): every load of the CTA's work items, into the ring (module
     docstring); with SPLIT_TAIL, section 1's half-height tiles after section 0's (A through `a_tail_desc`);
     W_BLOCKED: the weights in the K-blocked layout (`block_weights`); CHAINED: launched programmatically after the
     kernel that writes A, the first item's first W blocks loaded before waiting for it (module docstring, "Chained
     launches"); GATHER_A (no split tails, not chained): A's rows a_ptr[gather_ptr[m]] by cp.async
-    (`load_tile_gathered`; module docstring, "Gathered A rows")."""
+    (`load_tile_gathered`; module docstring, "Gathered A rows"); PARTS > 1 (no split tails, no gather): each stage's
+    A block as that many row parts ("Row parts")."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -223,7 +264,8 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
         if pid < num_work:
             expert, m_start, m_end, n = work_tile(tiles_ptr, width, pid, gl.load(num_tiles_ptr), num_n, GROUP_M)
             step = load_first_tile_chained(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
-                                           expert * expert_rows + n * BLOCK_N, w_rows, K, BLOCK_M, W_BLOCKED)
+                                           expert * expert_rows + n * BLOCK_N, w_rows, K, BLOCK_M, W_BLOCKED, m_end,
+                                           PARTS)
         else:
             gdc_wait()
         first = pid + NUM_SMS
@@ -234,7 +276,8 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
                                       expert * expert_rows + n * BLOCK_N, w_rows, K, step, W_BLOCKED)
         else:
             step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
-                             expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M, W_BLOCKED)
+                             expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M, W_BLOCKED, 0, m_end,
+                             PARTS)
     if SPLIT_TAIL:
         num_tails = gl.load(num_tiles_ptr + 1)
         for work in range(section_work(pid, num_work, NUM_SMS), num_tails * num_n, NUM_SMS):
