@@ -90,6 +90,10 @@ for stage in "$@"; do
     rowparts) WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=64x256x64w4s4,128x256x64w8s4,192x128x64w4s4,192x128x64w4s3 WS_TIMEOUT=220 "$0" ws-gemm
         TUNE_TIMEOUT=150 TUNE_MODELS=deepseek-v2 TUNE_TOKENS=2048 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,128x256x64w8s4,192x128x64w4s4,192x128x64w4s3 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune
         TA_TABLES=shipped TA_MODELS=deepseek-v2 TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS=nccl,weave:serial TA_TIMEOUT=150 TA_PROFILE=deepseek-v2:2048 "$0" table-ab;;
+    # every H100 prefill entry re-tuned with the row-part configs (192x128x64, 4 or 5 stages) and 5-stage 64x256x64
+    # among the candidates, then issue 14's record on that table in the same call
+    retune-rows) TUNE_TIMEOUT=300 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,64x256x64w4s5,128x256x64w8s4,192x128x64w4s4,192x128x64w4s5 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune
+        EVAL_TIMEOUT=280 EVAL_TOKENS=2048,8192 EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3 "$0" eval6-emu;;
     # ... and, as a second call (one call may run 600 s), issue 14's record with the anchor in the rounds
     next52b) EVAL_TIMEOUT=500 EVAL_TOKENS=2048,8192 EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3 "$0" eval6-emu;;
     # DeepSeek-V2 at 2048 tokens (issue 14's worst row): each GEMM alone per config against the library's, then the

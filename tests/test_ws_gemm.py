@@ -40,7 +40,7 @@ def test_configs_refuse_what_cannot_run():
                          (dict(block_m=192, block_n=128, num_warps=8), "192-row tiles"),
                          (dict(block_m=192, block_n=128, num_warps=4, split_tail=True), "192-row tiles"),
                          (dict(block_m=192, block_n=256, num_warps=4, stages=3), "block_n=128"),
-                         (dict(block_m=192, block_n=128, num_warps=4, stages=5), "shared memory")):
+                         (dict(block_m=192, block_n=128, num_warps=4, stages=6), "shared memory")):
         with pytest.raises(ValueError, match=message):
             ws.WsConfig(**bad)
 
@@ -74,7 +74,7 @@ CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shap
     (1, ws.WsConfig(split_tail=True, stages=3), 2048, 768, True),
     (1, ws.WsConfig(block_m=64, block_n=128, num_warps=8), 2048, 768, True),
     (0, ws.WsConfig(block_n=128, block_k=128, stages=3), 2048, 768, False),
-    (0, ws.WsConfig(block_m=192, block_n=128, num_warps=4), 5120, 1536, False),   # DeepSeek-V2's: row parts
+    (0, ws.WsConfig(block_m=192, block_n=128, num_warps=4, stages=5), 5120, 1536, False),   # DeepSeek-V2's
     (1, ws.WsConfig(block_m=192, block_n=128, num_warps=4, stages=3), 5120, 1536, True),
 ]
 

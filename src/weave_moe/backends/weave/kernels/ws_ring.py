@@ -63,8 +63,9 @@ __all__ = ["MAX_RING_BYTES", "GATHER_WARPS", "ready_arrivals", "allocate_ring", 
            "load_tile", "producer", "producer_warps", "check_operands", "weight_descriptor", "block_weights"]
 
 #: the load ring's shared memory at most: Hopper's 227 KB per CTA less room for the epilogue's layout conversion
-#: (128x256x64 tiles with 4 stages: 192 KB of ring, 229444 bytes in all when compiled)
-MAX_RING_BYTES = 192 * 1024
+#: (compiled for sm_90: 128x256x64 tiles with 4 stages, 192 KB of ring, take 229444 bytes in all; 192x128x64 with 5
+#: stages, 200 KB, 229476; 64x256x64 with 5 stages 221276)
+MAX_RING_BYTES = 200 * 1024
 #: the warps of a producer that gathers A's rows (one warpgroup: what the kernel's register budget holds for a
 #: producer anyway)
 GATHER_WARPS = gl.constexpr(4)
