@@ -65,7 +65,8 @@ def parse_decode_config(text: str):
 
 
 def smoke(config, decode: bool) -> str:
-    """One config on a small problem (4 experts of 0 / 1 / 37 / 200 rows, or 0 / 1 / 5 / 9 with `decode`; H 1024,
+    """One config on a small problem (6 experts of 0 / 1 / 37 / 200 / 70 / 129 rows: 192-row tiles with one, two and
+    three row parts that have rows; or 4 of 0 / 1 / 5 / 9 with `decode`; H 1024,
     I 512; rows past the last expert), both GEMMs against the fp32 reference per expert (GEMM0 also through gather
     rows where the config `gathers`), outputs poisoned with NaN:
     "PASS <errors>", or "FAIL <why>" (a row of an expert unwritten or wrong, a row past them written)."""
@@ -79,7 +80,7 @@ def smoke(config, decode: bool) -> str:
 
     gemm0, gemm1 = ((ws_decode.ws_decode_gemm0, ws_decode.ws_decode_gemm1) if decode
                     else (ws_gemm.ws_gemm0, ws_gemm.ws_gemm1))
-    counts = [0, 1, 5, 9] if decode else [0, 1, 37, 200]
+    counts = [0, 1, 5, 9] if decode else [0, 1, 37, 200, 70, 129]
     E, H, I, rows = len(counts), 1024, 512, sum(counts)
     alloc = rows + 64
     offsets = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
