@@ -145,6 +145,32 @@ def test_every_gluon_config_a_layer_may_pick_compiles_without_spills(gemm, confi
     assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
 
 
+def _shipped_ws_entries():
+    """(table, gemm, config, H, I) of every Gluon prefill config in the shipped tuned tables."""
+    from weave_moe.backends.weave.kernels import gemm_configs as gc
+
+    found = []
+    for path in sorted(gc.TUNED_DIR.glob("*.json")):
+        for (gemm, _, hidden, inter), buckets in gc.load_tuned_table(path)["shapes"].items():
+            found += [(path.stem, gemm, entry.config, hidden, inter) for entry in buckets.values()
+                      if isinstance(entry.config, ws.WsConfig)]
+    return list(dict.fromkeys(found))
+
+
+@pytest.mark.parametrize("table,gemm,config,hidden,inter", _shipped_ws_entries(), ids=lambda v: str(v))
+def test_every_gluon_config_of_the_shipped_tables_compiles_without_spills(table, gemm, config, hidden, inter,
+                                                                         tmp_path):
+    """The shipped tables' Gluon configs (192-row tiles among them), compiled for sm_90 on their own shapes as a
+    launch specialises them: no stack frame, no spills, shared memory within Hopper's."""
+    a, w, out, tiles, scale = _operands(gemm, hidden, inter, block_m=config.block_m, scale=gemm == 1,
+                                        split_tail=config.split_tail)
+    kernel, _, args, kwargs = ws.ws_launch(gemm, a, w, out, tiles, config, scale=scale, num_sms=132)
+    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED, compiled.metadata.shared
+    report = sm90.ptxas_report(compiled.asm["ptx"], tmp_path)
+    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+
+
 def test_launch_gemm_runs_each_config_on_its_kernel(monkeypatch):
     """grouped_gemm.launch_gemm: a WsConfig on ws_gemm's kernels, a WsDecodeConfig on ws_decode's, a GemmConfig on
     the Triton ones with the launch options (which the Gluon kernels take none of); gather rows for Triton and for a

@@ -28,6 +28,18 @@ How (one CTA per SM, persistent; the same work items, tile table and GROUP_M ord
   each waits on the ring within one phase (kernels/ws_ring.py, "Parity"), as CUTLASS's ping-pong kernels order
   their math warpgroups.
 
+Row parts (`WsConfig.block_m` 192): three consumer partitions of one warpgroup each take rows 0-63, 64-127 and
+128-191 of every work item, each with its own 64xBN accumulator, on one ring whose stages hold three 64-row A
+blocks and one W block (kernels/ws_ring.py, "Row parts"); a part with no rows before the expert's end passes the
+item's stages on (`_pass_tile`). So an expert of 129-192 rows reads each weight block once, in one CTA, where 64-row
+tiles read it three times (from L2) and 128-row tiles twice with 256 rows of MMAs. The 16 warps leave 128 registers
+per thread at launch, within which ptxas allocates every partition: BN = 128 (a 64x256 accumulator's wgmma needs
+154). On an H100 (bench/results/h100-25eba99, each GEMM alone, one rank's work of EP=2): DeepSeek-V2 at 2048 tokens
+(154 rows per expert) GEMM0 1044.6 us against 1169.0 for 64x256x64 and the library's 1018.1, GEMM1 545.7 against
+628.3 and 571.8; DeepSeek-V3 (128) 3098.1 / 1526.8 against the Triton kernels' 3147.8 / 1591.6; slower where the
+MMAs bind (at 8192 tokens) or the weights are small (H = 2048). The H100 table picks them where they win; the
+rule below does not.
+
 Split tails (`WsConfig.split_tail`): the table's section 1 (tails of at most BM / 2 rows) runs after section 0 as
 64-row tiles whose A blocks fill the first half of a stage's A buffer, one consumer, the ring's steps going on.
 Not covered here (kernels/grouped_gemm.py has them): stream-K, the gather rows, TMA epilogues, programmatic
