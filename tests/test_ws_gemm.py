@@ -553,6 +553,7 @@ GATHER_CASES = [  # (config, H, I): the rule's config and a two-warpgroup one, D
     (ws.DEFAULT_CONFIG, 5120, 1536),
     (ws.WsConfig(), 2048, 768),
     (ws.WsConfig.parse("64x256x128w4s2"), 5120, 1536),
+    (ws.WsConfig.parse("192x128x64w4s4"), 5120, 1536),   # row parts: the producer copies each part's rows
 ]
 
 
@@ -598,7 +599,7 @@ def test_gathered_launches_are_checked():
             ((0, source, w, out, tiles), ws.WsConfig(), rows[::2], "gather: expected contiguous int32"),
             ((0, source[:, :128], w, out, tiles), ws.WsConfig(), rows, "a: expected"),
             ((0, source, w, out, build_tile_table_torch(torch.tensor([0, 256, 512], dtype=torch.int32), 128, 512,
-                                                         True)), ws.WsConfig(split_tail=True), rows, "one consumer"),
+                                                         True)), ws.WsConfig(split_tail=True), rows, "no split"),
             ((0, source, w, out, tiles), ws.WsConfig(block_n=128, num_warps=4, consumers=2), rows, "one consumer")):
         with pytest.raises(ValueError, match=message):
             ws.ws_launch(*args, config, num_sms=4, gather=gather)
@@ -608,6 +609,7 @@ def test_gathered_launches_are_checked():
 
 
 CHAIN_CASES = [ws.DEFAULT_CONFIG, ws.WsConfig(split_tail=True), ws.WsConfig(block_n=128, num_warps=4, consumers=2),
+               ws.WsConfig(block_m=192, block_n=128, num_warps=4),
                "t16w64k128s8"]
 
 

@@ -194,9 +194,9 @@ class WsConfig:
 
     @property
     def gathers(self) -> bool:
-        """Whether GEMM0 of this config may read A's rows through gather rows (`ws_launch(gather=)`): one consumer,
-        no split tails (the gathering producer walks section 0 only), at most 128 rows (its warpgroup's copies)."""
-        return self.consumers == 1 and not self.split_tail and self.row_parts == 1
+        """Whether GEMM0 of this config may read A's rows through gather rows (`ws_launch(gather=)`): one consumer
+        or row parts, no split tails (the gathering producer walks section 0 only)."""
+        return self.consumers == 1 and not self.split_tail
 
     @property
     def shared_bytes(self) -> int:
@@ -403,15 +403,15 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     if ROW_PARTS == 3:   # three row parts: the default partition the first, two workers the others
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, False, 0, 3)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 0, 3)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, False, 1, 3)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 1, 3)),
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, False, 2, 3)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 2, 3)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
                          num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, False, W_BLOCKED,
-                         CHAIN and GEMM == 1, False, 3)),
-        ], [num_warps, num_warps, 1], [PART_REGS, PART_REGS, PRODUCER_REGS])
+                         CHAIN and GEMM == 1, GATHER_A, 3)),
+        ], [num_warps, num_warps, producer_warps(GATHER_A)], [PART_REGS, PART_REGS, PRODUCER_REGS])
     elif CONSUMERS == 1:
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
@@ -466,7 +466,7 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
     """(kernel, grid, args, kwargs) of one launch: `gemm` 0 (a [P, H], w the interleaved w13 [E_local, 2I, H], out
     h [P, I]) or 1 (a = h [P, I], w = w2 [E_local, H, I], out y [P, H], `scale` fp32 [P] or None); `num_sms`: the
     grid (also the NUM_SMS constexpr), else the device's SMs (a compile-only test passes the GPU's). `gather`
-    (GEMM0 of one consumer, no split tails): int32 rows of a, which then holds the source rows [S, H] in any order:
+    (GEMM0 of a config that `gathers`): int32 rows of a, which then holds the source rows [S, H] in any order:
     row m of A is a[gather[m]] (kernels/ws_ring.py, "Gathered A rows"), as `grouped_gemm.grouped_gemm0(gather=)`.
     `chained`: a GEMM0 that lets a chained GEMM1 start early, or a GEMM1 launched programmatically after such a
     GEMM0 (kernels/ws_ring.py, "Chained launches"; both of a call or neither)."""

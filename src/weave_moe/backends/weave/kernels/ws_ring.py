@@ -211,30 +211,56 @@ def load_w(w_desc, buf, bar, w_row, w_rows, k, W_BLOCKED: gl.constexpr):
         tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, buf)
 
 
+@gluon.constexpr_function
+def _gather_layout(BLOCK_K):
+    """The gathering producer's layout of an A block: 16 bytes per thread and copy along a row, the warpgroup's
+    threads over the block's rows."""
+    columns = BLOCK_K // 8
+    return gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // columns, columns],
+                            warps_per_cta=[GATHER_WARPS.value, 1], order=[1, 0])
+
+
+@gluon.jit
+def _gather_sources(gather_ptr, first, m_end, K, ROWS: gl.constexpr, layout: gl.constexpr):
+    """The element offsets in the source buffer of rows first .. first + ROWS - 1 (`gather`; rows past the expert's
+    end `m_end` read its last row, never stored)."""
+    rows = gl.minimum(first + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), m_end - 1)
+    return gl.load(gather_ptr + rows).to(gl.int64) * K
+
+
 @gluon.jit
 def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, m_start, m_end, w_row, w_rows, K,
-                       step, W_BLOCKED: gl.constexpr):
+                       step, W_BLOCKED: gl.constexpr, PARTS: gl.constexpr = 1):
     """The loads of one work item's K steps from ring step `step` on, with gathered A rows (module docstring): A's
-    BLOCK_M rows a_ptr[gather[m]] for m from `m_start` (rows past the expert's end `m_end` read its last row, never
-    stored) by cp.async from this partition's threads, each thread arriving on `ready` once its copies land (columns
-    past K read as zeros); W as `load_tile`. Returns the step after them."""
+    rows a_ptr[gather[m]] for m from `m_start` (BLOCK_M of them, or with PARTS = 3 three row parts of BLOCK_M, the
+    second and third copied where they have rows before the expert's end `m_end`: "Row parts") by cp.async from this
+    partition's threads, each thread arriving on `ready` once its copies land (columns past K read as zeros); W as
+    `load_tile`. Returns the step after them."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.shape[2]
-    STAGES: gl.constexpr = a_bufs.shape[0]
-    # 16 bytes per thread and copy along a row; the warpgroup's threads over the block's rows
-    columns: gl.constexpr = BLOCK_K // 8
-    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[32 // columns, columns],
-                                            warps_per_cta=[GATHER_WARPS, 1], order=[1, 0])
-    rows = gl.minimum(m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), m_end - 1)
-    sources = gl.load(gather_ptr + rows).to(gl.int64) * K
+    STAGES: gl.constexpr = w_bufs.shape[0]
+    layout: gl.constexpr = _gather_layout(BLOCK_K)
+    sources = _gather_sources(gather_ptr, m_start, m_end, K, BLOCK_M, layout)
+    if PARTS == 3:
+        sources1 = _gather_sources(gather_ptr, m_start + BLOCK_M, m_end, K, BLOCK_M, layout)
+        sources2 = _gather_sources(gather_ptr, m_start + 2 * BLOCK_M, m_end, K, BLOCK_M, layout)
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     for k in range(0, K, BLOCK_K):
         stage = step % STAGES
         mbarrier.wait(empty.index(stage), ((step // STAGES) & 1) ^ 1)
         bar = ready.index(stage)
         mbarrier.expect(bar, w_desc.block_type.nbytes)
-        async_copy.async_copy_global_to_shared(a_bufs.index(stage), a_ptr + sources[:, None] + (k + cols)[None, :],
-                                               mask=(k + cols < K)[None, :])
+        columns = (k + cols)[None, :]
+        mask = (k + cols < K)[None, :]
+        async_copy.async_copy_global_to_shared(a_bufs.index(stage * PARTS), a_ptr + sources[:, None] + columns,
+                                               mask=mask)
+        if PARTS == 3:
+            if m_start + BLOCK_M < m_end:
+                async_copy.async_copy_global_to_shared(a_bufs.index(stage * PARTS + 1),
+                                                       a_ptr + sources1[:, None] + columns, mask=mask)
+            if m_start + 2 * BLOCK_M < m_end:
+                async_copy.async_copy_global_to_shared(a_bufs.index(stage * PARTS + 2),
+                                                       a_ptr + sources2[:, None] + columns, mask=mask)
         async_copy.mbarrier_arrive(bar, increment_count=False)
         load_w(w_desc, w_bufs.index(stage), bar, w_row, w_rows, k, W_BLOCKED)
         step += 1
@@ -250,8 +276,8 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
     W_BLOCKED: the weights in the K-blocked layout (`block_weights`); CHAINED: launched programmatically after the
     kernel that writes A, the first item's first W blocks loaded before waiting for it (module docstring, "Chained
     launches"); GATHER_A (no split tails, not chained): A's rows a_ptr[gather_ptr[m]] by cp.async
-    (`load_tile_gathered`; module docstring, "Gathered A rows"); PARTS > 1 (no split tails, no gather): each stage's
-    A block as that many row parts ("Row parts")."""
+    (`load_tile_gathered`; module docstring, "Gathered A rows"); PARTS > 1 (no split tails; 3 where gathered): each
+    stage's A block as that many row parts ("Row parts")."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -274,7 +300,7 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
         expert, m_start, m_end, n = work_tile(tiles_ptr, width, work, gl.load(num_tiles_ptr), num_n, GROUP_M)
         if GATHER_A:
             step = load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, m_start, m_end,
-                                      expert * expert_rows + n * BLOCK_N, w_rows, K, step, W_BLOCKED)
+                                      expert * expert_rows + n * BLOCK_N, w_rows, K, step, W_BLOCKED, PARTS)
         else:
             step = load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, m_start,
                              expert * expert_rows + n * BLOCK_N, w_rows, K, step, BLOCK_M, W_BLOCKED, 0, m_end,
@@ -319,7 +345,8 @@ def check_operands(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tenso
         raise ValueError(f"gemm: expected 0 or 1, given {gemm!r}")
     if gather is not None:
         if gemm != 0 or not config.gathers:
-            raise ValueError(f"gather: GEMM0 of one consumer without split tails only (given gemm {gemm}, {config})")
+            raise ValueError(f"gather: GEMM0 of a config that gathers only: one consumer or row parts, no split "
+                             f"tails (given gemm {gemm}, {config})")
         if gather.dim() != 1 or gather.dtype != torch.int32 or not gather.is_contiguous():
             raise ValueError(f"gather: expected contiguous int32 [>= rows read], given {gather.dtype} "
                              f"{tuple(gather.shape)}")
