@@ -437,7 +437,9 @@ def test_tune_ws_candidates_and_their_records_decide_as_measured(tmp_path, capsy
     ws = tune.ws_candidates("rule, 64x256x128w4s2", layer_ws=True)
     assert ws[:len(ws_gemm.default_configs())] == list(ws_gemm.default_configs())
     assert set(ws_decode.default_configs()) <= set(ws) and ws[-1] == ws_gemm.WsConfig.parse("64x256x128w4s2")
-    assert tune.ws_candidates("auto", layer_ws=True) == tune.ws_candidates("rule", layer_ws=True)
+    # auto: the rule's configs and the 192-row tiles (no rule picks them; a table may)
+    assert tune.ws_candidates("auto", layer_ws=True) == tune.ws_candidates("rule", layer_ws=True) + list(
+        ws_gemm.ROW_PART_CONFIGS)
     assert tune.ws_candidates("", layer_ws=True) == tune.ws_candidates("none", layer_ws=True) == []
     for text in ("", "none", "auto"):   # the layer runs no Gluon kernel (not sm_90, or ws_gemm off): none
         assert tune.ws_candidates(text, layer_ws=False) == []

@@ -69,8 +69,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ws", default="auto", help="warp-specialised Gluon candidates too: comma-separated "
                         "compact names (e.g. 64x256x64w4s4, 128x256x64w8s4t, 64x256x64w4s4c2; decode form "
                         "t16w64k128s8), 'rule' for every config of the Gluon kernels' own rule, 'none'; default "
-                        "'auto': 'rule' where the layer runs the Gluon kernels (an sm_90 GPU, KernelConfig.ws_gemm "
-                        "on), else none")
+                        "'auto': 'rule' and the 192-row tiles (ws_gemm.ROW_PART_CONFIGS) where the layer runs the "
+                        "Gluon kernels (an sm_90 GPU, KernelConfig.ws_gemm on), else none")
     parser.add_argument("--gemms", default="0,1", help="which GEMMs to tune: 0 (GEMM0 + SiLU-mul) and/or 1")
     parser.add_argument("--reps", type=int, default=20, help="timed CUDA-graph replays per candidate (median)")
     parser.add_argument("--min-gain", type=float, default=0.05,
@@ -182,9 +182,10 @@ def candidate_configs(gemm: int, block_m, block_n, block_k, warps, stages, split
 
 
 def ws_candidates(text: str, layer_ws: bool) -> list:
-    """The --ws candidates: [] for "" or "none", every config of the Gluon kernels' rule for "rule" (and for "auto"
-    where the layer runs them: `layer_ws`), else the compact names (`gemm_configs.parse_ws_config`; "rule" may be
-    one of them); ValueError naming a bad name, or Gluon candidates for a layer that does not run them."""
+    """The --ws candidates: [] for "" or "none", every config of the Gluon kernels' rule for "rule", those and the
+    192-row tiles (`ws_gemm.ROW_PART_CONFIGS`: no rule picks them, a table may) for "auto" where the layer runs them
+    (`layer_ws`), else the compact names (`gemm_configs.parse_ws_config`; "rule" may be one of them); ValueError
+    naming a bad name, or Gluon candidates for a layer that does not run them."""
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import ws_decode, ws_gemm
 
@@ -198,6 +199,7 @@ def ws_candidates(text: str, layer_ws: bool) -> list:
     for name in (part.strip() for part in text.split(",")):
         if name in ("rule", "auto"):
             configs += ws_gemm.default_configs() + ws_decode.default_configs()
+            configs += ws_gemm.ROW_PART_CONFIGS if name == "auto" else ()
         elif name:
             configs.append(gc.parse_ws_config(name))
     return list(dict.fromkeys(configs))

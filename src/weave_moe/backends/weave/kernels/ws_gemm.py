@@ -70,7 +70,7 @@ from weave_moe.backends.weave.kernels.ws_ring import (MAX_RING_BYTES, allocate_r
                                                        weight_descriptor, work_tile)
 
 __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "default_configs", "DEFAULT_CONFIG",
-           "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
+           "ROW_PART_CONFIGS", "MIN_ROWS_PER_EXPERT", "MAX_ROWS_PER_EXPERT"]
 
 #: registers a thread may hold (the hardware's limit per thread)
 MAX_REGS = 255
@@ -437,6 +437,12 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
 MIN_ROWS_PER_EXPERT, MAX_ROWS_PER_EXPERT = 64, 256
 #: what `default_config` picks: measured fastest of the candidates at 128-154 rows per expert
 DEFAULT_CONFIG = WsConfig(block_m=64, num_warps=4)
+
+
+#: the 192-row tiles `weave-moe tune --ws auto` measures beside the rule's configs (module docstring, "Row parts"):
+#: 4 and 5 stages (the tuner picked each on an H100, bench/results/h100-a287829)
+ROW_PART_CONFIGS = (WsConfig(block_m=192, block_n=128, num_warps=4, stages=4),
+                    WsConfig(block_m=192, block_n=128, num_warps=4, stages=5))
 
 
 def default_config(gemm: int, rows: int, num_local_experts: int) -> WsConfig | None:
