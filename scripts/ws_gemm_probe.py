@@ -47,7 +47,7 @@ DEFAULT_CONFIGS = ("128x256x64w8s4,128x256x64w8s4t,128x256x64w8s3,128x128x64w4s4
 
 
 def parse_config(text: str):
-    """A `--configs` name -> WsConfig (`WsConfig.parse`: "128x256x64w8s4[c2][p40][r168][t]")."""
+    """A `--configs` name -> WsConfig (`WsConfig.parse`: "128x256x64w8s4[c2][g4][p40][r168][b][t]")."""
     from weave_moe.backends.weave.kernels.ws_gemm import WsConfig
 
     return WsConfig.parse(text)

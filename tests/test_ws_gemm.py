@@ -29,6 +29,8 @@ def test_configs_refuse_what_cannot_run():
     parts = ws.WsConfig(block_m=192, block_n=128, num_warps=4)   # three row parts: 16 warps, 128 registers each
     assert (parts.row_parts, parts.warps, parts.registers, parts.part_regs) == (3, 16, 128, 152)
     assert ws.WsConfig.parse(parts.short) == parts and ws.WsConfig().row_parts == 1
+    grouped = ws.WsConfig.parse("192x128x64w4s4g2")   # group_m in the compact name where not the default
+    assert grouped.group_m == 2 and grouped.short == "192x128x64w4s4g2" and " g2 " in str(grouped)
     for bad, message in ((dict(block_m=32), "block_m"), (dict(block_n=512), "block_n"), (dict(num_warps=2), "warps"),
                          (dict(stages=1), "stages"), (dict(producer_regs=30), "producer_regs"),
                          (dict(maxnreg=200), "registers of an SM"), (dict(consumers=3), "consumers"),

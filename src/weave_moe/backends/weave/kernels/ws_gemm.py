@@ -205,26 +205,30 @@ class WsConfig:
 
     @property
     def short(self) -> str:
-        """The compact name `parse` reads back, e.g. "64x256x64w4s4" ("c2": two consumers; "p<n>" / "r<n>": the
-        producer's registers / maxnreg where not the defaults; "t": split tails)."""
+        """The compact name `parse` reads back, e.g. "64x256x64w4s4" ("c2": two consumers; "g<n>" / "p<n>" / "r<n>":
+        group_m / the producer's registers / maxnreg where not the defaults; "t": split tails)."""
         name = f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.stages}"
         name += "c2" if self.consumers == 2 else ""
+        name += f"g{self.group_m}" if self.group_m != WsConfig.group_m else ""
         name += f"p{self.producer_regs}" if self.producer_regs != WsConfig.producer_regs else ""
         name += f"r{self.maxnreg}" if self.maxnreg else ""
         return name + ("b" if self.k_blocked else "") + ("t" if self.split_tail else "")
 
     @classmethod
     def parse(cls, text: str) -> "WsConfig":
-        """The config of a compact name (`short`): "128x256x64w8s4", then optionally "c2" (two consumers), "p40"
-        (producer registers), "r168" (maxnreg), "b" (K-blocked weights), "t" (split tails); ValueError naming the
-        text otherwise."""
-        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(c2)?(?:p(\d+))?(?:r(\d+))?(b)?(t)?", text.strip())
+        """The config of a compact name (`short`): "128x256x64w8s4", then optionally "c2" (two consumers), "g4"
+        (group_m), "p40" (producer registers), "r168" (maxnreg), "b" (K-blocked weights), "t" (split tails);
+        ValueError naming the text otherwise."""
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(c2)?(?:g(\d+))?(?:p(\d+))?(?:r(\d+))?(b)?(t)?",
+                             text.strip())
         if not match:
             raise ValueError(f"warp-specialised GEMM config {text!r}: expected e.g. "
-                             f"128x256x64w8s4[c2][p40][r168][b][t]")
-        bm, bn, bk, warps, stages, pingpong, producer, maxnreg, blocked, tail = match.groups()
+                             f"128x256x64w8s4[c2][g4][p40][r168][b][t]")
+        bm, bn, bk, warps, stages, pingpong, group, producer, maxnreg, blocked, tail = match.groups()
         fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages),
                       consumers=2 if pingpong else 1, split_tail=tail is not None, k_blocked=blocked is not None)
+        if group:
+            fields["group_m"] = int(group)
         if producer:
             fields["producer_regs"] = int(producer)
         if maxnreg:
@@ -235,7 +239,8 @@ class WsConfig:
         pingpong = f" pingpong c{self.consumer_regs}" if self.consumers == 2 else ""
         tail = " tail" if self.split_tail else ""
         blocked = " kblocked" if self.k_blocked else ""
-        return (f"ws {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.stages} "
+        group = f" g{self.group_m}" if self.group_m != WsConfig.group_m else ""
+        return (f"ws {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.stages}{group} "
                 f"p{self.producer_regs} r{self.registers}{pingpong}{blocked}{tail}")
 
 
