@@ -94,10 +94,11 @@ for stage in "$@"; do
     # among the candidates, then issue 14's record on that table in the same call
     retune-rows) TUNE_TIMEOUT=300 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,64x256x64w4s5,128x256x64w8s4,192x128x64w4s4,192x128x64w4s5 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune
         EVAL_TIMEOUT=280 EVAL_TOKENS=2048,8192 EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3 "$0" eval6-emu;;
-    # perf-notes 52's list, items 0-1: the resident check with the Gluon GEMM0 reading the gather rows (ws_gather),
-    # then DeepSeek-V2 2048's GEMMs alone with the 192-row tiles at BK 64 (4, 5 stages), BK 128 (2 stages), GROUP_M 2, 4
-    next53) WEAVE_MOE_KERNEL_CONFIG=ws_gather=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT=400 "$0" resident
-        WS_MODELS=deepseek-v2 WS_TOKENS=2048 WS_CONFIGS=192x128x64w4s4,192x128x64w4s5,192x128x128w4s2,192x128x64w4s4g2,192x128x64w4s4g4 WS_TIMEOUT=180 "$0" ws-gemm;;
+    # perf-notes 52's list, item 0: the resident check with the Gluon GEMM0 reading the gather rows (ws_gather)
+    next53) WEAVE_MOE_KERNEL_CONFIG=ws_gather=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT=400 "$0" resident;;
+    # item 1: DeepSeek-V2 / V3 2048's GEMMs alone with the row parts: 192-row at BK 64 (4, 5 stages), BK 128 (2
+    # stages), GROUP_M 2 / 4, and 128-row tiles as two parts of 64x256 or 64x128 ("h")
+    next53b) WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=192x128x64w4s4,192x128x64w4s5,192x128x128w4s2,192x128x64w4s4g2,192x128x64w4s4g4,128x256x64w4s4h,128x256x64w4s3h,128x128x64w4s4h WS_TIMEOUT=400 "$0" ws-gemm;;
     # perf-notes 52's list, item 2 (an H200): the six models' prefill shapes tuned with the Gluon kernels among the
     # candidates (--ws auto: the rule's configs and the 192-row tiles) into the shipped H200 table, then the record
     h200-prefill) TUNE_TIMEOUT=420 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h200.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;

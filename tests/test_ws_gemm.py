@@ -29,6 +29,9 @@ def test_configs_refuse_what_cannot_run():
     parts = ws.WsConfig(block_m=192, block_n=128, num_warps=4)   # three row parts: 16 warps, 128 registers each
     assert (parts.row_parts, parts.warps, parts.registers, parts.part_regs) == (3, 16, 128, 152)
     assert ws.WsConfig.parse(parts.short) == parts and ws.WsConfig().row_parts == 1
+    halves = ws.WsConfig.parse("128x256x64w4s4h")   # two row parts: 12 warps, 168 registers; a 64x256 accumulator
+    assert (halves.row_parts, halves.warps, halves.registers, halves.part_regs) == (2, 12, 168, 232)
+    assert halves.row_split and halves.short == "128x256x64w4s4h" and str(halves).endswith(" halves")
     grouped = ws.WsConfig.parse("192x128x64w4s4g2")   # group_m in the compact name where not the default
     assert grouped.group_m == 2 and grouped.short == "192x128x64w4s4g2" and " g2 " in str(grouped)
     for bad, message in ((dict(block_m=32), "block_m"), (dict(block_n=512), "block_n"), (dict(num_warps=2), "warps"),
@@ -42,7 +45,9 @@ def test_configs_refuse_what_cannot_run():
                          (dict(block_m=192, block_n=128, num_warps=8), "192-row tiles"),
                          (dict(block_m=192, block_n=128, num_warps=4, split_tail=True), "192-row tiles"),
                          (dict(block_m=192, block_n=256, num_warps=4, stages=3), "block_n=128"),
-                         (dict(block_m=192, block_n=128, num_warps=4, stages=6), "shared memory")):
+                         (dict(block_m=192, block_n=128, num_warps=4, stages=6), "shared memory"),
+                         (dict(block_m=64, num_warps=4, row_split=True), "row_split"),
+                         (dict(block_m=128, num_warps=8, row_split=True), "128-row tiles are 2 consumers")):
         with pytest.raises(ValueError, match=message):
             ws.WsConfig(**bad)
 
@@ -78,6 +83,8 @@ CASES = [  # (gemm, config, H, I, scale): DeepSeek-V3's and Qwen3-30B-A3B's shap
     (0, ws.WsConfig(block_n=128, block_k=128, stages=3), 2048, 768, False),
     (0, ws.WsConfig(block_m=192, block_n=128, num_warps=4, stages=5), 5120, 1536, False),   # DeepSeek-V2's
     (1, ws.WsConfig(block_m=192, block_n=128, num_warps=4, stages=3), 5120, 1536, True),
+    (0, ws.WsConfig(num_warps=4, row_split=True), 7168, 2048, False),   # two row parts of 64x256
+    (1, ws.WsConfig(num_warps=4, row_split=True, stages=3), 7168, 2048, True),
 ]
 
 
@@ -556,6 +563,7 @@ GATHER_CASES = [  # (config, H, I): the rule's config and a two-warpgroup one, D
     (ws.WsConfig(), 2048, 768),
     (ws.WsConfig.parse("64x256x128w4s2"), 5120, 1536),
     (ws.WsConfig.parse("192x128x64w4s4"), 5120, 1536),   # row parts: the producer copies each part's rows
+    (ws.WsConfig.parse("128x256x64w4s3h"), 5120, 1536),
 ]
 
 
@@ -611,7 +619,7 @@ def test_gathered_launches_are_checked():
 
 
 CHAIN_CASES = [ws.DEFAULT_CONFIG, ws.WsConfig(split_tail=True), ws.WsConfig(block_n=128, num_warps=4, consumers=2),
-               ws.WsConfig(block_m=192, block_n=128, num_warps=4),
+               ws.WsConfig(block_m=192, block_n=128, num_warps=4), ws.WsConfig(num_warps=4, row_split=True, stages=3),
                "t16w64k128s8"]
 
 

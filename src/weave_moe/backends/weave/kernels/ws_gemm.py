@@ -38,7 +38,9 @@ per thread at launch, within which ptxas allocates every partition: BN = 128 (a 
 (154 rows per expert) GEMM0 1044.6 us against 1169.0 for 64x256x64 and the library's 1018.1, GEMM1 545.7 against
 628.3 and 571.8; DeepSeek-V3 (128) 3098.1 / 1526.8 against the Triton kernels' 3147.8 / 1591.6; slower where the
 MMAs bind (at 8192 tokens) or the weights are small (H = 2048). The H100 table picks them where they win; the
-rule below does not.
+rule below does not. `WsConfig.row_split` makes a 128-row tile two row parts the same way (12 warps: 168 registers
+at launch, so BN 256 fits; for 65-128 rows per expert, where a 192-row tile leaves a part idle); compiled without
+spills, not yet measured.
 
 Split tails (`WsConfig.split_tail`): the table's section 1 (tails of at most BM / 2 rows) runs after section 0 as
 64-row tiles whose A blocks fill the first half of a stage's A buffer, one consumer, the ring's steps going on.
@@ -76,6 +78,9 @@ __all__ = ["WsConfig", "ws_gemm0", "ws_gemm1", "ws_launch", "default_config", "d
 MAX_REGS = 255
 #: rows of a row part: one warpgroup's wgmma height (module docstring, "Row parts")
 ROW_PART = 64
+#: registers a consumer thread needs beyond its accumulator's around the wgmma (ptxas asked for 154 with a 64x256
+#: fp32 accumulator, 128 registers: "Insufficient registers (128) ... register target of 154 or higher")
+MMA_REGS = 26
 #: fp32 accumulator registers per consumer thread at most: 128x256 over 8 warps; 128x256 over 4 warps (256) spills
 #: in ptxas (tests/test_ws_gemm.py)
 ACCUMULATOR_REGS = 128
@@ -87,9 +92,9 @@ class WsConfig:
 
     Attributes:
         block_m: rows per M tile: 64 (one warpgroup of 4 warps, or two side by side over N), 128 (two warpgroups
-            of 64 rows, or one over both halves when the accumulator fits: ACCUMULATOR_REGS) or 192 (row parts:
-            three consumer partitions of one warpgroup, each over 64 rows of every work item, the W stage shared;
-            `row_parts`).
+            of 64 rows, or one over both halves when the accumulator fits: ACCUMULATOR_REGS; or with `row_split`
+            two row parts) or 192 (row parts: three consumer partitions of one warpgroup, each over 64 rows of
+            every work item, the W stage shared; `row_parts`).
         block_n: accumulator columns per tile (GEMM0: BN / 2 gate-up pairs, BN / 2 columns of h), at most 256.
         block_k: K step.
         stages: shared-memory stages of the load ring (at least 2).
@@ -110,6 +115,8 @@ class WsConfig:
         k_blocked: the weights in the K-blocked layout of block_k (`ws_ring.block_weights`): each K step's W block
             one contiguous run of memory. The caller holds its weights so (a probe of the DRAM access pattern
             where the GEMMs stream their weights; no layer holds them so yet).
+        row_split: a 128-row tile as two row parts (two consumer partitions of one warpgroup, 64 rows each, the W
+            stage shared: module docstring, "Row parts") instead of one partition over both halves.
     """
 
     block_m: int = 128
@@ -124,6 +131,7 @@ class WsConfig:
     consumer_regs: int = 232
     split_tail: bool = False
     k_blocked: bool = False
+    row_split: bool = False
 
     def __post_init__(self):
         if self.block_m not in (64, 128, ROW_PART * 3):
@@ -138,6 +146,8 @@ class WsConfig:
             # one stage would be refilled while the MMA that reads it is in flight (the consumer releases a stage
             # one step late)
             raise ValueError(f"WsConfig.stages must be in [2, 8] and group_m >= 1, got {self.stages}, {self.group_m}")
+        if self.row_split and self.block_m != 2 * ROW_PART:
+            raise ValueError(f"WsConfig.row_split: {2 * ROW_PART}-row tiles only, got block_m={self.block_m}")
         if self.row_parts > 1 and (self.num_warps != 4 or self.consumers != 1 or self.split_tail):
             raise ValueError(f"WsConfig: {self.block_m}-row tiles are {self.row_parts} consumers of one warpgroup "
                              f"each (num_warps=4, consumers=1, no split_tail)")
@@ -145,9 +155,9 @@ class WsConfig:
         if rows * self.block_n > ACCUMULATOR_REGS * 32 * self.num_warps:
             raise ValueError(f"WsConfig: a {rows}x{self.block_n} fp32 accumulator over {self.num_warps} warps "
                              f"holds more than {ACCUMULATOR_REGS} registers per thread (it spills)")
-        if self.row_parts > 1 and rows * self.block_n > self.registers // 2 * 32 * self.num_warps:
-            # ptxas allocates every partition within the launch's registers (128 for 16 warps): a 64x256
-            # accumulator's wgmma needs 154 there (tests/test_ws_gemm.py), a 64x128 one compiles without spills
+        if self.row_parts > 1 and rows * self.block_n // (32 * self.num_warps) + MMA_REGS > self.registers:
+            # ptxas allocates every partition within the launch's registers (128 for 16 warps, 168 for 12): a 64x256
+            # accumulator's wgmma needs 154, a 64x128 one compiles without spills in 128 (tests/test_ws_gemm.py)
             raise ValueError(f"WsConfig: {self.row_parts} row parts of {rows}x{self.block_n} accumulators need more "
                              f"than the {self.registers} registers per thread of {self.warps} warps: use block_n=128")
         if not 24 <= self.producer_regs <= 256 or self.producer_regs % 8:
@@ -172,7 +182,7 @@ class WsConfig:
     @property
     def row_parts(self) -> int:
         """Consumer partitions that share each work item, one per ROW_PART rows (module docstring, "Row parts")."""
-        return self.block_m // ROW_PART if self.block_m > 128 else 1
+        return self.block_m // ROW_PART if self.block_m > 2 * ROW_PART or self.row_split else 1
 
     @property
     def part_regs(self) -> int:
@@ -206,27 +216,29 @@ class WsConfig:
     @property
     def short(self) -> str:
         """The compact name `parse` reads back, e.g. "64x256x64w4s4" ("c2": two consumers; "g<n>" / "p<n>" / "r<n>":
-        group_m / the producer's registers / maxnreg where not the defaults; "t": split tails)."""
+        group_m / the producer's registers / maxnreg where not the defaults; "t": split tails; "h": `row_split`)."""
         name = f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.stages}"
         name += "c2" if self.consumers == 2 else ""
         name += f"g{self.group_m}" if self.group_m != WsConfig.group_m else ""
         name += f"p{self.producer_regs}" if self.producer_regs != WsConfig.producer_regs else ""
         name += f"r{self.maxnreg}" if self.maxnreg else ""
-        return name + ("b" if self.k_blocked else "") + ("t" if self.split_tail else "")
+        return name + ("b" if self.k_blocked else "") + ("t" if self.split_tail else "") + ("h" if self.row_split
+                                                                                          else "")
 
     @classmethod
     def parse(cls, text: str) -> "WsConfig":
         """The config of a compact name (`short`): "128x256x64w8s4", then optionally "c2" (two consumers), "g4"
-        (group_m), "p40" (producer registers), "r168" (maxnreg), "b" (K-blocked weights), "t" (split tails);
-        ValueError naming the text otherwise."""
-        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(c2)?(?:g(\d+))?(?:p(\d+))?(?:r(\d+))?(b)?(t)?",
+        (group_m), "p40" (producer registers), "r168" (maxnreg), "b" (K-blocked weights), "t" (split tails), "h"
+        (`row_split`); ValueError naming the text otherwise."""
+        match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(c2)?(?:g(\d+))?(?:p(\d+))?(?:r(\d+))?(b)?(t)?(h)?",
                              text.strip())
         if not match:
             raise ValueError(f"warp-specialised GEMM config {text!r}: expected e.g. "
-                             f"128x256x64w8s4[c2][g4][p40][r168][b][t]")
-        bm, bn, bk, warps, stages, pingpong, group, producer, maxnreg, blocked, tail = match.groups()
+                             f"128x256x64w8s4[c2][g4][p40][r168][b][t][h]")
+        bm, bn, bk, warps, stages, pingpong, group, producer, maxnreg, blocked, tail, halves = match.groups()
         fields = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=int(warps), stages=int(stages),
-                      consumers=2 if pingpong else 1, split_tail=tail is not None, k_blocked=blocked is not None)
+                      consumers=2 if pingpong else 1, split_tail=tail is not None, k_blocked=blocked is not None,
+                      row_split=halves is not None)
         if group:
             fields["group_m"] = int(group)
         if producer:
@@ -239,6 +251,7 @@ class WsConfig:
         pingpong = f" pingpong c{self.consumer_regs}" if self.consumers == 2 else ""
         tail = " tail" if self.split_tail else ""
         blocked = " kblocked" if self.k_blocked else ""
+        blocked += " halves" if self.row_split else ""
         group = f" g{self.group_m}" if self.group_m != WsConfig.group_m else ""
         return (f"ws {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.stages}{group} "
                 f"p{self.producer_regs} r{self.registers}{pingpong}{blocked}{tail}")
@@ -405,7 +418,17 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     width = 2 * max_tiles
     num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
     # (the partitions' arguments written out in each call: a tuple built here would lose its constexprs)
-    if ROW_PARTS == 3:   # three row parts: the default partition the first, two workers the others
+    if ROW_PARTS == 2:   # two row parts: the default partition the first, a worker the second
+        gl.warp_specialize([
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 0, 2)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 1, 2)),
+            (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
+                         num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, False, W_BLOCKED,
+                         CHAIN and GEMM == 1, GATHER_A, 2)),
+        ], [num_warps, producer_warps(GATHER_A)], [PART_REGS, PRODUCER_REGS])
+    elif ROW_PARTS == 3:   # three row parts: the default partition the first, two workers the others
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 0, 3)),

@@ -232,8 +232,8 @@ def _gather_sources(gather_ptr, first, m_end, K, ROWS: gl.constexpr, layout: gl.
 def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, m_start, m_end, w_row, w_rows, K,
                        step, W_BLOCKED: gl.constexpr, PARTS: gl.constexpr = 1):
     """The loads of one work item's K steps from ring step `step` on, with gathered A rows (module docstring): A's
-    rows a_ptr[gather[m]] for m from `m_start` (BLOCK_M of them, or with PARTS = 3 three row parts of BLOCK_M, the
-    second and third copied where they have rows before the expert's end `m_end`: "Row parts") by cp.async from this
+    rows a_ptr[gather[m]] for m from `m_start` (BLOCK_M of them, or PARTS = 2 or 3 row parts of BLOCK_M, each after
+    the first copied where it has rows before the expert's end `m_end`: "Row parts") by cp.async from this
     partition's threads, each thread arriving on `ready` once its copies land (columns past K read as zeros); W as
     `load_tile`. Returns the step after them."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -241,8 +241,9 @@ def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, 
     STAGES: gl.constexpr = w_bufs.shape[0]
     layout: gl.constexpr = _gather_layout(BLOCK_K)
     sources = _gather_sources(gather_ptr, m_start, m_end, K, BLOCK_M, layout)
-    if PARTS == 3:
+    if PARTS >= 2:
         sources1 = _gather_sources(gather_ptr, m_start + BLOCK_M, m_end, K, BLOCK_M, layout)
+    if PARTS == 3:
         sources2 = _gather_sources(gather_ptr, m_start + 2 * BLOCK_M, m_end, K, BLOCK_M, layout)
     cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     for k in range(0, K, BLOCK_K):
@@ -254,10 +255,11 @@ def load_tile_gathered(a_ptr, gather_ptr, w_desc, a_bufs, w_bufs, ready, empty, 
         mask = (k + cols < K)[None, :]
         async_copy.async_copy_global_to_shared(a_bufs.index(stage * PARTS), a_ptr + sources[:, None] + columns,
                                                mask=mask)
-        if PARTS == 3:
+        if PARTS >= 2:
             if m_start + BLOCK_M < m_end:
                 async_copy.async_copy_global_to_shared(a_bufs.index(stage * PARTS + 1),
                                                        a_ptr + sources1[:, None] + columns, mask=mask)
+        if PARTS == 3:
             if m_start + 2 * BLOCK_M < m_end:
                 async_copy.async_copy_global_to_shared(a_bufs.index(stage * PARTS + 2),
                                                        a_ptr + sources2[:, None] + columns, mask=mask)
@@ -276,7 +278,7 @@ def producer(a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_pt
     W_BLOCKED: the weights in the K-blocked layout (`block_weights`); CHAINED: launched programmatically after the
     kernel that writes A, the first item's first W blocks loaded before waiting for it (module docstring, "Chained
     launches"); GATHER_A (no split tails, not chained): A's rows a_ptr[gather_ptr[m]] by cp.async
-    (`load_tile_gathered`; module docstring, "Gathered A rows"); PARTS > 1 (no split tails; 3 where gathered): each
+    (`load_tile_gathered`; module docstring, "Gathered A rows"); PARTS > 1 (2 or 3, no split tails): each
     stage's A block as that many row parts ("Row parts")."""
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
