@@ -126,54 +126,34 @@ def test_kernels_compile_for_hopper_as_warp_specialised_pipelines(gemm, config, 
 
 
 def _layer_ws_configs():
-    """Every Gluon config a layer may compile (gemm_configs.default_configs with the Gluon kernels, no table), per
-    GEMM."""
+    """(gemm, config, H, I): every Gluon config a layer may compile without a table (gemm_configs.default_configs
+    with the Gluon kernels) on Qwen3-30B-A3B's shape, and every Gluon config of the shipped tuned tables (192-row
+    tiles among them) on its own shape."""
     from weave_moe.backends.weave.kernels import gemm_configs as gc
 
-    return [(gemm, config) for gemm in (0, 1) for config in gc.default_configs(gemm, warp_specialized=True)
-            if not isinstance(config, gc.GemmConfig)]
-
-
-@pytest.mark.parametrize("gemm,config", _layer_ws_configs(), ids=lambda v: str(v))
-def test_every_gluon_config_a_layer_may_pick_compiles_without_spills(gemm, config, tmp_path):
-    """What the layer compiles before its first call on an sm_90 GPU, compiled here for sm_90 as launched on
-    Qwen3-30B-A3B's shape: no stack frame, no spills, shared memory within Hopper's."""
-    from weave_moe.backends.weave.kernels import ws_decode
-
-    if isinstance(config, ws_decode.WsDecodeConfig):
-        a, w, out, tiles, scale = _operands(gemm, 2048, 768, block_m=config.block_t, scale=gemm == 1)
-        kernel, _, args, kwargs = ws_decode.ws_decode_launch(gemm, a, w, out, tiles, config, scale=scale,
-                                                             num_sms=132)
-    else:
-        a, w, out, tiles, scale = _operands(gemm, 2048, 768, block_m=config.block_m, scale=gemm == 1,
-                                            split_tail=config.split_tail)
-        kernel, _, args, kwargs = ws.ws_launch(gemm, a, w, out, tiles, config, scale=scale, num_sms=132)
-    compiled = sm90.compile_for_sm90(kernel, args, kwargs)
-    assert 0 < compiled.metadata.shared <= HOPPER_SHARED, compiled.metadata.shared
-    report = sm90.ptxas_report(compiled.asm["ptx"], tmp_path)
-    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
-
-
-def _shipped_ws_entries():
-    """(table, gemm, config, H, I) of every Gluon prefill config in the shipped tuned tables."""
-    from weave_moe.backends.weave.kernels import gemm_configs as gc
-
-    found = []
+    found = [(gemm, config, 2048, 768) for gemm in (0, 1) for config in gc.default_configs(gemm, warp_specialized=True)
+             if not isinstance(config, gc.GemmConfig)]
     for path in sorted(gc.TUNED_DIR.glob("*.json")):
         for (gemm, _, hidden, inter), buckets in gc.load_tuned_table(path)["shapes"].items():
-            found += [(path.stem, gemm, entry.config, hidden, inter) for entry in buckets.values()
+            found += [(gemm, entry.config, hidden, inter) for entry in buckets.values()
                       if isinstance(entry.config, ws.WsConfig)]
     return list(dict.fromkeys(found))
 
 
-@pytest.mark.parametrize("table,gemm,config,hidden,inter", _shipped_ws_entries(), ids=lambda v: str(v))
-def test_every_gluon_config_of_the_shipped_tables_compiles_without_spills(table, gemm, config, hidden, inter,
-                                                                         tmp_path):
-    """The shipped tables' Gluon configs (192-row tiles among them), compiled for sm_90 on their own shapes as a
-    launch specialises them: no stack frame, no spills, shared memory within Hopper's."""
-    a, w, out, tiles, scale = _operands(gemm, hidden, inter, block_m=config.block_m, scale=gemm == 1,
-                                        split_tail=config.split_tail)
-    kernel, _, args, kwargs = ws.ws_launch(gemm, a, w, out, tiles, config, scale=scale, num_sms=132)
+@pytest.mark.parametrize("gemm,config,hidden,inter", _layer_ws_configs(), ids=lambda v: str(v))
+def test_every_gluon_config_a_layer_may_pick_compiles_without_spills(gemm, config, hidden, inter, tmp_path):
+    """What the layer compiles before its first call on an sm_90 GPU (the rule's configs, the shipped tables'),
+    compiled here for sm_90 as launched on its shape: no stack frame, no spills, shared memory within Hopper's."""
+    from weave_moe.backends.weave.kernels import ws_decode
+
+    if isinstance(config, ws_decode.WsDecodeConfig):
+        a, w, out, tiles, scale = _operands(gemm, hidden, inter, block_m=config.block_t, scale=gemm == 1)
+        kernel, _, args, kwargs = ws_decode.ws_decode_launch(gemm, a, w, out, tiles, config, scale=scale,
+                                                             num_sms=132)
+    else:
+        a, w, out, tiles, scale = _operands(gemm, hidden, inter, block_m=config.block_m, scale=gemm == 1,
+                                            split_tail=config.split_tail)
+        kernel, _, args, kwargs = ws.ws_launch(gemm, a, w, out, tiles, config, scale=scale, num_sms=132)
     compiled = sm90.compile_for_sm90(kernel, args, kwargs)
     assert 0 < compiled.metadata.shared <= HOPPER_SHARED, compiled.metadata.shared
     report = sm90.ptxas_report(compiled.asm["ptx"], tmp_path)

@@ -193,6 +193,12 @@ class WsConfig:
         return (groups * self.registers - self.producer_regs) // self.row_parts // 8 * 8
 
     @property
+    def worker_regs(self) -> int:
+        """The worker consumer partitions' registers per thread (setmaxnreg): ping-pong's second consumer
+        `consumer_regs`, the row parts after the first `part_regs`."""
+        return self.consumer_regs if self.consumers == 2 else self.part_regs
+
+    @property
     def warps(self) -> int:
         """Every partition's warps: the consumers', and the producer's warp rounded up to a warpgroup."""
         return self.consumers * self.row_parts * self.num_warps + 4
@@ -398,9 +404,9 @@ def _consumer(a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr,
 def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out,
                     w_rows, a_ptr, gather_ptr, GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, GROUP_M: gl.constexpr,
                     NUM_SMS: gl.constexpr, STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                    CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
+                    CONSUMERS: gl.constexpr, WORKER_REGS: gl.constexpr, SPLIT_TAIL: gl.constexpr,
                     W_BLOCKED: gl.constexpr, GATHER_A: gl.constexpr, CHAIN: gl.constexpr, ROW_PARTS: gl.constexpr,
-                    PART_REGS: gl.constexpr, num_warps: gl.constexpr):
+                    num_warps: gl.constexpr):
     """out[m, j] over every tile of the table: GEMM 0: a = the rows, w = the interleaved w13 as [E_local * 2I, H],
     out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y [P, H] (n_out = H,
     w_rows = H), times scale[m] with HAS_SCALE. K: the reduction length (H or I). SPLIT_TAIL: the table's section 1
@@ -408,7 +414,8 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     split tails): row m of A is a_ptr's row gather_ptr[m] ([*, H], loaded by `producer`'s cp.async; a_desc then only
     shapes the ring's A buffers). CHAIN: GEMM0 lets the next kernel start early, GEMM1 is launched programmatically
     after it (kernels/ws_ring.py, "Chained launches"). ROW_PARTS > 1: that many consumers share each work item, one
-    per BLOCK_M / ROW_PARTS rows ("Row parts"), the workers with PART_REGS registers."""
+    per BLOCK_M / ROW_PARTS rows ("Row parts"). WORKER_REGS: the registers of the worker consumers (ping-pong's
+    second, the row parts after the first; `WsConfig.worker_regs`)."""
     if CHAIN and GEMM == 0:
         gdc_launch_dependents()   # the chained GEMM1 may start its CTAs (ws_ring, "Chained launches")
     a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, ready_arrivals(GATHER_A), ROW_PARTS)
@@ -418,17 +425,27 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
     width = 2 * max_tiles
     num_n = gl.cdiv(n_out * (2 if GEMM == 0 else 1), w_desc.block_type.shape[0])
     # (the partitions' arguments written out in each call: a tuple built here would lose its constexprs)
-    if ROW_PARTS == 2:   # two row parts: the default partition the first, a worker the second
+    if CONSUMERS == 1 and ROW_PARTS == 1:   # one consumer partition over every tile
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 0, 2)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps, GATHER_A)),
+            (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
+                         num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED,
+                         CHAIN and GEMM == 1, GATHER_A)),
+        ], [producer_warps(GATHER_A)], [PRODUCER_REGS])
+    elif ROW_PARTS < 3:   # two consumers: ping-pong over alternate work items, or two row parts of every item
+        gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 1, 2)),
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, CONSUMERS, num_warps, GATHER_A, 0,
+                         ROW_PARTS)),
+            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
+                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, CONSUMERS - 1, CONSUMERS, num_warps, GATHER_A,
+                         ROW_PARTS - 1, ROW_PARTS)),
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
                          num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, False, W_BLOCKED,
-                         CHAIN and GEMM == 1, GATHER_A, 2)),
-        ], [num_warps, producer_warps(GATHER_A)], [PART_REGS, PRODUCER_REGS])
-    elif ROW_PARTS == 3:   # three row parts: the default partition the first, two workers the others
+                         CHAIN and GEMM == 1, GATHER_A, ROW_PARTS)),
+        ], [num_warps, producer_warps(GATHER_A)], [WORKER_REGS, PRODUCER_REGS])
+    else:   # three row parts: the default partition the first, two workers the others
         gl.warp_specialize([
             (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
                          n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 1, num_warps, GATHER_A, 0, 3)),
@@ -439,25 +456,7 @@ def _ws_gemm_kernel(a_desc, a_tail_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, 
             (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
                          num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, False, W_BLOCKED,
                          CHAIN and GEMM == 1, GATHER_A, 3)),
-        ], [num_warps, num_warps, producer_warps(GATHER_A)], [PART_REGS, PART_REGS, PRODUCER_REGS])
-    elif CONSUMERS == 1:
-        gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, SPLIT_TAIL, 0, 1, num_warps, GATHER_A)),
-            (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED,
-                         CHAIN and GEMM == 1, GATHER_A)),
-        ], [producer_warps(GATHER_A)], [PRODUCER_REGS])
-    else:   # ping-pong: the second consumer, a worker partition of as many warps, takes every other work item
-        gl.warp_specialize([
-            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 0, 2, num_warps, False)),
-            (_consumer, (a_bufs, w_bufs, ready, empty, turn, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n, K,
-                         n_out, GEMM, HAS_SCALE, GROUP_M, NUM_SMS, False, 1, 2, num_warps, False)),
-            (producer, (a_desc, a_tail_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width,
-                         num_n, K, w_rows, a_ptr, gather_ptr, GROUP_M, NUM_SMS, SPLIT_TAIL, W_BLOCKED,
-                         CHAIN and GEMM == 1, False)),
-        ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        ], [num_warps, num_warps, producer_warps(GATHER_A)], [WORKER_REGS, WORKER_REGS, PRODUCER_REGS])
 
 
 #: `default_config`'s rows per expert on average: from a 64-row tile's worth (below: the decode kernels) to where
@@ -516,8 +515,8 @@ def ws_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, ti
             tiles.max_tiles, K, n_out, w_rows, a, gather if gather is not None else tiles.table)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, GROUP_M=config.group_m, NUM_SMS=num_sms,
                   STAGES=config.stages, PRODUCER_REGS=config.producer_regs, CONSUMERS=config.consumers,
-                  CONSUMER_REGS=config.consumer_regs, SPLIT_TAIL=config.split_tail, W_BLOCKED=config.k_blocked,
-                  GATHER_A=gather is not None, CHAIN=chained, ROW_PARTS=config.row_parts, PART_REGS=config.part_regs,
+                  WORKER_REGS=config.worker_regs, SPLIT_TAIL=config.split_tail, W_BLOCKED=config.k_blocked,
+                  GATHER_A=gather is not None, CHAIN=chained, ROW_PARTS=config.row_parts,
                   num_warps=config.num_warps, maxnreg=config.registers,
                   launch_pdl=chained and gemm == 1)
     return _ws_gemm_kernel, (num_sms, ), args, kwargs
