@@ -5,7 +5,7 @@
 For each paper model (and Mixtral-8x7B) at each EP, each decode size, uniform and skewed routing and a few seeds,
 the plan of rank 0 with the shipped profile as a layer whose serial plans run the grouped GEMMs sees it
 (`with_grouped_serial`, cost_model A8). `--emulate`: the EP = 1 layer that does one rank's work of that EP (as
-`--emulate-ep` benches it, and as KernelConfig.adaptive_pairs serves it); otherwise every rank's routing at that EP.
+`--emulate-ep` benches it); otherwise every rank's routing at that EP.
 Prints how many plans are serial and every one that is not, with the serial plan's predicted time beside it.
 """
 

@@ -42,16 +42,12 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
             ed.pair_dispatch_kernel
         # at EP = 1 into local rows (the backend's y), as the backend launches it; else into the peers' regions
         local = torch.zeros(DECODE_TOKENS * top_k, hidden, dtype=torch.bfloat16) if world_size == 1 else None
-        # ... gated by the device plan (an adaptive policy's paired call, H 2048), or from the ids alone (beside the
-        # counts, H 7168)
-        plan = torch.zeros(1, **i32) if world_size == 1 and hidden == 2048 else None
-        from_ids = world_size == 1 and hidden == 7168
         # at EP = 1 without the offsets, as the backend launches it (the tile tables come from the counts)
-        pairs = None if from_ids else torch.zeros(num_experts, **i32)
         offsets = None if world_size == 1 else torch.zeros(num_experts // world_size + 1, **i32)
-        args = launcher._arguments(ids, tokens, pairs, io, workspace, status, min(1, world_size - 1), 10 ** 9,
-                                   offsets, torch.zeros(launcher.rows_shape, **i32), local, plan, 132, from_ids)
-        extra = launcher._variant(local, plan, from_ids, offsets)
+        args = launcher._arguments(ids, tokens, torch.zeros(num_experts, **i32), io, workspace, status,
+                                   min(1, world_size - 1), 10 ** 9, offsets, torch.zeros(launcher.rows_shape, **i32),
+                                   local)
+        extra = launcher._variant(local, offsets)
     return sm90.compile_for_sm90(kernel, args, dict(launcher.constants, **extra, num_warps=ed.NUM_WARPS))
 
 
@@ -122,55 +118,39 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
             types.SimpleNamespace(peer_bases=None, recv_offset=0, flags_offsets=(0, 0), flags=lambda parity: None),
             None, 0, 1, torch.zeros(17, **i32), torch.zeros(alone.rows_shape, **i32))
     with pytest.raises(ValueError, match="do not fit the receive region"):
-        alone._arguments(*args, None, None, 0, False)
+        alone._arguments(*args, None)
     with pytest.raises(ValueError, match="local rows"):
-        alone._arguments(*args, torch.zeros(31, 32, dtype=torch.bfloat16), None, 0, False)
+        alone._arguments(*args, torch.zeros(31, 32, dtype=torch.bfloat16))
     local = torch.zeros(32, 32, dtype=torch.bfloat16)
-    alone._arguments(*args, local, None, 0, False)
-    with pytest.raises(ValueError, match="plan must be int32"):
-        alone._arguments(*args, local, torch.zeros(2, **i32), 4, False)
-    with pytest.raises(ValueError, match="plan must be int32"):
-        alone._arguments(*args, local, torch.zeros(1, **i32), 0, False)
-    with pytest.raises(ValueError, match="from_ids"):   # offsets come from the counts, which from_ids goes without
-        alone._arguments(*args, local, None, 0, True)
+    alone._arguments(*args, local)
+    with pytest.raises(ValueError, match="pairs must be"):   # the rows' places come from the counts' pairs
+        alone._arguments(*args[:2], None, *args[3:], local)
 
 
-@pytest.mark.parametrize("top_k, hidden, planned, num_parts", [(8, 2048, False, 0), (8, 7168, True, 0),
-                                                                (6, 4096, False, 0), (8, 2048, False, 12),
-                                                                (8, 7168, True, 16)])
-def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden, planned, num_parts):
-    """The paired call's combine as launched: no local memory, y (or the fused decode MLP's parts) read and out
-    written in 16-byte vectors (out's address from `io`, declared aligned)."""
+@pytest.mark.parametrize("top_k, hidden", [(8, 2048), (8, 7168), (6, 4096)])
+def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
+    """The paired call's combine as launched: no local memory, y read and out written in 16-byte vectors (out's
+    address from `io`, declared aligned)."""
     from weave_moe.backends.weave.config import DECODE_TOKENS
     from weave_moe.backends.weave.kernels import pair_combine, sm90
 
     combine = pair_combine.PairCombine(hidden, top_k, DECODE_TOKENS, 132)
     i32 = dict(dtype=torch.int32)
-    parts = torch.zeros(num_parts, 64, hidden) if num_parts else None
     args = combine._arguments(torch.zeros(64, hidden, dtype=torch.bfloat16), torch.zeros(DECODE_TOKENS, top_k, **i32),
                               torch.zeros(1, 2048, top_k), torch.zeros(1, **i32), torch.zeros(2, dtype=torch.int64),
-                              torch.zeros(4, **i32), 0, torch.zeros(1, **i32) if planned else None, 132, parts)
+                              torch.zeros(4, **i32), 0)
     ptx = sm90.compile_for_sm90(pair_combine.pair_combine_kernel, args,
-                                dict(combine.constants, PLANNED=planned, NUM_PARTS=num_parts,
-                                     num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
+                                dict(combine.constants, num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
     assert ".local" not in ptx
     assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row accessed one element per access"
 
 
-def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=None, from_ids=False, parts=False,
-                 mlp=None):
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
     pack, counts (verdict), `PairDispatch`, then y made from the pair rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
-    poisoned out of T + 1 rows. `plan_c`: both launches gated by a device plan of that c (a serial one: c >= 4, the
-    SMs here). `from_ids` (KernelConfig.pairs_beside_counts): the dispatch counts from the ids alone and runs before
-    the counts kernel (the backend forks it beside), so its offsets come from the ids here. `parts`
-    (KernelConfig.decode_mlp_tokens): the stand-in writes the fused decode MLP's fp32 parts instead of y, three
-    blocks whose sum in block order is y's row exactly ((y - 1) + 0.5 + 0.5), and the combine reads those. `mlp`
-    ((w13, w2, DecodeMlpConfig)): the experts are the fused decode MLP itself (kernels/decode_mlp.py) on the pair
-    rows, on a tile table from the offsets, and the combine reads its parts. Returns (out, rows table, offsets,
-    receive region, status)."""
+    poisoned out of T + 1 rows. Returns (out, rows table, offsets, receive region, status)."""
     from weave_moe.backends.coordination import HEADER_WORDS
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
@@ -199,36 +179,15 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, plan_c=N
     # the pair rows into the GEMMs' y ([max_pairs, H]), as the backend writes them: 8 tokens x k pairs do not fit
     # the receive region's T_max rows
     recv = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
-    gate = {} if plan_c is None else dict(plan=torch.tensor([plan_c], dtype=torch.int32), num_sms=4)
-    if from_ids:   # before the counts, which have not yet replaced a bad id by -1 nor refused the call
-        dispatch.launch(all_ids, tokens, None, io, ws, status[:sync.STATUS_WORDS], 0, 10 ** 9, None, rows, recv,
-                        from_ids=True)
-        valid = ids[(ids >= 0) & (ids < E)].long()
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.bincount(valid, minlength=E).cumsum(0)]).int()
     vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True)
-    if not from_ids:
-        dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
-                        status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv, **gate)
+    dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
+                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv)
     assert ws.recv().isnan().all()
     y = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     for e in range(E):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         y[lo:hi] = (recv[lo:hi].float() * (e + 1) / 8).bfloat16()
-    fused = {}
-    if mlp is not None:
-        from weave_moe.backends.weave.kernels import decode_mlp, grouped_gemm
-
-        w13, w2, config = mlp
-        tiles = grouped_gemm.build_tile_table(offsets, config.block_m, recv.shape[0])
-        blocks = torch.full(decode_mlp.parts_shape(recv.shape[0], H, w2.shape[2], config.block_i), float("nan"))
-        decode_mlp.decode_mlp(recv, grouped_gemm.interleave_w13(w13), w2, tiles, blocks, config, dot_fp32=True)
-        fused = dict(parts=blocks)
-    elif parts:
-        blocks = torch.full((3, max_tokens * k, H), float("nan"))
-        blocks[0], blocks[1:] = y.float() - 1.0, 0.5
-        fused = dict(parts=blocks)
-        y = torch.full_like(y, float("nan"))   # not read
-    PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0, **gate, **fused)
+    PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0)
     return out, rows, offsets, recv, status
 
 
@@ -246,53 +205,11 @@ def test_pair_combine_after_the_pair_dispatch_at_ep1(monkeypatch):
                            shared_device=True) == ["checked"]
 
 
-def test_fused_decode_mlp_between_the_pair_dispatch_and_the_pair_combine(monkeypatch):
-    """KernelConfig.decode_mlp_tokens's call at EP = 1 under the interpreter, every kernel real: pack, counts, pair
-    dispatch, the fused decode MLP on the pair rows (its tile table from the dispatch's offsets), the pair combine of
-    its parts; out against the reference MoE within its tolerance (h rounded to bf16 as the grouped GEMM0 stores it;
-    the interpreter truncates), rows past T untouched, a slot with no expert and a repeated expert among the calls."""
-    from weave_moe.testing import run_distributed
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert run_distributed(_fused_mlp_worker, 1, backend="gloo", timeout_s=600, env=dict(TRITON_INTERPRET="1"),
-                           shared_device=True) == ["checked"]
-
-
-def _fused_mlp_worker(rank: int, world_size: int) -> str:
-    """The process of test_fused_decode_mlp_between_the_pair_dispatch_and_the_pair_combine."""
-    from weave_moe.backends.weave.kernels.decode_mlp import DecodeMlpConfig
-    from weave_moe.reference import moe_error, reference_moe
-
-    E, k, H, I, max_tokens = 8, 3, 48, 40, 12
-    generator = torch.Generator().manual_seed(9)
-    w13 = (torch.randn(E, 2 * I, H, generator=generator) / H ** 0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, generator=generator) / I ** 0.5).bfloat16()
-    for T in (1, 3, 8):
-        ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int()
-        if T >= 2:
-            ids[0, 1] = ids[0, 0]    # one expert twice
-            ids[1, 2] = -1           # a slot with no expert
-        weights = torch.rand(T, k, generator=generator)
-        x = torch.randn(T, H, generator=generator).bfloat16()
-        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x,
-                                                        mlp=(w13, w2, DecodeMlpConfig(16, 16, 16, 32)))
-        assert status[:4].tolist() == [0, 0, 0, 0] and (out[T] == -3.0).all()
-        ref = reference_moe(x, ids, weights, w13, w2)
-        error = moe_error(out[:T], ref)[0]
-        assert error < 2e-2, (T, error)
-    return "checked"
-
-
 def _pair_combine_worker(rank: int, world_size: int) -> str:
     """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
     E, k, H, max_tokens = 8, 3, 40, 12   # calls of up to 8 tokens: 24 pairs, more than T_max
     generator = torch.Generator().manual_seed(5)
-    # ungated, or a serial device plan; from the ids alone, before the counts (pairs_beside_counts)
-    # the fused decode MLP's parts read instead of y (parts)
-    for T, plan_c, from_ids, parts in ((0, None, False, False), (1, None, False, False), (2, 4, False, False),
-                                       (5, None, False, False), (8, 9, False, False), (0, None, True, False),
-                                       (1, None, True, False), (5, None, True, False), (8, None, True, False),
-                                       (1, None, False, True), (5, 4, False, True), (8, None, True, True)):
+    for T in (0, 1, 2, 5, 8):
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
             torch.zeros(0, k, dtype=torch.int32)
         if T >= 2:
@@ -300,8 +217,7 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             ids[1, 2] = -1           # a slot with no expert
         weights = torch.rand(T, k, generator=generator)
         x = torch.randn(T, H, generator=generator).bfloat16()
-        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, plan_c=plan_c,
-                                                        from_ids=from_ids, parts=parts)
+        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x)
         assert status[:4].tolist() == [0, 0, 0, 0]
         assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
         for t in range(T):
@@ -320,21 +236,14 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             assert torch.equal(out[t].view(torch.int16), truncated.view(torch.int16)), (T, t)
         assert len({int(r) for r in rows[:T].flatten() if r >= 0}) == int((ids >= 0).sum())   # one row per pair
         assert (out[T] == -3.0).all()
-    for parts in (False, True):
-        out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2],
-                                                        refuse=True, parts=parts)
-        assert out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all()
+    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], refuse=True)
+    assert out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all()
     assert offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
-    # from the ids, with a bad id the counts then refuse: that slot goes nowhere, the others are sent (rows nothing
-    # will read), and out is NaN
+    # a bad id: the counts refuse the call, the dispatch sends nothing and out is NaN
     bad = ids[:2].clone()
     bad[0, 0] = E
-    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, bad, weights[:2], x[:2], from_ids=True)
-    assert status[0] != 0 and out[:2].isnan().all() and (out[2] == -3.0).all(), status[:4]
-    assert int(rows[0, 0]) == -1 and (rows[:2].flatten()[1:] >= 0).sum() == int((bad[:2] >= 0).sum()) - 1
-    # a device plan that is not serial (c 3 < 4 SMs): neither launch writes anything (the kernel does that call)
-    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], plan_c=3)
-    assert (out == -3.0).all() and recv.isnan().all() and offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
+    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, bad, weights[:2], x[:2])
+    assert status[0] != 0 and out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all(), status[:4]
     return "checked"
 
 

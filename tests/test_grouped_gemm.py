@@ -493,26 +493,16 @@ PROLOGUE_SCRIPT = textwrap.dedent(
                 dst = torch.full((P, H), float("nan")).bfloat16()
                 tables = gt.grouped_prologue(offsets, keys, P, src, index, dst, 3, plan=plan, num_sms=NUM_SMS)
                 assert sorted(tables) == sorted(keys), (tables.keys(), keys)
-                # the same tables from rows per expert (form "counts", the paired decode call's) and from routing
-                # ids that hold those rows (form "ids": k = 3 slots per token, some empty, some out of range)
-                E_l = len(counts)
-                slots = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)]
-                                  + [torch.tensor([-1, -2, E_l, -1], dtype=torch.int32)])[torch.randperm(rows + 4)]
-                T = -(-slots.numel() // 3)
-                ids = torch.full((T + 2, 3), -1, dtype=torch.int32)
-                ids.view(-1)[:slots.numel()] = slots
-                ids[T:] = 0   # past T: never counted
-                for form, source, extra in (("counts", torch.tensor(counts, dtype=torch.int32), {}),
-                                            ("ids", ids, dict(tokens=torch.tensor([T], dtype=torch.int32),
-                                                              num_experts=E_l))):
-                    other, total = gt.empty_tile_tables(offsets, keys, P), torch.full((1,), -5, dtype=torch.int32)
-                    gt.fill_tile_tables(other, source, total, plan=plan, num_sms=NUM_SMS, form=form, **extra)
-                    assert int(total) == (rows if on else 0), (counts, keys, plan_c, form, int(total))
-                    for key, got in other.items():
-                        assert torch.equal(got.num_tiles, tables[key].num_tiles), (counts, keys, plan_c, form)
-                        for section, n in enumerate(got.num_tiles.tolist()):
-                            cols = slice(section * got.max_tiles, section * got.max_tiles + n)
-                            assert torch.equal(got.table[:, cols], tables[key].table[:, cols]), (counts, plan_c, form)
+                # the same tables from rows per expert (form "counts", the paired decode call's)
+                other, total = gt.empty_tile_tables(offsets, keys, P), torch.full((1,), -5, dtype=torch.int32)
+                gt.fill_tile_tables(other, torch.tensor(counts, dtype=torch.int32), total, plan=plan, num_sms=NUM_SMS,
+                                    form="counts")
+                assert int(total) == (rows if on else 0), (counts, keys, plan_c, int(total))
+                for key, got in other.items():
+                    assert torch.equal(got.num_tiles, tables[key].num_tiles), (counts, keys, plan_c)
+                    for section, n in enumerate(got.num_tiles.tolist()):
+                        cols = slice(section * got.max_tiles, section * got.max_tiles + n)
+                        assert torch.equal(got.table[:, cols], tables[key].table[:, cols]), (counts, plan_c)
                 for (block_m, split_tail), got in tables.items():
                     ref = gt.build_tile_table_torch(offsets if on else torch.zeros_like(offsets), block_m, P,
                                                     split_tail)
@@ -635,7 +625,6 @@ def test_scatter_rows_writes_what_the_gather_writes_under_interpreter():
 def test_grouped_prologue_under_interpreter():
     """The grouped GEMMs' one-launch prologue: tile tables equal build_tile_table_torch's, rows gathered bitwise,
     rows past the count untouched; under a split plan nothing at all (no tile, no row); the tables made from rows per
-    expert (`fill_tile_tables(form="counts")`) and from routing ids holding them (`form="ids"`, bad and empty slots
-    and rows past T among them) equal those made from their prefix sum. The gather alone too, with
+    expert (`fill_tile_tables(form="counts")`) equal those made from their prefix sum. The gather alone too, with
     its count read before or after its wait, over one, several and partial steps of its programs."""
     run_interpreted(PROLOGUE_SCRIPT, "GROUPED PROLOGUE INTERPRETER OK", timeout=600)

@@ -295,9 +295,8 @@ class _HeldTables(str):
 
 def _compile_name(constants):
     """A megakernel compile as the launch tests name it: its STAGE; "4gs": STAGE 4 (combine + reduce) compiled with
-    GROUPED_SERIAL; "-1gsp": STAGE -1 compiled GROUPED_SERIAL and PAIRED; "d4": a decode compile (DECODE_ROWS rows per task; the tests' plain compiles have 4)."""
+    GROUPED_SERIAL; "d4": a decode compile (DECODE_ROWS rows per task; the tests' plain compiles have 4)."""
     plain = f"{constants.STAGE}gs" if constants.GROUPED_SERIAL else constants.STAGE
-    plain = f"{plain}p" if constants.PAIRED else plain
     return f"d{plain}" if constants.REDUCE_ROWS == DECODE_ROWS else plain
 
 
@@ -330,7 +329,6 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.config = KernelConfig(fused_serial=fused_serial, grouped_gemm=grouped)
     backend.fixed_plan, backend.grouped, backend.resident = fixed_plan, grouped and fixed_plan is not None, resident
     backend.grouped_serial = grouped and resident and fixed_plan is None
-    backend.pairs_planned = False
     backend.interleaved = backend.grouped or backend.grouped_serial
     backend.ws_gemm = backend.ws_chain = False
     backend.gemm0_gather = backend.config.gathers_in_gemm0(I)
@@ -361,9 +359,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         launched.append("grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
-    backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = backend.decode_mlp = None
-    backend.pairs_planned = backend.pairs_beside_counts = False
-    backend.decode_mlp_tokens = 0
+    backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
 
     class Stream:
         def wait_event(self, event):
@@ -553,147 +549,57 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
-@pytest.mark.parametrize("planned, fused", [(False, False), (True, False), (False, True), (True, True)])
-def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch, planned, fused):
+def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch):
     """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
     pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
     and rows table); the join; the grouped GEMMs on those tables; the pair combine of y by the rows with the
-    message's weights. No task tables, no megakernel launch on the call's stream. `planned` (KernelConfig.
-    adaptive_pairs): the planner's launch first, then the split side forked, and every paired launch gated by this
-    rank's device plan (the tile tables by DEVICE_SERIAL); the side joined at the end. `fused` (KernelConfig.
-    decode_mlp_tokens): the tile tables of the fused decode MLP's kind (its block_m, no split tail), the fused MLP
-    instead of the grouped GEMMs, and the combine reading its parts."""
+    message's weights. No task tables, no megakernel launch on the call's stream."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
-    from weave_moe.backends.weave.kernels.decode_mlp import DecodeMlpConfig
 
     backend, launched = _tables_host(monkeypatch)
-    backend.pairs_planned, backend.pairs_beside_counts, backend.num_sms = planned, False, 4
+    backend.num_sms = 4
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
     backend.device_counts.build = lambda *args, **options: launched.append("counts") or vector
     backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
 
-    def gated(plan, num_sms):
-        assert (plan is None) is not planned
-        if planned:   # this rank's c in the plans, and the SM count a serial plan names
-            assert plan.data_ptr() == backend.plans_device[0, 0:1].data_ptr() and num_sms == 4
-
     class Pairs:
-        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
-                   plan=None, num_sms=0):
+        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
             start = backend.counts_format.expert_pairs_offset
             assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
             assert local.data_ptr() == backend.workspace.y().data_ptr()   # the pair rows into y
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
             # no expert offsets: the tile tables come from the counts, nothing would read them
             assert offsets is None and rows is backend.pair_rows and status is backend.live_status
-            gated(plan, num_sms)
             launched.append("pair dispatch")
 
     class Combine:
-        def launch(self, y, rows, all_weights, tokens, io, status, rank, plan=None, num_sms=0, parts=None):
+        def launch(self, y, rows, all_weights, tokens, io, status, rank):
             assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
-            assert parts == ("the parts" if fused else None)
-            gated(plan, num_sms)
             launched.append("pair combine")
 
     backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
     monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
     backend._launch = lambda *args, **options: launched.append("megakernel")
-    backend._paired_gemms = lambda configs, tables, fused: launched.append(("mlp" if fused else "gemms", configs,
-                                                                           tables))
+    backend._paired_gemms = lambda configs, tables: launched.append(("gemms", configs, tables))
     backend._fork = lambda name, enqueue: launched.append(("fork", name)) or f"{name} event"
     backend.fork_prologue = True
-    backend.decode_mlp, backend._parts = DecodeMlpConfig(block_m=32), lambda: "the parts"
 
-    def prologue(offsets, keys, device_serial, side=False, form="offsets", tokens=None):
+    def prologue(offsets, keys, device_serial, side=False, form="offsets"):
         start = backend.counts_format.expert_pairs_offset   # this rank's experts' pairs (rank 0, EP = 1: all 8)
         assert offsets.data_ptr() == vector[start:].data_ptr() and offsets.numel() == 8
-        assert keys == ([(32, False)] if fused else ["k0", "k1"])
-        assert device_serial is planned and form == "counts" and tokens is None
+        assert keys == ["k0", "k1"] and not device_serial and form == "counts"
         launched.append(("tile tables", "beside" if side else "in line"))
         return "tile tables", None, "filled"
 
     backend._grouped_prologue = prologue
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
-    backend._resident_paired("configs", fused)
-    paired = [("tile tables", "beside"), "pair dispatch", ("join", "filled"),
-              ("mlp" if fused else "gemms", "configs", "tile tables"), "pair combine"]
-    if planned:
-        assert launched == ["counts", "planner", ("fork", "split")] + paired + [("join", "split event")], launched
-    else:
-        assert launched == ["counts"] + paired, launched
-
-
-def test_paired_call_beside_the_counts_forks_the_pairs_and_tiles_from_the_ids(monkeypatch):
-    """KernelConfig.pairs_beside_counts (`_resident_paired_beside_counts`): the tile tables from the routing ids
-    (form "ids", this rank's ids and T) and the pair dispatch from the ids (no pairs, no offsets) are each forked
-    before the counts kernel is enqueued; GEMM0 joins both; then the pair combine."""
-    from weave_moe.backends.weave import backend as backend_module
-    from weave_moe.backends.weave.exchange import CountsFormat
-
-    backend, launched = _tables_host(monkeypatch)
-    backend.pairs_planned, backend.pairs_beside_counts = False, True
-    backend.counts_format = CountsFormat(1, 8, 4)
-    backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
-    all_ids, _, tokens = backend.message.unpack(backend.all_routing)
-
-    class Pairs:
-        def launch(self, ids, T, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local, from_ids):
-            assert from_ids and pairs is None and offsets is None and rows is backend.pair_rows
-            assert ids.data_ptr() == all_ids.data_ptr() and T.data_ptr() == tokens.data_ptr()
-            assert local.data_ptr() == backend.workspace.y().data_ptr()
-            launched.append("pair dispatch from the ids")
-
-    class Combine:
-        def launch(self, y, rows, all_weights, T, io, status, rank, parts=None):
-            assert parts is None
-            launched.append("pair combine")
-
-    def prologue(offsets, keys, device_serial, side=False, form="offsets", tokens=None):
-        assert form == "ids" and side and not device_serial and offsets.data_ptr() == all_ids.data_ptr()
-        assert tuple(offsets.shape) == (8, 2) and tokens.numel() == 1
-        launched.append("tile tables from the ids (forked)")
-        return "tile tables", None, "filled"
-
-    def fork(name, enqueue):
-        launched.append(("fork", name))
-        enqueue()
-        return f"{name} event"
-
-    backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
-    backend._grouped_prologue, backend._fork = prologue, fork
-    monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
-    backend._paired_gemms = lambda configs, tables, fused: launched.append(("gemms", tables))
-    backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend._resident_paired("configs")
-    assert launched == ["tile tables from the ids (forked)", ("fork", "pairs"), "pair dispatch from the ids",
-                        "counts", ("join", "filled"), ("join", "pairs event"), ("gemms", "tile tables"),
-                        "pair combine"], launched
-
-
-def test_split_call_builds_the_decode_tables_and_launches_the_grouped_serial_first_launch(monkeypatch):
-    """`_split_call` (the side of an adaptive paired call): the decode task tables for the plan on the device (the
-    previous launch, the planner, is on the other stream: previous_writes "any"), then one megakernel launch, its
-    GROUPED_SERIAL all-phase compile made PAIRED (nothing under a serial plan), with the device plan (no host plan)
-    from phase 0."""
-    from weave_moe.backends.weave import backend as backend_module
-
-    backend, launched = _tables_host(monkeypatch)
-    backend.grouped_serial = True
-
-    def tables(*args, buffers, previous_writes, serial_plan, **options):
-        assert buffers == "the layer's decode tables" and previous_writes == "any"
-        assert serial_plan.data_ptr() == backend.plans_device[0, 0:1].data_ptr()
-        launched.append("tables")
-        return _AnyTable()
-
-    monkeypatch.setattr(backend_module, "build_layout_triton", tables)
-    backend._split_call()
-    assert launched == ["tables", "-1gsp"], launched
+    assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
+                        ("gemms", "configs", "tile tables"), "pair combine"], launched
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -727,15 +633,12 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True, "beside", "fused"])
+@pytest.mark.parametrize("paired", [False, True])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
     `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the pair rows in y read in place, and the pair
-    dispatch on the counts vector's pairs and the layer's offsets; "beside" (KernelConfig.pairs_beside_counts): the
-    pair dispatch and the prologue from the ids too, on zeros; "fused" (KernelConfig.decode_mlp_tokens): the fused
-    decode MLP on the pair rows in y and its parts in h, on a table of its own kind, that kind's prologue from the
-    counts' zeros, and the pair combine reading the parts too."""
+    dispatch on the counts vector's pairs and the layer's offsets, the pair combine on y."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -768,7 +671,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     monkeypatch.setattr(backend_module.grouped_gemm, "grouped_gemm1", gemm(1))
     # the warm-up fills the layer's tile tables (on the stream, not beside it), before the call enqueues anything:
     # the call's own fill comes after it (test_first_call_compiles_and_lines_up_before_it_enqueues_anything)
-    backend._grouped_prologue = lambda offsets, keys, *rest, side=False, form="offsets", tokens=None: (
+    backend._grouped_prologue = lambda offsets, keys, *rest, side=False, form="offsets": (
         prologues.append((tuple(sorted(set(keys))), side) + (
             () if form == "offsets" else (f"from the {form}", offsets.numel(), bool((offsets == 0).all()))))
         or ({}, None, None))
@@ -782,60 +685,32 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
                                                                          dtype=torch.int32)})()
 
         class Pairs:
-            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
-                       from_ids=False):
+            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
                 assert local.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
-                if from_ids:   # the counts' outputs are not read
-                    assert pairs is None and offsets is None
-                    warmed.append("pair dispatch from the ids")
-                    return
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
                 assert offsets is None
                 warmed.append("pair dispatch")
 
         class Combine:
-            def warmup(self, y, rows, all_weights, tokens, io, status, rank, parts=None):
+            def warmup(self, y, rows, all_weights, tokens, io, status, rank):
                 assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
-                if parts is not None:   # in h's buffer, as the calls' (`_parts`)
-                    assert parts.data_ptr() == backend.workspace.h().data_ptr() and parts.dtype == torch.float32
-                warmed.append("pair combine" + (" of the parts" if parts is not None else ""))
+                warmed.append("pair combine")
 
-        if paired == "fused":
-            from weave_moe.backends.weave.kernels.decode_mlp import DecodeMlpConfig
-            from weave_moe.backends.weave.workspace import SymmetricWorkspace
-
-            backend.decode_mlp, backend.decode_mlp_tokens = DecodeMlpConfig(block_i=16), 2
-            backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(
-                8, 32, 16, 16, scratch_bytes=backend._parts_bytes(2))
-
-            def fused(a, w13, w2, tiles, parts, config):
-                assert a.data_ptr() == backend.workspace.y().data_ptr() and a.shape[0] == parts.shape[1] == 4
-                assert parts.data_ptr() == backend.workspace.h().data_ptr() and tuple(parts.shape) == (1, 4, 32)
-                assert (tiles.block_m, tiles.split_tail) == (16, False) and config is backend.decode_mlp
-                warmed.append("fused decode mlp")
-
-            monkeypatch.setattr(backend_module.decode_mlp, "decode_mlp", fused)
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
-        backend.pairs_beside_counts = paired == "beside"
     backend._compile_before_call()
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
-    pairs = (["pair dispatch"] + (["pair dispatch from the ids"] if paired == "beside" else []) + ["pair combine"]
-             + (["pair combine of the parts"] if paired == "fused" else []) if paired else [])
-    fused = ["fused decode mlp"] if paired == "fused" else []
-    assert warmed == gemm0 + [(1, c) for c in configs[1]] + fused + pairs
+    pairs = ["pair dispatch", "pair combine"] if paired else []
+    assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
     g1 = (configs[1][0].block_m, False)
     kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
-    # "beside": from the ids too (T_max 8 x k 2), zeros
     expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds] if paired
                                               else [])
-    expected += [(k, False, "from the ids", 16, True) for k in kinds] if paired == "beside" else []
-    expected += [(((16, False),), False, "from the counts", 8, True)] if paired == "fused" else []
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 
@@ -897,7 +772,7 @@ def test_resident_and_host_driven_calls_compile_before_their_first_enqueue(monke
 
     backend.spec, backend.num_local_experts, backend.device = MoESpec(8, 2, 32, 16), 8, torch.device("cpu")
     backend.resident_graph_names, backend.decode_tokens, backend.debug_skip_launch = {}, 0, False
-    backend.pair_dispatch = backend.decode_mlp = None
+    backend.pair_dispatch = None
     backend.workspace = type("W", (), {"generation": 1})()
     backend._grouped_configs = lambda rows: None
     backend.slots = type("S", (), {"write": enqueue})()   # the resident call's first enqueue: its slot
@@ -1054,8 +929,8 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend._current_stream = lambda: None
     built = []
     backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
-    backend.pair_dispatch = backend.decode_mlp = None
-    backend._resident_call = lambda configs, from_slot, decode, paired, fused: built.append(
+    backend.pair_dispatch = None
+    backend._resident_call = lambda configs, from_slot, decode, paired: built.append(
         "paired" if paired else from_slot if decode else "not decode")
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
@@ -1290,17 +1165,6 @@ def test_decode_calls_only_where_the_layer_has_decode_compiles(monkeypatch, deco
     backend, _, _ = _host_backend(monkeypatch, None, resident=True, decode=decode)
     assert [backend._decode_call(t) for t in (0, 1, DECODE_TOKENS, DECODE_TOKENS + 1)] == \
         [decode, decode, decode, False]
-
-
-def test_an_adaptive_paired_layer_compiles_its_split_launch(monkeypatch):
-    """KernelConfig.adaptive_pairs: the split side's launch (`_split_call`, STAGE -1 compiled GROUPED_SERIAL and
-    PAIRED) is among the compiles the first call makes, and only in a layer that makes adaptive paired calls."""
-    backend, _, _ = _host_backend(monkeypatch, None, grouped=True, resident=True, decode=True)
-    names = {_compile_name(constants) for constants in backend._kernel_variants()}
-    assert "-1gs" in names and "-1gsp" not in names, names
-    backend.pairs_planned = True
-    names = {_compile_name(constants) for constants in backend._kernel_variants()}
-    assert "-1gsp" in names, names
 
 
 def test_x_and_out_reach_the_kernel_aligned_for_its_vector_copies():

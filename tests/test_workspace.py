@@ -30,22 +30,6 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + tensor.numel() * tensor.element_size()
 
 
-def test_a_layers_scratch_lies_in_hs_buffer_which_grows_to_hold_it():
-    """`attach(scratch_bytes=)` (the fused decode MLP's parts): h's buffer holds the larger of the layer's h and its
-    scratch; the scratch view starts where h does (a call uses one or the other) and survives a growth of the
-    workspace by another layer (re-pointed, the new buffer)."""
-    ws = SymmetricWorkspace(None, 0, 1, CPU)
-    layer = ws.attach(max_tokens=8, hidden_size=16, intermediate_size=12, max_pairs=20, scratch_bytes=1000)
-    assert ws.capacity.h == 1000 and layer.scratch().numel() >= 1000 and layer.scratch().dtype == torch.uint8
-    assert layer.scratch().data_ptr() == layer.h().data_ptr() and layer.h().shape == (20, 12)
-    plain = ws.attach(max_tokens=8, hidden_size=16, intermediate_size=12, max_pairs=20)
-    assert plain.scratch() is None and ws.capacity.h == 1000
-    ws.attach(max_tokens=8, hidden_size=16, intermediate_size=12, max_pairs=100)   # h grows past the scratch
-    assert ws.capacity.h == 100 * 12 * 2 and layer.scratch().data_ptr() == ws.h_buffer.data_ptr()
-    with pytest.raises(ValueError, match="scratch_bytes"):
-        ws.attach(max_tokens=8, hidden_size=16, scratch_bytes=-1)
-
-
 def test_two_layers_share_one_workspace_sized_by_the_larger():
     ws = SymmetricWorkspace(None, 0, 1, CPU)
     small = ws.attach(max_tokens=8, hidden_size=16, intermediate_size=12, max_pairs=20)

@@ -29,7 +29,7 @@ from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelC
                                              timeout_s_from_env)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
-from weave_moe.backends.weave.kernels import decode_mlp, gemm_configs, grouped_gemm, grouped_tiles
+from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, PairDispatch, TablesDispatch
 from weave_moe.backends.weave.kernels.pair_combine import PairCombine
@@ -76,13 +76,11 @@ def _tile_keys(configs) -> list:
 def stage_constants(constants: mk_launch.MegakernelConstants, hidden_size: int) -> dict:
     """The megakernel's compiles of a layer by launch (`WeaveBackend._stages`): STAGE -1 (every phase in one launch),
     0 and 1 (dispatch, the GEMMs: one serial stage each) and 4 (combine + reduce), (STAGE, "grouped serial") for
-    the resident adaptive calls that may run the grouped GEMMs, (-1, "paired split") for an adaptive paired call's
-    side (`WeaveBackend._split_call`), and ("decode", key) for the launches without GEMM
+    the resident adaptive calls that may run the grouped GEMMs, and ("decode", key) for the launches without GEMM
     at decode sizes (KernelConfig.decode_stages: DECODE_ROWS rows per task, whole rows per step)."""
     table = {stage: dataclasses.replace(constants, STAGE=stage) for stage in (-1, 0, 1, STAGE_COMBINE_REDUCE.value)}
     table.update({(stage, "grouped serial"): dataclasses.replace(constants, STAGE=stage, GROUPED_SERIAL=True)
                   for stage in (-1, STAGE_COMBINE_REDUCE.value)})
-    table[(-1, "paired split")] = dataclasses.replace(constants, STAGE=-1, GROUPED_SERIAL=True, PAIRED=True)
     table.update({("decode", key): dataclasses.replace(
         table[key], DISPATCH_ROWS=DECODE_ROWS, COMBINE_ROWS=DECODE_ROWS, REDUCE_ROWS=DECODE_ROWS,
         BLOCK_H=decode_block_h(hidden_size)) for key in _ROW_STAGES})
@@ -220,13 +218,8 @@ class WeaveBackend:
         # one workspace per (group, device) shared by every layer, h and y included (workspace.py: the protocol)
         shared = SymmetricWorkspace.shared(group, rank, world_size, device)
         shared.claim_call_mode(cfg.resident_at(world_size))
-        # KernelConfig.decode_mlp_tokens: the fused decode MLP's config, and its parts in h's buffer (`_parts`)
-        mlp_tokens = min(cfg.decode_mlp_tokens, max_tokens_per_rank) if world_size == 1 else 0
-        self.decode_mlp = (decode_mlp.default_config(H, I, self._rows_per_token(), self.num_sms) if mlp_tokens
-                           else None)
         self.workspace = shared.attach(max_tokens_per_rank, H, I, max(max_pairs, 1),
-                                       routing_words=self.message.words,
-                                       scratch_bytes=self._parts_bytes(mlp_tokens) if mlp_tokens else 0)
+                                       routing_words=self.message.words)
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
         # [0:4] the live status word, [4:8] the resident call's reported rejection (kernels/sync.py)
@@ -334,28 +327,17 @@ class WeaveBackend:
                                 else None)
         # KernelConfig.pair_dispatch: at EP = 1 a decode call's rows sent once per (token, expert) pair, in expert
         # order, right after the counts; GEMM0 reads them through TMA, the combine reads y by the pairs' rows, no
-        # task tables (_resident_paired). KernelConfig.adaptive_pairs: an adaptive policy's too, gated on the device
-        # by its plan (`pairs_planned`)
+        # task tables (_resident_paired); a fixed serial plan's calls only (an adaptive policy's took it as well,
+        # gated on the device by its plan: 4-20% slower at 2-8 tokens on an H100, removed; docs/perf-notes.md 42, 53)
         pair_tokens = min(self.decode_tokens, self.max_tokens)   # its rows go to y, which holds every pair
-        self.pairs_planned = bool(cfg.adaptive_pairs and self.grouped_serial)
         self.pair_dispatch = (PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, pair_tokens,
                                            self.num_sms)
-                              if (cfg.pair_dispatch and world_size == 1 and (self.grouped or self.pairs_planned)
+                              if (cfg.pair_dispatch and world_size == 1 and self.grouped
                                   and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0)
                               else None)
-        self.pairs_planned = self.pairs_planned and self.pair_dispatch is not None
-        # KernelConfig.pairs_beside_counts: a fixed serial plan's pair dispatch and tile tables from the ids, beside
-        # the counts (forks: CUDA streams)
-        self.pairs_beside_counts = bool(cfg.pairs_beside_counts and self.pair_dispatch is not None
-                                        and not self.pairs_planned and self.fork_prologue)
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
             self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
-        # KernelConfig.decode_mlp_tokens: a paired call of at most that many tokens runs the fused decode MLP, its
-        # parts in the workspace's scratch (reserved above)
-        self.decode_mlp_tokens = min(mlp_tokens, pair_tokens) if self.pair_dispatch is not None and self.interleaved \
-            else 0
-        self.decode_mlp = self.decode_mlp if self.decode_mlp_tokens else None
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -528,12 +510,11 @@ class WeaveBackend:
         name = self.resident_graph_names.get((self.workspace.generation, rows))
         configs = self._grouped_configs(rows)
         decode = self._decode_call(x.shape[0])   # a function of rows, as the graph's name is
-        paired = self._paired_call(x.shape[0])   # so is this
-        fused = self._fused_mlp_call(x.shape[0])   # and this
+        paired = self._paired_call(x.shape[0])   # and so is this
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             # ... and the kind of call: a decode call's graph (decode compiles, the early or pair dispatch of at most
             # DECODE_TOKENS tokens) must not serve a longer call whose configs are the same
-            kind = "paired.mlp" if fused else "paired" if paired else "decode" if decode else "full"
+            kind = "paired" if paired else "decode" if decode else "full"
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}.{kind}")
         if capturing:
@@ -542,7 +523,7 @@ class WeaveBackend:
             # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired, fused), in_capture=True)
+            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired), in_capture=True)
         elif self.debug_skip_launch:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
@@ -551,7 +532,7 @@ class WeaveBackend:
                                                               timeout_s=self.timeout_s + coordinator.timeout_s))
             clock.lap("pack")
             try:
-                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired, fused),
+                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired),
                                 in_capture=False)
             except BaseException as error:
                 # the slot may or may not have been read: the ring and the device cursor could have parted
@@ -570,17 +551,15 @@ class WeaveBackend:
             raise failure
         return out
 
-    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: bool = False,
-                       fused: bool = False) -> None:
+    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: bool = False) -> None:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
-        `io`); `decode`: `_decode_call`; `paired`: `_paired_call` (then `_resident_paired`); `fused`:
-        `_fused_mlp_call`."""
+        `io`); `decode`: `_decode_call`; `paired`: `_paired_call` (then `_resident_paired`)."""
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
         if paired:
-            self._resident_paired(grouped_configs, fused)
+            self._resident_paired(grouped_configs)
             copy_status(self.status, self.status_host)
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
@@ -597,7 +576,7 @@ class WeaveBackend:
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_paired(self, configs, fused: bool = False) -> None:
+    def _resident_paired(self, configs) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
         GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
@@ -605,72 +584,21 @@ class WeaveBackend:
         rows in place through TMA once both are done, GEMM1 into y, and the combine of y by the pairs' rows into out
         (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1 nothing else needs them. The
         chain to GEMM0 is pack -> counts -> pair dispatch (the tile tables beside it), not pack -> counts -> bases
-        -> emit (-> gather) (docs/perf-notes.md entry 37).
-        An adaptive policy's call (`pairs_planned`, KernelConfig.adaptive_pairs) plans on the device first; every
-        launch above then reads this rank's plan and does nothing unless it is serial, and beside them, forked once
-        the plan is written, the task tables and the kernel's GROUPED_SERIAL first launch do the call under any
-        other plan (under a serial one that launch does nothing: `_split_call`).
-        `fused` (KernelConfig.decode_mlp_tokens): the fused decode MLP instead of the grouped GEMMs, on its own tile
-        table, and the combine reads its parts (`_paired_gemms`)."""
+        -> emit (-> gather) (docs/perf-notes.md entry 37)."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
-        if self.pairs_beside_counts:   # both from the routing alone, forked beside the counts
-            return self._resident_paired_beside_counts(configs, all_ids, all_weights, tokens, fused)
         counts = self._counts(verdict=True)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
-        if self.pairs_planned:
-            if self.device_counts.planner is None:
-                self.device_planner.launch(counts, self.plans_device)
-            joins.append(self._fork("split", self._split_call))
-        gate = self._pair_gate()
-        tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), self._paired_keys(configs, fused),
-                                                   self.pairs_planned, side=self.fork_prologue, form="counts")
+        tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs), False,
+                                                   side=self.fork_prologue, form="counts")
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
-                                  self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
-                                  **gate)
+                                  self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y())
         if filled is not None:
             self._current_stream().wait_event(filled)
-        self._paired_tail(configs, tables, fused, all_weights, tokens, gate, joins)
-
-    def _resident_paired_beside_counts(self, configs, all_ids, all_weights, tokens, fused: bool = False) -> None:
-        """`_resident_paired` under KernelConfig.pairs_beside_counts (a fixed serial plan, EP = 1): the pair dispatch
-        and the tile tables counted from the routing ids alone (`PairDispatch(from_ids=True)`, `fill_tile_tables(
-        form="ids")`), each forked right after the pack, beside the counts kernel on the call's stream; GEMM0 joins
-        all three (the counts' verdict is the call's: a refused call's rows, sent before it was known, land in y
-        and the pair combine writes NaN rows). The chain to GEMM0 is pack -> the longest of the three."""
-        tables, _, filled = self._grouped_prologue(all_ids[0], self._paired_keys(configs, fused), False, side=True,
-                                                   form="ids", tokens=tokens)
-        sent = self._fork("pairs", lambda: self.pair_dispatch.launch(
-            all_ids, tokens, None, self.io, self.workspace, self.live_status, self.rank, self.timeout_ns, None,
-            self.pair_rows, self.workspace.y(), from_ids=True))
-        counts = self._counts(verdict=True)
-        joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
-        for event in (filled, sent):
-            self._current_stream().wait_event(event)
-        self._paired_tail(configs, tables, fused, all_weights, tokens, {}, joins)
-
-    def _paired_tail(self, configs, tables, fused: bool, all_weights, tokens, gate: dict, joins: list) -> None:
-        """A paired call after its rows and tile tables: the experts (`_paired_gemms`), the pair combine of their y
-        (or the fused MLP's parts) into out, gated as the dispatch was (`_pair_gate`), then the joins of the side
-        streams nothing of the call waits for."""
-        self._paired_gemms(configs, tables, fused)
+        self._paired_gemms(configs, tables)
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, **gate, parts=self._parts() if fused else None)
-        for event in joins:
+                                 self.rank)
+        for event in joins:   # the side streams nothing of the call waits for
             self._current_stream().wait_event(event)
-
-    def _split_call(self) -> None:
-        """An adaptive paired call's side (`_resident_paired`): the decode task tables for the plan just written,
-        then the kernel's GROUPED_SERIAL first launch compiled PAIRED, which under a plan that is not serial does the
-        whole call and under a serial one nothing (the pair launches do that call)."""
-        layout = self._build_tables(True, previous_writes="any")
-        dummy = self.workspace.y()[:1]
-        args, launch_options = self._megakernel_args(dummy, dummy, layout, None, 0)
-        if not self.debug_skip_launch:
-            mk_launch.launch(args=args, constants=self.stage_constants[(-1, "paired split")], **launch_options)
-
-    def _pair_gate(self) -> dict:
-        """The pair launches' gate (`plan`, `num_sms`): this rank's device plan under `pairs_planned`, else none."""
-        return dict(plan=self.plans_device[self.rank, 0:1], num_sms=self.num_sms) if self.pairs_planned else {}
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -684,34 +612,9 @@ class WeaveBackend:
         """Whether a resident call of `tokens` tokens runs `_resident_paired` (KernelConfig.pair_dispatch)."""
         return self.pair_dispatch is not None and tokens <= self.pair_dispatch.max_call_tokens
 
-    def _fused_mlp_call(self, tokens: int) -> bool:
-        """Whether a paired call of `tokens` tokens runs the fused decode MLP (KernelConfig.decode_mlp_tokens: calls of
-        at most `decode_mlp_tokens` tokens, that setting capped by the layer's T_max and the paired calls' sizes)."""
-        return self.decode_mlp is not None and self._paired_call(tokens) and tokens <= self.decode_mlp_tokens
-
     def _rows_per_token(self) -> int:
         """GEMM rows per token on this rank at most: its (token, expert) pairs, k, or E_local when fewer."""
         return min(self.spec.top_k, self.num_local_experts)
-
-    def _parts_shape(self, tokens: int) -> tuple:
-        """The fused decode MLP's parts for calls of up to `tokens` tokens: [I blocks, tokens x rows per token, H]."""
-        spec = self.spec
-        return decode_mlp.parts_shape(tokens * self._rows_per_token(), spec.hidden_size, spec.intermediate_size,
-                                      self.decode_mlp.block_i)
-
-    def _parts_bytes(self, tokens: int) -> int:
-        return 4 * math.prod(self._parts_shape(tokens))
-
-    def _parts(self) -> torch.Tensor:
-        """The fused decode MLP's fp32 parts (`_parts_shape(decode_mlp_tokens)`) in the workspace's scratch, h's
-        buffer (rewritten by every fused call, which writes no h; any call that uses h rewrites it)."""
-        shape = self._parts_shape(self.decode_mlp_tokens)
-        return self.workspace.scratch()[:self._parts_bytes(self.decode_mlp_tokens)].view(torch.float32).view(shape)
-
-    def _paired_keys(self, configs, fused: bool) -> list:
-        """The tile-table kinds a paired call builds: the fused decode MLP's (block_m, no split tail), or the grouped
-        GEMMs' (`_tile_keys`)."""
-        return [(self.decode_mlp.block_m, False)] if fused else _tile_keys(configs)
 
     def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None,
                          joins: list | None = None, dispatched: list | None = None):
@@ -1021,8 +924,6 @@ class WeaveBackend:
         stages = [self._stages(serial, decode=decode) for serial in serial_choices for decode in decode_choices]
         if self.grouped_serial:
             stages += [self._stages(False, device_serial=True, decode=decode) for decode in decode_choices]
-        if self.pairs_planned:
-            stages.append(((-1, "paired split"),))
         return frozenset(self.stage_constants[stage] for launches in stages for stage in launches
                          if stage != "grouped")
 
@@ -1162,22 +1063,16 @@ class WeaveBackend:
         launch = dict(chained=True) if chained else self.gemm_launch
         grouped_gemm.launch_gemm(1, config, self.workspace.h(), self.w2, self.workspace.y(), tiles, **launch)
 
-    def _paired_gemms(self, configs, tables, fused: bool = False) -> None:
+    def _paired_gemms(self, configs, tables) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s):
         GEMM0 reading the pair rows (in y, in expert order) contiguously through TMA (no gather), and GEMM1 into y
-        (rows in the same expert order; it starts once GEMM0 has ended). `fused`: the fused decode MLP instead, one
-        launch reading the same rows (the first decode_mlp_tokens x rows per token of y) into `_parts`."""
-        if fused:
-            parts = self._parts()
-            decode_mlp.decode_mlp(self.workspace.y()[:parts.shape[1]], self.w13, self.w2,
-                                  tables[self._paired_keys(configs, True)[0]], parts, self.decode_mlp)
-            return
+        (rows in the same expert order; it starts once GEMM0 has ended)."""
         keys, chained = _tile_keys(configs), self._chains(configs)
         self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained)
         self._gemm1(tables[keys[1]], configs[1], chained=chained)
 
-    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False, form: str = "offsets",
-                          tokens: torch.Tensor | None = None) -> tuple:
+    def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False,
+                          form: str = "offsets") -> tuple:
         """The grouped GEMMs' tile tables (`grouped_tiles.fill_tile_tables`, one launch) for the
         (block_m, split_tail) `keys` (its compiles depend on their sorted set); `device_serial`: no tile unless
         this rank's device plan is serial. `side`: on the layer's side stream, after the work enqueued so far, beside
@@ -1186,8 +1081,8 @@ class WeaveBackend:
         (tables, rows to gather, the event after the launch or None), for `_gather_rows` and the GEMMs. The tables
         are the layer's for these tile kinds (rewritten by every call, as the task tables are: no allocation inside
         the CUDA graph of a row count); the first call's compile fills them too, before that call enqueues anything
-        (`_compile_before_call`). `form`, `tokens`: what `offsets` holds (`fill_tile_tables(form=)`: the prefix sum
-        of rows per local expert, the rows themselves, or the routing ids with T at `tokens`)."""
+        (`_compile_before_call`). `form`: what `offsets` holds (`fill_tile_tables(form=)`: the prefix sum of rows per
+        local expert, or the rows themselves)."""
         kinds = tuple(sorted(set(keys)))
         buffers = self.tile_buffers.get(kinds)
         if buffers is None:   # sized by E_local + 1 offsets, whichever form this call's are in
@@ -1197,7 +1092,7 @@ class WeaveBackend:
         tables, rows = buffers
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,
-                                 num_sms=self.num_sms, form=form, tokens=tokens, num_experts=self.num_local_experts)
+                                 num_sms=self.num_sms, form=form)
         if not side:
             fill()
             return tables, rows, None
@@ -1278,38 +1173,18 @@ class WeaveBackend:
                     # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
                     # there made the gather warm-up after it read past the buffers)
                     self._grouped_prologue(self._pairs(torch.zeros_like(self.device_counts.counts), local=True),
-                                           pair, self.pairs_planned, form="counts")
-                    if self.pairs_beside_counts:   # ... or from the ids, on none
-                        ids, _, tokens = self.message.unpack(torch.zeros_like(self.all_routing))
-                        self._grouped_prologue(ids[0], pair, False, form="ids", tokens=tokens)
-            if self.decode_mlp is not None:   # the fused decode MLP (_paired_gemms) on no tile, its tile tables
-                keys, parts = self._paired_keys(None, True), self._parts()
-                table = grouped_tiles.build_tile_table(empty, self.decode_mlp.block_m, self.max_pairs)
-                decode_mlp.decode_mlp(y[:parts.shape[1]], self.w13, self.w2, table, parts, self.decode_mlp)
-                self._grouped_prologue(self._pairs(torch.zeros_like(self.device_counts.counts), local=True), keys,
-                                       self.pairs_planned, form="counts")
-                if self.pairs_beside_counts:
-                    ids, _, tokens = self.message.unpack(torch.zeros_like(self.all_routing))
-                    self._grouped_prologue(ids[0], keys, False, form="ids", tokens=tokens)
+                                           pair, False, form="counts")
         if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatch is not None:
             all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         if self.early_dispatch is not None:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
-            gate = self._pair_gate()
             self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
                                       self.live_status, self.rank, self.timeout_ns, None, self.pair_rows,
-                                      self.workspace.y(), **gate)
-            if self.pairs_beside_counts:
-                self.pair_dispatch.warmup(all_ids, tokens, None, self.io, self.workspace, self.live_status,
-                                          self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
-                                          from_ids=True)
+                                      self.workspace.y())
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
-                                     self.live_status, self.rank, **gate)
-            if self.decode_mlp is not None:   # ... reading the fused decode MLP's parts
-                self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
-                                         self.live_status, self.rank, **gate, parts=self._parts())
+                                     self.live_status, self.rank)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

@@ -40,7 +40,7 @@ GEMM0_GATHER_MAX_I = 1024
 #: KernelConfig.prefetch_mib at most: the budget in bytes stays an int32 in the prefetch kernel
 PREFETCH_MIB_MAX = 2047
 #: the int fields whose values are not "positive": (least, most) allowed
-_INT_RANGES = {"prefetch_mib": (0, PREFETCH_MIB_MAX), "decode_mlp_tokens": (0, DECODE_TOKENS)}   # 0: off
+_INT_RANGES = {"prefetch_mib": (0, PREFETCH_MIB_MAX)}   # 0: off
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -198,28 +198,6 @@ class KernelConfig:
             bench check passed, and it was the fastest serial variant at every size measured (Qwen3-30B-A3B, one
             rank's work of EP=2, at 1 / 8 / 32 tokens 89.0 / 178.8 / 253.4 us -> 77.5 / 166.0 / 243.4; DeepSeek-V3
             288.8 / 1640.5 / 3451.2 -> 279.9 / 1622.1 / 3441.7; 5 rounds).
-        adaptive_pairs: with `pair_dispatch`, an adaptive policy's decode calls at EP = 1 take the paired path too:
-            the device plan is made first (as for every resident adaptive call), the pair dispatch, the tile tables,
-            the grouped GEMMs and the pair combine each read it and do nothing unless it is serial, and beside them
-            the task tables and the kernel's first launch (its GROUPED_SERIAL compile) do the call under any other
-            plan (under a serial one that launch does nothing). The default policy plans serial for nearly every
-            decode call (docs/perf-notes.md entry 39) and paid ~11 us over the serial policy at 1 token (entries 28
-            and 34). Off: measured mixed on an H100 (entry 42: faster at 1 token and on DeepSeek-V3, slower at 2-8
-            tokens on Qwen3-30B-A3B and Qwen3.5-35B-A3B; the same geomean).
-        pairs_beside_counts: with `pair_dispatch`, a fixed serial plan's paired call counts its pairs' rows and its
-            tile tables from the routing ids alone (EP = 1: the pairs of the experts before e are the ids in
-            [0, e)), so the pair dispatch and the tile tables are forked right after the pack, beside the counts
-            kernel, instead of after it: the chain to GEMM0 loses one link (~3-4 us at 1 token: the counts ended at
-            8.3 us in bench/results/h200-39eda33). Off: measured on an H100 (entry 42), ~1 us faster on Qwen3-30B-A3B
-            and DeepSeek-V2-Lite at 1 token, 15 us slower on DeepSeek-V3.
-        decode_mlp_tokens: 0 (default: off) or up to DECODE_TOKENS: a paired call (`pair_dispatch`) of at most this
-            many tokens runs its expert MLP as ONE launch, the fused decode MLP (kernels/decode_mlp.py: GEMM0 +
-            SiLU-mul + GEMM1 per (M tile, I block), fp32 parts per I block), instead of the grouped GEMM0 and
-            GEMM1, and its pair combine sums the parts (block order, rounded to bf16: the grouped GEMM1's y up to
-            the order of the fp32 additions). The parts live in h's buffer in the workspace, grown to hold them
-            (`SymmetricWorkspace.attach(scratch_bytes=)`; the fused call writes no h). At EP = 1 only, as
-            `pair_dispatch`. Needs the interleaved w13 (`interleave_w13`). Off until measured
-            on the GPU (scripts/decode_mlp_probe.py, the `decode-mlp` stage).
         serial_at_ep1: at EP = 1 a resident layer (`resident`) of the adaptive policy ("weave") whose serial plans
             run the grouped GEMMs (`grouped_gemm`, a Hopper GPU) takes the serial plan, fixed when the layer is
             built, and is then the `serial` policy's layer (no planning per call; the paired decode call of
@@ -315,9 +293,6 @@ class KernelConfig:
     early_dispatch: bool = False
     dispatch_beside_emit: bool = False
     pair_dispatch: bool = True
-    adaptive_pairs: bool = False
-    pairs_beside_counts: bool = False
-    decode_mlp_tokens: int = 0
     serial_at_ep1: bool = True
     ws_gemm: bool = True
     ws_gather: bool = False

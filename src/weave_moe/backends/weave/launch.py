@@ -109,7 +109,6 @@ class MegakernelConstants:
     W13_INTERLEAVED: bool = False  # w13 in the grouped GEMMs' interleaved layout (its descriptor 3-D)
     WIDE_GEMM0: bool = False       # GEMM0 as one MMA over interleaved rows (its descriptor 2-D, 2 * BLOCK_N0 rows)
     GROUPED_SERIAL: bool = False   # resident serial plans' GEMMs run as grouped GEMMs between stage launches
-    PAIRED: bool = False           # a paired call's GROUPED_SERIAL first launch: nothing under a serial plan
     VECTOR_ROWS: bool = True       # row copies in 16-byte vectors, the dispatch's steps pipelined (KernelConfig)
 
     @property

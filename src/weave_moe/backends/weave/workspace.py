@@ -57,11 +57,7 @@ P = EP * T_max * min(k, E_local) (max_pairs):
 
     symmetric = 2 * align256(4 * (EP * MAX_CHUNKS + EP)) + align256(4 * EP) + align256(2 * EP * M * 4)
                 + 3 * align256(R)
-    local     = max(P * I * 2, S) + max(P * H) * 2       (each over the layers attached)
-
-where S is a layer's `scratch_bytes` (0 unless KernelConfig.decode_mlp_tokens: the fused decode MLP's fp32 parts,
-ceil(I / BLOCK_I) * tokens * min(k, E_local) * H * 4, e.g. 28 MiB for DeepSeek-V3's per-rank shapes at 8 tokens:
-within h's P * I * 2 once EP * T_max >= 896 there).
+    local     = max(P * I) * 2 + max(P * H) * 2       (each over the layers attached)
 
 plus the exchange's control block, 4 * (EXCHANGE_CTRL_FIXED + EP) bytes (not counted in `WorkspaceBytes`).
 DeepSeek-V3 (H 7168, I 2048, k 8, E_local 128) at T_max 8192, EP 2: R = 224 MiB, M = 131077 (routing: 2 MiB + 256 B),
@@ -118,7 +114,7 @@ class WorkspaceBytes:
     Attributes:
         flags: both parities' flags, aligned.
         rows: one rows region (recv, or one parity of comb): EP * T_max * H * 2, aligned.
-        h, y: local GEMM scratch (max_pairs * I * 2, or a layer's `scratch_bytes` when more, and max_pairs * H * 2).
+        h, y: local GEMM scratch (max_pairs * I * 2 and max_pairs * H * 2).
         routing_flags: the routing flags, [EP] int32, aligned.
         routing: the routing slots, [2][EP][M] int32 (M = routing words), aligned.
     """
@@ -132,11 +128,11 @@ class WorkspaceBytes:
 
     @classmethod
     def of(cls, world_size: int, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
-           max_pairs: int = 0, routing_words: int = 0, scratch_bytes: int = 0) -> "WorkspaceBytes":
+           max_pairs: int = 0, routing_words: int = 0) -> "WorkspaceBytes":
         flag_words = world_size * MAX_CHUNKS + world_size
         return cls(flags=2 * _align(flag_words * 4),
                    rows=_align(world_size * max_tokens * hidden_size * BYTES_PER_ELEMENT),
-                   h=max(max_pairs * intermediate_size, -(-scratch_bytes // BYTES_PER_ELEMENT)) * BYTES_PER_ELEMENT,
+                   h=max_pairs * intermediate_size * BYTES_PER_ELEMENT,
                    y=max_pairs * hidden_size * BYTES_PER_ELEMENT,
                    routing_flags=_align(world_size * 4),
                    routing=_align(2 * world_size * routing_words * 4))
@@ -215,7 +211,7 @@ class SymmetricWorkspace:
 
     # ---- layers -----------------------------------------------------------------------------------------------------
     def attach(self, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
-               max_pairs: int = 0, *, routing_words: int = 0, scratch_bytes: int = 0) -> "WorkspaceView":
+               max_pairs: int = 0, *, routing_words: int = 0) -> "WorkspaceView":
         """A layer's view (grows the workspace first when this layer needs more; collective then, see module doc).
 
         Args:
@@ -224,18 +220,15 @@ class SymmetricWorkspace:
             intermediate_size: I (0: the layer needs no h scratch).
             max_pairs: rows of h and y (0: no scratch).
             routing_words: the layer's RoutingMessage.words (0: the layer does not use the routing exchange).
-            scratch_bytes: bytes of local scratch the layer's calls use instead of h (`WorkspaceView.scratch`; the
-                fused decode MLP's parts), in h's buffer, which grows to hold them.
         """
         for name, value in (("max_tokens", max_tokens), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size), ("max_pairs", max_pairs),
-                            ("routing_words", routing_words), ("scratch_bytes", scratch_bytes)):
+                            ("routing_words", routing_words)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.reserve(WorkspaceBytes.of(self.world_size, max_tokens, hidden_size, intermediate_size, max_pairs,
-                                       routing_words, scratch_bytes))
-        view = WorkspaceView(self, max_tokens, hidden_size, intermediate_size, max_pairs, routing_words,
-                             scratch_bytes)
+                                       routing_words))
+        view = WorkspaceView(self, max_tokens, hidden_size, intermediate_size, max_pairs, routing_words)
         self._views.add(view)
         return view
 
@@ -391,11 +384,11 @@ class WorkspaceView:
     """
 
     def __init__(self, workspace: SymmetricWorkspace, max_tokens: int, hidden_size: int, intermediate_size: int,
-                 max_pairs: int, routing_words: int = 0, scratch_bytes: int = 0):
+                 max_pairs: int, routing_words: int = 0):
         self.workspace = workspace
         self.max_tokens, self.hidden_size = max_tokens, hidden_size
         self.intermediate_size, self.max_pairs = intermediate_size, max_pairs
-        self.routing_words, self.scratch_bytes = routing_words, scratch_bytes
+        self.routing_words = routing_words
         self.exchange_ctrl = workspace.exchange_ctrl
         self._point()
 
@@ -417,8 +410,6 @@ class WorkspaceView:
         self._recv = ws._view(ws.recv_offset, rows * H, torch.bfloat16).view(rows, H)
         self._comb = tuple(ws._view(ws.comb_offsets[p], rows * H, torch.bfloat16).view(rows, H) for p in (0, 1))
         self._h = ws.h_buffer[:pairs * I].view(pairs, I) if pairs and I else None
-        self._scratch = (ws.h_buffer[:-(-self.scratch_bytes // BYTES_PER_ELEMENT)].view(torch.uint8)
-                         if self.scratch_bytes else None)
         self._y = ws.y_buffer[:pairs * H].view(pairs, H) if pairs else None
 
     @property
@@ -463,10 +454,6 @@ class WorkspaceView:
     def h(self) -> torch.Tensor:
         """[max_pairs, I] bf16 GEMM0 output (SiLU-mul applied)."""
         return self._h
-
-    def scratch(self) -> torch.Tensor:
-        """[>= scratch_bytes] uint8: the layer's scratch in h's buffer (a call uses it or h, never both)."""
-        return self._scratch
 
     def y(self) -> torch.Tensor:
         """[max_pairs, H] bf16 GEMM1 output."""

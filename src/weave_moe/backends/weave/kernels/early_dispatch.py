@@ -59,7 +59,7 @@ from weave_moe.backends.weave.kernels.tables_scan import token_destinations
 from weave_moe.plan.workload import MAX_CHUNKS
 
 __all__ = ["EarlyDispatch", "TablesDispatch", "PairDispatch", "early_dispatch_kernel", "tables_dispatch_kernel",
-           "pair_dispatch_kernel", "check_plan_gate", "ids_block"]
+           "pair_dispatch_kernel", "ids_block"]
 
 NUM_WARPS = 4
 
@@ -83,13 +83,6 @@ def _check_plan_columns(tokens: torch.Tensor, chunks: torch.Tensor | None, world
         raise ValueError("chunks must be the K column of the [EP, 4] int32 plans (stride 4)")
     if tokens.dtype != torch.int32 or tokens.numel() != world_size:
         raise ValueError("tokens must be int32 [EP]")
-
-
-def check_plan_gate(plan: torch.Tensor | None, num_sms: int) -> None:
-    """The pair launches' gate: a device plan's c (`plans_device[rank, 0:1]`) and the SM count a serial one names."""
-    if plan is not None and (plan.dtype != torch.int32 or plan.numel() != 1 or num_sms < 1):
-        raise ValueError(f"plan must be int32 [1] (this rank's c) with num_sms >= 1, got {plan.dtype} "
-                         f"{tuple(plan.shape)}, num_sms = {num_sms}")
 
 
 @triton.jit
@@ -345,10 +338,10 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
                          recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr,
-                         plan_ptr, num_sms, rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
+                         rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
                          K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-                         LOCAL: tl.constexpr, PLANNED: tl.constexpr, FROM_IDS: tl.constexpr, OFFSETS: tl.constexpr):
+                         LOCAL: tl.constexpr, OFFSETS: tl.constexpr):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
     (KernelConfig.pair_dispatch; docs/perf-notes.md entries 36-37). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
@@ -363,13 +356,8 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     rows_ptr: int32 [BLOCK_T, K], row (t, j) written with pair (t, j)'s row at its destination (-1: no expert), for
     t < this rank's T (unless the call is refused): at EP = 1 what `pair_combine.PairCombine` reads y by.
     LOCAL (EP = 1 only): the rows go to `local_ptr` ([rows, H] bf16 of this rank, e.g. the GEMMs' y, which holds
-    every pair of a call) instead of the receive region, which holds only T_max rows. PLANNED: `plan_ptr` holds this
-    rank's device plan's c (`plans_device[rank, 0]`); under a plan that is not serial (c < num_sms) the launch does
-    what it does for a refused call (nothing sent, no rows table, zero offsets): that call's kernel dispatches.
-    FROM_IDS (with LOCAL, EP = 1): a pair's row counted from this rank's ids alone (the pairs of the experts before
-    e are the ids in [0, e)), so the launch needs no counts and may run beside the counts kernel
-    (KernelConfig.pairs_beside_counts); ids outside [0, E), which that kernel has not yet replaced, go nowhere.
-    OFFSETS: write the expert offsets (from the counts' pairs; not with FROM_IDS)."""
+    every pair of a call) instead of the receive region, which holds only T_max rows. OFFSETS: write the expert
+    offsets."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
@@ -377,14 +365,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     jj = tl.arange(0, KP)
     flat = t[:, None] * KP + jj[None, :]
     mine = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, rank, max_tokens, K, KP, BLOCK_T)
-    if FROM_IDS:
-        pairs = tl.zeros([BLOCK_E], dtype=tl.int32)
-    else:
-        pairs = tl.load(pairs_ptr + ee, mask=ee < world_size * L, other=0)
+    pairs = tl.load(pairs_ptr + ee, mask=ee < world_size * L, other=0)
     x = call_io_ptr(io_ptr, 0, True)
     idle = sync.status_set(status_ptr)   # a refused call
-    if PLANNED:   # ... or a device plan that is not serial
-        idle = idle | (tl.load(plan_ptr) < num_sms).to(tl.int32)
     if OFFSETS and pid == grid - 1:   # an idle launch's offsets hold no row: the tile tables built from them none
         ll = tl.arange(0, BLOCK_L)
         offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]) & (idle == 0),
@@ -397,17 +380,11 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
             expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
             named = ((pair % KP) < K) & ((pair // KP) < n_tok)   # a (token, slot) of this call
             pair_row = rows_ptr + (pair // KP) * K + pair % KP
-            nowhere = expert < 0
-            if FROM_IDS:
-                nowhere = nowhere | (expert >= world_size * L)
-            if nowhere:
+            if expert < 0:
                 tl.store(pair_row, expert * 0 - 1, mask=named)
             else:
                 dest = expert // L
-                if FROM_IDS:   # EP = 1: the pairs of the experts before e are this rank's ids in [0, e)
-                    row = tl.sum(tl.sum(((mine >= 0) & (mine < expert)).to(tl.int32), axis=1), axis=0)
-                else:
-                    row = tl.sum(tl.where((ee >= dest * L) & (ee < expert), pairs, 0), axis=0)
+                row = tl.sum(tl.where((ee >= dest * L) & (ee < expert), pairs, 0), axis=0)
                 for source in range(0, rank):
                     theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K,
                                        KP, BLOCK_T)
@@ -464,11 +441,9 @@ class PairDispatch:
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
                               BLOCK_H=min(4096, triton.next_power_of_2(hidden_size)))
 
-    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
-                   plan, num_sms, from_ids) -> tuple:
+    def _arguments(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
+                   local) -> tuple:
         P, T, L = self.world_size, self.max_tokens, self.constants["L"]
-        if from_ids and (local is None or offsets is not None):
-            raise ValueError("from_ids: local rows (EP = 1) and no offsets (they come from the counts)")
         need = self.max_call_tokens * self.rows_shape[1]   # rows of the longest call's pairs
         if local is None and need > P * T:
             raise ValueError(f"the pairs of {self.max_call_tokens} tokens ({need} rows) do not fit the receive region "
@@ -480,44 +455,37 @@ class PairDispatch:
                                  f"{P}, {local.dtype} {tuple(local.shape)}")
         _check_ids(all_ids, P, T, self.constants["K"])
         _check_plan_columns(tokens, None, P)
-        if not from_ids and (pairs is None or pairs.dtype != torch.int32 or pairs.numel() != P * L):
+        if pairs is None or pairs.dtype != torch.int32 or pairs.numel() != P * L:
             raise ValueError(f"pairs must be the counts vector's int32 pairs per expert [{P * L}]")
         if offsets is not None and (offsets.dtype != torch.int32 or offsets.numel() != L + 1):
             raise ValueError(f"offsets must be int32 [{L + 1}]")
         if rows.dtype != torch.int32 or rows.numel() != self.rows_shape[0] * self.rows_shape[1] \
                 or not rows.is_contiguous():
             raise ValueError(f"rows must be contiguous int32 {list(self.rows_shape)}")
-        check_plan_gate(plan, num_sms)
-        return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), rows if pairs is None else pairs, io,
-                workspace.peer_bases, workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status,
-                rows if offsets is None else offsets, rows, rows if local is None else local,
-                rows if plan is None else plan, num_sms, rank, P, T, self.hidden_size, timeout_ns)
+        return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
+                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status,
+                rows if offsets is None else offsets, rows, rows if local is None else local, rank, P, T,
+                self.hidden_size, timeout_ns)
 
-    def _variant(self, local, plan, from_ids, offsets) -> dict:
+    def _variant(self, local, offsets) -> dict:
         """The launch's compile-time switches for these arguments."""
-        return dict(self.constants, LOCAL=local is not None, PLANNED=plan is not None, FROM_IDS=from_ids,
-                    OFFSETS=offsets is not None)
+        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None)
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
-               offsets: torch.Tensor | None, rows: torch.Tensor, local: torch.Tensor | None = None,
-               plan: torch.Tensor | None = None, num_sms: int = 0, from_ids: bool = False) -> None:
+               offsets: torch.Tensor | None, rows: torch.Tensor, local: torch.Tensor | None = None) -> None:
         """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
         rank's expert offsets (zeros if the call is refused); `rows`: int32 `rows_shape`, row (t, j) written with
         pair (t, j)'s row at its destination, -1 for no expert (t < T; unless the call is refused). `local`: at EP =
         1, bf16 [>= max_call_tokens * top_k, H] rows of this rank to write the pairs' rows into instead of the receive
-        region. `plan`: int32 [1], this rank's device plan's c: the launch sends only if c >= `num_sms` (serial).
-        `from_ids` (with `local`, EP = 1; `pairs` and `offsets` None): the rows from the ids alone, so the launch
-        needs no counts (it may run beside them). `offsets` None: not written."""
+        region. `offsets` None: not written."""
         pair_dispatch_kernel[(self.num_programs,)](
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
-                             plan, num_sms, from_ids),
-            **self._variant(local, plan, from_ids, offsets), num_warps=NUM_WARPS)
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
+            **self._variant(local, offsets), num_warps=NUM_WARPS)
 
     def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
-               local=None, plan=None, num_sms=0, from_ids=False) -> None:
+               local=None) -> None:
         """Compile for these arguments' specialisation without launching (the layer's first call, before it
         enqueues anything)."""
         pair_dispatch_kernel.warmup(
-            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
-                             plan, num_sms, from_ids),
-            **self._variant(local, plan, from_ids, offsets), grid=(self.num_programs,), num_warps=NUM_WARPS)
+            *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
+            **self._variant(local, offsets), grid=(self.num_programs,), num_warps=NUM_WARPS)

@@ -109,21 +109,21 @@ def _tile_table_kernel(offsets_ptr, table_ptr, num_tiles_ptr, num_experts, max_t
                        BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_T: tl.constexpr):
     sync.pdl_enter()
-    _tile_table_block(tl.program_id(0), offsets_ptr, offsets_ptr, 1, table_ptr, num_tiles_ptr, num_experts,
-                      max_tiles, BLOCK_M, SPLIT_TAIL, BLOCK_E, BLOCK_T, FROM_OFFSETS, 1, 1, 1)
+    _tile_table_block(tl.program_id(0), offsets_ptr, 1, table_ptr, num_tiles_ptr, num_experts, max_tiles, BLOCK_M,
+                      SPLIT_TAIL, BLOCK_E, BLOCK_T, FROM_OFFSETS)
 
 
 @triton.jit
-def _tile_table_block(pid, offsets_ptr, tokens_ptr, scale, table_ptr, num_tiles_ptr, num_experts, max_tiles,
+def _tile_table_block(pid, offsets_ptr, scale, table_ptr, num_tiles_ptr, num_experts, max_tiles,
                       BLOCK_M: tl.constexpr, SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                      SOURCE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, ID_TOKENS: tl.constexpr):
+                      SOURCE: tl.constexpr):
     """Entries [pid * BLOCK_T, +BLOCK_T) of both sections; every program recomputes the tile prefix sums over the
     experts (E_local <= BLOCK_E numbers), so there is no cross-program dependency. Entries past a section's count
     repeat its last expert and are never read. `scale` 0 reads every offset as 0 (no tiles), 1 as given. SOURCE:
     what `offsets_ptr` holds (`_expert_bounds`)."""
     experts = tl.arange(0, BLOCK_E)
     valid = experts < num_experts
-    start, end = _expert_bounds(offsets_ptr, tokens_ptr, experts, valid, scale, SOURCE, K, KP, ID_TOKENS)
+    start, end = _expert_bounds(offsets_ptr, experts, valid, scale, SOURCE)
     rows = end - start
     remainder = rows % BLOCK_M
     if SPLIT_TAIL:
@@ -282,32 +282,15 @@ def scatter_rows(src: torch.Tensor, gather: torch.Tensor, pos: torch.Tensor, dst
     return dst
 
 
-#: what the prologue's `offsets_ptr` holds (`fill_tile_tables(source=)`): the prefix sum of rows per expert
-#: [E_local + 1]; the rows per expert [E_local] (the counts vector's pairs); the routing ids of the only rank
-#: [T_max, k] (EP = 1), with its T at `tokens_ptr`
-FROM_OFFSETS, FROM_COUNTS, FROM_IDS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-#: tokens of ids counted per step (FROM_IDS)
-_ID_STEP = tl.constexpr(16)
+#: what the prologue's `offsets_ptr` holds (`fill_tile_tables(form=)`): the prefix sum of rows per expert
+#: [E_local + 1], or the rows per expert [E_local] (the counts vector's pairs)
+FROM_OFFSETS, FROM_COUNTS = tl.constexpr(0), tl.constexpr(1)
 
 
 @triton.jit
-def _expert_bounds(offsets_ptr, tokens_ptr, experts, valid, scale, SOURCE: tl.constexpr, K: tl.constexpr,
-                   KP: tl.constexpr, ID_TOKENS: tl.constexpr):
-    """(start, end) rows of each expert of `experts`: read off the prefix sum, or summed from the rows per expert,
-    or counted from the ids (ids outside [0, E_local) count nowhere; ID_TOKENS: T_max, K / KP: top-k and its power
-    of two); 0 past `valid` and everywhere when `scale` is 0."""
-    if SOURCE == FROM_IDS:
-        n_tok = tl.load(tokens_ptr)
-        rows = tl.zeros(experts.shape, dtype=tl.int32)
-        t = tl.arange(0, _ID_STEP)
-        jj = tl.arange(0, KP)
-        for first in range(0, n_tok, _ID_STEP):
-            ids = tl.load(offsets_ptr + (first + t)[:, None] * K + jj[None, :],
-                          mask=((first + t) < tl.minimum(n_tok, ID_TOKENS))[:, None] & (jj < K)[None, :], other=-1)
-            rows += tl.sum(tl.sum((ids[None, :, :] == experts[:, None, None]).to(tl.int32), axis=2), axis=1)
-        rows = tl.where(valid, rows, 0) * scale
-        end = tl.cumsum(rows, 0)
-        return end - rows, end
+def _expert_bounds(offsets_ptr, experts, valid, scale, SOURCE: tl.constexpr):
+    """(start, end) rows of each expert of `experts`: read off the prefix sum, or summed from the rows per expert;
+    0 past `valid` and everywhere when `scale` is 0."""
     if SOURCE == FROM_COUNTS:
         rows = tl.load(offsets_ptr + experts, mask=valid, other=0) * scale
         end = tl.cumsum(rows, 0)
@@ -318,12 +301,11 @@ def _expert_bounds(offsets_ptr, tokens_ptr, experts, valid, scale, SOURCE: tl.co
 
 
 @triton.jit(do_not_specialize=["num_sms", "num_experts", "max_tiles0", "max_tiles1"])
-def _prologue_kernel(offsets_ptr, tokens_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_tiles0_ptr, table1_ptr,
+def _prologue_kernel(offsets_ptr, plan_ptr, num_sms, rows_ptr, table0_ptr, num_tiles0_ptr, table1_ptr,
                      num_tiles1_ptr, num_experts, max_tiles0, max_tiles1,
                      TABLE0_PROGRAMS: tl.constexpr, BLOCK_M0: tl.constexpr, SPLIT_TAIL0: tl.constexpr,
                      BLOCK_M1: tl.constexpr, SPLIT_TAIL1: tl.constexpr, DEVICE_SERIAL: tl.constexpr,
-                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SOURCE: tl.constexpr, K: tl.constexpr,
-                     KP: tl.constexpr, ID_TOKENS: tl.constexpr):
+                     BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, SOURCE: tl.constexpr):
     """`grouped_prologue`'s first launch: programs [0, TABLE0_PROGRAMS) build the first tile table, the rest the
     second; program 0 also writes the rows to gather. SOURCE: what `offsets_ptr` holds (`fill_tile_tables`)."""
     sync.pdl_enter()
@@ -336,15 +318,14 @@ def _prologue_kernel(offsets_ptr, tokens_ptr, plan_ptr, num_sms, rows_ptr, table
             tl.store(rows_ptr, tl.load(offsets_ptr + num_experts) * scale)
         else:
             experts = tl.arange(0, BLOCK_E)
-            _, end = _expert_bounds(offsets_ptr, tokens_ptr, experts, experts < num_experts, scale, SOURCE, K, KP,
-                                    ID_TOKENS)
+            _, end = _expert_bounds(offsets_ptr, experts, experts < num_experts, scale, SOURCE)
             tl.store(rows_ptr, tl.max(end, 0))
     if pid < TABLE0_PROGRAMS:
-        _tile_table_block(pid, offsets_ptr, tokens_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0,
-                          BLOCK_M0, SPLIT_TAIL0, BLOCK_E, BLOCK_T, SOURCE, K, KP, ID_TOKENS)
+        _tile_table_block(pid, offsets_ptr, scale, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0, BLOCK_M0,
+                          SPLIT_TAIL0, BLOCK_E, BLOCK_T, SOURCE)
     else:
-        _tile_table_block(pid - TABLE0_PROGRAMS, offsets_ptr, tokens_ptr, scale, table1_ptr, num_tiles1_ptr,
-                          num_experts, max_tiles1, BLOCK_M1, SPLIT_TAIL1, BLOCK_E, BLOCK_T, SOURCE, K, KP, ID_TOKENS)
+        _tile_table_block(pid - TABLE0_PROGRAMS, offsets_ptr, scale, table1_ptr, num_tiles1_ptr, num_experts,
+                          max_tiles1, BLOCK_M1, SPLIT_TAIL1, BLOCK_E, BLOCK_T, SOURCE)
 
 
 def _check_tiles_keys(tiles) -> None:
@@ -362,35 +343,24 @@ def empty_tile_tables(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool
 
 
 def fill_tile_tables(built: dict[tuple[int, bool], TileTable], expert_offsets: torch.Tensor, rows: torch.Tensor,
-                     plan: torch.Tensor | None = None, num_sms: int = 0, form: str = "offsets",
-                     tokens: torch.Tensor | None = None, num_experts: int = 0) -> None:
+                     plan: torch.Tensor | None = None, num_sms: int = 0, form: str = "offsets") -> None:
     """`grouped_prologue`'s first launch: every table of `built` (`empty_tile_tables`) and `rows[0]` = the rows to
     gather (expert_offsets[-1], or 0 under `plan` when it is not serial). It writes nothing a split plan's kernel
     reads, so it may run before or beside that kernel. `form`: what `expert_offsets` holds: "offsets", the prefix sum
     of rows per expert [E_local + 1]; "counts", each expert's rows [E_local] (e.g. the counts vector's pairs of this
-    rank's experts); "ids", the routing ids [T_max, k] of the only rank (EP = 1, ids outside [0, `num_experts`)
-    count nowhere), its T at `tokens` (int32 [1]): the tables then need nothing but the routing."""
+    rank's experts)."""
     first, second = list(built.values()) + list(built.values())[:2 - len(built)]
     programs = [triton.cdiv(table.max_tiles, _BLOCK_T) for table in built.values()]
-    source = {"offsets": FROM_OFFSETS, "counts": FROM_COUNTS, "ids": FROM_IDS}.get(form)
+    source = {"offsets": FROM_OFFSETS, "counts": FROM_COUNTS}.get(form)
     if source is None:
-        raise ValueError(f"form must be offsets, counts or ids, got {form!r}")
-    ids_shape = dict(K=1, KP=1, ID_TOKENS=1)
-    if form == "ids":
-        if expert_offsets.dim() != 2 or expert_offsets.dtype != torch.int32 or expert_offsets.stride(1) != 1 \
-                or expert_offsets.stride(0) != expert_offsets.shape[1] or tokens is None or num_experts < 1:
-            raise ValueError(f"form='ids': contiguous int32 ids [T_max, k], tokens and num_experts, got "
-                             f"{expert_offsets.dtype} {tuple(expert_offsets.shape)}, num_experts = {num_experts}")
-        ids_shape = dict(K=expert_offsets.shape[1], KP=triton.next_power_of_2(expert_offsets.shape[1]),
-                         ID_TOKENS=expert_offsets.shape[0])
-    else:
-        num_experts = expert_offsets.numel() - (0 if form == "counts" else 1)
+        raise ValueError(f"form must be offsets or counts, got {form!r}")
+    num_experts = expert_offsets.numel() - (0 if form == "counts" else 1)
     _prologue_kernel[(sum(programs),)](
-        expert_offsets, expert_offsets if tokens is None else tokens, expert_offsets if plan is None else plan,
+        expert_offsets, expert_offsets if plan is None else plan,
         num_sms, rows, first.table, first.num_tiles, second.table, second.num_tiles, num_experts, first.max_tiles,
         second.max_tiles, TABLE0_PROGRAMS=programs[0], BLOCK_M0=first.block_m, SPLIT_TAIL0=first.split_tail,
         BLOCK_M1=second.block_m, SPLIT_TAIL1=second.split_tail, DEVICE_SERIAL=plan is not None,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, SOURCE=source, **ids_shape, **sync.LAUNCH)
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_T=_BLOCK_T, SOURCE=source, **sync.LAUNCH)
 
 
 def grouped_prologue(expert_offsets: torch.Tensor, tiles: tuple[tuple[int, bool], ...], max_rows: int,

@@ -198,10 +198,6 @@ def moe_megakernel(
     # launch (combine + reduce) runs; with any other plan the STAGE -1 launch runs every phase and the STAGE 4 launch
     # does nothing
     GROUPED_SERIAL: tl.constexpr = False,
-    # the STAGE -1 GROUPED_SERIAL launch of a paired call (backend.py, `_split_call`): with a serial plan the pair
-    # launches do the whole call, so this launch does nothing (no dispatch, no wait for rows); with any other plan it
-    # runs every phase, as without it
-    PAIRED: tl.constexpr = False,
     # the row copies in 16-byte vectors (x, out and the peers' regions declared ROW_ALIGNMENT-aligned) and the
     # dispatch's steps pipelined in the launches without GEMM (KernelConfig.vector_rows)
     VECTOR_ROWS: tl.constexpr = True,
@@ -243,10 +239,7 @@ def moe_megakernel(
         first_phase = PHASE_FIRST
         last_phase = PHASE_LAST
         if GROUPED_SERIAL:
-            if PAIRED:
-                last_phase = tl.where(serial, -1, last_phase)
-            else:
-                last_phase = tl.where(serial, 0, last_phase)
+            last_phase = tl.where(serial, 0, last_phase)
     # the phases whose code this launch compiles (each branch of the state machine below tests its own)
     RUN_DISPATCH: tl.constexpr = STAGE < 0 or STAGE == 0
     RUN_GEMM: tl.constexpr = STAGE < 0 or STAGE == 1

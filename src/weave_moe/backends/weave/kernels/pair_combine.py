@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
-from weave_moe.backends.weave.kernels.early_dispatch import check_plan_gate, ids_block
+from weave_moe.backends.weave.kernels.early_dispatch import ids_block
 from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
 from weave_moe.plan.workload import MAX_CHUNKS
 
@@ -33,21 +33,14 @@ __all__ = ["PairCombine", "pair_combine_kernel", "PeerPairCombine", "pair_combin
 NUM_WARPS = 2   # 64 threads x 8 bf16 = one BLOCK_H of 512 columns: 16-byte accesses
 
 
-@triton.jit(do_not_specialize=["rank", "num_sms", "parts_rows"])
+@triton.jit(do_not_specialize=["rank"])
 def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr, tokens_stride, io_ptr, status_ptr,
-                        plan_ptr, num_sms, rank, H, parts_rows, K: tl.constexpr, BLOCK_H: tl.constexpr,
-                        PLANNED: tl.constexpr, NUM_PARTS: tl.constexpr = 0):
+                        rank, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t, cols] for the items (t, column block) dealt to this program; y: [pairs, H] bf16; rows: int32 [*, K]
-    (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`.
-    PLANNED: `plan_ptr` holds this rank's device plan's c; under a plan that is not serial (c < num_sms) nothing is
-    written (that call's kernel combines). NUM_PARTS > 0: y_ptr is the fused decode MLP's fp32 parts [NUM_PARTS,
-    parts_rows, H] (kernels/decode_mlp.py), and a pair's y row is their sum in part order rounded to bf16 (the
-    grouped GEMM1's y; `decode_mlp.reduce_parts`' value)."""
+    (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_tok = tl.load(tokens_ptr + rank * tokens_stride)
-    if PLANNED:
-        n_tok = tl.where(tl.load(plan_ptr) >= num_sms, n_tok, 0)
     blocks = tl.cdiv(H, BLOCK_H)
     out = call_io_ptr(io_ptr, 1, True)
     refused = sync.status_set(status_ptr)
@@ -62,15 +55,8 @@ def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr
             for j in tl.static_range(K):
                 row = tl.load(rows_ptr + token * K + j)
                 weight = tl.load(weights + token * K + j)
-                if NUM_PARTS == 0:
-                    values = tl.load(y_ptr + tl.maximum(row, 0).to(tl.int64) * H + cols, mask=mask_h & (row >= 0),
-                                     other=0.0).to(tl.float32)
-                else:
-                    values = tl.zeros([BLOCK_H], dtype=tl.float32)
-                    for b in tl.static_range(NUM_PARTS):
-                        values += tl.load(y_ptr + (b * parts_rows + tl.maximum(row, 0)).to(tl.int64) * H + cols,
-                                          mask=mask_h & (row >= 0), other=0.0)
-                    values = values.to(tl.bfloat16).to(tl.float32)
+                values = tl.load(y_ptr + tl.maximum(row, 0).to(tl.int64) * H + cols, mask=mask_h & (row >= 0),
+                                 other=0.0).to(tl.float32)
                 acc += weight * values
         else:
             acc += float("nan")
@@ -88,13 +74,9 @@ class PairCombine:
         self.num_programs = max(1, min(num_programs, max_call_tokens * triton.cdiv(hidden_size, block_h)))
         self.constants = dict(K=top_k, BLOCK_H=block_h)
 
-    def _arguments(self, y, rows, all_weights, tokens, io, status, rank, plan, num_sms, parts=None) -> tuple:
+    def _arguments(self, y, rows, all_weights, tokens, io, status, rank) -> tuple:
         H, K = self.hidden_size, self.top_k
-        if parts is not None:   # the fused decode MLP's parts stand for y
-            if parts.dtype != torch.float32 or parts.dim() != 3 or parts.shape[2] != H or not parts.is_contiguous():
-                raise ValueError(f"parts must be contiguous fp32 [blocks, rows, {H}], got {parts.dtype} "
-                                 f"{tuple(parts.shape)}")
-        elif y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != H or not y.is_contiguous():
+        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != H or not y.is_contiguous():
             raise ValueError(f"y must be contiguous bf16 [pairs, {H}], got {y.dtype} {tuple(y.shape)}")
         if rows.dtype != torch.int32 or rows.dim() != 2 or rows.shape[1] != K or not rows.is_contiguous():
             raise ValueError(f"rows must be contiguous int32 [tokens, {K}], got {rows.dtype} {tuple(rows.shape)}")
@@ -102,27 +84,18 @@ class PairCombine:
                 or all_weights.stride(2) != 1 or all_weights.stride(1) != K:
             raise ValueError(f"all_weights must be fp32 [EP, T_max, {K}] with contiguous rows, got "
                              f"{all_weights.dtype} {tuple(all_weights.shape)}")
-        check_plan_gate(plan, num_sms)
-        return (y if parts is None else parts, rows, all_weights, all_weights.stride(0), tokens, tokens.stride(0),
-                io, status, rows if plan is None else plan, num_sms, rank, H, 0 if parts is None else parts.shape[1])
+        return (y, rows, all_weights, all_weights.stride(0), tokens, tokens.stride(0), io, status, rank, H)
 
     def launch(self, y: torch.Tensor, rows: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
-               io: torch.Tensor, status: torch.Tensor, rank: int, plan: torch.Tensor | None = None,
-               num_sms: int = 0, parts: torch.Tensor | None = None) -> None:
-        """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`). `plan`: int32 [1],
-        this rank's device plan's c: the launch writes only if c >= `num_sms` (serial). `parts`: the fused decode
-        MLP's fp32 parts [blocks, rows, H], read instead of y."""
+               io: torch.Tensor, status: torch.Tensor, rank: int) -> None:
+        """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`)."""
         pair_combine_kernel[(self.num_programs,)](
-            *self._arguments(y, rows, all_weights, tokens, io, status, rank, plan, num_sms, parts), **self.constants,
-            PLANNED=plan is not None, NUM_PARTS=0 if parts is None else parts.shape[0], num_warps=NUM_WARPS)
+            *self._arguments(y, rows, all_weights, tokens, io, status, rank), **self.constants, num_warps=NUM_WARPS)
 
-    def warmup(self, y, rows, all_weights, tokens, io, status, rank, plan=None, num_sms=0, parts=None) -> None:
+    def warmup(self, y, rows, all_weights, tokens, io, status, rank) -> None:
         """Compile for these arguments' specialisation without launching."""
-        pair_combine_kernel.warmup(*self._arguments(y, rows, all_weights, tokens, io, status, rank, plan, num_sms,
-                                                    parts),
-                                   **self.constants, PLANNED=plan is not None,
-                                   NUM_PARTS=0 if parts is None else parts.shape[0], grid=(self.num_programs,),
-                                   num_warps=NUM_WARPS)
+        pair_combine_kernel.warmup(*self._arguments(y, rows, all_weights, tokens, io, status, rank),
+                                   **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)
 
 
 # ---- at EP > 1 (docs/perf-notes.md entry 41; a building block, not used by the backend yet) -------------------------
