@@ -4,7 +4,7 @@
 
 1. Choices: 1000 counts vectors (tests/planner_cases.py: random and adversarial, EP 1..8, paper and odd shapes,
    three profiles, every policy) planned in one batched launch per group; the GPU output must equal
-   `DevicePlanner.mirror` bit for bit (the CPU parity test's premise: IEEE fp32, no fused multiply-adds), and each
+   `planner_mirror.mirror` bit for bit (the CPU parity test's premise: IEEE fp32, no fused multiply-adds), and each
    rank's plan must equal the Python planner's or predict within 0.5 % of its optimum. The same with one program
    of one warp planning every vector (the prologue layout) must give the same bits.
 2. Time of one layer call's planning (one counts vector, every rank) for DeepSeek-V3 / Qwen3-30B-A3B at EP 1, 2 and
@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import planner_cases as cases  # noqa: E402
+from weave_moe.backends.weave.kernels import planner_mirror  # noqa: E402
 from weave_moe.backends.weave.kernels.planner import DevicePlanner  # noqa: E402
 from weave_moe.models import MoESpec  # noqa: E402
 from weave_moe.plan import HardwareProfile  # noqa: E402
@@ -54,7 +55,7 @@ def check_choices(num_vectors: int, seed: int, device: str = "cuda", num_groups:
         single = torch.full_like(out, -7)
         planner.launch(counts, single, num_programs=1, num_warps=1)
         got, got_single = out.cpu().numpy(), single.cpu().numpy()
-        mirror = planner.mirror(group.counts)
+        mirror = planner_mirror.mirror(planner, group.counts)
         if not (np.array_equal(got, mirror) and np.array_equal(got_single, got)):
             bad = np.argwhere((got != mirror).any(axis=2) | (got_single != got).any(axis=2))
             b, d = (int(v) for v in bad[0])
@@ -164,7 +165,7 @@ def fused_check() -> dict:
                 got = fused.build(messages, status, 0, True, plans=plans).clone()
                 ref = plain.build(messages, status, 0, True).clone()
                 planner.launch(ref, alone)
-                mirror = planner.mirror(ref[:planner.counts_words].cpu().numpy()[None])[0]
+                mirror = planner_mirror.mirror(planner, ref[:planner.counts_words].cpu().numpy()[None])[0]
                 same = (torch.equal(got, ref) and np.array_equal(plans.cpu().numpy(), mirror)
                         and torch.equal(plans, alone))
                 two = _graph_us_per_call(lambda: planner.launch(plain.build(messages, status, 0, True), alone))

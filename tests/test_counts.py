@@ -139,6 +139,7 @@ import sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import planner_cases as cases
+from weave_moe.backends.weave.kernels import planner_mirror
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
 from weave_moe.models import MoESpec
 
@@ -175,7 +176,7 @@ for i, (E, k, H, I, T_max, tokens, mode, profile_name, policy, bad, max_programs
         assert not fused.scratch.any(), what
         # the plans: the mirror's bit for bit, the planner's own launch on the same counts, the Python planner's
         vector = got[:planner.counts_words].numpy()[None]
-        mirror = planner.mirror(vector)[0]
+        mirror = planner_mirror.mirror(planner, vector)[0]
         assert np.array_equal(plans.numpy(), mirror), (what, plans.tolist(), mirror.tolist())
         alone = planner.launch(got, torch.full((ep, 4), -7, dtype=torch.int32))
         assert torch.equal(plans, alone), what
@@ -233,7 +234,7 @@ def test_counts_kernel_compiles_for_sm90_without_local_memory(ep, experts, top_k
                                                         ("phi-3.5-moe", 4, 4096, "per_iteration")])
 def test_counts_kernel_with_the_planner_compiles_for_sm90_as_the_planner_does(model, ep, max_tokens, policy):
     """The planning launch: no local memory, and the planner's arithmetic as in its own launch (IEEE division, no
-    fused multiply-add: `DevicePlanner.mirror` reproduces it bit for bit); the counts' ticket protocol unchanged."""
+    fused multiply-add: `planner_mirror.mirror` reproduces it bit for bit); the counts' ticket protocol unchanged."""
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels.counts import DeviceCounts, compile_counts_ptx
     from weave_moe.backends.weave.kernels.planner import DevicePlanner

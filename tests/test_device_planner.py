@@ -5,7 +5,7 @@ T = 0 / 1, one hot expert, huge T; EP 1..8; the six paper shapes and odd ones; t
 rank's device plan equals the Python plan (c, K, n_steal), or its latency, re-evaluated by the Python `predict` in
 float64, is within 0.5 % of the Python optimum. Why not always equal: the kernel computes in fp32, the host in
 float64, so two candidates whose latencies agree to ~1e-7 (a near-tie) can swap, and formula (7)'s floor can land on
-the other side of an integer. The 10^4 run through `DevicePlanner.mirror` (numpy float32 in the kernel's operation
+the other side of an integer. The 10^4 run through `planner_mirror.mirror` (numpy float32 in the kernel's operation
 order); a subset runs the kernel itself under TRITON_INTERPRET=1 and must equal the mirror bit for bit. The workloads
 and the comparison live in tests/planner_cases.py (the GPU check, scripts/device_planner_check.py, uses them too).
 """
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from planner_cases import PREDICTION_TOLERANCE, PROFILES, compare, make_groups
+from weave_moe.backends.weave.kernels import planner_mirror
 from weave_moe.backends.weave.kernels.planner import DevicePlanner, compile_planner_ptx
 from weave_moe.models import PAPER_MODELS, MoESpec
 from weave_moe.plan import HardwareProfile
@@ -29,7 +30,7 @@ from interpreter import run_interpreted
 
 def test_mirror_matches_the_python_planner_on_ten_thousand_workloads():
     groups = make_groups(10_000, seed=13)
-    rows = [DevicePlanner(g.spec, g.world_size, PROFILES[g.profile_name](), g.policy).mirror(g.counts)
+    rows = [planner_mirror.mirror(DevicePlanner(g.spec, g.world_size, PROFILES[g.profile_name](), g.policy), g.counts)
             for g in groups]
     stats = compare(groups, rows)
     summary = {k: v for k, v in stats.items() if k not in ("failures", "worst_case")}
@@ -47,6 +48,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     import numpy as np, torch
     import planner_cases as t
+    from weave_moe.backends.weave.kernels import planner_mirror
     from weave_moe.backends.weave.kernels.planner import DevicePlanner
 
     groups = t.make_groups(int(sys.argv[2]), seed=int(sys.argv[3]), num_groups=int(sys.argv[4]))
@@ -56,7 +58,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
         counts = torch.from_numpy(g.counts.astype(np.int32))
         out = torch.full((len(g.counts), g.world_size, 4), -7, dtype=torch.int32)
         planner.launch(counts, out, num_programs=2)
-        mirror = planner.mirror(g.counts)
+        mirror = planner_mirror.mirror(planner, g.counts)
         assert np.array_equal(out.numpy(), mirror), (g.spec, g.world_size, g.policy, out.numpy(), mirror)
         rows.append(out.numpy())
     stats = t.compare(groups, rows)

@@ -31,7 +31,7 @@ written the counts vector, evaluates the device planner (kernels/planner.py, `pl
 a CTA barrier that makes its threads' stores visible to each other: the plans land where the planner's own launch
 would write them, one kernel earlier in the call's chain. Its ranks are planned one after another in that program
 (the planner's own launch plans them side by side, one program each). Compiled without fused multiply-adds, as the
-planner's launch is (the counts are integers: nothing else changes), so the plans equal `DevicePlanner.mirror`'s bit
+planner's launch is (the counts are integers: nothing else changes), so the plans equal `planner_mirror.mirror`'s bit
 for bit.
 
 Why a grid: one program looping over EP * T_max * k ids (up to 2 M at EP 8, T_max 16384, k 16) would run one load

@@ -11,7 +11,7 @@ chunks as `even_split` does), formulas (1)-(13) over the grid K = 1..MAX_CHUNKS 
 choice among them (ties to the smallest K, then the smallest c, as `np.argmin` over the host's [K, c] grid).
 
 Arithmetic: fp32 where the host uses float64, in the host's operation order, with IEEE division (`div_rn`) and no
-fused multiply-adds (launched with `enable_fp_fusion=False`), so `DevicePlanner.mirror` (planner_mirror.py: numpy
+fused multiply-adds (launched with `enable_fp_fusion=False`), so `planner_mirror.mirror` (planner_mirror.py: numpy
 float32, the same operations in the same order) reproduces the kernel bit for bit on the CPU. Integer quantities (tile counts, the steal cap tiles // c)
 are exact integers, as the host's float64 values of them are. The host precomputes per profile, once: the reciprocal
 curves 1/bw(x), 1/lbw(x), 1/rate(x) at every SM count x = 0..N (fp32 of the float64 reciprocal), the tile FLOPs, and
@@ -433,27 +433,6 @@ class DevicePlanner:
         predicted = rows[:, 3].copy().view(np.float32)
         return [Plan(int(c), int(k), int(s), float(p), self.policy)
                 for (c, k, s, _), p in zip(rows.tolist(), predicted.tolist())]
-
-    # -- the CPU mirror --
-    def mirror(self, counts: np.ndarray) -> np.ndarray:
-        """The kernel's output for a batch of counts vectors [B, >= counts_words] (int), computed with numpy float32
-        in the kernel's operation order: [B, EP, 4] int32, equal to the kernel's bit for bit."""
-        counts = np.asarray(counts, dtype=np.int64)
-        if counts.ndim != 2 or counts.shape[1] < self.counts_words:
-            raise ValueError(f"counts must be [B, >= {self.counts_words}], got {counts.shape}")
-        batch, ep, num_local, fmt = counts.shape[0], self.world_size, self.num_local_experts, self.counts_format
-        send = counts[:, fmt.send_rows_offset:fmt.send_rows_offset + ep * ep].reshape(batch, ep, ep)
-        pairs = counts[:, fmt.expert_pairs_offset:fmt.expert_pairs_offset + self.spec.num_experts].reshape(
-            batch, ep, num_local)
-        ranks = np.arange(ep)
-        inputs = dict(
-            sent=send.sum(axis=2), received=send.sum(axis=1), local=send[:, ranks, ranks],
-            num_tokens=counts[:, fmt.tokens_offset:fmt.tokens_offset + ep], expert_rows=pairs)
-        from weave_moe.backends.weave.kernels.planner_mirror import mirror_rows
-
-        out = mirror_rows(self, {k: v.reshape((batch * ep,) + v.shape[2:]) for k, v in inputs.items()})
-        return out.reshape(batch, ep, 4)
-
 
 
 def compile_planner_ptx(planner: DevicePlanner, capability: int = 90, timing: bool = False,

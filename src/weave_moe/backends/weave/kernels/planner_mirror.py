@@ -1,7 +1,7 @@
 """The device planner's CPU mirror: `plan_rank` of kernels/planner.py in numpy float32, bit for bit.
 
 Every operation of the kernel, in the same order and precision (fp32 values; integer tile counts, exact in both), vectorised over R
-rank-workloads and the [K, c] candidate grid: `DevicePlanner.mirror` is its entry point. Change the kernel and this
+rank-workloads and the [K, c] candidate grid: `mirror` is its entry point. Change the kernel and this
 file together; tests/test_device_planner.py compares them bit for bit under the interpreter, and
 scripts/device_planner_check.py on the GPU.
 """
@@ -26,7 +26,25 @@ from weave_moe.backends.weave.kernels.planner import (
 )
 from weave_moe.plan import MAX_CHUNKS, parse_policy
 
-__all__ = ["mirror_rows", "mirror_block"]
+__all__ = ["mirror", "mirror_rows", "mirror_block"]
+
+
+def mirror(planner: DevicePlanner, counts: np.ndarray) -> np.ndarray:
+    """`planner`'s kernel output for a batch of counts vectors [B, >= counts_words] (int), computed with numpy
+    float32 in the kernel's operation order: [B, EP, 4] int32, equal to the kernel's bit for bit."""
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.ndim != 2 or counts.shape[1] < planner.counts_words:
+        raise ValueError(f"counts must be [B, >= {planner.counts_words}], got {counts.shape}")
+    batch, ep, num_local, fmt = counts.shape[0], planner.world_size, planner.num_local_experts, planner.counts_format
+    send = counts[:, fmt.send_rows_offset:fmt.send_rows_offset + ep * ep].reshape(batch, ep, ep)
+    pairs = counts[:, fmt.expert_pairs_offset:fmt.expert_pairs_offset + planner.spec.num_experts].reshape(
+        batch, ep, num_local)
+    ranks = np.arange(ep)
+    inputs = dict(
+        sent=send.sum(axis=2), received=send.sum(axis=1), local=send[:, ranks, ranks],
+        num_tokens=counts[:, fmt.tokens_offset:fmt.tokens_offset + ep], expert_rows=pairs)
+    out = mirror_rows(planner, {k: v.reshape((batch * ep,) + v.shape[2:]) for k, v in inputs.items()})
+    return out.reshape(batch, ep, 4)
 
 
 def mirror_rows(planner: DevicePlanner, x: dict, block: int = 512) -> np.ndarray:
