@@ -37,7 +37,11 @@ def main() -> None:
         torch.cuda.set_device(device)
     spec = (wm.MoESpec.from_name(args.model) if args.model else
             wm.MoESpec.from_name("qwen3-30b-a3b") if on_gpu else wm.MoESpec(16, 4, 256, 128, name="small"))
-    backend = args.backend or ("weave" if on_gpu else "nccl")
+    if args.backend is None:   # the megakernel where the GPU runs it (Hopper or newer), else the all-to-all baseline
+        from weave_moe.backends.weave.config import unsupported_device
+
+        args.backend = "weave" if on_gpu and unsupported_device(device) is None else "nccl"
+    backend = args.backend
     max_tokens = args.max_tokens or (8192 if on_gpu else 256)
 
     # The router is replicated (same seed everywhere); each rank holds only its slice of the experts.

@@ -395,12 +395,14 @@ def test_per_module_layers_are_one_per_module_loaded_once(monkeypatch):
 def test_weave_layers_hold_the_weights_as_the_call_needs(monkeypatch, per_module):
     """The weave layers the integration makes on a GPU (their options, without building one): a per-module layer
     keeps the module's weights as they are (KernelConfig.interleave_w13 off: no copy of w13, the grouped GEMM0 as two
-    MMAs) and makes the resident call; the shared layer makes the host-driven call (it swaps weights every call)."""
+    MMAs) and makes the resident call; the shared layer makes the host-driven call (it swaps weights every call).
+    On a GPU older than Hopper, which the weave kernels do not run on, the layer is the nccl backend's."""
     from weave_moe.backends.weave import KernelConfig
 
     made = []
     monkeypatch.setattr(weave_hf, "ExpertParallelMoE", lambda spec, **options: made.append(options) or "layer")
     monkeypatch.delenv("WEAVE_MOE_KERNEL_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))   # a Hopper GPU
     implementation = weave_hf._Implementation("weave-test-options", None, 16, per_module, {})
     assert implementation._new_layer(MoESpec(8, 2, 32, 16), torch.device("cuda", 0)) == "layer"
     config = made[0]["config"]
@@ -409,4 +411,9 @@ def test_weave_layers_hold_the_weights_as_the_call_needs(monkeypatch, per_module
         assert config == dataclasses.replace(KernelConfig(), interleave_w13=False) and config.resident_at(1)
     else:
         assert config == dataclasses.replace(KernelConfig(), resident="off")
+    # a GPU older than the weave backend's kernels need (an A100): the all-to-all baseline instead
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert implementation._new_layer(MoESpec(8, 2, 32, 16), torch.device("cuda", 0)) == "layer"
+    assert made[1]["backend"] == "nccl" and "config" not in made[1]
 

@@ -91,6 +91,25 @@ def test_weave_backend_on_cpu_names_the_problem():
         ExpertParallelMoE(spec, backend="weave", device=torch.device("cpu"), max_tokens_per_rank=16)
 
 
+@pytest.mark.parametrize("capability, supported", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)])
+def test_weave_backend_refuses_gpus_older_than_hopper_by_name(monkeypatch, capability, supported):
+    """Its kernels use programmatic dependent launch (sm_90): an A100 or L40S gets an error naming the GPU, its
+    compute capability and the backend to use, when the layer is built (not a ptxas error at its first call)."""
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.backends.weave.config import unsupported_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    gpu = torch.device("cuda", 0)
+    reason = unsupported_device(gpu)
+    assert (reason is None) is supported, reason
+    if not supported:
+        assert "NVIDIA A100-SXM4-80GB" in reason and f"({capability[0]}.{capability[1]})" in reason
+        assert "backend='nccl'" in reason and "9.0" in reason
+        with pytest.raises(RuntimeError, match="compute capability 9.0 or newer"):
+            WeaveBackend(MoESpec(8, 2, 64, 32), None, 0, 1, 16, gpu)
+
+
 def test_measured_timeline_figures():
     # two SMs: SM 0 dispatches 0-10 us then combines 30-40; SM 1 runs GEMM0 5-25 and a stolen GEMM1 25-30
     events = [(0, "dispatch", 0, 10_000), (0, "combine", 30_000, 40_000), (1, "gemm0", 5_000, 25_000),

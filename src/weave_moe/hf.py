@@ -209,7 +209,12 @@ class _Implementation:
         return self.layers[key]
 
     def _new_layer(self, spec: MoESpec, device: torch.device) -> ExpertParallelMoE:
-        backend = self.backend or ("weave" if device.type == "cuda" else "nccl")
+        if self.backend is None:   # the megakernel where the GPU runs it (Hopper or newer), else the baseline
+            from weave_moe.backends.weave.config import unsupported_device
+
+            backend = "weave" if unsupported_device(device) is None else "nccl"
+        else:
+            backend = self.backend
         options = dict(self.layer_options)
         if backend == "weave" and "config" not in options:
             from weave_moe.backends.weave import KernelConfig
@@ -276,7 +281,8 @@ def register(name: str = "weave", *, backend: str | None = None,
     Args:
         name: the `experts_implementation=` value that selects it. Names transformers ships ("eager",
             "grouped_mm", ...) are refused.
-        backend: ExpertParallelMoE backend; None = "weave" on CUDA devices, "nccl" elsewhere.
+        backend: ExpertParallelMoE backend; None = "weave" on GPUs it runs on (compute capability 9.0 or newer),
+            "nccl" elsewhere.
         max_tokens_per_rank: largest T per MoE call on a rank (see DEFAULT_MAX_TOKENS_PER_RANK).
         per_module: one layer per experts module, loaded once (the weave backend's device-resident call), instead of
             one per layer shape handed each module's experts per call (module docstring, "Layers").

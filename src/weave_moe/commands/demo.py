@@ -122,10 +122,15 @@ def run(args) -> int:
         console.print("[red]error:[/red] need --tokens >= 0 and --skew >= 1")
         return 2
     world_size, dist_backend = _world_size(spec.num_experts)
+    unsupported = "the weave backend needs CUDA GPUs; use --backend nccl on the CPU"
+    if dist_backend == "nccl":   # GPUs: the weave backend unless they are older than it needs
+        from weave_moe.backends.weave.config import unsupported_device
+
+        unsupported = unsupported_device(torch.device("cuda", 0))
     if args.backend is None:
-        args.backend = "weave" if dist_backend == "nccl" else "nccl"
-    if args.backend == "weave" and dist_backend != "nccl":
-        console.print("[red]error:[/red] the weave backend needs CUDA GPUs; use --backend nccl on the CPU")
+        args.backend = "weave" if unsupported is None else "nccl"
+    if args.backend == "weave" and unsupported is not None:
+        console.print(f"[red]error:[/red] {unsupported}")
         return 2
     if spec.num_experts % world_size:
         console.print(f"[red]error:[/red] E={spec.num_experts} is not divisible by EP={world_size}")

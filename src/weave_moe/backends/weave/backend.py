@@ -26,7 +26,7 @@ from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordina
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
 from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelConfig, decode_block_h,
-                                             timeout_s_from_env)
+                                             timeout_s_from_env, unsupported_device)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
@@ -190,8 +190,9 @@ class WeaveBackend:
                  timeout_s: float | None = None, timeline: bool = False, num_sms: int | None = None,
                  config: KernelConfig | None = None, debug_skip_launch: bool = False, debug_poison: bool = False,
                  use_cuda_graph: bool = True, coordinator: CallCoordinator | None = None):
-        if device.type != "cuda":
-            raise RuntimeError("the weave backend runs on CUDA GPUs only; use backend='nccl' or 'reference' on CPU")
+        unsupported = unsupported_device(device)
+        if unsupported is not None:
+            raise RuntimeError(unsupported)
         if world_size > 31:
             raise ValueError(f"the weave backend supports EP <= 31 (one bit per rank in a 32-bit mask), got {world_size}")
         self.spec, self.group, self.rank, self.world_size = spec, group, rank, world_size
@@ -208,9 +209,9 @@ class WeaveBackend:
         self.num_local_experts = spec.num_experts // world_size
         H, I = spec.hidden_size, spec.intermediate_size
         cfg = self.config
-        # a serial plan's GEMM stage may run as two grouped-GEMM launches (KernelConfig.grouped_gemm; see below)
-        grouped_capable = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0
-                               and torch.cuda.get_device_capability(device) >= (9, 0))
+        # a serial plan's GEMM stage may run as two grouped-GEMM launches (KernelConfig.grouped_gemm; see below; the
+        # GPU is a Hopper or newer: unsupported_device)
+        grouped_capable = bool(cfg.grouped_gemm and H % 8 == 0 and I % 8 == 0)
         self.fixed_plan = fixed_plan_for(spec, world_size, max_tokens_per_rank, policy, self.profile, cfg,
                                          grouped_capable)
         max_pairs = world_size * max_tokens_per_rank * min(spec.top_k, self.num_local_experts)

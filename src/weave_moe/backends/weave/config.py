@@ -14,13 +14,36 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV",
-           "DECODE_TOKENS", "DECODE_ROWS", "GEMM0_GATHER_MAX_I", "PREFETCH_MIB_MAX"]
+           "DECODE_TOKENS", "DECODE_ROWS", "GEMM0_GATHER_MAX_I", "PREFETCH_MIB_MAX", "MIN_CAPABILITY",
+           "unsupported_device"]
 
 KERNEL_CONFIG_ENV = "WEAVE_MOE_KERNEL_CONFIG"
 TIMEOUT_ENV = "WEAVE_MOE_TIMEOUT_S"
 #: Deadline of every wait inside the megakernel. A healthy peer's longest wait (its whole GEMM stage at 8192 tokens
 #: of DeepSeek-V3, ~15 ms) is far below it; a first call's compile happens before the kernel's waits (see backend.py).
 DEFAULT_TIMEOUT_S = 5.0
+
+#: the oldest GPUs the weave backend's kernels run on: Hopper (compute capability 9.0). Every launch of a call waits
+#: for the one before through programmatic dependent launch (`griddepcontrol`, sm_90 and newer; kernels/sync.py), and
+#: the GEMMs load their weights with the bulk tensor copies (TMA) of sm_90. Tested on H100 and H200.
+MIN_CAPABILITY = (9, 0)
+
+
+def unsupported_device(device) -> str | None:
+    """Why the weave backend cannot run on `device` (a torch.device), or None where it can: a CUDA GPU of compute
+    capability MIN_CAPABILITY or newer. The message names the device and the backend to use instead."""
+    if device.type != "cuda":
+        return (f"the weave backend runs on CUDA GPUs only, not on {device.type}; use backend='nccl' or 'reference' "
+                f"there")
+    import torch
+
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        return (f"the weave backend needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+                f"newer (Hopper: its kernels use programmatic dependent launch and TMA); {device} is "
+                f"{torch.cuda.get_device_name(device)} ({capability[0]}.{capability[1]}): use backend='nccl' there")
+    return None
+
 
 #: KernelConfig.decode_stages: calls of at most this many tokens per rank use the decode compiles of the launches
 #: without GEMM, whose tasks hold DECODE_ROWS rows, copied in steps of `decode_block_h(H)` elements
