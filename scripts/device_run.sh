@@ -99,6 +99,12 @@ for stage in "$@"; do
     # item 1: DeepSeek-V2 / V3 2048's GEMMs alone with the row parts: 192-row at BK 64 (4, 5 stages), BK 128 (2
     # stages), GROUP_M 2 / 4, and 128-row tiles as two parts of 64x256 or 64x128 ("h")
     next53b) WS_MODELS=deepseek-v2,deepseek-v3 WS_TOKENS=2048 WS_CONFIGS=192x128x64w4s4,192x128x64w4s5,192x128x128w4s2,192x128x64w4s4g2,192x128x64w4s4g4,128x256x64w4s4h,128x256x64w4s3h,128x128x64w4s4h WS_TIMEOUT=400 "$0" ws-gemm;;
+    # perf-notes 53 (KernelConfig.chain_pairs: the paired call's tile tables in its counts launch, GEMM0 loading its
+    # first weights while the pair dispatch runs): the resident check with it (~6 min on a fresh host), then the
+    # serial policy without and with it at decode sizes, every row checked, 5 rounds, with the calls' timelines
+    next54) WEAVE_MOE_KERNEL_CONFIG=chain_pairs=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT=400 "$0" resident;;
+    next54b) WC_TIMEOUT="${CP_TIMEOUT:-300}" WC_TOKENS="${CP_TOKENS:-1,8,32}" WC_MODELS="${CP_MODELS:-qwen3-30b-a3b,deepseek-v3,deepseek-v2}" WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@chain_pairs=on" WC_NAME=chain-pairs "$0" ws-calls
+        RP_TOKENS="1 8" RP_VARIANTS="weave:serial,weave:serial@chain_pairs=on" "$0" resident-profile;;
     # perf-notes 52's list, item 2 (an H200): the six models' prefill shapes tuned with the Gluon kernels among the
     # candidates (--ws auto: the rule's configs and the 192-row tiles) into the shipped H200 table, then the record
     h200-prefill) TUNE_TIMEOUT=420 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h200.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;

@@ -125,6 +125,37 @@ for launch in range(3):
     got = kernel.build(messages, torch.zeros(4, dtype=torch.int32), 0, verdict=False)
     assert torch.equal(got, ref) and torch.equal(messages, reference), launch
     assert (ref[fmt.bad_ids_offset:fmt.headers_offset].sum() > 0) == (launch == 0)
+
+# the tile tables of a rank's experts in the same launch (build(tiles=)): equal to build_tile_table_torch on the
+# prefix sum of that rank's pairs, over every entry the GEMMs read (each section's count); one or two kinds, split
+# tails; no rows at all; tables sized for far more rows than the call has (only the used blocks are written)
+from weave_moe.backends.weave.kernels import grouped_tiles as gt
+for i, (ep, E, k, T_max, tokens, kinds) in enumerate([
+        (1, 8, 2, 5, (5,), [(8, False)]), (1, 64, 8, 64, (33,), [(8, False), (16, True)]),
+        (2, 16, 4, 40, (40, 3), [(16, True)]), (2, 8, 2, 9, (0, 0), [(8, False), (32, False)]),
+        (4, 256, 8, 64, (64, 1, 0, 17), [(64, False), (8, True)])]):
+    for mode in ("uniform", "skewed", "holes"):
+        message, messages = gathered(ep, E, k, T_max, tokens, mode, torch.Generator().manual_seed(i))
+        fmt = CountsFormat(ep, E, 4)
+        kernel = DeviceCounts(fmt, message, "cpu", max_programs=3)
+        L = E // ep
+        for rank in range(ep):
+            ref = fmt.build(messages.clone(), message, torch.zeros(4, dtype=torch.int32))
+            pairs = ref[fmt.expert_pairs_offset + rank * L:fmt.expert_pairs_offset + (rank + 1) * L]
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int32), pairs.cumsum(0).int()])
+            max_rows = ep * T_max * k
+            tables = [gt.TileTable(torch.full((3, 2 * (max_rows // m + L)), -7, dtype=torch.int32),
+                                   torch.full((2,), -7, dtype=torch.int32), m, tail) for m, tail in kinds]
+            got = kernel.build(messages.clone(), torch.zeros(4, dtype=torch.int32), rank, verdict=True, tiles=tables)
+            assert torch.equal(got, ref), (i, mode, rank)
+            for table in tables:
+                want = gt.build_tile_table_torch(offsets, table.block_m, max_rows, table.split_tail)
+                what = (i, mode, rank, table.block_m, table.split_tail)
+                assert torch.equal(table.num_tiles, want.num_tiles), (what, table.num_tiles, want.num_tiles)
+                for section, n in enumerate(want.num_tiles.tolist()):
+                    cols = slice(section * table.max_tiles, section * table.max_tiles + n)
+                    wcols = slice(section * want.max_tiles, section * want.max_tiles + n)
+                    assert torch.equal(table.table[:, cols], want.table[:, wcols]), what
 print("COUNTS OK")
 '''
 
@@ -250,6 +281,30 @@ def test_counts_kernel_with_the_planner_compiles_for_sm90_as_the_planner_does(mo
     assert re.search(r"div\.rn\.f32", ptx)
     assert not re.search(r"fma\.rn\.f32|mad\.[a-z.]*f32", ptx)
     assert len(re.findall(r"atom\.global\.gpu\.acq_rel", ptx)) == 1
+
+
+@pytest.mark.parametrize("model,local_experts,kinds", [("qwen3-30b-a3b", 64, [(8, False)]),
+                                                       ("deepseek-v3", 128, [(8, False), (16, True)]),
+                                                       ("deepseek-v3", 256, [(64, False)])])
+def test_counts_kernel_with_tile_tables_compiles_for_sm90_without_local_memory(model, local_experts, kinds):
+    """The paired call's counts launch that also writes the tile tables (KernelConfig.chain_pairs) at EP = 1, E_local
+    up to 256: no local memory; the ticket protocol unchanged; the tables' stores after a CTA barrier."""
+    import torch
+
+    from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
+    from weave_moe.backends.weave.kernels.counts import DeviceCounts, compile_counts_ptx
+    from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
+    from weave_moe.models import MoESpec
+
+    spec = MoESpec.from_name(model)
+    kernel = DeviceCounts(CountsFormat(1, local_experts, 4), RoutingMessage(8192, spec.top_k), "cpu")
+    tables = [TileTable(torch.zeros(3, 2 * 1000, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), m, tail)
+              for m, tail in kinds]
+    ptx = compile_counts_ptx(kernel, verdict=True, tiles=tables)
+    plain = compile_counts_ptx(kernel, verdict=True)
+    assert ".local" not in ptx
+    assert len(re.findall(r"atom\.global\.gpu\.acq_rel", ptx)) == 1
+    assert len(re.findall(r"bar\.sync", ptx)) > len(re.findall(r"bar\.sync", plain))
 
 
 def test_counts_kernel_refuses_plans_it_was_not_built_for():

@@ -100,6 +100,41 @@ def test_tables_dispatch_refuses_what_it_cannot_send():
                                                 torch.zeros(2, dtype=torch.int32), None, None, None, 0, 1)
 
 
+@pytest.mark.parametrize("num_experts, top_k, hidden", [(64, 8, 2048), (128, 8, 7168)])
+def test_the_programmatic_pair_dispatch_waits_then_releases_before_any_load(num_experts, top_k, hidden):
+    """KernelConfig.chain_pairs: the pair dispatch launched programmatically waits for the counts launch and then
+    lets the next launch (a preloading GEMM0) start, before its first global load; the plain one holds neither."""
+    from weave_moe.backends.weave.config import DECODE_TOKENS
+    from weave_moe.backends.weave.kernels import early_dispatch as ed
+    from weave_moe.backends.weave.kernels import sm90
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+    i32 = dict(dtype=torch.int32)
+    launcher = ed.PairDispatch(1, num_experts, top_k, hidden, 2048, DECODE_TOKENS, 132)
+    workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(2048, hidden)
+    local = torch.zeros(DECODE_TOKENS * top_k, hidden, dtype=torch.bfloat16)
+    args = launcher._arguments(torch.zeros(1, 2048, top_k, **i32), torch.zeros(1, **i32),
+                               torch.zeros(num_experts, **i32), torch.zeros(2, dtype=torch.int64), workspace,
+                               torch.zeros(4, **i32), 0, 10 ** 9, None, torch.zeros(launcher.rows_shape, **i32), local)
+    for pdl in (False, True):
+        variant = launcher._variant(local, None, pdl)
+        assert variant.get("launch_pdl", False) is (pdl and sync_pdl())
+        variant.pop("launch_pdl", None)
+        ptx = sm90.compile_for_sm90(ed.pair_dispatch_kernel, args, dict(variant, num_warps=ed.NUM_WARPS)).asm["ptx"]
+        assert ".local" not in ptx
+        if not pdl:
+            assert "griddepcontrol" not in ptx
+            continue
+        wait, release = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+        assert wait < release < ptx.index("ld.global"), "the release must follow the wait, both before any load"
+
+
+def sync_pdl() -> bool:
+    from weave_moe.backends.weave.kernels import sync
+
+    return sync.PDL
+
+
 def test_pair_dispatch_refuses_what_the_tables_would_not_match():
     from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
 
@@ -146,11 +181,13 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row accessed one element per access"
 
 
-def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False):
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
     pack, counts (verdict), `PairDispatch`, then y made from the pair rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
-    poisoned out of T + 1 rows. Returns (out, rows table, offsets, receive region, status)."""
+    poisoned out of T + 1 rows. `chain` (KernelConfig.chain_pairs): the counts launch also writes a tile table of 4
+    rows per tile (checked against build_tile_table_torch on the offsets), the pair dispatch compiled for
+    programmatic launch. Returns (out, rows table, offsets, receive region, status)."""
     from weave_moe.backends.coordination import HEADER_WORDS
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
@@ -179,9 +216,20 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False):
     # the pair rows into the GEMMs' y ([max_pairs, H]), as the backend writes them: 8 tokens x k pairs do not fit
     # the receive region's T_max rows
     recv = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
-    vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True)
+    from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table_torch
+
+    table = TileTable(torch.full((3, 2 * (max_tokens * k // 4 + E)), -5, dtype=torch.int32),
+                      torch.full((2,), -5, dtype=torch.int32), 4)
+    vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True, tiles=[table] if chain else None)
     dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
-                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv)
+                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv, pdl=chain)
+    if chain:   # the GEMMs' tiles of the rows the dispatch placed (refused: from the counts' pairs all the same)
+        pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
+        want = build_tile_table_torch(torch.cat([torch.zeros(1, dtype=torch.int32), pairs.cumsum(0).int()]), 4,
+                                      max_tokens * k)
+        assert torch.equal(table.num_tiles, want.num_tiles), (table.num_tiles, want.num_tiles)
+        n = int(want.num_tiles[0])
+        assert torch.equal(table.table[:, :n], want.table[:, :n]), (T, table.table[:, :n], want.table[:, :n])
     assert ws.recv().isnan().all()
     y = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     for e in range(E):
@@ -209,7 +257,8 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
     E, k, H, max_tokens = 8, 3, 40, 12   # calls of up to 8 tokens: 24 pairs, more than T_max
     generator = torch.Generator().manual_seed(5)
-    for T in (0, 1, 2, 5, 8):
+    for T, chain in ((0, False), (1, False), (2, False), (5, False), (8, False), (0, True), (1, True), (5, True),
+                     (8, True)):
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
             torch.zeros(0, k, dtype=torch.int32)
         if T >= 2:
@@ -217,7 +266,7 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             ids[1, 2] = -1           # a slot with no expert
         weights = torch.rand(T, k, generator=generator)
         x = torch.randn(T, H, generator=generator).bfloat16()
-        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x)
+        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, chain=chain)
         assert status[:4].tolist() == [0, 0, 0, 0]
         assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
         for t in range(T):

@@ -379,6 +379,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
     backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
+    backend.chain_pairs = False
 
     class Stream:
         def wait_event(self, event):
@@ -568,30 +569,43 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
-def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch):
+@pytest.mark.parametrize("chain", [False, True])
+def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch, chain):
     """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
     pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
     and rows table); the join; the grouped GEMMs on those tables; the pair combine of y by the rows with the
-    message's weights. No task tables, no megakernel launch on the call's stream."""
+    message's weights. No task tables, no megakernel launch on the call's stream. `chain` (KernelConfig.chain_pairs):
+    the layer's tile tables written by the counts launch itself (no tile-table launch, no fork, no join), the pair
+    dispatch launched programmatically, GEMM0 preloading."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
 
     backend, launched = _tables_host(monkeypatch)
-    backend.num_sms = 4
+    backend.num_sms, backend.chain_pairs = 4, chain
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
-    backend.device_counts.build = lambda *args, **options: launched.append("counts") or vector
+    held = {"k0": "table k0", "k1": "table k1"}
+
+    def counts(*args, tiles=None, **options):
+        assert tiles == (["table k0", "table k1"] if chain else None), tiles
+        launched.append("counts" + (" and tile tables" if chain else ""))
+        return vector
+
+    backend.device_counts.build = counts
+    backend._tile_tables = lambda keys: (held, "rows") if keys == ["k0", "k1"] else None
+    backend._preloads = lambda configs: chain and configs == "configs"
     backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
 
     class Pairs:
-        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
+        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                   pdl):
             start = backend.counts_format.expert_pairs_offset
             assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
             assert local.data_ptr() == backend.workspace.y().data_ptr()   # the pair rows into y
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
             # no expert offsets: the tile tables come from the counts, nothing would read them
             assert offsets is None and rows is backend.pair_rows and status is backend.live_status
-            launched.append("pair dispatch")
+            launched.append("pair dispatch" + (" (programmatic)" if pdl else ""))
 
     class Combine:
         def launch(self, y, rows, all_weights, tokens, io, status, rank):
@@ -603,7 +617,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
     monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
     backend._launch = lambda *args, **options: launched.append("megakernel")
-    backend._paired_gemms = lambda configs, tables: launched.append(("gemms", configs, tables))
+    backend._paired_gemms = lambda configs, tables, preload: launched.append(("gemms", configs, tables, preload))
     backend._fork = lambda name, enqueue: launched.append(("fork", name)) or f"{name} event"
     backend.fork_prologue = True
 
@@ -617,8 +631,12 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._grouped_prologue = prologue
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend._resident_paired("configs")
-    assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
-                        ("gemms", "configs", "tile tables"), "pair combine"], launched
+    if chain:
+        assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
+                            ("gemms", "configs", held, True), "pair combine"], launched
+    else:
+        assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
+                            ("gemms", "configs", "tile tables", False), "pair combine"], launched
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -652,12 +670,14 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("paired", [False, True, "chain"])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
     `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the pair rows in y read in place, and the pair
-    dispatch on the counts vector's pairs and the layer's offsets, the pair combine on y."""
+    dispatch on the counts vector's pairs and the layer's offsets, the pair combine on y; "chain"
+    (KernelConfig.chain_pairs): the pair dispatch as launched programmatically, and no tile-table launch from the
+    counts (the counts launch writes the tables)."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -704,7 +724,9 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
                                                                          dtype=torch.int32)})()
 
         class Pairs:
-            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local):
+            def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                       pdl):
+                assert pdl is (paired == "chain")
                 assert local.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
@@ -718,6 +740,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
+        backend.chain_pairs = paired == "chain"
     backend._compile_before_call()
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
@@ -728,8 +751,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
-    expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds] if paired
-                                              else [])
+    expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds]
+                                              if paired is True else [])
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 
@@ -1020,7 +1043,7 @@ def test_resident_tables_plan_in_the_counts_launch_or_after_it(monkeypatch, fuse
     class Counts:
         planner = "the layer's planner" if fused else None
 
-        def build(self, messages, status, rank, verdict, plans=None):
+        def build(self, messages, status, rank, verdict, plans=None, tiles=None):
             assert verdict and messages is backend.all_routing
             launched.append(("counts", plans is backend.plans_device if fused else plans))
             return "counts vector"
@@ -1060,7 +1083,7 @@ def test_resident_call_prefetches_weights_after_the_counts_and_joins_at_its_end(
     class Counts:
         planner = None
 
-        def build(self, messages, status, rank, verdict, plans=None):
+        def build(self, messages, status, rank, verdict, plans=None, tiles=None):
             launched.append("counts")
             return "counts vector"
 
@@ -1136,7 +1159,7 @@ def test_resident_tables_of_a_fixed_plan_run_beside_the_counts(monkeypatch, inde
     class Counts:
         planner = None
 
-        def build(self, messages, status, rank, verdict, plans=None):
+        def build(self, messages, status, rank, verdict, plans=None, tiles=None):
             assert plans is None
             launched.append("counts")
 
@@ -1325,7 +1348,8 @@ def test_ws_gemm_runs_the_warp_specialised_kernels_at_prefill_sizes(monkeypatch,
 def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
     """KernelConfig.ws_gemm below 64 rows per expert: both GEMMs of a paired call run kernels/ws_decode.py on the
     call's tile tables (rows in y, h between them); with KernelConfig.ws_chain both chained (GEMM1 launched
-    programmatically after GEMM0), and not where either GEMM is a Triton one."""
+    programmatically after GEMM0), and not where either GEMM is a Triton one; with KernelConfig.chain_pairs GEMM0
+    preloads (launched programmatically after the pair dispatch), chained or not, where it is the decode form."""
     from weave_moe.backends.weave.backend import WeaveBackend
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels import grouped_gemm as gg
@@ -1334,8 +1358,9 @@ def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
 
     backend, _, _ = _host_backend(monkeypatch, Plan(4, 1, 0, 0.0, "serial"), grouped=True)
     calls = []
-    monkeypatch.setattr(ws_decode, "ws_decode_gemm0", lambda a, w, out, tiles, config, chained:
-                        calls.append(("gemm0", a.data_ptr(), out.data_ptr(), tiles, chained)))
+    monkeypatch.setattr(ws_decode, "ws_decode_gemm0", lambda a, w, out, tiles, config, chained, preload:
+                        calls.append(("gemm0", a.data_ptr(), out.data_ptr(), tiles, chained)
+                                     + (("preload",) if preload else ())))
     monkeypatch.setattr(ws_decode, "ws_decode_gemm1", lambda a, w, out, tiles, config, chained:
                         calls.append(("gemm1", a.data_ptr(), out.data_ptr(), tiles, chained)))
     monkeypatch.setattr(gg, "grouped_gemm1", lambda a, w, out, tiles, config, **launch:
@@ -1348,7 +1373,19 @@ def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
         calls.clear()
         WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"})
         assert calls == [("gemm0", y, h, "decode table", chain), ("gemm1", h, y, "decode table", chain)]
+        for chain_pairs in (False, True):   # KernelConfig.chain_pairs
+            backend.chain_pairs = chain_pairs
+            preload = WeaveBackend._preloads(backend, (config, config))
+            assert preload is chain_pairs
+            calls.clear()
+            WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"}, preload=preload)
+            assert calls == [("gemm0", y, h, "decode table", chain) + (("preload",) if chain_pairs else ()),
+                             ("gemm1", h, y, "decode table", chain)], calls
+        backend.chain_pairs = False
     triton = gc.analytical_configs(1)[0]
+    backend.chain_pairs = True   # a Triton GEMM0 does not preload
+    assert not WeaveBackend._preloads(backend, (gc.analytical_configs(0)[0], config))
+    backend.chain_pairs = False
     assert not WeaveBackend._chains(backend, (config, triton)) and WeaveBackend._chains(backend, (config, config))
     # the prefill form never chains (DeepSeek-V3 at 2048 tokens ran slower chained)
     prefill = ws_gemm.DEFAULT_CONFIG

@@ -179,12 +179,14 @@ def test_launch_gemm_runs_each_config_on_its_kernel(monkeypatch):
             gg.launch_gemm(gemm, config, "a", "w", "out", "tiles", pdl=True)
     plain = dict(chained=False)
     assert calls == [("grouped_gemm0", dict(gather=None, pdl=True)), ("ws_gemm0", dict(gather=None, chained=False)),
-                     ("ws_decode_gemm0", plain), ("grouped_gemm1", dict(pdl=True)), ("ws_gemm1", plain),
-                     ("ws_decode_gemm1", plain)]
+                     ("ws_decode_gemm0", dict(chained=False, preload=False)), ("grouped_gemm1", dict(pdl=True)),
+                     ("ws_gemm1", plain), ("ws_decode_gemm1", plain)]
     calls.clear()
     gg.launch_gemm(0, wide, "a", "w", "out", "tiles", gather="rows")
     gg.launch_gemm(1, decode, "a", "w", "out", "tiles", chained=True)
-    assert calls == [("ws_gemm0", dict(gather="rows", chained=False)), ("ws_decode_gemm1", dict(chained=True))]
+    gg.launch_gemm(0, decode, "a", "w", "out", "tiles", chained=True, preload=True)
+    assert calls == [("ws_gemm0", dict(gather="rows", chained=False)), ("ws_decode_gemm1", dict(chained=True)),
+                     ("ws_decode_gemm0", dict(chained=True, preload=True))]
     with pytest.raises(ValueError, match="not chained"):
         gg.launch_gemm(1, triton, "a", "w", "out", "tiles", chained=True)
     for config in (decode, ws.WsConfig(split_tail=True), ws.WsConfig(block_n=128, num_warps=4, consumers=2)):
@@ -642,3 +644,39 @@ def test_chained_gemms_start_gemm1_early_and_wait_before_reading_h(config, tmp_p
     descriptors = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", text)
     early = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", before)
     assert early and len(set(early)) == 1 and len(set(descriptors)) >= 2, (early, set(descriptors))
+
+
+@pytest.mark.parametrize("config", ["t8w64k128s8", "t16w64k128s8", "t64w64k128s6"])
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_preloading_gemm0_issues_its_first_weights_before_it_waits_for_the_rows(config, chained, tmp_path):
+    """KernelConfig.chain_pairs: the decode-form GEMM0 launched programmatically after the pair dispatch
+    (`ws_decode_launch(preload=True)`), compiled for sm_90 as launched: the producer's first weight blocks (the
+    stage's expect counting A and W), then `griddepcontrol.wait`, then A (the rows the pair dispatch writes); with
+    `ws_chain` it still lets the chained GEMM1 start early. No spills. The plain GEMM0 holds no wait; the preload is
+    GEMM0's only (a chained GEMM1 preloads already)."""
+    from weave_moe.backends.weave.kernels import grouped_gemm as gg
+    from weave_moe.backends.weave.kernels import ws_decode
+
+    config = ws_decode.WsDecodeConfig.parse(config)
+    a, w, out, tiles, _ = _operands(0, 2048, 768, block_m=config.block_m)
+    kernel, _, args, kwargs = ws_decode.ws_decode_launch(0, a, w, out, tiles, config, num_sms=132, chained=chained,
+                                                         preload=True)
+    assert kwargs["launch_pdl"] is True and kwargs["PRELOAD"] is True
+    text = sm90.compile_for_sm90(kernel, args, kwargs).asm["ptx"]
+    report = sm90.ptxas_report(text, tmp_path)
+    assert "0 bytes stack frame" in report and "0 bytes spill stores" in report, report
+    assert ("griddepcontrol.launch_dependents" in text) is chained
+    copy = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+    before = text[:text.index("griddepcontrol.wait")]
+    a_bytes, w_bytes = config.block_m * config.block_k * 2, config.block_w * config.block_k * 2
+    assert f"], {a_bytes + w_bytes};" in before
+    descriptors = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", text)
+    early = re.findall(re.escape(copy) + r" \[[^]]*\], \[(%rd\d+),", before)
+    assert early and len(set(early)) == 1 and len(set(descriptors)) >= 2, (early, set(descriptors))
+    plain = ws_decode.ws_decode_launch(0, a, w, out, tiles, config, num_sms=132, chained=chained)
+    assert plain[3]["launch_pdl"] is False and "PRELOAD" not in plain[3]
+    with pytest.raises(ValueError, match="GEMM0 only"):
+        ws_decode.ws_decode_launch(1, *_operands(1, 2048, 768, block_m=config.block_m)[:4], config, num_sms=132,
+                                   preload=True)
+    with pytest.raises(ValueError, match="only a decode-form GEMM0 preloads"):
+        gg.launch_gemm(0, ws.DEFAULT_CONFIG, a, w, out, tiles, preload=True)

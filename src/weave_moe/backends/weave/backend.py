@@ -339,6 +339,9 @@ class WeaveBackend:
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
             self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
+        # KernelConfig.chain_pairs: the paired call's tile tables written by its counts launch, the pair dispatch and
+        # GEMM0 launched programmatically (_resident_paired)
+        self.chain_pairs = bool(cfg.chain_pairs and self.pair_dispatch is not None)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -585,17 +588,28 @@ class WeaveBackend:
         rows in place through TMA once both are done, GEMM1 into y, and the combine of y by the pairs' rows into out
         (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1 nothing else needs them. The
         chain to GEMM0 is pack -> counts -> pair dispatch (the tile tables beside it), not pack -> counts -> bases
-        -> emit (-> gather) (docs/perf-notes.md entry 37)."""
+        -> emit (-> gather) (docs/perf-notes.md entry 37).
+        KernelConfig.chain_pairs: the tile tables are written by the counts launch instead (no prologue launch, no
+        fork), the pair dispatch is launched programmatically after it, and a decode-form GEMM0 programmatically
+        after the pair dispatch, loading its first weight blocks while the rows are sent (`_preloads`): the chain to
+        GEMM0's weights is pack -> counts -> pair dispatch's start (docs/perf-notes.md entry 53)."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
-        counts = self._counts(verdict=True)
+        keys, filled = _tile_keys(configs), None
+        if self.chain_pairs:
+            tables = self._tile_tables(keys)[0]
+            counts = self._counts(verdict=True, tiles=list(tables.values()))
+        else:
+            counts = self._counts(verdict=True)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
-        tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), _tile_keys(configs), False,
-                                                   side=self.fork_prologue, form="counts")
+        if not self.chain_pairs:
+            tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), keys, False,
+                                                       side=self.fork_prologue, form="counts")
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
-                                  self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y())
+                                  self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
+                                  pdl=self.chain_pairs)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        self._paired_gemms(configs, tables)
+        self._paired_gemms(configs, tables, preload=self._preloads(configs))
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
                                  self.rank)
         for event in joins:   # the side streams nothing of the call waits for
@@ -693,11 +707,13 @@ class WeaveBackend:
         call: a prefetch writes nothing."""
         return self._fork("prefetch", lambda: self.prefetch.launch(counts, self.w13, self.w2))
 
-    def _counts(self, verdict: bool) -> torch.Tensor:
+    def _counts(self, verdict: bool, tiles: list | None = None) -> torch.Tensor:
         """Enqueue the counts kernel on the gathered routing (kernels/counts.py); returns the counts vector. With
-        `KernelConfig.fused_planner` it also writes every rank's plan into `plans_device`."""
+        `KernelConfig.fused_planner` it also writes every rank's plan into `plans_device`; with `tiles` (TileTable
+        buffers) the tile tables of this rank's experts (KernelConfig.chain_pairs)."""
         return self.device_counts.build(self.all_routing, self.live_status, self.rank, verdict=verdict,
-                                        plans=self.plans_device if self.device_counts.planner is not None else None)
+                                        plans=self.plans_device if self.device_counts.planner is not None else None,
+                                        tiles=tiles)
 
     def _raise_deferred(self) -> None:
         """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no
@@ -1051,12 +1067,20 @@ class WeaveBackend:
         both the warp-specialised decode form; kernels/ws_ring.py, "Chained launches")."""
         return self.ws_chain and all(gemm_configs.kernel_of(c) == "ws_decode" for c in configs)
 
+    def _preloads(self, configs) -> bool:
+        """Whether a paired call's GEMM0 of `configs` is launched programmatically after the pair dispatch, its first
+        weight blocks loaded before it waits (KernelConfig.chain_pairs; the decode form's PRELOAD)."""
+        return self.chain_pairs and gemm_configs.kernel_of(configs[0]) == "ws_decode"
+
     def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None,
-               chained: bool = False) -> None:
+               chained: bool = False, preload: bool = False) -> None:
         """h = GEMM0 + SiLU-mul of rows `a` (in expert order, or through `gather`) on `tiles`, with the kernel of
         `config` (`grouped_gemm.launch_gemm`: the Triton grouped GEMM0, or a warp-specialised one, `chained` to the
-        GEMM1 after it: `_chains`)."""
-        launch = dict(chained=True) if chained else self.gemm_launch
+        GEMM1 after it: `_chains`; `preload`: launched programmatically after the pair dispatch, `_preloads`)."""
+        if preload:
+            launch = dict(chained=chained, preload=True)
+        else:
+            launch = dict(chained=True) if chained else self.gemm_launch
         grouped_gemm.launch_gemm(0, config, a, self.w13, self.workspace.h(), tiles, gather=gather, **launch)
 
     def _gemm1(self, tiles, config, chained: bool = False) -> None:
@@ -1064,12 +1088,13 @@ class WeaveBackend:
         launch = dict(chained=True) if chained else self.gemm_launch
         grouped_gemm.launch_gemm(1, config, self.workspace.h(), self.w2, self.workspace.y(), tiles, **launch)
 
-    def _paired_gemms(self, configs, tables) -> None:
-        """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s):
-        GEMM0 reading the pair rows (in y, in expert order) contiguously through TMA (no gather), and GEMM1 into y
-        (rows in the same expert order; it starts once GEMM0 has ended)."""
+    def _paired_gemms(self, configs, tables, preload: bool = False) -> None:
+        """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s,
+        or the counts launch's): GEMM0 reading the pair rows (in y, in expert order) contiguously through TMA (no
+        gather; `preload`: launched programmatically after the pair dispatch, `_preloads`), and GEMM1 into y (rows in
+        the same expert order; it starts once GEMM0 has ended)."""
         keys, chained = _tile_keys(configs), self._chains(configs)
-        self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained)
+        self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained, preload=preload)
         self._gemm1(tables[keys[1]], configs[1], chained=chained)
 
     def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False,
@@ -1084,13 +1109,7 @@ class WeaveBackend:
         the CUDA graph of a row count); the first call's compile fills them too, before that call enqueues anything
         (`_compile_before_call`). `form`: what `offsets` holds (`fill_tile_tables(form=)`: the prefix sum of rows per
         local expert, or the rows themselves)."""
-        kinds = tuple(sorted(set(keys)))
-        buffers = self.tile_buffers.get(kinds)
-        if buffers is None:   # sized by E_local + 1 offsets, whichever form this call's are in
-            shape = torch.empty(self.num_local_experts + 1, dtype=torch.int32, device=offsets.device)
-            buffers = self.tile_buffers[kinds] = (grouped_tiles.empty_tile_tables(shape, kinds, self.max_pairs),
-                                                  torch.empty(1, dtype=torch.int32, device=offsets.device))
-        tables, rows = buffers
+        tables, rows = self._tile_tables(keys)
         fill = functools.partial(grouped_tiles.fill_tile_tables, tables, offsets, rows,
                                  plan=self.plans_device[self.rank, 0:1] if device_serial else None,
                                  num_sms=self.num_sms, form=form)
@@ -1098,6 +1117,17 @@ class WeaveBackend:
             fill()
             return tables, rows, None
         return tables, rows, self._fork("prologue", fill)
+
+    def _tile_tables(self, keys) -> tuple:
+        """The layer's tile tables for the (block_m, split_tail) `keys` and the rows-to-gather scalar beside them
+        (allocated at their first use, on the current stream; rewritten by every call that uses them)."""
+        kinds = tuple(sorted(set(keys)))
+        buffers = self.tile_buffers.get(kinds)
+        if buffers is None:   # sized by E_local + 1 offsets
+            shape = torch.empty(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
+            buffers = self.tile_buffers[kinds] = (grouped_tiles.empty_tile_tables(shape, kinds, self.max_pairs),
+                                                  torch.empty(1, dtype=torch.int32, device=self.device))
+        return buffers
 
     def _fork(self, name: str, enqueue) -> torch.cuda.Event:
         """Enqueue `enqueue()` on the layer's side stream for `name` (made at its first use) after the work enqueued so
@@ -1152,6 +1182,8 @@ class WeaveBackend:
                         self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl, chained=chained)
                     if not self._gathers_in_gemm0(config) or self.pair_dispatch is not None:
                         self._gemm0(y, table, config, chained=chained)
+                    if self._preloads([config]):   # KernelConfig.chain_pairs: the paired call's GEMM0
+                        self._gemm0(y, table, config, chained=chained, preload=True)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 for chained in (False, True) if self._chains([config]) else (False, ):
@@ -1168,7 +1200,7 @@ class WeaveBackend:
                         pos = self.ctrl[:self.spec.top_k].view(1, -1)
                         tasks = self.ctrl[:len(COMBINE_COLUMNS)].view(1, -1)
                         self._scatter_rows(self.ctrl, pos, tasks, empty[-1:], empty[-1:])
-                if self.pair_dispatch is not None:
+                if self.pair_dispatch is not None and not self.chain_pairs:
                     # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
                     # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose
                     # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
@@ -1183,7 +1215,7 @@ class WeaveBackend:
         if self.pair_dispatch is not None:
             self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
                                       self.live_status, self.rank, self.timeout_ns, None, self.pair_rows,
-                                      self.workspace.y())
+                                      self.workspace.y(), pdl=self.chain_pairs)
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
                                      self.live_status, self.rank)
         if self.tables_dispatch is not None:

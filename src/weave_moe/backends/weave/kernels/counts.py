@@ -34,6 +34,12 @@ would write them, one kernel earlier in the call's chain. Its ranks are planned 
 planner's launch is (the counts are integers: nothing else changes), so the plans equal `planner_mirror.mirror`'s bit
 for bit.
 
+Tile tables in the same launch (`build(tiles=)`, KernelConfig.chain_pairs). The last program, having written the
+counts vector, builds the grouped GEMMs' tile tables of this rank's experts from its pairs per expert
+(`grouped_tiles.tile_table_from_counts`, what `fill_tile_tables(form="counts")` writes as its own launch), after the
+same CTA barrier: a paired decode call's GEMM0 can then read them before it waits for the pair dispatch between
+them (kernels/ws_ring.py, "Chained launches": this launch ended before that one's CTAs passed their wait).
+
 Why a grid: one program looping over EP * T_max * k ids (up to 2 M at EP 8, T_max 16384, k 16) would run one load
 round trip per block in series; P programs run them side by side and the last program adds ~1 round trip of
 atomics. No program waits for another, so the grid need not be resident at once.
@@ -44,12 +50,15 @@ counts graph.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import triton
 import triton.language as tl
 
 from weave_moe.backends.coordination import HEADER_CALL_WORD, HEADER_CODE_WORD, HEADER_WORDS
 from weave_moe.backends.weave.kernels import sync
+from weave_moe.backends.weave.kernels.grouped_tiles import tile_table_from_counts
 from weave_moe.backends.weave.kernels.planner import POLICY_ARGS, DevicePlanner, plan_rank
 
 __all__ = ["DeviceCounts", "counts_kernel", "compile_counts_ptx", "MAX_PROGRAMS"]
@@ -60,6 +69,8 @@ MAX_PROGRAMS = 256
 #: ids per block (BLOCK_T tokens x KP slots): 16 per thread at 4 warps
 BLOCK_IDS = 2048
 NUM_WARPS = 4
+#: tile-table entries the last program writes per step (`build(tiles=)`): [TILE_BLOCK, E_local] per step
+TILE_BLOCK = tl.constexpr(32)
 
 _CALL_WORD = tl.constexpr(HEADER_CALL_WORD)
 _CODE_WORD = tl.constexpr(HEADER_CODE_WORD)
@@ -132,12 +143,16 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
                   world_size, words, max_tokens, num_experts, num_local_experts, blocks_per_rank, tokens_word,
                   header_word, tokens_offset, send_rows_offset, expert_pairs_offset, bad_ids_offset, headers_offset,
                   status_offset, status_words, num_sms, comm_sms_limit, n0_per_mtile, n1_per_mtile, static_c,
-                  static_k, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  static_k, table0_ptr, num_tiles0_ptr, max_tiles0, table1_ptr, num_tiles1_ptr, max_tiles1,
+                  K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_P: tl.constexpr, HEADER_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_STATUS: tl.constexpr, VERDICT: tl.constexpr, PLAN: tl.constexpr, POLICY: tl.constexpr,
                   BLOCK_LOCAL_E: tl.constexpr, BLOCK_C: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    """The counts vector (module docstring), and with PLAN every rank's plan.
+                  BLOCK_M: tl.constexpr, TILE_KINDS: tl.constexpr = 0, TILE_M0: tl.constexpr = 1,
+                  TILE_TAIL0: tl.constexpr = False, TILE_M1: tl.constexpr = 1, TILE_TAIL1: tl.constexpr = False,
+                  TILE_E: tl.constexpr = 1):
+    """The counts vector (module docstring), with PLAN every rank's plan, and with TILE_KINDS 1 or 2 the tile tables
+    of this rank's experts (module docstring, "Tile tables in the same launch").
 
     Args:
         messages_ptr: int32 [EP, words] gathered routing messages (`RoutingMessage`); bad ids become -1 in place.
@@ -152,6 +167,9 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
         plans_ptr, model_ptr, per_iteration_ptr: with PLAN, the planner's output (int32 [EP, 4]) and tables
             (`DevicePlanner.tables`); num_sms .. static_k and POLICY .. BLOCK_M: its `policy_args()` and
             `constants()`. Not read without PLAN.
+        table0_ptr .. max_tiles1: with TILE_KINDS, the `grouped_tiles.TileTable` buffers of the first and second
+            tile kind (TILE_M0 / TILE_TAIL0: its block_m and split_tail; TILE_E: E_local as a power of two). Not read
+            without it.
     """
     sync.pdl_enter()
     pid = tl.program_id(0)
@@ -202,13 +220,21 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
         if VERDICT:
             _verdict(status_ptr, headers, status, bad, rank, world_size, HEADER_WORDS, BLOCK_P, BLOCK_H,
                      BLOCK_STATUS)
-        if PLAN:
+        if PLAN or TILE_KINDS > 0:
             tl.debug_barrier()   # the counts vector this program's threads stored, visible to all of them
+        if PLAN:
             for d in range(0, world_size):
                 plan_rank(counts_ptr, model_ptr, per_iteration_ptr, plans_ptr, d, tokens_offset, send_rows_offset,
                           expert_pairs_offset, world_size, num_local_experts, num_sms, comm_sms_limit, n0_per_mtile,
                           n1_per_mtile, static_c, static_k, POLICY, BLOCK_P, BLOCK_LOCAL_E, BLOCK_C, MAX_CHUNKS,
                           BLOCK_M)
+        if TILE_KINDS > 0:   # this rank's experts' pairs
+            local_pairs = counts_ptr + expert_pairs_offset + rank * num_local_experts
+            tile_table_from_counts(local_pairs, table0_ptr, num_tiles0_ptr, num_local_experts, max_tiles0, TILE_M0,
+                                   TILE_TAIL0, TILE_E, TILE_BLOCK)
+            if TILE_KINDS == 2:
+                tile_table_from_counts(local_pairs, table1_ptr, num_tiles1_ptr, num_local_experts, max_tiles1,
+                                       TILE_M1, TILE_TAIL1, TILE_E, TILE_BLOCK)
 
 
 def _pow2(n: int) -> int:
@@ -278,7 +304,7 @@ class DeviceCounts:
         self.options = dict(enable_fp_fusion=False) if planner is not None and not sync.INTERPRETER.value else {}
 
     def build(self, messages: torch.Tensor, status: torch.Tensor, rank: int, verdict: bool,
-              plans: torch.Tensor | None = None) -> torch.Tensor:
+              plans: torch.Tensor | None = None, tiles: list | None = None) -> torch.Tensor:
         """Enqueue the kernel; returns the counts vector (int32 [CountsFormat.size], this object's buffer, rewritten
         by every launch).
 
@@ -291,6 +317,8 @@ class DeviceCounts:
                 host-driven call, which checks the counts on the host).
             plans: int32 [EP, 4] contiguous, every rank's plan (`DevicePlanner.launch`'s output), given exactly
                 when this object was built with a planner.
+            tiles: one or two `grouped_tiles.TileTable` buffers (distinct kinds): also written, with the tiles of
+                rank `rank`'s experts from their pairs (module docstring, "Tile tables in the same launch").
         """
         fmt, message = self.counts_format, self.message
         shape = (fmt.world_size, message.words)
@@ -307,21 +335,44 @@ class DeviceCounts:
                              f"{tuple(plans.shape)}")
         counts_kernel[self.grid](messages, status, self.scratch, self.counts,
                                  self.counts if plans is None else plans, *self.plan_tables, rank, **self.scalar_args,
-                                 **self.constants, VERDICT=verdict, num_warps=NUM_WARPS, **self.options,
-                                 **sync.LAUNCH)
+                                 **self.tile_arguments(tiles), **self.constants, **self.tile_constants(tiles),
+                                 VERDICT=verdict, num_warps=NUM_WARPS, **self.options, **sync.LAUNCH)
         return self.counts
 
+    def tile_arguments(self, tiles: list | None) -> dict:
+        """The kernel's table0_ptr .. max_tiles1 for `build(tiles=)` (placeholders without tiles)."""
+        if not tiles:
+            first = second = types.SimpleNamespace(table=self.counts, num_tiles=self.counts, max_tiles=1)
+        elif len(tiles) > 2 or len({(t.block_m, t.split_tail) for t in tiles}) != len(tiles):
+            raise ValueError(f"tiles: one or two tables of distinct (block_m, split_tail), got "
+                             f"{[(t.block_m, t.split_tail) for t in tiles]}")
+        else:
+            first, second = tiles[0], tiles[-1]
+        return dict(table0_ptr=first.table, num_tiles0_ptr=first.num_tiles, max_tiles0=first.max_tiles,
+                    table1_ptr=second.table, num_tiles1_ptr=second.num_tiles, max_tiles1=second.max_tiles)
 
-def compile_counts_ptx(device_counts: DeviceCounts, verdict: bool = True, capability: int = 90) -> str:
-    """The counts kernel's PTX for `sm_<capability>` with `device_counts`' launch parameters, compiled without a
-    GPU."""
+    def tile_constants(self, tiles: list | None) -> dict:
+        """The kernel's TILE_* constants for `build(tiles=)`."""
+        if not tiles:
+            return dict(TILE_KINDS=0, TILE_M0=1, TILE_TAIL0=False, TILE_M1=1, TILE_TAIL1=False, TILE_E=1)
+        local = self.counts_format.num_experts // self.counts_format.world_size
+        return dict(TILE_KINDS=len(tiles), TILE_M0=tiles[0].block_m, TILE_TAIL0=tiles[0].split_tail,
+                    TILE_M1=tiles[-1].block_m, TILE_TAIL1=tiles[-1].split_tail, TILE_E=_pow2(local))
+
+
+def compile_counts_ptx(device_counts: DeviceCounts, verdict: bool = True, capability: int = 90,
+                       tiles: list | None = None) -> str:
+    """The counts kernel's PTX for `sm_<capability>` with `device_counts`' launch parameters (and `build`'s `tiles`),
+    compiled without a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature = {"messages_ptr": "*i32", "status_ptr": "*i32", "scratch_ptr": "*i32", "counts_ptr": "*i32",
                  "plans_ptr": "*i32", "model_ptr": "*fp32", "per_iteration_ptr": "*i32", "rank": "i32"}
     signature.update({name: "i32" for name in device_counts.scalar_args})
-    constants = dict(device_counts.constants, VERDICT=verdict)
+    signature.update({name: "i32" if name.startswith("max_tiles") else "*i32"
+                      for name in device_counts.tile_arguments(None)})
+    constants = dict(device_counts.constants, VERDICT=verdict, **device_counts.tile_constants(tiles))
     signature.update({name: "constexpr" for name in constants})
     source = ASTSource(fn=counts_kernel, signature=signature, constexprs=constants)
     options = {"num_warps": NUM_WARPS}

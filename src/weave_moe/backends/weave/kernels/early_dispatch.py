@@ -341,7 +341,7 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                          rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
                          K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-                         LOCAL: tl.constexpr, OFFSETS: tl.constexpr):
+                         LOCAL: tl.constexpr, OFFSETS: tl.constexpr, PDL: tl.constexpr = False):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
     (KernelConfig.pair_dispatch; docs/perf-notes.md entries 36-37). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
@@ -357,7 +357,11 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     t < this rank's T (unless the call is refused): at EP = 1 what `pair_combine.PairCombine` reads y by.
     LOCAL (EP = 1 only): the rows go to `local_ptr` ([rows, H] bf16 of this rank, e.g. the GEMMs' y, which holds
     every pair of a call) instead of the receive region, which holds only T_max rows. OFFSETS: write the expert
-    offsets."""
+    offsets. PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for the counts
+    kernel before the first load, then let the next kernel's CTAs start (`sync.pdl_enter`): a preloading GEMM0's
+    (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it."""
+    if PDL:
+        sync.pdl_enter()
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
@@ -467,25 +471,27 @@ class PairDispatch:
                 rows if offsets is None else offsets, rows, rows if local is None else local, rank, P, T,
                 self.hidden_size, timeout_ns)
 
-    def _variant(self, local, offsets) -> dict:
-        """The launch's compile-time switches for these arguments."""
-        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None)
+    def _variant(self, local, offsets, pdl: bool = False) -> dict:
+        """The launch's compile-time switches for these arguments (and its launch option)."""
+        pdl = dict(PDL=True, **sync.launch_options(True)) if pdl else {}   # the default compile keeps its key
+        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None, **pdl)
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
-               offsets: torch.Tensor | None, rows: torch.Tensor, local: torch.Tensor | None = None) -> None:
+               offsets: torch.Tensor | None, rows: torch.Tensor, local: torch.Tensor | None = None,
+               pdl: bool = False) -> None:
         """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
         rank's expert offsets (zeros if the call is refused); `rows`: int32 `rows_shape`, row (t, j) written with
         pair (t, j)'s row at its destination, -1 for no expert (t < T; unless the call is refused). `local`: at EP =
         1, bf16 [>= max_call_tokens * top_k, H] rows of this rank to write the pairs' rows into instead of the receive
-        region. `offsets` None: not written."""
+        region. `offsets` None: not written. `pdl`: launched with programmatic dependent launch (the kernel's PDL)."""
         pair_dispatch_kernel[(self.num_programs,)](
             *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
-            **self._variant(local, offsets), num_warps=NUM_WARPS)
+            **self._variant(local, offsets, pdl), num_warps=NUM_WARPS)
 
     def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
-               local=None) -> None:
+               local=None, pdl: bool = False) -> None:
         """Compile for these arguments' specialisation without launching (the layer's first call, before it
         enqueues anything)."""
         pair_dispatch_kernel.warmup(
             *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
-            **self._variant(local, offsets), grid=(self.num_programs,), num_warps=NUM_WARPS)
+            **self._variant(local, offsets, pdl), grid=(self.num_programs,), num_warps=NUM_WARPS)

@@ -530,25 +530,29 @@ def _launch(kernel, grid, args, kwargs, needs_scratch: bool, scratch=None):
 
 
 def launch_gemm(gemm: int, config, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable,
-                gather: torch.Tensor | None = None, chained: bool = False, **launch) -> None:
+                gather: torch.Tensor | None = None, chained: bool = False, preload: bool = False, **launch) -> None:
     """One grouped GEMM with the kernel of `config` (gemm_configs.KERNELS): `gemm` 0 (a [P, H] or, with `gather`,
     rows of a through it; w the interleaved w13; out h) or 1 (a = h, w = w2, out y). A `ws_gemm.WsConfig` or
     `ws_decode.WsDecodeConfig` runs the warp-specialised Gluon kernel (`gather` only where the config `gathers`;
     `chained`: GEMM0 and GEMM1 of a call both Gluon, GEMM1 launched programmatically after GEMM0, kernels/ws_ring.py
-    "Chained launches"); a GemmConfig `grouped_gemm0` / `grouped_gemm1` with `launch`, the Triton kernels' launch
-    options (pdl, stream-K scratch, status, ...), which the Gluon kernels have none of."""
+    "Chained launches"; `preload`: a decode-form GEMM0 launched programmatically after the kernel that writes its rows,
+    `ws_decode.ws_decode_launch`); a GemmConfig `grouped_gemm0` / `grouped_gemm1` with `launch`, the Triton kernels'
+    launch options (pdl, stream-K scratch, status, ...), which the Gluon kernels have none of."""
     ws = isinstance(config, (ws_gemm.WsConfig, ws_decode.WsDecodeConfig))
     if ws and gather is not None and not config.gathers:
         raise ValueError(f"launch_gemm: {config} reads its rows in expert order, not through gather rows")
     if chained and not ws:
         raise ValueError(f"launch_gemm: {config} is not chained (the Triton kernels take launch options instead)")
+    if preload and (gemm != 0 or not isinstance(config, ws_decode.WsDecodeConfig)):
+        raise ValueError(f"launch_gemm: only a decode-form GEMM0 preloads, not GEMM{gemm} with {config}")
     if isinstance(config, ws_gemm.WsConfig) and gemm == 0:
         ws_gemm.ws_gemm0(a, w, out, tiles, config, gather=gather, chained=chained)
     elif isinstance(config, ws_gemm.WsConfig):
         ws_gemm.ws_gemm1(a, w, out, tiles, config, chained=chained)
+    elif ws and gemm == 0:
+        ws_decode.ws_decode_gemm0(a, w, out, tiles, config, chained=chained, preload=preload)
     elif ws:
-        (ws_decode.ws_decode_gemm0 if gemm == 0 else ws_decode.ws_decode_gemm1)(a, w, out, tiles, config,
-                                                                                 chained=chained)
+        ws_decode.ws_decode_gemm1(a, w, out, tiles, config, chained=chained)
     elif gemm == 0:
         grouped_gemm0(a, w, out, tiles, config, gather=gather, **launch)
     else:

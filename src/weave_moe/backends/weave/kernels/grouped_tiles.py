@@ -15,6 +15,7 @@ import triton.language as tl
 from weave_moe.backends.weave.kernels import sync
 
 __all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "empty_tile_tables", "fill_tile_tables",
+           "tile_table_from_counts",
            "gather_rows", "scatter_rows", "grouped_prologue"]
 
 
@@ -158,6 +159,22 @@ def _tile_table_block(pid, offsets_ptr, scale, table_ptr, num_tiles_ptr, num_exp
     tl.store(table_ptr + max_tiles + tile, expert, mask=ok)
     tl.store(table_ptr + width + max_tiles + tile, m_start, mask=ok)
     tl.store(table_ptr + 2 * width + max_tiles + tile, m_end, mask=ok)
+
+
+@triton.jit
+def tile_table_from_counts(counts_ptr, table_ptr, num_tiles_ptr, num_experts, max_tiles, BLOCK_M: tl.constexpr,
+                           SPLIT_TAIL: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """A whole tile table from the rows per expert `counts_ptr` [num_experts], by ONE program (a kernel that has
+    the counts in hand: kernels/counts.py's last program): `_tile_table_block`'s entries, BLOCK_T at a time, over
+    the blocks that hold a tile only (entries past a section's count are never read), so its time follows the call's
+    rows, not the table's size (sized for T_max)."""
+    experts = tl.arange(0, BLOCK_E)
+    rows = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    used = tl.sum((rows + BLOCK_M - 1) // BLOCK_M, 0)   # >= either section's tiles
+    # block 0 always: it writes both sections' counts
+    for block in range(0, tl.maximum(tl.cdiv(tl.minimum(used, max_tiles), BLOCK_T), 1)):
+        _tile_table_block(block, counts_ptr, 1, table_ptr, num_tiles_ptr, num_experts, max_tiles, BLOCK_M,
+                          SPLIT_TAIL, BLOCK_E, BLOCK_T, FROM_COUNTS)
 
 
 @triton.jit

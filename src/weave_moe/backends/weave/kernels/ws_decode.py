@@ -201,11 +201,14 @@ def _decode_consumer(a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr
 def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, max_tiles, K, n_out, w_rows,
                       GEMM: gl.constexpr, HAS_SCALE: gl.constexpr, NUM_SMS: gl.constexpr, STAGES: gl.constexpr,
                       PRODUCER_REGS: gl.constexpr, W_BLOCKED: gl.constexpr, CHAIN: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      num_warps: gl.constexpr, PRELOAD: gl.constexpr = False):
     """out[t, j] over every tile of the table: GEMM 0: a = the rows [P, H], w = the interleaved w13 as
     [E_local * 2I, H], out = h [P, I] (n_out = I, w_rows = 2I); GEMM 1: a = h, w = w2 as [E_local * H, I], out = y
     [P, H] (n_out = H, w_rows = H), times scale[t] with HAS_SCALE. CHAIN: GEMM0 lets the next kernel start early,
-    GEMM1 is launched programmatically after it (kernels/ws_ring.py, "Chained launches")."""
+    GEMM1 is launched programmatically after it (kernels/ws_ring.py, "Chained launches"). PRELOAD (GEMM0): launched
+    programmatically after the kernel that writes its rows (the pair dispatch), it loads its first weight blocks
+    before it waits for that kernel, as a chained GEMM1 does (its tile table was written before that kernel's CTAs
+    passed their own wait)."""
     if CHAIN and GEMM == 0:
         gdc_launch_dependents()   # the chained GEMM1 may start its CTAs (ws_ring, "Chained launches")
     a_bufs, w_bufs, ready, empty = allocate_ring(a_desc, w_desc, STAGES, 1)
@@ -215,7 +218,8 @@ def _ws_decode_kernel(a_desc, w_desc, out_ptr, scale_ptr, tiles_ptr, num_tiles_p
         (_decode_consumer, (a_bufs, w_bufs, ready, empty, out_ptr, scale_ptr, tiles_ptr, num_tiles_ptr, width, num_n,
                             K, n_out, GEMM, HAS_SCALE, NUM_SMS, num_warps)),
         (producer, (a_desc, a_desc, w_desc, a_bufs, w_bufs, ready, empty, tiles_ptr, num_tiles_ptr, width, num_n,
-                     K, w_rows, out_ptr, tiles_ptr, 1, NUM_SMS, False, W_BLOCKED, CHAIN and GEMM == 1, False)),
+                     K, w_rows, out_ptr, tiles_ptr, 1, NUM_SMS, False, W_BLOCKED, (CHAIN and GEMM == 1) or PRELOAD,
+                     False)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -239,9 +243,12 @@ def default_configs() -> tuple[WsDecodeConfig, ...]:
 
 def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: TileTable,
                      config: WsDecodeConfig, scale: torch.Tensor | None = None, num_sms: int | None = None,
-                     chained: bool = False) -> tuple:
+                     chained: bool = False, preload: bool = False) -> tuple:
     """(kernel, grid, args, kwargs) of one launch, as `ws_gemm.ws_launch` (the same operands and tile table, whose
-    block_m is the config's token rows; `chained` as there)."""
+    block_m is the config's token rows; `chained` as there); `preload` (GEMM0): launched programmatically after the
+    kernel that writes its rows, its first weight blocks loaded before it waits (`_ws_decode_kernel`'s PRELOAD)."""
+    if preload and gemm != 0:
+        raise ValueError("preload: GEMM0 only (a chained GEMM1 preloads already)")
     K, num_experts, w_rows, n_out = check_operands(gemm, a, w, out, tiles, config, scale)
     bt, bw, bk = config.block_t, config.block_w, config.block_k
     a_desc = TensorDescriptor.from_tensor(a, [bt, bk], gl.NVMMASharedLayout.get_default_for([bt, bk], gl.bfloat16))
@@ -251,16 +258,20 @@ def ws_decode_launch(gemm: int, a: torch.Tensor, w: torch.Tensor, out: torch.Ten
             K, n_out, w_rows)
     kwargs = dict(GEMM=gemm, HAS_SCALE=scale is not None, NUM_SMS=num_sms, STAGES=config.stages,
                   PRODUCER_REGS=config.producer_regs, W_BLOCKED=config.k_blocked, CHAIN=chained,
-                  num_warps=config.num_warps, launch_pdl=chained and gemm == 1)
+                  num_warps=config.num_warps, launch_pdl=(chained and gemm == 1) or preload)
+    if preload:   # the default compiles keep their specialisation
+        kwargs["PRELOAD"] = True
     return _ws_decode_kernel, (num_sms, ), args, kwargs
 
 
 def ws_decode_gemm0(a: torch.Tensor, w13: torch.Tensor, h: torch.Tensor, tiles: TileTable,
-                    config: WsDecodeConfig = WsDecodeConfig(), chained: bool = False) -> torch.Tensor:
+                    config: WsDecodeConfig = WsDecodeConfig(), chained: bool = False,
+                    preload: bool = False) -> torch.Tensor:
     """h = silu(a @ gate^T) * (a @ up^T) per expert (grouped_gemm.grouped_gemm0's result) at decode sizes; w13:
     `grouped_gemm.interleave_w13(w13)`; tiles: `build_tile_table(offsets, config.block_t, P)`; `chained`: a chained
-    GEMM1 follows (`ws_gemm.ws_launch`)."""
-    kernel, grid, args, kwargs = ws_decode_launch(0, a, w13, h, tiles, config, chained=chained)
+    GEMM1 follows (`ws_gemm.ws_launch`); `preload`: launched programmatically after the kernel that writes `a`
+    (`ws_decode_launch`)."""
+    kernel, grid, args, kwargs = ws_decode_launch(0, a, w13, h, tiles, config, chained=chained, preload=preload)
     kernel[grid](*args, **kwargs)
     return h
 
