@@ -741,6 +741,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
         backend.chain_pairs = paired == "chain"
+    held = []
+    backend._tile_tables = lambda keys: held.append(tuple(sorted(set(keys))))
     backend._compile_before_call()
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
@@ -753,6 +755,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
     expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds]
                                               if paired is True else [])
+    # "chain": the tables the counts launch fills, allocated before the call (not inside its capture)
+    assert sorted(held) == (sorted(kinds) if paired == "chain" else []), held
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 

@@ -1200,7 +1200,9 @@ class WeaveBackend:
                         pos = self.ctrl[:self.spec.top_k].view(1, -1)
                         tasks = self.ctrl[:len(COMBINE_COLUMNS)].view(1, -1)
                         self._scatter_rows(self.ctrl, pos, tasks, empty[-1:], empty[-1:])
-                if self.pair_dispatch is not None and not self.chain_pairs:
+                if self.pair_dispatch is not None and self.chain_pairs:
+                    self._tile_tables(pair)   # the counts launch fills them (allocated here, outside any capture)
+                elif self.pair_dispatch is not None:
                     # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
                     # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose
                     # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
