@@ -174,11 +174,17 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
     args = combine._arguments(torch.zeros(64, hidden, dtype=torch.bfloat16), torch.zeros(DECODE_TOKENS, top_k, **i32),
                               torch.zeros(1, 2048, top_k), torch.zeros(1, **i32), torch.zeros(2, dtype=torch.int64),
                               torch.zeros(4, **i32), 0)
-    ptx = sm90.compile_for_sm90(pair_combine.pair_combine_kernel, args,
-                                dict(combine.constants, num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
-    assert ".local" not in ptx
-    assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
-    assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row accessed one element per access"
+    for pdl in (False, True):   # KernelConfig.chain_pairs: launched programmatically, its wait before any load
+        variant = combine._variant(pdl)
+        variant.pop("launch_pdl", None)
+        ptx = sm90.compile_for_sm90(pair_combine.pair_combine_kernel, args,
+                                    dict(variant, num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
+        assert ".local" not in ptx
+        assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
+        assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row accessed one element per access"
+        assert ("griddepcontrol.wait" in ptx) is pdl
+        if pdl:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
 def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False):
@@ -235,7 +241,7 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=Fa
     for e in range(E):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         y[lo:hi] = (recv[lo:hi].float() * (e + 1) / 8).bfloat16()
-    PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0)
+    PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0, pdl=chain)
     return out, rows, offsets, recv, status
 
 

@@ -608,10 +608,10 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
             launched.append("pair dispatch" + (" (programmatic)" if pdl else ""))
 
     class Combine:
-        def launch(self, y, rows, all_weights, tokens, io, status, rank):
+        def launch(self, y, rows, all_weights, tokens, io, status, rank, pdl):
             assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
-            launched.append("pair combine")
+            launched.append("pair combine" + (" (programmatic)" if pdl else ""))
 
     backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
@@ -633,7 +633,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._resident_paired("configs")
     if chain:
         assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
-                            ("gemms", "configs", held, True), "pair combine"], launched
+                            ("gemms", "configs", held, True), "pair combine (programmatic)"], launched
     else:
         assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
                             ("gemms", "configs", "tile tables", False), "pair combine"], launched
@@ -734,7 +734,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
                 warmed.append("pair dispatch")
 
         class Combine:
-            def warmup(self, y, rows, all_weights, tokens, io, status, rank):
+            def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl):
+                assert pdl is (paired == "chain")
                 assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
                 warmed.append("pair combine")
 

@@ -611,7 +611,7 @@ class WeaveBackend:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables, preload=self._preloads(configs))
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank)
+                                 self.rank, pdl=self.chain_pairs)
         for event in joins:   # the side streams nothing of the call waits for
             self._current_stream().wait_event(event)
 
@@ -1219,7 +1219,7 @@ class WeaveBackend:
                                       self.live_status, self.rank, self.timeout_ns, None, self.pair_rows,
                                       self.workspace.y(), pdl=self.chain_pairs)
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
-                                     self.live_status, self.rank)
+                                     self.live_status, self.rank, pdl=self.chain_pairs)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

@@ -35,9 +35,13 @@ NUM_WARPS = 2   # 64 threads x 8 bf16 = one BLOCK_H of 512 columns: 16-byte acce
 
 @triton.jit(do_not_specialize=["rank"])
 def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr, tokens_stride, io_ptr, status_ptr,
-                        rank, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+                        rank, H, K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, cols] for the items (t, column block) dealt to this program; y: [pairs, H] bf16; rows: int32 [*, K]
-    (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`."""
+    (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`.
+    PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for GEMM1 first
+    (`sync.pdl_enter`)."""
+    if PDL:
+        sync.pdl_enter()
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     n_tok = tl.load(tokens_ptr + rank * tokens_stride)
@@ -87,15 +91,21 @@ class PairCombine:
         return (y, rows, all_weights, all_weights.stride(0), tokens, tokens.stride(0), io, status, rank, H)
 
     def launch(self, y: torch.Tensor, rows: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
-               io: torch.Tensor, status: torch.Tensor, rank: int) -> None:
-        """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`)."""
+               io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False) -> None:
+        """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`); `pdl`: launched
+        with programmatic dependent launch (the kernel's PDL)."""
         pair_combine_kernel[(self.num_programs,)](
-            *self._arguments(y, rows, all_weights, tokens, io, status, rank), **self.constants, num_warps=NUM_WARPS)
+            *self._arguments(y, rows, all_weights, tokens, io, status, rank), **self._variant(pdl),
+            num_warps=NUM_WARPS)
 
-    def warmup(self, y, rows, all_weights, tokens, io, status, rank) -> None:
+    def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl: bool = False) -> None:
         """Compile for these arguments' specialisation without launching."""
         pair_combine_kernel.warmup(*self._arguments(y, rows, all_weights, tokens, io, status, rank),
-                                   **self.constants, grid=(self.num_programs,), num_warps=NUM_WARPS)
+                                   **self._variant(pdl), grid=(self.num_programs,), num_warps=NUM_WARPS)
+
+    def _variant(self, pdl: bool) -> dict:
+        """The launch's constants and launch option (the default compile keeps its key)."""
+        return dict(self.constants, **(dict(PDL=True, **sync.launch_options(True)) if pdl else {}))
 
 
 # ---- at EP > 1 (docs/perf-notes.md entry 41; a building block, not used by the backend yet) -------------------------
