@@ -574,9 +574,10 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
     pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
     and rows table); the join; the grouped GEMMs on those tables; the pair combine of y by the rows with the
-    message's weights. No task tables, no megakernel launch on the call's stream. `chain` (KernelConfig.chain_pairs):
-    the layer's tile tables written by the counts launch itself (no tile-table launch, no fork, no join), the pair
-    dispatch launched programmatically, GEMM0 preloading."""
+    message's weights; the status word's copy to the host last. No task tables, no megakernel launch on the call's
+    stream. `chain` (KernelConfig.chain_pairs): the layer's tile tables written by the counts launch itself (no
+    tile-table launch, no fork, no join), the pair dispatch launched programmatically, GEMM0 preloading, the pair
+    combine launched programmatically and copying the status word itself (no last kernel)."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
 
@@ -608,10 +609,11 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
             launched.append("pair dispatch" + (" (programmatic)" if pdl else ""))
 
     class Combine:
-        def launch(self, y, rows, all_weights, tokens, io, status, rank, pdl):
+        def launch(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
             assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
-            launched.append("pair combine" + (" (programmatic)" if pdl else ""))
+            assert report == ((backend.status, backend.status_host) if chain else None)
+            launched.append("pair combine" + (" (programmatic, status copied)" if pdl else ""))
 
     backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
@@ -630,13 +632,16 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
 
     backend._grouped_prologue = prologue
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
+    backend.status, backend.status_host = "status words", "their host copy"
+    monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append(("status copy", host)))
     backend._resident_paired("configs")
     if chain:
         assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
-                            ("gemms", "configs", held, True), "pair combine (programmatic)"], launched
+                            ("gemms", "configs", held, True), "pair combine (programmatic, status copied)"], launched
     else:
         assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
-                            ("gemms", "configs", "tile tables", False), "pair combine"], launched
+                            ("gemms", "configs", "tile tables", False), "pair combine",
+                            ("status copy", "their host copy")], launched
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -734,14 +739,15 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
                 warmed.append("pair dispatch")
 
         class Combine:
-            def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl):
-                assert pdl is (paired == "chain")
+            def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
+                assert pdl is (paired == "chain") and (report is not None) is pdl
                 assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
                 warmed.append("pair combine")
 
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
         backend.chain_pairs = paired == "chain"
+        backend.status_host = torch.zeros_like(backend.status)
     held = []
     backend._tile_tables = lambda keys: held.append(tuple(sorted(set(keys))))
     backend._compile_before_call()

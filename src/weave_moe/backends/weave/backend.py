@@ -562,9 +562,8 @@ class WeaveBackend:
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
-        if paired:
+        if paired:   # it copies the status word itself
             self._resident_paired(grouped_configs)
-            copy_status(self.status, self.status_host)
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
@@ -592,7 +591,9 @@ class WeaveBackend:
         KernelConfig.chain_pairs: the tile tables are written by the counts launch instead (no prologue launch, no
         fork), the pair dispatch is launched programmatically after it, and a decode-form GEMM0 programmatically
         after the pair dispatch, loading its first weight blocks while the rows are sent (`_preloads`): the chain to
-        GEMM0's weights is pack -> counts -> pair dispatch's start (docs/perf-notes.md entry 53)."""
+        GEMM0's weights is pack -> counts -> pair dispatch's start (docs/perf-notes.md entry 53); the pair combine,
+        launched programmatically, also copies the status word to the host, so the call has no last kernel for it.
+        Otherwise the call ends with that copy (`copy_status`), as the resident call does."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         keys, filled = _tile_keys(configs), None
         if self.chain_pairs:
@@ -611,9 +612,12 @@ class WeaveBackend:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables, preload=self._preloads(configs))
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, pdl=self.chain_pairs)
+                                 self.rank, pdl=self.chain_pairs,
+                                 report=(self.status, self.status_host) if self.chain_pairs else None)
         for event in joins:   # the side streams nothing of the call waits for
             self._current_stream().wait_event(event)
+        if not self.chain_pairs:
+            copy_status(self.status, self.status_host)
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -1219,7 +1223,8 @@ class WeaveBackend:
                                       self.live_status, self.rank, self.timeout_ns, None, self.pair_rows,
                                       self.workspace.y(), pdl=self.chain_pairs)
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
-                                     self.live_status, self.rank, pdl=self.chain_pairs)
+                                     self.live_status, self.rank, pdl=self.chain_pairs,
+                                     report=(self.status, self.status_host) if self.chain_pairs else None)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

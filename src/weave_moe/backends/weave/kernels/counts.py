@@ -50,8 +50,6 @@ counts graph.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import triton
 import triton.language as tl
@@ -148,9 +146,8 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
                   BLOCK_P: tl.constexpr, HEADER_WORDS: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_STATUS: tl.constexpr, VERDICT: tl.constexpr, PLAN: tl.constexpr, POLICY: tl.constexpr,
                   BLOCK_LOCAL_E: tl.constexpr, BLOCK_C: tl.constexpr, MAX_CHUNKS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, TILE_KINDS: tl.constexpr = 0, TILE_M0: tl.constexpr = 1,
-                  TILE_TAIL0: tl.constexpr = False, TILE_M1: tl.constexpr = 1, TILE_TAIL1: tl.constexpr = False,
-                  TILE_E: tl.constexpr = 1):
+                  BLOCK_M: tl.constexpr, TILE_KINDS: tl.constexpr, TILE_M0: tl.constexpr, TILE_TAIL0: tl.constexpr,
+                  TILE_M1: tl.constexpr, TILE_TAIL1: tl.constexpr, TILE_E: tl.constexpr):
     """The counts vector (module docstring), with PLAN every rank's plan, and with TILE_KINDS 1 or 2 the tile tables
     of this rank's experts (module docstring, "Tile tables in the same launch").
 
@@ -342,12 +339,12 @@ class DeviceCounts:
     def tile_arguments(self, tiles: list | None) -> dict:
         """The kernel's table0_ptr .. max_tiles1 for `build(tiles=)` (placeholders without tiles)."""
         if not tiles:
-            first = second = types.SimpleNamespace(table=self.counts, num_tiles=self.counts, max_tiles=1)
-        elif len(tiles) > 2 or len({(t.block_m, t.split_tail) for t in tiles}) != len(tiles):
+            return dict(table0_ptr=self.counts, num_tiles0_ptr=self.counts, max_tiles0=1, table1_ptr=self.counts,
+                        num_tiles1_ptr=self.counts, max_tiles1=1)
+        if len(tiles) > 2 or len({(t.block_m, t.split_tail) for t in tiles}) != len(tiles):
             raise ValueError(f"tiles: one or two tables of distinct (block_m, split_tail), got "
                              f"{[(t.block_m, t.split_tail) for t in tiles]}")
-        else:
-            first, second = tiles[0], tiles[-1]
+        first, second = tiles[0], tiles[-1]
         return dict(table0_ptr=first.table, num_tiles0_ptr=first.num_tiles, max_tiles0=first.max_tiles,
                     table1_ptr=second.table, num_tiles1_ptr=second.num_tiles, max_tiles1=second.max_tiles)
 
