@@ -221,13 +221,13 @@ class KernelConfig:
             bench check passed, and it was the fastest serial variant at every size measured (Qwen3-30B-A3B, one
             rank's work of EP=2, at 1 / 8 / 32 tokens 89.0 / 178.8 / 253.4 us -> 77.5 / 166.0 / 243.4; DeepSeek-V3
             288.8 / 1640.5 / 3451.2 -> 279.9 / 1622.1 / 3441.7; 5 rounds).
-        chain_pairs: a paired call (`pair_dispatch`) whose GEMM0 runs the warp-specialised decode form starts that
-            GEMM0's weight loads while its rows are sent: the counts launch also writes the grouped GEMMs' tile
-            tables of this rank's experts (no tile-table launch beside the pair dispatch, no fork), the pair dispatch
-            is launched programmatically after it, and GEMM0 programmatically after the pair dispatch, its producer
-            loading its first weight blocks before it waits for the rows (kernels/ws_decode.py, PRELOAD; what
-            `ws_chain` does for GEMM1); the pair combine is launched programmatically after GEMM1 and copies the
-            status words to the host itself (no `copy_status` kernel at the call's end). On an H100 at 1 token (Qwen3-30B-A3B, dfac10b's timeline) GEMM0 began at 13.2
+        chain_pairs: a paired call (`pair_dispatch`) starts its GEMM0's weight loads while its rows are sent: the
+            counts launch also writes the grouped GEMMs' tile tables of this rank's experts (no tile-table launch
+            beside the pair dispatch, no fork), the pair dispatch is launched programmatically after it, and a
+            GEMM0 of the warp-specialised decode form programmatically after the pair dispatch, its producer loading
+            its first weight blocks before it waits for the rows (kernels/ws_decode.py, PRELOAD; what `ws_chain` does
+            for GEMM1); the pair combine is launched programmatically after GEMM1 and copies the status words to the
+            host itself (no `copy_status` kernel at the call's end). On an H100 at 1 token (Qwen3-30B-A3B, dfac10b's timeline) GEMM0 began at 13.2
             us, after the tile-table launch (ending 12.7) and the pair dispatch (12.2); its weights stream at the HBM
             rate from then on. Off until measured (prepared on the CPU: docs/perf-notes.md entry 53).
         serial_at_ep1: at EP = 1 a resident layer (`resident`) of the adaptive policy ("weave") whose serial plans
