@@ -8,6 +8,10 @@ shape specialises it (`sm90.compile_for_sm90`), both GEMMs.
 
     python scripts/ptx_fingerprint.py                      # this tree's fingerprints
     python scripts/ptx_fingerprint.py --against 167aeb5    # and those of a commit's tree, compared: exit 1 on a change
+    python scripts/ptx_fingerprint.py --megakernel --against HEAD   # the megakernel's launch compiles too (~2 min)
+
+`--megakernel` adds the megakernel's compiles as a resident layer launches them (launch.compile_ptx: STAGE -1, 0, 4,
+and -1 / 4 GROUPED_SERIAL, with TMA and the interleaved w13, at DeepSeek-V3's tile shapes).
 
 `--against REV` extracts REV's `src/` with `git archive` into a temporary folder and runs this script there in a child
 process (PYTHONPATH = that src), so both sides compile with the same Triton. Both trees must have
@@ -71,7 +75,24 @@ def fingerprints(names: list[str]) -> dict:
     return out
 
 
-def fingerprints_of(rev: str, names: list[str]) -> dict:
+#: the megakernel's launch compiles `--megakernel` fingerprints (MegakernelConstants fields beyond MEGAKERNEL_BASE)
+MEGAKERNEL_VARIANTS = {"-1": dict(STAGE=-1), "0": dict(STAGE=0), "4": dict(STAGE=4),
+                       "-1 grouped serial": dict(STAGE=-1, GROUPED_SERIAL=True),
+                       "4 grouped serial": dict(STAGE=4, GROUPED_SERIAL=True)}
+MEGAKERNEL_BASE = dict(TOP_K=8, MAX_CHUNKS=8, BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, STAGES0=4, BLOCK_K=64,
+                       DISPATCH_ROWS=16, COMBINE_ROWS=16, REDUCE_ROWS=16, BLOCK_H=512, DOT_FP32=False, TIMELINE=False,
+                       MAX_EVENTS=1, USE_TMA=True, RESIDENT=True, W13_INTERLEAVED=True)
+
+
+def megakernel_fingerprints() -> dict:
+    """{"megakernel <variant>": fingerprint} of `MEGAKERNEL_VARIANTS`, compiled for sm_90 without a GPU."""
+    from weave_moe.backends.weave.launch import compile_ptx
+
+    return {f"megakernel {name}": fingerprint(compile_ptx(dict(MEGAKERNEL_BASE, **extra)))
+            for name, extra in MEGAKERNEL_VARIANTS.items()}
+
+
+def fingerprints_of(rev: str, names: list[str], megakernel: bool = False) -> dict:
     """`fingerprints` of commit `rev`'s tree (its src/ from `git archive`), in a child process."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -79,7 +100,8 @@ def fingerprints_of(rev: str, names: list[str]) -> dict:
         archive = subprocess.run(["git", "-C", root, "archive", rev, "src"], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
         env = dict(os.environ, PYTHONPATH=os.path.join(folder, "src"))
-        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--configs", ",".join(names), "--json"],
+        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--configs", ",".join(names), "--json"]
+                               + (["--megakernel"] if megakernel else []),
                                capture_output=True, text=True, env=env, cwd=folder)
         if child.returncode:
             raise RuntimeError(f"fingerprints of {rev} failed:\n{child.stderr[-2000:]}")
@@ -91,13 +113,16 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated compact config names")
     parser.add_argument("--against", default=None, metavar="REV", help="compare with the fingerprints of REV's tree")
     parser.add_argument("--json", action="store_true", help="print the fingerprints as JSON only")
+    parser.add_argument("--megakernel", action="store_true", help="the megakernel's launch compiles too")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     here = fingerprints(names)
+    if args.megakernel:
+        here.update(megakernel_fingerprints())
     if args.json:
         print(json.dumps(here))
         return 0
-    there = fingerprints_of(args.against, names) if args.against else {}
+    there = fingerprints_of(args.against, names, args.megakernel) if args.against else {}
     changed = 0
     for key, value in here.items():
         verdict = ""
