@@ -473,8 +473,7 @@ class PairDispatch:
 
     def _variant(self, local, offsets, pdl: bool = False) -> dict:
         """The launch's compile-time switches for these arguments (and its launch option)."""
-        pdl = dict(PDL=True, **sync.launch_options(True)) if pdl else {}   # the default compile keeps its key
-        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None, **pdl)
+        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None, **sync.optional_pdl(pdl))
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
                offsets: torch.Tensor | None, rows: torch.Tensor, local: torch.Tensor | None = None,

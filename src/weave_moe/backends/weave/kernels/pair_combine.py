@@ -108,7 +108,8 @@ class PairCombine:
                 H)
 
     def launch(self, y: torch.Tensor, rows: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
-               io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False, report: tuple | None = None) -> None:
+               io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False,
+               report: tuple | None = None) -> None:
         """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`); `pdl`: launched
         with programmatic dependent launch (the kernel's PDL); `report` (with `pdl`): (the call's status words, their
         pinned host copy), copied as `exchange.copy_status` would (the kernel's REPORT)."""
@@ -125,9 +126,7 @@ class PairCombine:
         """The launch's constants and launch option (the default compile keeps its key)."""
         if report is not None and not pdl:
             raise ValueError("report: only a launch that waits for the GEMMs first (pdl) may copy the status words")
-        variant = dict(self.constants)
-        if pdl:
-            variant.update(PDL=True, **sync.launch_options(True))
+        variant = dict(self.constants, **sync.optional_pdl(pdl))
         if report is not None:
             variant["REPORT"] = report[0].numel()
         return variant

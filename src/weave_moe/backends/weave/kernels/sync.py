@@ -101,6 +101,12 @@ def launch_options(pdl: bool = True) -> dict:
     return {"launch_pdl": PDL and pdl}
 
 
+def optional_pdl(pdl: bool) -> dict:
+    """For a kernel whose PDL constexpr makes it begin with `pdl_enter`: with `pdl` that constant and `LAUNCH`, else
+    nothing (its default compile, a plain launch, keeps its key)."""
+    return dict(PDL=True, **LAUNCH) if pdl else {}
+
+
 @triton.jit
 def pdl_enter():
     """First statement of every kernel launched with `LAUNCH`: wait until the previous kernel of the stream has
