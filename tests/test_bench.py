@@ -363,6 +363,10 @@ def test_bad_arguments_exit_2_with_a_message(capsys):
     assert "unknown backend 'ncl'" in capsys.readouterr().err
     assert main(["bench", "--emulate-ep", "2", "--nproc", "2", "--model-dims", "8,2,64,32", "--device", "cpu"]) == 2
     assert "one rank" in capsys.readouterr().err
+    assert main(["bench", "--tokens", "8,32", "--max-tokens-per-rank", "16", "--model-dims", "8,2,64,32",
+                 "--device", "cpu"]) == 2
+    assert "max_tokens_per_rank must be 0 (the largest of tokens) or at least the largest of tokens (32), got 16" in \
+        capsys.readouterr().err
 
 
 def test_result_names_never_overwrite(tmp_path):
@@ -570,6 +574,27 @@ def test_emulated_run(tmp_path):
     assert (row["emulate_ep"], row["num_experts"], row["num_local_experts"], row["world_size"]) == (2, 8, 4, 1)
     assert row["check_passed"] and row["floor_comm_ms"] == 0.0
     assert (tmp_path / "emulated.md").read_text().startswith("# Benchmark emulated (emulated EP=2 on one GPU)")
+    assert metadata["max_tokens_per_rank"] == 8   # the largest of --tokens
+
+
+def test_layers_sized_for_max_tokens_per_rank(tmp_path):
+    """--max-tokens-per-rank: the layers are built for that T_max (a serving engine's decode batches in buffers sized
+    for its largest batch), the run still checks every call, and the results say which T_max it was."""
+    from weave_moe.bench.harness import _build_layer
+
+    spec = MoESpec(8, 2, 64, 32)
+    w13, w2 = torch.zeros(8, 64, 64, dtype=torch.bfloat16), torch.zeros(8, 64, 32, dtype=torch.bfloat16)
+    for given, built in ((0, 8), (48, 48)):
+        config = BenchConfig(models=(spec,), tokens=(1, 8), max_tokens_per_rank=given)
+        layer = _build_layer(spec, parse_variant("nccl"), config, torch.device("cpu"), w13, w2).layer
+        assert config.layer_max_tokens == built and layer.max_tokens_per_rank == built
+    assert main(["bench", "--model-dims", "8,2,64,32", "--tokens", "1,8", "--max-tokens-per-rank", "48", "--routing",
+                 "uniform", "--variants", "nccl", "--emulate-ep", "2", "--iters", "2", "--warmup", "1", "--rotate", "1",
+                 "--check", "--device", "cpu", "--name", "tmax", "--out", str(tmp_path), "--no-progress",
+                 "--timeout", "120"]) == 0
+    metadata, rows = report.load(str(tmp_path / "tmax.json"))
+    assert metadata["max_tokens_per_rank"] == 48 and [r["check_passed"] for r in rows] == [True, True]
+    assert "- layers' max_tokens_per_rank: `48`" in (tmp_path / "tmax.md").read_text()
 
 
 @pytest.mark.parametrize("kind", ["gqa", "gqa-gated", "mla", "mla-lora"])

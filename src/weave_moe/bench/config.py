@@ -48,6 +48,9 @@ class BenchConfig:
         own_process: backends whose variants run in ranks of their own, spawned after the others by the same
             command (a backend that cannot share a process with another, e.g. NVSHMEM next to CUDA IPC).
         cpu_limit_mib: without CUDA, refuse shapes whose estimated memory per rank exceeds this (0 = no limit).
+        max_tokens_per_rank: the layers' T_max (`ExpertParallelMoE(max_tokens_per_rank=)`), what their buffers and
+            per-call padding are sized for; 0 = the largest of `tokens`. A serving engine sizes it for its largest
+            batch (e.g. 8192) and then calls it with 1-token decode batches: set it so to time decode as served.
     """
 
     models: tuple
@@ -76,6 +79,7 @@ class BenchConfig:
     emulate_ep: int = 1
     own_process: tuple = ("symm",)
     cpu_limit_mib: float = 1024.0
+    max_tokens_per_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.iters < 1 or self.warmup < 0 or self.rotate < 1 or not 1 <= self.rounds <= self.iters:
@@ -87,6 +91,10 @@ class BenchConfig:
         for tokens in self.tokens:
             if not isinstance(tokens, int) or tokens < 1:
                 raise ValueError(f"tokens per rank must be positive ints, got {tokens!r}")
+        if not isinstance(self.max_tokens_per_rank, int) or not (
+                self.max_tokens_per_rank == 0 or self.max_tokens_per_rank >= max(self.tokens)):
+            raise ValueError(f"max_tokens_per_rank must be 0 (the largest of tokens) or at least the largest of tokens "
+                             f"({max(self.tokens)}), got {self.max_tokens_per_rank!r}")
         for variant in self.variants:
             if not isinstance(variant, Variant):
                 raise TypeError(f"variants must be Variant (weave_moe.bench.variants.parse_variants), got {variant!r}")
@@ -94,6 +102,11 @@ class BenchConfig:
             raise ValueError(f"emulate_ep must be an int >= 1, got {self.emulate_ep!r}")
         for spec in self.models:
             emulated_spec(spec, self.emulate_ep)  # ValueError now, not in a rank
+
+    @property
+    def layer_max_tokens(self) -> int:
+        """T_max of every layer the run builds (`max_tokens_per_rank`, or the largest of `tokens`)."""
+        return self.max_tokens_per_rank or max(self.tokens)
 
 
 def emulated_spec(spec: MoESpec, emulate_ep: int) -> MoESpec:

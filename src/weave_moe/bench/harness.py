@@ -206,7 +206,7 @@ def cpu_size_problem(config: BenchConfig, world_size: int) -> str | None:
     refusal message, naming the models, their estimate and what to run instead."""
     if config.cpu_limit_mib <= 0:
         return None
-    tokens = max(config.tokens)
+    tokens = config.layer_max_tokens
     too_big = []
     for model in config.models:
         need_mib = cpu_bytes_per_rank(emulated_spec(model, config.emulate_ep), tokens, world_size) / 2**20
@@ -479,7 +479,7 @@ def _build_layer(spec, variant, config, device, w13, w2) -> _Outcome:
         from weave_moe.layer import ExpertParallelMoE
 
         # The inputs are generated valid, and the id range check costs a host sync per call: off for timing.
-        options = dict(group=None, backend=variant.backend, max_tokens_per_rank=max(config.tokens), device=device,
+        options = dict(group=None, backend=variant.backend, max_tokens_per_rank=config.layer_max_tokens, device=device,
                        check_expert_ids=False)
         options.update(variant.layer_options(emulated=config.emulate_ep > 1))
         try:

@@ -89,7 +89,7 @@ def write_tables(rows: list[dict], config, partial: bool = False, world_size: in
     os.makedirs(config.out_dir, exist_ok=True)
     add_rankings(rows)
     metadata = dict(config.metadata, partial=partial, world_size=world_size, emulate_ep=config.emulate_ep,
-                    floor_constants=config.floor.to_dict())
+                    max_tokens_per_rank=config.layer_max_tokens, floor_constants=config.floor.to_dict())
     data = dict(metadata=metadata, config=config_to_dict(config), rows=rows)
     if attention:
         data["attention"] = attention
@@ -379,7 +379,7 @@ def markdown(rows: list[dict], metadata: dict, paths: dict | None = None, attent
                   f"T x k pairs per rank, no NVLink traffic (docs/benchmarking.md, 'Single GPU'). The floor has no "
                   f"communication term here.", ""]
     for label, key in (("date", "date"), ("device", "device"), ("world size", "world_size"),
-                       ("commit", "git_commit"), ("torch / triton", "versions"), ("command", "command")):
+                       ("layers' max_tokens_per_rank", "max_tokens_per_rank"), ("commit", "git_commit"), ("torch / triton", "versions"), ("command", "command")):
         if key in metadata:
             value = metadata[key]
             if isinstance(value, dict):

@@ -19,6 +19,10 @@ def add_arguments(parser) -> None:
                              "replaces the default models)")
     parser.add_argument("--tokens", default="2048,4096,8192",
                         help="tokens per rank, comma-separated (decode sizes such as 128,512 allowed)")
+    parser.add_argument("--max-tokens-per-rank", type=int, default=0, metavar="T_MAX",
+                        help="the layers' max_tokens_per_rank (their buffers' size), at least the largest of --tokens; "
+                             "0: that largest. Serving engines size it for their largest batch and decode 1-token "
+                             "batches in it: e.g. --tokens 1,8,32 --max-tokens-per-rank 8192")
     parser.add_argument("--routing", default="uniform,skewed", help="uniform and/or skewed")
     parser.add_argument("--skew", type=float, default=3.0, help="busiest expert / mean count of skewed routing")
     parser.add_argument("--variants", default=None,
@@ -146,7 +150,7 @@ def _build_config(args, argv: list[str] | None):
         show_progress=not args.no_progress, breakdown=not args.no_breakdown, attention=args.attention,
         attention_seq_len=args.attention_seq_len, anchor=not args.no_anchor, emulate_ep=args.emulate_ep,
         own_process=tuple(b.strip() for b in args.own_process.split(",") if b.strip()),
-        cpu_limit_mib=args.cpu_limit_mib,
+        cpu_limit_mib=args.cpu_limit_mib, max_tokens_per_rank=args.max_tokens_per_rank,
     )
 
 
