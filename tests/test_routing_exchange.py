@@ -331,6 +331,12 @@ for before, after in [
     status = torch.tensor(before, dtype=torch.int32)
     msg.pack_call(got, ids, w, header, io, x, x, 0, status, control, flags, E)
     assert status.tolist() == after, (before, status.tolist())
+    # ... and through the ring's in-graph pack (its live word loaded at the kernel's start, one program)
+    status = torch.tensor(before, dtype=torch.int32)
+    ring = CallSlots(msg, torch.device("cpu"), num_slots=2)
+    ring.write(x, x, ids, w, 0, wait=None)
+    ring.launch(got, header, io, status, control, flags, E)
+    assert status.tolist() == after, (before, status.tolist())
 print("PACK OK")
 '''
 

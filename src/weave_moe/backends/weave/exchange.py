@@ -255,12 +255,23 @@ class CallSlots:
 
 
 @triton.jit
-def _pack_words(pid, offs, ids, weights, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr, flags_ptr,
-                num_tokens, x_address, out_address, error_code, words, control_words, flag_words, num_experts,
-                HEADER: tl.constexpr, CALL_WORD: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_ahead(pid, header_ptr, status_ptr, HEADER: tl.constexpr):
+    """Program 0's loads that depend on nothing the kernel loads first (the device header, the live status word),
+    issued at its start so that they overlap the loads of the call's arguments instead of following them (a 1-token
+    call's pack is a chain of dependent loads: the cursor, the slot in host memory, the ids). Zeros in the other
+    programs, which do not use them."""
+    header = tl.load(header_ptr + tl.arange(0, HEADER), mask=pid == 0, other=0)
+    return header, sync.load_live(status_ptr, pid == 0)
+
+
+@triton.jit
+def _pack_words(pid, offs, ids, weights, header, live, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr,
+                flags_ptr, num_tokens, x_address, out_address, error_code, words, control_words, flag_words,
+                num_experts, HEADER: tl.constexpr, CALL_WORD: tl.constexpr, BLOCK: tl.constexpr):
     """What both pack kernels do with this program's block of loaded ids (int32 or int64, -1 padded) and weights
     (fp32, 0 padded): words [pid * BLOCK, +BLOCK) of the message and the same share of the zeroed control block and
-    flags; program 0 also T, the header (then the call number + 1), the addresses and the carried rejection."""
+    flags; program 0 also T, the header (`header`, as `_pack_ahead` loaded it; then the call number + 1), the
+    addresses and the carried rejection (of `live`, `_pack_ahead`'s)."""
     ids = tl.minimum(tl.maximum(ids, -2), num_experts).to(tl.int32)  # int64 narrowed without wrapping
     tl.store(message_ptr + offs, ids, mask=offs < words)
     tl.store(message_ptr + words + offs, weights.to(tl.int32, bitcast=True), mask=offs < words)
@@ -272,13 +283,12 @@ def _pack_words(pid, offs, ids, weights, message_ptr, header_ptr, io_ptr, status
     if pid == 0:
         tl.store(message_ptr + 2 * words, num_tokens)
         hh = tl.arange(0, HEADER)
-        header = tl.load(header_ptr + hh)
         tl.store(message_ptr + 2 * words + 1 + hh, tl.where(hh == HEADER - 1, error_code, header))
         tl.debug_barrier()  # every thread has read the header before it advances
         tl.store(header_ptr + hh, header + 1, mask=hh == CALL_WORD)
         tl.store(io_ptr, x_address.to(tl.int64))
         tl.store(io_ptr + 1, out_address.to(tl.int64))
-        sync.carry_rejection(status_ptr)
+        sync.carry_rejection(status_ptr, live)
 
 
 @triton.jit(do_not_specialize=["ids_ptr", "weights_ptr", "message_ptr", "header_ptr", "io_ptr", "status_ptr",
@@ -290,13 +300,14 @@ def _pack_kernel(ids_ptr, weights_ptr, message_ptr, header_ptr, io_ptr, status_p
     """RoutingMessage.pack_call: the call's tensors and values as arguments (_pack_words)."""
     sync.pdl_enter()
     pid = tl.program_id(0)
+    header, live = _pack_ahead(pid, header_ptr, status_ptr, HEADER)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     given = offs < num_ids
     ids = tl.load(ids_ptr + offs, mask=given, other=-1)
     weights = tl.load(weights_ptr + offs, mask=given, other=0.0)
-    _pack_words(pid, offs, ids, weights, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr, flags_ptr,
-                num_tokens, x_address, out_address, error_code, words, control_words, flag_words, num_experts,
-                HEADER, CALL_WORD, BLOCK)
+    _pack_words(pid, offs, ids, weights, header, live, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr,
+                flags_ptr, num_tokens, x_address, out_address, error_code, words, control_words, flag_words,
+                num_experts, HEADER, CALL_WORD, BLOCK)
 
 
 def copy_status(status: torch.Tensor, host: torch.Tensor) -> None:
@@ -334,9 +345,12 @@ def _pack_slot_kernel(slots_ptr, cursor_ptr, done_ptr, consumed_ptr, message_ptr
                       SLOT: tl.constexpr, HEADER: tl.constexpr, CALL_WORD: tl.constexpr, BLOCK: tl.constexpr):
     """CallSlots.launch: the call's addresses and values from slot `cursor % num_slots` of the host's ring (CallSlots:
     the slot layout), then _pack_words; the last program to finish advances the cursor and tells the host the slot
-    is free (`consumed`: every program has read it)."""
+    is free (`consumed`: every program has read it). A grid of one program (ids of up to one block: decode calls of
+    a layer whose T_max * k fits it) does so without the arrival count: its own loads of the slot have returned,
+    their words used, before its stores, which saves the count's barrier and acq_rel round trip on the call's chain."""
     sync.pdl_enter()
     pid = tl.program_id(0)
+    header, live = _pack_ahead(pid, header_ptr, status_ptr, HEADER)
     cursor = tl.load(cursor_ptr)          # advanced only after every program has read it (below)
     # the slot as ONE vector load (a read of pinned host memory crosses PCIe: one transaction per warp, not one per
     # word), its words then picked out in registers
@@ -357,10 +371,13 @@ def _pack_slot_kernel(slots_ptr, cursor_ptr, done_ptr, consumed_ptr, message_ptr
     else:
         ids = tl.load(ids_address.to(tl.pointer_type(tl.int32)) + offs, mask=given, other=-1).to(tl.int64)
     weights = tl.load(weights_address.to(tl.pointer_type(tl.float32)) + offs, mask=given, other=0.0)
-    _pack_words(pid, offs, ids, weights, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr, flags_ptr,
-                num_tokens, x_address, out_address, error_code, words, control_words, flag_words, num_experts,
-                HEADER, CALL_WORD, BLOCK)
-    if sync.arrive(done_ptr, False) == tl.num_programs(0) - 1:   # every program has read the slot
+    _pack_words(pid, offs, ids, weights, header, live, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr,
+                flags_ptr, num_tokens, x_address, out_address, error_code, words, control_words, flag_words,
+                num_experts, HEADER, CALL_WORD, BLOCK)
+    if tl.num_programs(0) == 1:
+        tl.store(cursor_ptr, cursor + 1)
+        tl.store(consumed_ptr, (cursor + 1).to(tl.int64))
+    elif sync.arrive(done_ptr, False) == tl.num_programs(0) - 1:   # every program has read the slot
         tl.store(done_ptr, 0)
         tl.store(cursor_ptr, cursor + 1)
         tl.store(consumed_ptr, (cursor + 1).to(tl.int64))

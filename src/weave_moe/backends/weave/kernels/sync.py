@@ -188,12 +188,20 @@ def status_set(status_ptr):
 
 
 @triton.jit
-def carry_rejection(status_ptr):
+def load_live(status_ptr, mask):
+    """The live status word (int32 [REPORTED]) where `mask` (a scalar: the program that will `carry_rejection`),
+    zeros elsewhere: loaded apart from `carry_rejection` so that a kernel can issue it first, beside its other
+    independent loads, instead of after them."""
+    return tl.load(status_ptr + tl.arange(0, REPORTED), mask=mask, other=0)
+
+
+@triton.jit
+def carry_rejection(status_ptr, live):
     """Start of a device-resident call (module docstring): move a rejection of an earlier call from the live word
-    into the reported word (unless that still holds one: first error wins) and clear the live word. One program runs
-    this; the call's other kernels come after it in stream order."""
+    (`live`, as `load_live` read it in the same kernel) into the reported word (unless that still holds one: first
+    error wins) and clear the live word. One program runs this; the call's other kernels come after it in stream
+    order."""
     words = tl.arange(0, REPORTED)
-    live = tl.load(status_ptr + words)
     live_code = tl.sum(tl.where(words == 0, live, 0), axis=0)
     if live_code >= _REJECT_FIRST:
         reported_code = tl.load(status_ptr + REPORTED)
