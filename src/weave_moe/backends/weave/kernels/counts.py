@@ -24,7 +24,11 @@ program that draws the last ticket has acquired every other program's sums; it r
 against 0, which also leaves the scratch zero for the next launch (no memset launch, nothing to zero on the host),
 resets the ticket, and writes the whole counts vector: tokens and headers copied from the messages, the sums, and the
 status word as it was before this launch. Integer sums do not depend on the order of the atomics, so the result is
-deterministic. With VERDICT it then writes the rejection into the status word (first error stays).
+deterministic. With VERDICT it then writes the rejection into the status word (first error stays). A grid of one
+program (EP * T_max * KP <= BLOCK_IDS: a decode layer at EP = 1) skips the scratch and the ticket, its sums being the
+totals: on a decode call's chain that is the ticket's barrier and acq_rel round trip and the exchanges' round trip.
+What the last program copies unchanged (tokens, headers, the status word) every program loads at its start, beside
+its ids, so that those loads are not one more round trip after the ticket.
 
 Planning in the same launch (`DeviceCounts(planner=...)`, KernelConfig.fused_planner). The last program, having
 written the counts vector, evaluates the device planner (kernels/planner.py, `plan_rank`) for every rank from it, after
@@ -173,7 +177,16 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
     num_programs = tl.num_programs(0)
     pp = tl.arange(0, BLOCK_P)
     ee = tl.arange(0, BLOCK_E)
+    hh = tl.arange(0, BLOCK_H)
+    ww = tl.arange(0, BLOCK_STATUS)
     live = pp < world_size
+    # what the last program copies into the counts vector and no program changes (the tokens and header words of the
+    # messages, the status word), loaded by every program at its start beside its ids, not after its ticket
+    message_ptr = messages_ptr + pp.to(tl.int64) * words
+    tokens = tl.load(message_ptr + tokens_word, mask=live, other=0)
+    headers_ok = live[:, None] & (hh[None, :] < HEADER_WORDS)
+    headers = tl.load(message_ptr[:, None] + header_word + hh[None, :], mask=headers_ok, other=0)
+    status = tl.load(status_ptr + ww, mask=ww < status_words, other=0)
     pairs = tl.zeros([BLOCK_E], dtype=tl.int32)
     rows = tl.zeros([BLOCK_P, BLOCK_P], dtype=tl.int32)                                  # [source, destination]
     bad = tl.zeros([BLOCK_P], dtype=tl.int32)
@@ -187,27 +200,25 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
     pairs_ok = ee < num_experts
     rows_ok = live[:, None] & live[None, :]
     rows_index = pp[:, None] * world_size + pp[None, :]
-    tl.atomic_add(scratch_ptr + expert_pairs_offset + ee, pairs, mask=pairs_ok & (pairs != 0), sem="relaxed",
-                  scope="gpu")
-    tl.atomic_add(scratch_ptr + send_rows_offset + rows_index, rows, mask=rows_ok & (rows != 0), sem="relaxed",
-                  scope="gpu")
-    tl.atomic_add(scratch_ptr + bad_ids_offset + pp, bad, mask=live & (bad != 0), sem="relaxed", scope="gpu")
     ticket_ptr = scratch_ptr + headers_offset
-    if sync.arrive(ticket_ptr, False) == num_programs - 1:
-        # the last program: every other program's sums are in the scratch (acquired by its ticket)
-        pairs = tl.atomic_xchg(scratch_ptr + expert_pairs_offset + ee, 0, mask=pairs_ok, sem="relaxed", scope="gpu")
-        rows = tl.atomic_xchg(scratch_ptr + send_rows_offset + rows_index, 0, mask=rows_ok, sem="relaxed",
-                              scope="gpu")
-        bad = tl.atomic_xchg(scratch_ptr + bad_ids_offset + pp, 0, mask=live, sem="relaxed", scope="gpu")
-        bad = tl.where(live, bad, 0)
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-        hh = tl.arange(0, BLOCK_H)
-        ww = tl.arange(0, BLOCK_STATUS)
-        message_ptr = messages_ptr + pp.to(tl.int64) * words
-        tokens = tl.load(message_ptr + tokens_word, mask=live, other=0)
-        headers_ok = live[:, None] & (hh[None, :] < HEADER_WORDS)
-        headers = tl.load(message_ptr[:, None] + header_word + hh[None, :], mask=headers_ok, other=0)
-        status = tl.load(status_ptr + ww, mask=ww < status_words, other=0)
+    ticket = tl.zeros([], dtype=tl.int32)   # a grid of one program: its own sums are the totals, no scratch
+    if num_programs > 1:
+        tl.atomic_add(scratch_ptr + expert_pairs_offset + ee, pairs, mask=pairs_ok & (pairs != 0), sem="relaxed",
+                      scope="gpu")
+        tl.atomic_add(scratch_ptr + send_rows_offset + rows_index, rows, mask=rows_ok & (rows != 0), sem="relaxed",
+                      scope="gpu")
+        tl.atomic_add(scratch_ptr + bad_ids_offset + pp, bad, mask=live & (bad != 0), sem="relaxed", scope="gpu")
+        ticket = sync.arrive(ticket_ptr, False)
+    if ticket == num_programs - 1:
+        if num_programs > 1:
+            # the last program: every other program's sums are in the scratch (acquired by its ticket)
+            pairs = tl.atomic_xchg(scratch_ptr + expert_pairs_offset + ee, 0, mask=pairs_ok, sem="relaxed",
+                                   scope="gpu")
+            rows = tl.atomic_xchg(scratch_ptr + send_rows_offset + rows_index, 0, mask=rows_ok, sem="relaxed",
+                                  scope="gpu")
+            bad = tl.atomic_xchg(scratch_ptr + bad_ids_offset + pp, 0, mask=live, sem="relaxed", scope="gpu")
+            bad = tl.where(live, bad, 0)
+            tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
         tl.store(counts_ptr + tokens_offset + pp, tokens, mask=live)
         tl.store(counts_ptr + send_rows_offset + rows_index, rows, mask=rows_ok)
         tl.store(counts_ptr + expert_pairs_offset + ee, pairs, mask=pairs_ok)
