@@ -59,13 +59,15 @@ def test_dispatch_beside_the_tables_compiles_for_sm90_with_vector_rows_and_its_o
                                                                                       num_experts, top_k, hidden):
     """Each dispatch beside the tables, as launched: no local memory; the rows in 16-byte vectors (x and the peers'
     receive rows declared aligned, peers.py); rows released onto their flags at system scope, the owed rows acquired
-    at system scope (sync.py's protocol)."""
+    at system scope (sync.py's protocol); except the pair dispatch at EP = 1, which writes local rows that only later
+    launches read, and so neither releases nor waits."""
     ptx = _compiled(kind, world_size, num_experts, top_k, hidden).asm["ptx"]
     assert ".local" not in ptx
     assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "a row copied one element per access"
-    assert re.search(r"atom\.global\.sys\.release\.add", ptx)
-    assert re.search(r"atom\.global\.sys\.acquire\.add", ptx)
+    flags = kind != "pairs" or world_size > 1
+    assert bool(re.search(r"atom\.global\.sys\.release\.add", ptx)) is flags
+    assert bool(re.search(r"atom\.global\.sys\.acquire\.add", ptx)) is flags
 
 
 def test_early_dispatch_refuses_what_it_cannot_send():

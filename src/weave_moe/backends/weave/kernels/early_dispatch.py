@@ -356,7 +356,10 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     rows_ptr: int32 [BLOCK_T, K], row (t, j) written with pair (t, j)'s row at its destination (-1: no expert), for
     t < this rank's T (unless the call is refused): at EP = 1 what `pair_combine.PairCombine` reads y by.
     LOCAL (EP = 1 only): the rows go to `local_ptr` ([rows, H] bf16 of this rank, e.g. the GEMMs' y, which holds
-    every pair of a call) instead of the receive region, which holds only T_max rows. OFFSETS: write the expert
+    every pair of a call) instead of the receive region, which holds only T_max rows; then no flag is released and
+    no program waits: every reader of the rows is a later launch, which starts (or, launched programmatically, passes
+    its `griddepcontrol.wait`) only once this whole grid has ended with its stores visible, so the flags' system-scope
+    releases and the last program's wait for them only lengthened a decode call's chain. OFFSETS: write the expert
     offsets. PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for the counts
     kernel before the first load, then let the next kernel's CTAs start (`sync.pdl_enter`): a preloading GEMM0's
     (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it."""
@@ -404,8 +407,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                 for h0 in range(0, H, BLOCK_H):
                     cols = h0 + offs_h
                     tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
-                sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
-        if pid == grid - 1:
+                if not LOCAL:
+                    sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
+        if pid == grid - 1 and not LOCAL:
             pp = tl.arange(0, BLOCK_P * MC)
             owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
             for source in range(0, world_size):
