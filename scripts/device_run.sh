@@ -105,6 +105,14 @@ for stage in "$@"; do
     next54) WEAVE_MOE_KERNEL_CONFIG=chain_pairs=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT=400 "$0" resident;;
     next54b) WC_TIMEOUT="${CP_TIMEOUT:-300}" WC_TOKENS="${CP_TOKENS:-1,8,32}" WC_MODELS="${CP_MODELS:-qwen3-30b-a3b,deepseek-v3,deepseek-v2}" WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@chain_pairs=on" WC_NAME=chain-pairs "$0" ws-calls
         RP_TOKENS="1 8" RP_VARIANTS="weave:serial,weave:serial@chain_pairs=on" "$0" resident-profile;;
+    # perf-notes 54 (one call, ~9 min): the decode chain's shortcuts (one-program pack and counts, the EP = 1 pair
+    # dispatch without flags) in every row, the serial policy without / with chain_pairs at 1 / 8 / 32 tokens (5
+    # rounds), decode in layers sized for a serving engine's 8192 tokens, both 1-token timelines, then the resident
+    # check with ws_gather and chain_pairs on (what fits of 1000 calls)
+    next55) WC_TIMEOUT=180 WC_TOKENS=1,8,32 WC_MODELS=qwen3-30b-a3b,deepseek-v3,deepseek-v2 WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@chain_pairs=on" WC_NAME=chain-pairs "$0" ws-calls
+        WC_TIMEOUT=90 WC_TOKENS=1,8 WC_MODELS=qwen3-30b-a3b,deepseek-v3 WC_ROUNDS=3 WC_ARGS="--max-tokens-per-rank 8192" WC_VARIANTS="nccl,weave:serial,weave:serial@chain_pairs=on" WC_NAME=decode-tmax8192 "$0" ws-calls
+        RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@chain_pairs=on" "$0" resident-profile
+        WEAVE_MOE_KERNEL_CONFIG=ws_gather=1,chain_pairs=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${RESIDENT_TIMEOUT:-170}" "$0" resident;;
     # perf-notes 52's list, item 2 (an H200): the six models' prefill shapes tuned with the Gluon kernels among the
     # candidates (--ws auto: the rule's configs and the 192-row tiles) into the shipped H200 table, then the record
     h200-prefill) TUNE_TIMEOUT=420 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h200.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
