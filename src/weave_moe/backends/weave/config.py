@@ -229,8 +229,9 @@ class KernelConfig:
             for GEMM1); the pair combine is launched programmatically after GEMM1 and copies the status words to the
             host itself (no `copy_status` kernel at the call's end). On an H100 at 1 token (Qwen3-30B-A3B, dfac10b's
             timeline) GEMM0 began at 13.2 us, after the tile-table launch (ending 12.7) and the pair dispatch (12.2);
-            its weights stream at the HBM rate from then on. Off until measured (prepared on the CPU:
-            docs/perf-notes.md entry 53).
+            its weights stream at the HBM rate from then on. Off: measured on an H100 (159b784, docs/perf-notes.md
+            entries 53 and 55) its 1-token GPU span was 1.7 us shorter (43.0 against 44.7: the counts launch took ~3
+            us more for the tables), but the call 6-8 us slower end to end (the host's time per call rose).
         serial_at_ep1: at EP = 1 a resident layer (`resident`) of the adaptive policy ("weave") whose serial plans
             run the grouped GEMMs (`grouped_gemm`, a Hopper GPU) takes the serial plan, fixed when the layer is
             built, and is then the `serial` policy's layer (no planning per call; the paired decode call of
