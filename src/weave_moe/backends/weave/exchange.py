@@ -374,10 +374,10 @@ def _pack_slot_kernel(slots_ptr, cursor_ptr, done_ptr, consumed_ptr, message_ptr
     _pack_words(pid, offs, ids, weights, header, live, message_ptr, header_ptr, io_ptr, status_ptr, control_ptr,
                 flags_ptr, num_tokens, x_address, out_address, error_code, words, control_words, flag_words,
                 num_experts, HEADER, CALL_WORD, BLOCK)
-    if tl.num_programs(0) == 1:
-        tl.store(cursor_ptr, cursor + 1)
-        tl.store(consumed_ptr, (cursor + 1).to(tl.int64))
-    elif sync.arrive(done_ptr, False) == tl.num_programs(0) - 1:   # every program has read the slot
+    ticket = tl.zeros([], dtype=tl.int32)   # one program: it is the last to have read the slot
+    if tl.num_programs(0) > 1:
+        ticket = sync.arrive(done_ptr, False)
+    if ticket == tl.num_programs(0) - 1:   # every program has read the slot
         tl.store(done_ptr, 0)
         tl.store(cursor_ptr, cursor + 1)
         tl.store(consumed_ptr, (cursor + 1).to(tl.int64))

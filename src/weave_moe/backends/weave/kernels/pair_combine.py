@@ -42,8 +42,8 @@ def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr
     PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for GEMM1 first
     (`sync.pdl_enter`). REPORT > 0 (with PDL): program 0 also copies the call's REPORT status words (`report_ptr`)
     to the host's pinned copy (`host_ptr`), `exchange.copy_status`'s work, so that the call needs no last kernel for
-    it: every kernel of a paired call that writes them has ended once the wait returns (the counts' verdict, the
-    pair dispatch's bounded wait, a stream-K GEMM's), and this kernel writes none."""
+    it: every kernel of a paired call that writes them has ended once the wait returns (the counts' verdict, a
+    stream-K GEMM's bounded wait; the pair dispatch at EP = 1 waits for nothing), and this kernel writes none."""
     if PDL:
         sync.pdl_enter()
     pid = tl.program_id(0)
