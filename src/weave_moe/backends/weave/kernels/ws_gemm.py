@@ -467,9 +467,15 @@ DEFAULT_CONFIG = WsConfig(block_m=64, num_warps=4)
 
 
 #: the 192-row tiles `weave-moe tune --ws auto` measures beside the rule's configs (module docstring, "Row parts"):
-#: 4 and 5 stages (the tuner picked each on an H100, bench/results/h100-a287829)
+#: 4 and 5 stages (the tuner picked each on an H100, bench/results/h100-a287829), and 4 stages with GROUP_M 1 and 2:
+#: where an expert has one or two such tiles, a group of 8 sweeps 8 experts' weights at once; fewer sweep each
+#: expert's contiguously (each GEMM alone on an H100, DeepSeek-V2 at 2048 tokens, one rank's work of EP=2: GEMM0
+#: 996 / 949 / 933 us with GROUP_M 8 / 2 / 1, GEMM1 528 / 511 / 504; bench/results/h100-f012e48 and
+#: h100-7180516)
 ROW_PART_CONFIGS = (WsConfig(block_m=192, block_n=128, num_warps=4, stages=4),
-                    WsConfig(block_m=192, block_n=128, num_warps=4, stages=5))
+                    WsConfig(block_m=192, block_n=128, num_warps=4, stages=5),
+                    WsConfig(block_m=192, block_n=128, num_warps=4, stages=4, group_m=2),
+                    WsConfig(block_m=192, block_n=128, num_warps=4, stages=4, group_m=1))
 
 
 def default_config(gemm: int, rows: int, num_local_experts: int) -> WsConfig | None:
