@@ -264,7 +264,10 @@ class KernelConfig:
             DeepSeek-V2 / V3 at 2048 tokens 0.973 / 0.984 x without it, a tie at 512 tokens, and where the rule
             then took 128x256x64 tiles through the gather rows above 256 rows per expert, slower (8192 tokens: 1.016
             / 1.127; since dropped); with the band only and the re-tuned table, DeepSeek-V2 at 2048 tokens 1.060
-            (bench/results/h100-1eee06e).
+            (bench/results/h100-1eee06e); issue 14's record with and without it, three times each on one host
+            (bench/results/h100-f012e48, 24 configurations): geomean 1.004 x without it, DeepSeek-V2 at 2048
+            tokens skewed 0.972, Qwen3-30B-A3B and Qwen3.5-35B-A3B at 2048 tokens 1.015-1.034 (10^3 resident calls
+            with it checked there).
         ws_chain: with `ws_gemm`, where both GEMMs of a call run the warp-specialised decode form, GEMM1 is launched
             programmatically after GEMM0 (with programmatic dependent launch on: sync.PDL): GEMM0 lets it start as
             soon as each of its CTAs has begun, so GEMM1's CTAs take the SMs that GEMM0's last wave leaves idle and
