@@ -441,6 +441,13 @@ def test_tune_ws_candidates_and_their_records_decide_as_measured(tmp_path, capsy
     assert tune.ws_candidates("auto", layer_ws=True) == tune.ws_candidates("rule", layer_ws=True) + list(
         ws_gemm.ROW_PART_CONFIGS)
     assert tune.ws_candidates("", layer_ws=True) == tune.ws_candidates("none", layer_ws=True) == []
+    # --group-m: each prefill-form candidate also with each group_m (the 192-row tiles ran 5-6% faster with GROUP_M 1
+    # or 2 than 8 on an H100); the decode form has no group order
+    wsd = ws_decode.default_configs()[0]
+    plain = ws_gemm.WsConfig.parse("192x128x64w4s4")
+    assert tune.with_group_m([plain, wsd], (1, 8)) == [plain, wsd, ws_gemm.WsConfig.parse("192x128x64w4s4g1")]
+    assert [c.group_m for c in tune.with_group_m([plain], (2, 1))] == [8, 2, 1]
+    assert tune.with_group_m([wsd], (2, )) == [wsd]
     for text in ("", "none", "auto"):   # the layer runs no Gluon kernel (not sm_90, or ws_gemm off): none
         assert tune.ws_candidates(text, layer_ws=False) == []
     with pytest.raises(ValueError, match="would not run the Gluon kernels"):

@@ -58,7 +58,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epilogue", default="", help="candidate epilogue values (0 masked stores, 2 clipped TMA, "
                         "3 clipped TMA in column halves; default: the analytical default's)")
     parser.add_argument("--group-m", default="", help="candidate group_m values (M tiles that sweep the N tiles "
-                        "together; default: the analytical default's)")
+                        "together; default: the analytical default's); given, each prefill-form --ws candidate is "
+                        "also measured with each of them")
     parser.add_argument("--flatten", default="", help="candidate flatten values (1: the tile loop and the K loop "
                         "pipelined as one; default: the analytical default's)")
     parser.add_argument("--split-tail", default="0", help="candidate split_tail values (1: tails of at most "
@@ -205,6 +206,20 @@ def ws_candidates(text: str, layer_ws: bool) -> list:
     return list(dict.fromkeys(configs))
 
 
+def with_group_m(configs: list, groups) -> list:
+    """The --ws candidates and, for each of the prefill form (`ws_gemm.WsConfig`), the same with each group_m of
+    `groups` (--group-m; the decode form has no group order)."""
+    import dataclasses
+
+    from weave_moe.backends.weave.kernels import ws_gemm
+
+    out = list(configs)
+    for config in configs:
+        if isinstance(config, ws_gemm.WsConfig):
+            out += [dataclasses.replace(config, group_m=group) for group in groups]
+    return list(dict.fromkeys(out))
+
+
 def shape_candidates(candidates: list, default, gathered: bool) -> list:
     """One shape's candidates of a GEMM: the Triton and --ws candidates (no Gluon one for a GEMM0 whose Gluon kernel
     would need the gather launch's copy: `gathered`, gemm_configs.gluon_gemm0_copies), and the shape's `default` if
@@ -306,7 +321,7 @@ def run(args) -> int:
     layer_ws = KernelConfig.from_env().ws_gemm and (torch.cuda.get_device_capability()[0] == 9 if cuda else args.list)
     if args.list or cuda:
         try:
-            ws = ws_candidates(args.ws, layer_ws)
+            ws = with_group_m(ws_candidates(args.ws, layer_ws), grid["group_m"])
         except ValueError as error:
             return refuse(str(error))
     if args.list:
