@@ -94,6 +94,9 @@ for stage in "$@"; do
     # among the candidates, then issue 14's record on that table in the same call
     retune-rows) TUNE_TIMEOUT=300 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws rule,64x256x64w4s4c2,64x256x64w4s5,128x256x64w8s4,192x128x64w4s4,192x128x64w4s5 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune
         EVAL_TIMEOUT=280 EVAL_TOKENS=2048,8192 EVAL_VARIANTS=nccl,weave:serial,weave BENCH_NAME=h100-eval6-emu-ep2-r3 "$0" eval6-emu;;
+    # perf-notes entry 56: the 2048-token prefill entries re-tuned with `--ws auto`, which now includes the 192-row
+    # tile with GROUP_M 1 and 2 (hand-set for DeepSeek-V2 / V3 at 7180516), into the shipped H100 table
+    retune-2048) TUNE_TIMEOUT=560 TUNE_MODELS=deepseek-v3,deepseek-v2,phi-3.5-moe,qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite TUNE_TOKENS=2048 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h100-80gb-hbm3.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
     # perf-notes 52's list, item 0: the resident check with the Gluon GEMM0 reading the gather rows (ws_gather)
     next53) WEAVE_MOE_KERNEL_CONFIG=ws_gather=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT=400 "$0" resident;;
     # item 1: DeepSeek-V2 / V3 2048's GEMMs alone with the row parts: 192-row at BK 64 (4, 5 stages), BK 128 (2
