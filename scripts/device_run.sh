@@ -110,9 +110,11 @@ for stage in "$@"; do
         RP_TOKENS="1 8" RP_VARIANTS="weave:serial,weave:serial@chain_pairs=on" "$0" resident-profile;;
     # perf-notes entry 56: the candidate table (DeepSeek-V3 2048's GEMM0 and Qwen3.5-35B-A3B 2048's on the Gluon
     # 192-row tile, GROUP_M 2 / 1) in calls against the shipped one, with and without ws_gather; then the 192-row and
-    # GROUP_M variants at 8192 tokens, where the Triton kernels run today
+    # GROUP_M variants at 8192 tokens, where the Triton kernels run today; next56c: the Triton GEMM0s of DeepSeek-V3,
+    # Qwen3.5-35B-A3B and Qwen3-30B-A3B at 2048 tokens with GROUP_M = an expert's M tiles (1, 1, 2) in calls
     next56) TA_TABLES="shipped bench/results/h100-7180516/table-candidate.json" TA_MODELS=deepseek-v3,qwen3.5-35b-a3b,qwen3-30b-a3b TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on,weave:serial@gemm0_gather=off" TA_TIMEOUT=270 "$0" table-ab;;
     next56b) WS_MODELS=deepseek-v3,deepseek-v2,phi-3.5-moe WS_TOKENS=8192 WS_CONFIGS=192x128x64w4s4,192x128x64w4s4g2,192x128x64w4s4g4,128x256x64w8s4,128x256x64w8s4g4 WS_TIMEOUT=300 "$0" ws-gemm;;
+    next56c) TA_TABLES="shipped bench/results/h100-7180516/table-candidate-triton.json" TA_MODELS=deepseek-v3,qwen3.5-35b-a3b,qwen3-30b-a3b TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial" TA_TIMEOUT=250 "$0" table-ab;;
     # perf-notes entry 57: the paired call in six launches (KernelConfig.pair_tables): the resident check with it,
     # then the serial policy without and with it at 1 / 8 / 32 tokens, 5 rounds, and both 1-token timelines
     next57) WEAVE_MOE_KERNEL_CONFIG=pair_tables=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${N57_TIMEOUT:-300}" "$0" resident;;
