@@ -119,7 +119,8 @@ for stage in "$@"; do
     # then the serial policy without and with it at 1 / 8 / 32 tokens, 5 rounds, and both 1-token timelines
     next57) WEAVE_MOE_KERNEL_CONFIG=pair_tables=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${N57_TIMEOUT:-300}" "$0" resident;;
     next57b) WC_TIMEOUT="${N57B_TIMEOUT:-200}" WC_TOKENS=1,8,32 WC_MODELS=qwen3-30b-a3b,deepseek-v3,deepseek-v2-lite WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@pair_tables=on" WC_NAME=pair-tables "$0" ws-calls
-          RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on" "$0" resident-profile;;
+          RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on" "$0" resident-profile
+          RP_MODEL=qwen3.5-35b-a3b RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on" "$0" resident-profile;;
     # perf-notes 54 (one call, ~9 min): the decode chain's shortcuts (one-program pack and counts, the EP = 1 pair
     # dispatch without flags) in every row, the serial policy without / with chain_pairs at 1 / 8 / 32 tokens (5
     # rounds), decode in layers sized for a serving engine's 8192 tokens, both 1-token timelines, then the resident
@@ -213,8 +214,8 @@ for stage in "$@"; do
         done;;
     exchange-check) timeout "${XCHK_TIMEOUT:-150}" python3 scripts/routing_exchange_check.py --out "$W/routing_exchange_check.json" > "$W/routing_exchange_check.log" 2>&1; echo "rc=$?"; tail -15 "$W/routing_exchange_check.log" | cut -c1-300;;
     resident-profile) for t in ${RP_TOKENS:-1 2048}; do
-          WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 150 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${RP_MODEL:-qwen3-30b-a3b}" --tokens $t --variants "${RP_VARIANTS:-weave:serial,weave}" --rows 45 > "$W/profile-resident-$t.txt" 2>&1; echo "rc=$?"
-          grep -E "^#####|Self CUDA time total|Self CPU time total" "$W/profile-resident-$t.txt" | cut -c1-200
+          WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 150 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${RP_MODEL:-qwen3-30b-a3b}" --tokens $t --variants "${RP_VARIANTS:-weave:serial,weave}" --rows 45 > "$W/profile-resident${RP_MODEL:+-$RP_MODEL}-$t.txt" 2>&1; echo "rc=$?"
+          grep -E "^#####|Self CUDA time total|Self CPU time total" "$W/profile-resident${RP_MODEL:+-$RP_MODEL}-$t.txt" | cut -c1-200
         done;;
     # the counts kernel (kernels/counts.py) bitwise against CountsFormat.build + verdict, and timed
     counts-check) timeout "${CC_TIMEOUT:-200}" python3 scripts/counts_check.py --out "$W/counts_check.json" > "$W/counts_check.log" 2>&1; echo "rc=$?"; tail -12 "$W/counts_check.log" | cut -c1-300;;
