@@ -120,7 +120,7 @@ for stage in "$@"; do
     next57) WEAVE_MOE_KERNEL_CONFIG=pair_tables=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${N57_TIMEOUT:-300}" "$0" resident;;
     next57b) WC_TIMEOUT="${N57B_TIMEOUT:-200}" WC_TOKENS=1,8,32 WC_MODELS=qwen3-30b-a3b,deepseek-v3,deepseek-v2-lite WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@pair_tables=on" WC_NAME=pair-tables "$0" ws-calls
           RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on" "$0" resident-profile
-          RP_MODEL=qwen3.5-35b-a3b RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on" "$0" resident-profile;;
+          RP_MODEL=qwen3.5-35b-a3b RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on,weave:serial@ws_chain=off" "$0" resident-profile;;
     # perf-notes 54 (one call, ~9 min): the decode chain's shortcuts (one-program pack and counts, the EP = 1 pair
     # dispatch without flags) in every row, the serial policy without / with chain_pairs at 1 / 8 / 32 tokens (5
     # rounds), decode in layers sized for a serving engine's 8192 tokens, both 1-token timelines, then the resident
