@@ -203,7 +203,7 @@ for stage in "$@"; do
           grep -E "^#####|ms per call by step" "$W/profile-$cfg.txt" | cut -c1-300
         done;;
     # the device-resident call (KernelConfig.resident): its own checks, then the validation suites and the bench with it
-    resident) timeout "${RESIDENT_TIMEOUT:-400}" python3 scripts/resident_check.py --out "$W/resident_check.json" --calls "${RESIDENT_CALLS:-10000}" > "$W/resident_check.log" 2>&1; echo "rc=$?"; grep -E "^FAIL|resident check|Error" "$W/resident_check.log" | cut -c1-400 | tail -20;;
+    resident) timeout "${RESIDENT_TIMEOUT:-400}" python3 scripts/resident_check.py --out "$W/resident_check${RESIDENT_CHECKS:+-$RESIDENT_CHECKS}.json" --calls "${RESIDENT_CALLS:-10000}" --checks "${RESIDENT_CHECKS:-}" > "$W/resident_check${RESIDENT_CHECKS:+-$RESIDENT_CHECKS}.log" 2>&1; echo "rc=$?"; grep -E "^FAIL|resident check|Error" "$W/resident_check${RESIDENT_CHECKS:+-$RESIDENT_CHECKS}.log" | cut -c1-400 | tail -20;;
     resident-validate) WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 300 python3 -m weave_moe.validate --suite quick --nproc 1 --out "$W/validate-quick-resident.json" --timeout 280 > "$W/validate-quick-resident.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-quick-resident.log" | tail -12
         WEAVE_MOE_KERNEL_CONFIG=resident=on timeout 250 python3 -m weave_moe.validate --suite edge --stress-calls 300 --nproc 1 --out "$W/validate-edge-resident.json" --timeout 240 > "$W/validate-edge-resident.log" 2>&1; echo "rc=$?"; grep -vE "^PASS" "$W/validate-edge-resident.log" | tail -12;;
     # RB_CONFIG: more KernelConfig settings for both modes (e.g. stage_ctas_rows=16); BENCH names stay resident-<mode>
