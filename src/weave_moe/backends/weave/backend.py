@@ -596,18 +596,16 @@ class WeaveBackend:
         after the pair dispatch, loading its first weight blocks while the rows are sent (`_preloads`): the chain to
         GEMM0's weights is pack -> counts -> pair dispatch's start (docs/perf-notes.md entry 53); the pair combine,
         launched programmatically, also copies the status word to the host, so the call has no last kernel for it.
+        KernelConfig.pair_tables: the tile tables are written by the pair dispatch launch's first programs instead
+        (no prologue launch, no fork), and the pair combine, launched plainly, copies the status word.
         Otherwise the call ends with that copy (`copy_status`), as the resident call does."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         keys, filled = _tile_keys(configs), None
-        if self.chain_pairs:
-            tables = self._tile_tables(keys)[0]
-            counts = self._counts(verdict=True, tiles=list(tables.values()))
-        else:
-            counts = self._counts(verdict=True)
+        # the layer's tile tables, filled by the counts launch (chain_pairs) or the pair dispatch (pair_tables)
+        tables = self._tile_tables(keys)[0] if self.chain_pairs or self.pair_tables else None
+        counts = self._counts(verdict=True, tiles=list(tables.values()) if self.chain_pairs else None)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
-        if self.pair_tables:
-            tables = self._tile_tables(keys)[0]
-        elif not self.chain_pairs:
+        if tables is None:
             tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), keys, False,
                                                        side=self.fork_prologue, form="counts")
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
@@ -1178,6 +1176,7 @@ class WeaveBackend:
         warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
+        tile_kinds = set()   # the (GEMM0, GEMM1) pairs of tile kinds a call may take
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             y = self.workspace.y()
@@ -1201,8 +1200,8 @@ class WeaveBackend:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 for chained in (False, True) if self._chains([config]) else (False, ):
                     self._gemm1(table, config, chained=chained)
-            for pair in {tuple(sorted({(c0.block_m, c0.split_tail), (c1.block_m, c1.split_tail)}))
-                         for c0 in configs[0] for c1 in configs[1]}:
+            tile_kinds = {tuple(sorted(set(_tile_keys((c0, c1))))) for c0 in configs[0] for c1 in configs[1]}
+            for pair in tile_kinds:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
                 if not self.gemm0_gather or self.ws_gemm:   # otherwise a call makes no gather launch
                     # both compiles: after a forked prologue (its count read ahead: here a count written long
@@ -1231,9 +1230,7 @@ class WeaveBackend:
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
             # with pair_tables one compile per pair of tile kinds a call may take (their TILE_* constants)
-            kinds = ({tuple(sorted(set(_tile_keys((c0, c1)))))
-                      for c0 in configs[0] for c1 in configs[1]} if self.pair_tables else {None})
-            for kind in kinds:
+            for kind in tile_kinds if self.pair_tables else {None}:
                 self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io,
                                           self.workspace, self.live_status, self.rank, self.timeout_ns, None,
                                           self.pair_rows, self.workspace.y(), pdl=self.chain_pairs,
