@@ -470,8 +470,8 @@ DEFAULT_CONFIG = WsConfig(block_m=64, num_warps=4)
 #: 4 and 5 stages (the tuner picked each on an H100, bench/results/h100-a287829), and 4 stages with GROUP_M 1 and 2:
 #: where an expert has one or two such tiles, a group of 8 sweeps 8 experts' weights at once; fewer sweep each
 #: expert's contiguously (each GEMM alone on an H100, DeepSeek-V2 at 2048 tokens, one rank's work of EP=2: GEMM0
-#: 996 / 949 / 933 us with GROUP_M 8 / 2 / 1, GEMM1 528 / 511 / 504; bench/results/h100-f012e48 and
-#: h100-7180516)
+#: 996 / 964 / 949 us with GROUP_M 8 / 4 / 2 and GEMM1 528 / 515 / 511 in one run, bench/results/h100-f012e48;
+#: GEMM0 941 / 933 with GROUP_M 2 / 1 and GEMM1 506 / 504 in another, h100-7180516)
 ROW_PART_CONFIGS = (WsConfig(block_m=192, block_n=128, num_warps=4, stages=4),
                     WsConfig(block_m=192, block_n=128, num_warps=4, stages=5),
                     WsConfig(block_m=192, block_n=128, num_warps=4, stages=4, group_m=2),
