@@ -114,6 +114,9 @@ for stage in "$@"; do
     # Qwen3.5-35B-A3B and Qwen3-30B-A3B at 2048 tokens with GROUP_M = an expert's M tiles (1, 1, 2) in calls
     # the 8192-token Gluon entries of ws_gemm_probe (bench/results/h100-4ad5052) in calls: DeepSeek-V2 both GEMMs on
     # 128x256x64 w8 s4, Phi-3.5-MoE GEMM0 with GROUP_M 4 (the candidate also holds DeepSeek-V3 2048 GEMM0, next56)
+    # decode timed as serving engines run it (bench --graph: each capturable variant's call replayed from a CUDA graph;
+    # nccl at EP = 1 and weave's resident call both are), then the same rows eager, one host
+    graph-decode) for mode in graph eager; do timeout "${GD_TIMEOUT:-240}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v3,deepseek-v2-lite}" --tokens "${GD_TOKENS:-1,8,32,128,512}" --routing uniform --variants "${GD_VARIANTS:-nccl,weave:serial,weave}" --check --iters 30 --rounds 3 $([ $mode = graph ] && echo --graph) --no-progress --timeout $(( ${GD_TIMEOUT:-240} - 10 )) --name "decode-$mode" --out "$W" > "$W/decode-$mode.log" 2>&1; echo "$mode rc=$?"; tail -12 "$W/decode-$mode.log" | cut -c1-200; done;;
     next58) TA_TABLES="shipped bench/results/h100-4ad5052/table-candidate.json" TA_MODELS=deepseek-v2,phi-3.5-moe TA_TOKENS=8192 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on,weave" TA_TIMEOUT=240 "$0" table-ab;;
     next56) TA_TABLES="shipped bench/results/h100-7180516/table-candidate.json" TA_MODELS=deepseek-v3,qwen3.5-35b-a3b,qwen3-30b-a3b TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on,weave:serial@gemm0_gather=off" TA_TIMEOUT=270 "$0" table-ab;;
     next56b) WS_MODELS=deepseek-v3,deepseek-v2,phi-3.5-moe WS_TOKENS=8192 WS_CONFIGS=192x128x64w4s4,192x128x64w4s4g2,192x128x64w4s4g4,128x256x64w8s4,128x256x64w8s4g4 WS_TIMEOUT=300 "$0" ws-gemm;;

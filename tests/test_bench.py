@@ -683,7 +683,7 @@ def test_rounds_time_the_library_anchor_between_the_variants(monkeypatch, anchor
     monkeypatch.setattr(harness, "_time_into", lambda run, outcome, inputs, calls, device:
                         events.append((config.variants.index(run.result["variant"]), calls)))
 
-    def start(config_, outcome, inputs, world_size, names=iter(config.variants)):
+    def start(config_, outcome, inputs, world_size, device, names=iter(config.variants)):
         return harness._Run(dict(variant=next(names)), None, [])
     monkeypatch.setattr(harness, "_start", start)
 
@@ -761,7 +761,87 @@ def test_check_covers_the_first_call_and_one_after_the_warm_up(wrong_call):
 
     inputs = SimpleNamespace(sets=[(x, ids, weights)], check_idx=torch.arange(6), reference=x.float())
     config = BenchConfig(models=("m",), check=True, warmup=2)
-    run = harness._start(config, harness._Outcome(layer=Layer()), inputs, world_size=1)
+    run = harness._start(config, harness._Outcome(layer=Layer()), inputs, world_size=1, device=torch.device("cpu"))
     assert run.error is None
     assert run.result["check_passed"] is (wrong_call is None), run.result
     assert (run.result["rel_error"] == 0.0) is (wrong_call is None)
+
+
+@pytest.mark.parametrize("replay_writes", [True, False])
+def test_graph_timing_checks_the_captured_call_into_a_poisoned_output(monkeypatch, replay_writes):
+    """`--graph`: a capturable layer's calls are captured (one graph per input set) after the warm-up; set 0's
+    captured output is poisoned and replayed once, then checked, so a captured call that does not write its output
+    fails the row. The timed loop replays the graphs (stubbed here: no CUDA on the CPU box)."""
+    from types import SimpleNamespace
+
+    from weave_moe.bench import harness
+    from weave_moe.bench.config import BenchConfig
+
+    x = torch.randn(6, 8).bfloat16()
+    ids, weights = torch.zeros(6, 1, dtype=torch.int32), torch.ones(6, 1)
+
+    class Layer:
+        last_plan, capturable = None, True
+
+        def __call__(self, x, ids, weights):
+            return x.clone()
+
+        def synchronize(self):
+            pass
+
+    class Graph:
+        def __init__(self, out, value):
+            self.out, self.value, self.replays = out, value, 0
+
+        def replay(self):
+            self.replays += 1
+            if replay_writes:
+                self.out.copy_(self.value)
+
+    captured = []
+
+    def capture_calls(layer, sets):
+        outputs = [layer(*s) for s in sets]
+        captured.extend(Graph(out, out.clone()) for out in outputs)
+        return list(captured), outputs
+
+    monkeypatch.setattr(harness, "_capture_calls", capture_calls)
+    cuda = SimpleNamespace(type="cuda")   # only the device test reads it before the stubbed capture
+    inputs = SimpleNamespace(sets=[(x, ids, weights)], check_idx=torch.arange(6), reference=x.float())
+    config = BenchConfig(models=("m",), check=True, warmup=1, graph=True)
+    run = harness._start(config, harness._Outcome(layer=Layer()), inputs, world_size=1, device=cuda)
+    assert run.error is None and run.result["timing"] == "graph" and run.graphs == captured
+    assert captured[0].replays == 1
+    assert run.result["check_passed"] is replay_writes, run.result
+    # not capturable (or not asked): eager, no graphs
+    for layer_capturable, graph, device in ((False, True, cuda), (True, False, cuda),
+                                            (True, True, torch.device("cpu"))):
+        layer = Layer()
+        layer.capturable = layer_capturable
+        run = harness._start(BenchConfig(models=("m",), check=True, warmup=1, graph=graph), harness._Outcome(
+            layer=layer), inputs, world_size=1, device=device)
+        assert run.graphs is None and run.result["timing"] == "eager" and run.result["check_passed"]
+
+
+def test_layers_say_whether_a_call_can_be_captured():
+    """`ExpertParallelMoE.capturable`: the reference backend never; nccl at EP = 1 (no exchange, no host sync) unless
+    the layer's own id check (a host sync, where the backend does not check ids) is on."""
+    from weave_moe.layer import ExpertParallelMoE
+    from weave_moe.models import MoESpec
+
+    spec = MoESpec(8, 2, 64, 32, name="tiny")
+    assert not ExpertParallelMoE(spec, backend="reference", max_tokens_per_rank=16, device="cpu",
+                                 check_expert_ids=False).capturable
+    assert ExpertParallelMoE(spec, backend="nccl", max_tokens_per_rank=16, device="cpu",
+                             check_expert_ids=False).capturable
+    assert not ExpertParallelMoE(spec, backend="nccl", max_tokens_per_rank=16, device="cpu").capturable
+
+
+def test_graph_flag_reaches_the_config_and_the_csv():
+    from weave_moe.cli import build_parser
+    from weave_moe.commands.bench import build_config
+
+    for argv, graph in ((["--graph"], True), ([], False)):
+        args = build_parser().parse_args(["bench", "--model-dims", "8,2,64,32", "--device", "cpu", *argv])
+        assert build_config(args, ["weave-moe", "bench"]).graph is graph
+    assert "timing" in report.CSV_COLUMNS

@@ -307,6 +307,14 @@ class ExpertParallelMoE(torch.nn.Module):
         raise error
 
     @property
+    def capturable(self) -> bool:
+        """Whether a call may be captured into a caller's CUDA graph and replayed with new values written into the
+        captured inputs (`Backend.capturable`: the weave backend's device-resident call, the nccl backend at EP = 1),
+        given this layer's id check: where the backend does not check ids itself, `check_expert_ids` costs a host
+        sync. Make one call outside the capture first (it compiles and, at EP > 1, checks the ranks agree)."""
+        return self.backend.capturable and not (self.check_expert_ids and not self.backend.checks_expert_ids)
+
+    @property
     def last_plan(self):
         """The schedule (`weave_moe.plan.Plan`) of this rank's last call; None for backends without one."""
         return self.backend.last_plan

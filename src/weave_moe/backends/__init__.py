@@ -32,12 +32,17 @@ class Backend(Protocol):
         narrows_int64_ids: True if `forward` takes int64 topk_ids and narrows them itself, without wrapping (ids
             outside [-1, E) stay outside it); False: the layer narrows them to int32 first (two elementwise
             launches).
+        capturable: True if `forward` (without `timings`) may be captured into a caller's CUDA graph and replayed
+            with new values written into the same input tensors, as serving engines run decode: no host sync, no
+            host-side decision on the values, every rank replaying in step (weave's device-resident call); False:
+            call it eagerly.
         last_plan: the schedule of this rank's last call (`weave_moe.plan.Plan`), None for backends without one.
     """
 
     name: str
     checks_expert_ids: bool
     narrows_int64_ids: bool
+    capturable: bool
     last_plan: "Plan | None"
 
     def load_experts(self, w13: "torch.Tensor", w2: "torch.Tensor") -> None:

@@ -65,6 +65,7 @@ class DeepEPBackend:
     last_plan = None  # no weave plan
     checks_expert_ids = False  # the layer checks ids (one host sync) when asked to
     narrows_int64_ids = False
+    capturable = False   # its dispatch reads the received counts on the host
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,
                  device: torch.device, policy: str = "weave", num_sms: int = DEFAULT_NUM_SMS, *,

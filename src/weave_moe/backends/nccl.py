@@ -134,6 +134,9 @@ class NcclBackend:
         #: With an exchange the id check rides on the count exchange (every rank sees every rank's bad-id count and
         #: raises in the same call; no extra sync).
         self.checks_expert_ids = self.use_exchange
+        #: EP = 1 runs the expert stage alone, which reads its pair count on the device; an exchange's all-to-all-v
+        #: needs the split sizes on the host.
+        self.capturable = not self.use_exchange
 
     def synchronize(self) -> None:
         """Wait (within the coordinator's timeout_s) until this rank's last call has finished on its device; nothing

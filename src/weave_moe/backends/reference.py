@@ -28,6 +28,7 @@ class ReferenceBackend:
     #: the layer checks ids itself (one host sync per call; reference_moe would index out of range)
     checks_expert_ids = False
     narrows_int64_ids = False
+    capturable = False   # groups its rows by expert on the host
     last_plan = None
 
     def __init__(self, spec: MoESpec, group, rank: int, world_size: int, max_tokens_per_rank: int,

@@ -51,6 +51,11 @@ class BenchConfig:
         max_tokens_per_rank: the layers' T_max (`ExpertParallelMoE(max_tokens_per_rank=)`), what their buffers and
             per-call padding are sized for; 0 = the largest of `tokens`. A serving engine sizes it for its largest
             batch (e.g. 8192) and then calls it with 1-token decode batches: set it so to time decode as served.
+        graph: time the calls of each variant whose layer is `capturable` (ExpertParallelMoE.capturable: weave's
+            device-resident call, nccl at EP = 1) as replays of that call captured in a CUDA graph (one graph per
+            input set, captured after the warm-up and checked once more), as serving engines run decode: no host
+            time inside a call. Other variants stay eager; each row's `timing` says which. CUDA only (eager on the
+            CPU).
     """
 
     models: tuple
@@ -80,6 +85,7 @@ class BenchConfig:
     own_process: tuple = ("symm",)
     cpu_limit_mib: float = 1024.0
     max_tokens_per_rank: int = 0
+    graph: bool = False
 
     def __post_init__(self) -> None:
         if self.iters < 1 or self.warmup < 0 or self.rotate < 1 or not 1 <= self.rounds <= self.iters:

@@ -539,18 +539,19 @@ class _Run:
     error: str | None
     local_ms: list
     stopped: bool = False
+    graphs: list | None = None   # config.graph: one captured call per input set, replayed by the timed loop
 
 
 def _bench_config(config, model, spec, variant, outcome, inputs, rank, world_size, device) -> dict:
-    run = _start(config, outcome, inputs, world_size)
+    run = _start(config, outcome, inputs, world_size, device)
     _time_into(run, outcome, inputs, config.iters, device)
     return _finish(config, model, spec, variant, outcome, inputs, rank, world_size, device, run)
 
 
-def _start(config, outcome, inputs, world_size) -> _Run:
+def _start(config, outcome, inputs, world_size, device) -> _Run:
     """The check (config.check) and the warm-up of one variant on one configuration."""
-    run = _Run(dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[], stages_ms={}),
-               outcome.error, [])
+    run = _Run(dict(rel_error=None, max_norm_error=None, check_passed=None, times_ms=[], plans=[], stages_ms={},
+                    timing="eager"), outcome.error, [])
     if outcome.layer is not None:
         try:
             # checked twice: the layer's first call (which compiles and captures its graphs) and a call after the
@@ -559,9 +560,15 @@ def _start(config, outcome, inputs, world_size) -> _Run:
             run.result["plans"] = _warm_up(outcome.layer, inputs.sets, config.warmup)
             if first is not None:
                 again = _check(outcome.layer, inputs, config, world_size)
-                run.result.update(rel_error=max(first["rel_error"], again["rel_error"]),
-                                  max_norm_error=max(first["max_norm_error"], again["max_norm_error"]),
-                                  check_passed=first["check_passed"] and again["check_passed"])
+                _merge_check(run.result, first, again)
+            if config.graph and device.type == "cuda" and outcome.layer.capturable:
+                run.graphs, outputs = _capture_calls(outcome.layer, inputs.sets)
+                run.result["timing"] = "graph"
+                if first is not None:   # set 0's captured call checked too: its output poisoned, then one replay
+                    outputs[0].fill_(float("nan"))
+                    run.graphs[0].replay()
+                    _merge_check(run.result, run.result, _check_output(outputs[0], outcome.layer, inputs, config,
+                                                                       world_size))
         except Exception as exc:  # noqa: BLE001 - recorded in the row
             run.error = _describe(exc)
     return run
@@ -572,7 +579,7 @@ def _time_into(run: _Run, outcome, inputs, iters: int, device) -> None:
     if outcome.layer is None or run.error is not None or run.stopped:
         return
     try:
-        run.local_ms += _timed_loop(outcome.layer, inputs.sets, iters, device)
+        run.local_ms += _timed_loop(outcome.layer, inputs.sets, iters, device, run.graphs)
     except Exception as exc:  # noqa: BLE001 - recorded in the row
         run.error = _describe(exc)
 
@@ -580,6 +587,7 @@ def _time_into(run: _Run, outcome, inputs, iters: int, device) -> None:
 def _finish(config, model, spec, variant, outcome, inputs, rank, world_size, device, run: _Run) -> dict:
     """The variant's row of this configuration (rank 0; {} elsewhere): its times gathered from every rank."""
     error, stages = run.error, {}
+    run.graphs = None   # their memory back before the next configuration's
     if outcome.layer is not None:
         if error is None:
             try:
@@ -620,7 +628,7 @@ def _bench_in_rounds(config, model, spec, inputs, rank, world_size, device, w13,
     anchor = len(variants)   # the library compute anchor's slot in each round's order (config.anchor)
     rows: dict[tuple, dict] = {}
     for key, config_inputs in inputs.items():
-        runs = [_start(config, outcome, config_inputs, world_size) for outcome in outcomes]
+        runs = [_start(config, outcome, config_inputs, world_size, device) for outcome in outcomes]
         for run in runs:
             run.stopped = _failed_anywhere(run.error)
         anchor_times, anchor_error = [], None
@@ -649,10 +657,21 @@ def _bench_in_rounds(config, model, spec, inputs, rank, world_size, device, w13,
 
 
 def _check(layer, inputs, config, world_size) -> dict:
+    """A call of input set 0 against the reference."""
+    return _check_output(layer(*inputs.sets[0]), layer, inputs, config, world_size)
+
+
+def _merge_check(result: dict, first: dict, second: dict) -> None:
+    """`result` takes the worse of two checks of one variant."""
+    result.update(rel_error=max(first["rel_error"], second["rel_error"]),
+                  max_norm_error=max(first["max_norm_error"], second["max_norm_error"]),
+                  check_passed=first["check_passed"] and second["check_passed"])
+
+
+def _check_output(out, layer, inputs, config, world_size) -> dict:
+    """`out`, the layer's result for input set 0, against the reference."""
     from weave_moe.reference import moe_error
 
-    x, ids, weights = inputs.sets[0]
-    out = layer(x, ids, weights)
     layer.synchronize()
     finite = torch.tensor([float(torch.isfinite(out).all())], device=out.device)
     if world_size > 1:
@@ -681,8 +700,25 @@ def _warm_up(layer, sets, warmup: int) -> list:
     return plans
 
 
-def _timed_loop(layer, sets, iters: int, device) -> list[float]:
-    """This rank's time of each call, ms. Nothing in the loop syncs the host except the backend itself."""
+def _capture_calls(layer, sets) -> tuple[list, list]:
+    """([graph per input set], [its output]): each set's call captured into a CUDA graph of its own and replayed
+    once. The layer has made its eager calls (compiles, first-call checks) before; every rank captures and replays in
+    step, as the timed loop does."""
+    from weave_moe.backends.weave.graphs import capturing
+
+    graphs, outputs = [], []
+    for input_set in sets:
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            outputs.append(layer(*input_set))
+        graph.replay()
+        graphs.append(graph)
+    return graphs, outputs
+
+
+def _timed_loop(layer, sets, iters: int, device, graphs: list | None = None) -> list[float]:
+    """This rank's time of each call, ms. Nothing in the loop syncs the host except the backend itself. With
+    `graphs` (`_capture_calls` of `sets`), each call is a replay of its set's captured call."""
     if device.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -690,7 +726,10 @@ def _timed_loop(layer, sets, iters: int, device) -> list[float]:
         dist.barrier()
         for call in range(iters):
             starts[call].record()
-            layer(*sets[call % len(sets)])
+            if graphs:
+                graphs[call % len(graphs)].replay()
+            else:
+                layer(*sets[call % len(sets)])
             ends[call].record()
         torch.cuda.synchronize(device)
         return [start.elapsed_time(end) for start, end in zip(starts, ends)]
@@ -763,7 +802,7 @@ def _make_row(config, model, spec, variant, inputs, world_size, error, skipped, 
         world_size=world_size, emulate_ep=config.emulate_ep, tokens_per_rank=inputs.tokens, routing=inputs.routing,
         skew=config.skew if inputs.routing == "skewed" else None,
         variant=variant.name, backend=variant.backend, policy=variant.policy or "",
-        iters=len(result["times_ms"]),
+        iters=len(result["times_ms"]), timing=result["timing"],
         median_ms=None, p10_ms=None, p90_ms=None, min_ms=None, mean_ms=None, tflops=None, nvlink_gbps=None,
         floor_ms=floor_ms,
         floor_compute_ms=statistics.fmean(max(f.compute_s) for f in floors) * 1e3,

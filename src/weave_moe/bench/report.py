@@ -35,7 +35,7 @@ __all__ = ["CSV_COLUMNS", "E2E_COLUMNS", "result_paths", "unique_name", "write_a
 
 CSV_COLUMNS = (
     "model", "tokens_per_rank", "routing", "skew", "variant", "backend", "policy", "world_size", "emulate_ep",
-    "iters", "median_ms", "p10_ms", "p90_ms", "min_ms", "mean_ms", "tflops", "nvlink_gbps",
+    "iters", "timing", "median_ms", "p10_ms", "p90_ms", "min_ms", "mean_ms", "tflops", "nvlink_gbps",
     "best_baseline", "best_baseline_ms", "x_best_baseline", *(f"x_{b}" for b in BASELINES),
     "floor_ms", "x_floor", "pct_of_floor", "floor_bound", "floor_compute_ms", "floor_comm_ms", "floor_weights_ms",
     "lib_compute_ms", "x_lib_compute",
@@ -392,6 +392,11 @@ def markdown(rows: list[dict], metadata: dict, paths: dict | None = None, attent
                    else "")
         lines.append(f"- floor = max(FLOPs at {floor['gemm_tflops']:g} TFLOP/s, deduplicated NVLink bytes at "
                      f"{floor['peer_gbps']:g} GB/s per direction{weights}) ({floor['source']})")
+    graphed = sorted({r["variant"] for r in rows if r.get("timing") == "graph"})
+    if graphed:
+        eager = sorted({r["variant"] for r in rows if r.get("timing") == "eager"})
+        lines.append(f"- timing: each call a replay of the call captured in a CUDA graph (as serving engines run "
+                     f"decode) for {', '.join(graphed)}; eager calls for {', '.join(eager) or 'none'}")
     if any(r.get("lib_compute_ms") for r in rows):
         lines.append("- lib compute: `torch._grouped_mm` GEMM0 + SiLU-mul + GEMM1 on the same per-rank groups, no "
                      "communication, in a CUDA graph on GPUs, median (docs/benchmarking.md)")

@@ -23,6 +23,10 @@ def add_arguments(parser) -> None:
                         help="the layers' max_tokens_per_rank (their buffers' size), at least the largest of --tokens; "
                              "0: that largest. Serving engines size it for their largest batch and decode 1-token "
                              "batches in it: e.g. --tokens 1,8,32 --max-tokens-per-rank 8192")
+    parser.add_argument("--graph", action="store_true",
+                        help="time each capturable variant (weave's device-resident call; nccl at EP=1) as replays "
+                             "of its call captured in a CUDA graph, as serving engines run decode (no host time per "
+                             "call); the others eagerly; rows say which (timing)")
     parser.add_argument("--routing", default="uniform,skewed", help="uniform and/or skewed")
     parser.add_argument("--skew", type=float, default=3.0, help="busiest expert / mean count of skewed routing")
     parser.add_argument("--variants", default=None,
@@ -150,7 +154,7 @@ def _build_config(args, argv: list[str] | None):
         show_progress=not args.no_progress, breakdown=not args.no_breakdown, attention=args.attention,
         attention_seq_len=args.attention_seq_len, anchor=not args.no_anchor, emulate_ep=args.emulate_ep,
         own_process=tuple(b.strip() for b in args.own_process.split(",") if b.strip()),
-        cpu_limit_mib=args.cpu_limit_mib, max_tokens_per_rank=args.max_tokens_per_rank,
+        cpu_limit_mib=args.cpu_limit_mib, max_tokens_per_rank=args.max_tokens_per_rank, graph=args.graph,
     )
 
 

@@ -248,6 +248,7 @@ class WeaveBackend:
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
         self.resident = cfg.resident_at(world_size)
         self.narrows_int64_ids = self.resident   # the resident call's pack launch narrows them (RoutingMessage.pack_call)
+        self.capturable = self.resident   # the host-driven call copies the counts to the host
         self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
         if self.fixed_plan is not None:  # every rank's (c, K, n_steal): the resident call's tables read K here
             p = self.fixed_plan
