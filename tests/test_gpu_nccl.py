@@ -94,3 +94,42 @@ def test_nccl_backend_on_two_gpus():
             assert result["host_syncs"] == 1, where  # the count exchange's .tolist(), nothing else
             assert set(result["timings"]) == {"dispatch", "permute", "gemms", "unpermute", "combine", "total"}, where
             assert all(value > 0 for value in result["timings"].values()), where
+
+
+@pytest.mark.gpu
+def test_nccl_at_ep1_replays_from_a_callers_graph():
+    """`capturable` at EP = 1 (what `weave-moe bench --graph` relies on): the call captured once, then replayed with
+    fresh x and routing (uniform, skewed, holes) written into the captured inputs, its output poisoned before each
+    replay, every replay against the reference."""
+    device = torch.device("cuda")
+    spec = MoESpec(16, 4, 512, 256, name="capture")
+    w13, w2 = make_experts(spec, spec.num_experts, first_expert=0, device=device)
+    layer = ExpertParallelMoE(spec, backend="nccl", max_tokens_per_rank=64, device=device, check_expert_ids=False)
+    layer.load_experts(w13, w2)
+    reference = ExpertParallelMoE(spec, backend="reference", max_tokens_per_rank=64, device=device)
+    reference.load_experts(w13, w2)
+    assert layer.capturable and not reference.capturable
+    generator = torch.Generator(device=device).manual_seed(0)
+    x_s = torch.randn(48, spec.hidden_size, generator=generator, device=device).to(torch.bfloat16)
+    ids_s, w_s = routing.uniform(48, spec.num_experts, spec.top_k, seed=0, device=device)
+    ids_s = ids_s.to(torch.int32).contiguous()
+    layer(x_s, ids_s, w_s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = layer(x_s, ids_s, w_s)
+    for replay in range(12):
+        if replay % 3 == 1:
+            ids, w = routing.skewed(48, spec.num_experts, spec.top_k, skew=4.0, seed=replay, device=device)
+        else:
+            ids, w = routing.uniform(48, spec.num_experts, spec.top_k, seed=replay, device=device)
+        if replay % 3 == 2:
+            ids = ids.clone()
+            ids[::3, -1] = -1
+        x_s.copy_(torch.randn(48, spec.hidden_size, generator=generator, device=device).to(torch.bfloat16))
+        ids_s.copy_(ids)
+        w_s.copy_(w)
+        out_s.fill_(float("nan"))
+        graph.replay()
+        rel_fro, _ = moe_error(out_s, reference(x_s, ids_s, w_s))
+        assert rel_fro <= DEFAULT_TOLERANCE, (replay, rel_fro)
