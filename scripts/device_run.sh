@@ -122,12 +122,6 @@ for stage in "$@"; do
     next56) TA_TABLES="shipped bench/results/h100-7180516/table-candidate.json" TA_MODELS=deepseek-v3,qwen3.5-35b-a3b,qwen3-30b-a3b TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on,weave:serial@gemm0_gather=off" TA_TIMEOUT=270 "$0" table-ab;;
     next56b) WS_MODELS=deepseek-v3,deepseek-v2,phi-3.5-moe WS_TOKENS=8192 WS_CONFIGS=192x128x64w4s4,192x128x64w4s4g2,192x128x64w4s4g4,128x256x64w8s4,128x256x64w8s4g4 WS_TIMEOUT=300 "$0" ws-gemm;;
     next56c) TA_TABLES="shipped bench/results/h100-7180516/table-candidate-triton.json" TA_MODELS=deepseek-v3,qwen3.5-35b-a3b,qwen3-30b-a3b TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial" TA_TIMEOUT=250 "$0" table-ab;;
-    # perf-notes entry 57: the paired call in six launches (KernelConfig.pair_tables): the resident check with it,
-    # then the serial policy without and with it at 1 / 8 / 32 tokens, 5 rounds, and both 1-token timelines
-    next57) WEAVE_MOE_KERNEL_CONFIG=pair_tables=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${N57_TIMEOUT:-300}" "$0" resident;;
-    next57b) WC_TIMEOUT="${N57B_TIMEOUT:-200}" WC_TOKENS=1,8,32 WC_MODELS=qwen3-30b-a3b,deepseek-v3,deepseek-v2-lite WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@pair_tables=on" WC_NAME=pair-tables "$0" ws-calls
-          RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on" "$0" resident-profile
-          RP_MODEL=qwen3.5-35b-a3b RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@pair_tables=on,weave:serial@ws_chain=off" "$0" resident-profile;;
     # perf-notes 54 (one call, ~9 min): the decode chain's shortcuts (one-program pack and counts, the EP = 1 pair
     # dispatch without flags) in every row, the serial policy without / with chain_pairs at 1 / 8 / 32 tokens (5
     # rounds), decode in layers sized for a serving engine's 8192 tokens, both 1-token timelines, then the resident

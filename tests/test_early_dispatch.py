@@ -47,7 +47,7 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
         args = launcher._arguments(ids, tokens, torch.zeros(num_experts, **i32), io, workspace, status,
                                    min(1, world_size - 1), 10 ** 9, offsets, torch.zeros(launcher.rows_shape, **i32),
                                    local)
-        extra = launcher._variant(args[4], local, offsets)
+        extra = launcher._variant(local, offsets)
     return sm90.compile_for_sm90(kernel, args, dict(launcher.constants, **extra, num_warps=ed.NUM_WARPS))
 
 
@@ -119,7 +119,7 @@ def test_the_programmatic_pair_dispatch_waits_then_releases_before_any_load(num_
                                torch.zeros(num_experts, **i32), torch.zeros(2, dtype=torch.int64), workspace,
                                torch.zeros(4, **i32), 0, 10 ** 9, None, torch.zeros(launcher.rows_shape, **i32), local)
     for pdl in (False, True):
-        variant = launcher._variant(args[4], local, None, pdl)
+        variant = launcher._variant(local, None, pdl)
         assert variant.get("launch_pdl", False) is (pdl and sync_pdl())
         variant.pop("launch_pdl", None)
         ptx = sm90.compile_for_sm90(ed.pair_dispatch_kernel, args, dict(variant, num_warps=ed.NUM_WARPS)).asm["ptx"]
@@ -129,38 +129,6 @@ def test_the_programmatic_pair_dispatch_waits_then_releases_before_any_load(num_
             continue
         wait, release = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
         assert wait < release < ptx.index("ld.global"), "the release must follow the wait, both before any load"
-
-
-@pytest.mark.parametrize("num_experts, top_k, hidden, kinds", [(64, 8, 2048, [(16, False)]),
-                                                                 (128, 8, 7168, [(16, False), (64, True)])])
-def test_the_pair_dispatch_with_tile_tables_compiles_for_sm90(num_experts, top_k, hidden, kinds):
-    """KernelConfig.pair_tables: the pair dispatch whose first programs build the tile tables compiles for sm_90
-    without local memory, its grid a program per table more; at EP > 1 it is refused (its rows come from its peers
-    too)."""
-    from weave_moe.backends.weave.config import DECODE_TOKENS
-    from weave_moe.backends.weave.kernels import early_dispatch as ed
-    from weave_moe.backends.weave.kernels import sm90
-    from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
-    from weave_moe.backends.weave.workspace import SymmetricWorkspace
-
-    i32 = dict(dtype=torch.int32)
-    launcher = ed.PairDispatch(1, num_experts, top_k, hidden, 2048, DECODE_TOKENS, 132)
-    workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(2048, hidden)
-    local = torch.zeros(DECODE_TOKENS * top_k, hidden, dtype=torch.bfloat16)
-    pairs = torch.zeros(num_experts, **i32)
-    args = launcher._arguments(torch.zeros(1, 2048, top_k, **i32), torch.zeros(1, **i32), pairs,
-                               torch.zeros(2, dtype=torch.int64), workspace, torch.zeros(4, **i32), 0, 10 ** 9, None,
-                               torch.zeros(launcher.rows_shape, **i32), local)
-    tiles = [TileTable(torch.zeros(3, 2 * (2048 * top_k // m + num_experts), **i32), torch.zeros(2, **i32), m, tail)
-             for m, tail in kinds]
-    variant = launcher._variant(pairs, local, None, False, tiles)
-    assert variant["TILE_KINDS"] == len(kinds) and launcher.grid(tiles) == (launcher.num_programs + len(kinds), )
-    variant.pop("launch_pdl", None)
-    ptx = sm90.compile_for_sm90(ed.pair_dispatch_kernel, args, dict(variant, num_warps=ed.NUM_WARPS)).asm["ptx"]
-    assert ".local" not in ptx
-    peers = ed.PairDispatch(2, num_experts, top_k, hidden, 2048, DECODE_TOKENS, 132)
-    with pytest.raises(ValueError, match="EP = 1 only"):
-        peers._variant(pairs, None, None, False, tiles)
 
 
 def sync_pdl() -> bool:
@@ -207,13 +175,12 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
     combine = pair_combine.PairCombine(hidden, top_k, DECODE_TOKENS, 132)
     i32 = dict(dtype=torch.int32)
     report = (torch.zeros(8, **i32), torch.zeros(8, **i32))
-    # plain, programmatic with the status copy (chain_pairs), plain with it (pair_tables)
-    for chain, reports in ((False, False), (True, True), (False, True)):
+    for chain in (False, True):
         args = combine._arguments(torch.zeros(64, hidden, dtype=torch.bfloat16),
                                   torch.zeros(DECODE_TOKENS, top_k, **i32), torch.zeros(1, 2048, top_k),
                                   torch.zeros(1, **i32), torch.zeros(2, dtype=torch.int64), torch.zeros(4, **i32), 0,
-                                  report if reports else None)
-        variant = combine._variant(chain, report if reports else None)
+                                  report if chain else None)
+        variant = combine._variant(chain, report if chain else None)
         variant.pop("launch_pdl", None)
         ptx = sm90.compile_for_sm90(pair_combine.pair_combine_kernel, args,
                                     dict(variant, num_warps=pair_combine.NUM_WARPS)).asm["ptx"]
@@ -223,19 +190,19 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
         assert ("griddepcontrol.wait" in ptx) is chain
         if chain:
             assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    with pytest.raises(ValueError, match="report"):   # the copy only after the wait for the GEMMs
+        combine._variant(False, report)
     with pytest.raises(ValueError, match="report"):
         combine._arguments(*args[:7], (torch.zeros(6, **i32), torch.zeros(6, **i32)))
 
 
-def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False, in_dispatch=False):
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
     pack, counts (verdict), `PairDispatch`, then y made from the pair rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
     poisoned out of T + 1 rows. `chain` (KernelConfig.chain_pairs): the counts launch also writes a tile table of 4
     rows per tile (checked against build_tile_table_torch on the offsets), the pair dispatch compiled for
-    programmatic launch. `in_dispatch` (KernelConfig.pair_tables): the pair dispatch launch writes two tile tables
-    (4 rows per tile; 8 with split tails: checked the same way) and the combine, launched plainly, copies the status
-    words to the host. Returns (out, rows table, offsets, receive region, status)."""
+    programmatic launch. Returns (out, rows table, offsets, receive region, status)."""
     from weave_moe.backends.coordination import HEADER_WORDS
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
@@ -266,23 +233,18 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=Fa
     recv = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable, build_tile_table_torch
 
-    tables = [TileTable(torch.full((3, 2 * (max_tokens * k // m + E)), -5, dtype=torch.int32),
-                        torch.full((2,), -5, dtype=torch.int32), m, tail)
-              for m, tail in ([(4, False)] if chain else [(4, False), (8, True)])]
-    vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True, tiles=tables if chain else None)
+    table = TileTable(torch.full((3, 2 * (max_tokens * k // 4 + E)), -5, dtype=torch.int32),
+                      torch.full((2,), -5, dtype=torch.int32), 4)
+    vector = counts.build(all_routing, status[:sync.STATUS_WORDS], 0, verdict=True, tiles=[table] if chain else None)
     dispatch.launch(all_ids, tokens, vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E], io, ws,
-                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv, pdl=chain,
-                    tiles=tables if in_dispatch else None)
-    if chain or in_dispatch:   # the GEMMs' tiles of the rows the dispatch placed (refused: from the counts' pairs)
+                    status[:sync.STATUS_WORDS], 0, 10 ** 9, offsets, rows, recv, pdl=chain)
+    if chain:   # the GEMMs' tiles of the rows the dispatch placed (refused: from the counts' pairs all the same)
         pairs = vector[fmt.expert_pairs_offset:fmt.expert_pairs_offset + E]
-        for table in tables:
-            want = build_tile_table_torch(torch.cat([torch.zeros(1, dtype=torch.int32), pairs.cumsum(0).int()]),
-                                          table.block_m, max_tokens * k, table.split_tail)
-            assert torch.equal(table.num_tiles, want.num_tiles), (table.num_tiles, want.num_tiles)
-            for section, n in enumerate(want.num_tiles.tolist()):
-                cols = slice(section * table.max_tiles, section * table.max_tiles + n)
-                wcols = slice(section * want.max_tiles, section * want.max_tiles + n)
-                assert torch.equal(table.table[:, cols], want.table[:, wcols]), (T, table.block_m, section)
+        want = build_tile_table_torch(torch.cat([torch.zeros(1, dtype=torch.int32), pairs.cumsum(0).int()]), 4,
+                                      max_tokens * k)
+        assert torch.equal(table.num_tiles, want.num_tiles), (table.num_tiles, want.num_tiles)
+        n = int(want.num_tiles[0])
+        assert torch.equal(table.table[:, :n], want.table[:, :n]), (T, table.table[:, :n], want.table[:, :n])
     assert ws.recv().isnan().all()
     y = torch.full((max_tokens * k, H), float("nan"), dtype=torch.bfloat16)
     for e in range(E):
@@ -290,8 +252,8 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=Fa
         y[lo:hi] = (recv[lo:hi].float() * (e + 1) / 8).bfloat16()
     host = torch.full_like(status, -9)   # the status words' host copy, which a chained combine writes
     PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0, pdl=chain,
-                                   report=(status, host) if chain or in_dispatch else None)
-    assert torch.equal(host, status) if chain or in_dispatch else (host == -9).all(), (host, status)
+                                   report=(status, host) if chain else None)
+    assert torch.equal(host, status) if chain else (host == -9).all(), (host, status)
     return out, rows, offsets, recv, status
 
 
@@ -313,8 +275,8 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
     E, k, H, max_tokens = 8, 3, 40, 12   # calls of up to 8 tokens: 24 pairs, more than T_max
     generator = torch.Generator().manual_seed(5)
-    for T, how in ((0, ""), (1, ""), (2, ""), (5, ""), (8, ""), (0, "chain"), (1, "chain"), (5, "chain"),
-                   (8, "chain"), (0, "in_dispatch"), (1, "in_dispatch"), (5, "in_dispatch"), (8, "in_dispatch")):
+    for T, chain in ((0, False), (1, False), (2, False), (5, False), (8, False), (0, True), (1, True), (5, True),
+                     (8, True)):
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
             torch.zeros(0, k, dtype=torch.int32)
         if T >= 2:
@@ -322,8 +284,7 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             ids[1, 2] = -1           # a slot with no expert
         weights = torch.rand(T, k, generator=generator)
         x = torch.randn(T, H, generator=generator).bfloat16()
-        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x,
-                                                        chain=how == "chain", in_dispatch=how == "in_dispatch")
+        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, chain=chain)
         assert status[:4].tolist() == [0, 0, 0, 0]
         assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
         for t in range(T):
@@ -342,11 +303,9 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             assert torch.equal(out[t].view(torch.int16), truncated.view(torch.int16)), (T, t)
         assert len({int(r) for r in rows[:T].flatten() if r >= 0}) == int((ids >= 0).sum())   # one row per pair
         assert (out[T] == -3.0).all()
-    for in_dispatch in (False, True):
-        out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2],
-                                                        refuse=True, in_dispatch=in_dispatch)
-        assert out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all()
-        assert offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
+    out, rows, offsets, recv, status = _paired_call(2, E, k, H, max_tokens, ids[:2], weights[:2], x[:2], refuse=True)
+    assert out[:2].isnan().all() and (out[2] == -3.0).all() and recv.isnan().all()
+    assert offsets.tolist() == [0] * (E + 1) and (rows == -9).all()
     # a bad id: the counts refuse the call, the dispatch sends nothing and out is NaN
     bad = ids[:2].clone()
     bad[0, 0] = E

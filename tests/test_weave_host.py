@@ -379,7 +379,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
     backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
-    backend.chain_pairs = backend.pair_tables = False
+    backend.chain_pairs = False
 
     class Stream:
         def wait_event(self, event):
@@ -569,7 +569,7 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
-@pytest.mark.parametrize("chain", [False, True, "tables"])
+@pytest.mark.parametrize("chain", [False, True])
 def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monkeypatch, chain):
     """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
     pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
@@ -577,46 +577,43 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     message's weights; the status word's copy to the host last. No task tables, no megakernel launch on the call's
     stream. `chain` (KernelConfig.chain_pairs): the layer's tile tables written by the counts launch itself (no
     tile-table launch, no fork, no join), the pair dispatch launched programmatically, GEMM0 preloading, the pair
-    combine launched programmatically and copying the status word itself (no last kernel). "tables"
-    (KernelConfig.pair_tables): the layer's tile tables written by the pair dispatch launch (no tile-table launch,
-    no fork, no join), the pair combine launched plainly and copying the status word itself."""
+    combine launched programmatically and copying the status word itself (no last kernel)."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
 
     backend, launched = _tables_host(monkeypatch)
-    backend.num_sms, backend.chain_pairs, backend.pair_tables = 4, chain is True, chain == "tables"
+    backend.num_sms, backend.chain_pairs = 4, chain
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
     held = {"k0": "table k0", "k1": "table k1"}
 
     def counts(*args, tiles=None, **options):
-        assert tiles == (["table k0", "table k1"] if chain is True else None), tiles
-        launched.append("counts" + (" and tile tables" if chain is True else ""))
+        assert tiles == (["table k0", "table k1"] if chain else None), tiles
+        launched.append("counts" + (" and tile tables" if chain else ""))
         return vector
 
     backend.device_counts.build = counts
     backend._tile_tables = lambda keys: (held, "rows") if keys == ["k0", "k1"] else None
-    backend._preloads = lambda configs: chain is True and configs == "configs"
+    backend._preloads = lambda configs: chain and configs == "configs"
     backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
 
     class Pairs:
         def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
-                   pdl, tiles):
+                   pdl):
             start = backend.counts_format.expert_pairs_offset
             assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8
             assert local.data_ptr() == backend.workspace.y().data_ptr()   # the pair rows into y
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
             # no expert offsets: the tile tables come from the counts, nothing would read them
             assert offsets is None and rows is backend.pair_rows and status is backend.live_status
-            assert tiles == (["table k0", "table k1"] if chain == "tables" else None), tiles
-            launched.append("pair dispatch" + (" (programmatic)" if pdl else "") + (" and tile tables" if tiles else ""))
+            launched.append("pair dispatch" + (" (programmatic)" if pdl else ""))
 
     class Combine:
         def launch(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
             assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
             assert report == ((backend.status, backend.status_host) if chain else None)
-            launched.append("pair combine" + (" (programmatic)" if pdl else "") + (" (status copied)" if report else ""))
+            launched.append("pair combine" + (" (programmatic, status copied)" if pdl else ""))
 
     backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
@@ -638,12 +635,9 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend.status, backend.status_host = "status words", "their host copy"
     monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append(("status copy", host)))
     backend._resident_paired("configs")
-    if chain is True:
+    if chain:
         assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
-                            ("gemms", "configs", held, True), "pair combine (programmatic) (status copied)"], launched
-    elif chain == "tables":
-        assert launched == ["counts", "pair dispatch and tile tables", ("gemms", "configs", held, False),
-                            "pair combine (status copied)"], launched
+                            ("gemms", "configs", held, True), "pair combine (programmatic, status copied)"], launched
     else:
         assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
                             ("gemms", "configs", "tile tables", False), "pair combine",
@@ -681,15 +675,14 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True, "chain", "tables"])
+@pytest.mark.parametrize("paired", [False, True, "chain"])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
     `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the pair rows in y read in place, and the pair
     dispatch on the counts vector's pairs and the layer's offsets, the pair combine on y; "chain"
     (KernelConfig.chain_pairs): the pair dispatch as launched programmatically, and no tile-table launch from the
-    counts (the counts launch writes the tables); "tables" (KernelConfig.pair_tables): the pair dispatch once per
-    pair of tile kinds, with that pair's tables, and no tile-table launch from the counts."""
+    counts (the counts launch writes the tables)."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -737,10 +730,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
         class Pairs:
             def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
-                       pdl, tiles):
-                assert pdl is (paired == "chain") and (tiles is not None) is (paired == "tables")
-                if tiles is not None:
-                    tables.append(tuple(tiles))
+                       pdl):
+                assert pdl is (paired == "chain")
                 assert local.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
@@ -749,34 +740,30 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
         class Combine:
             def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
-                assert pdl is (paired == "chain") and (report is not None) is (paired in ("chain", "tables"))
+                assert pdl is (paired == "chain") and (report is not None) is pdl
                 assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
                 warmed.append("pair combine")
 
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
-        backend.chain_pairs, backend.pair_tables = paired == "chain", paired == "tables"
+        backend.chain_pairs = paired == "chain"
         backend.status_host = torch.zeros_like(backend.status)
-    held, tables = [], []
-    backend._tile_tables = lambda keys: held.append(tuple(sorted(set(keys)))) or (
-        {key: f"table {key}" for key in sorted(set(keys))}, "rows")
+    held = []
+    backend._tile_tables = lambda keys: held.append(tuple(sorted(set(keys))))
     backend._compile_before_call()
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
+    pairs = ["pair dispatch", "pair combine"] if paired else []
+    assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
     g1 = (configs[1][0].block_m, False)
     kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
-    pairs = ["pair dispatch"] * (len(kinds) if paired == "tables" else 1) + ["pair combine"] if paired else []
-    assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
     expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds]
                                               if paired is True else [])
-    # "chain", "tables": the tables the counts launch or the pair dispatch fills, allocated before the call (not
-    # inside its capture); "tables": the pair dispatch compiled once per pair of kinds, on that pair's tables
-    assert sorted(held) == {"chain": sorted(kinds), "tables": sorted(list(kinds) * 2)}.get(paired, []), held
-    assert sorted(tables) == (sorted(tuple(f"table {key}" for key in kind) for kind in kinds)
-                              if paired == "tables" else []), tables
+    # "chain": the tables the counts launch fills, allocated before the call (not inside its capture)
+    assert sorted(held) == (sorted(kinds) if paired == "chain" else []), held
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 

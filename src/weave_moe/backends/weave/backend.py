@@ -343,9 +343,6 @@ class WeaveBackend:
         # KernelConfig.chain_pairs: the paired call's tile tables written by its counts launch, the pair dispatch and
         # GEMM0 launched programmatically (_resident_paired)
         self.chain_pairs = bool(cfg.chain_pairs and self.pair_dispatch is not None)
-        # KernelConfig.pair_tables: the paired call's tile tables written by its pair dispatch launch, the status words
-        # copied by its pair combine (_resident_paired); with chain_pairs the counts launch writes the tables
-        self.pair_tables = bool(cfg.pair_tables and self.pair_dispatch is not None and not self.chain_pairs)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -597,13 +594,11 @@ class WeaveBackend:
         after the pair dispatch, loading its first weight blocks while the rows are sent (`_preloads`): the chain to
         GEMM0's weights is pack -> counts -> pair dispatch's start (docs/perf-notes.md entry 53); the pair combine,
         launched programmatically, also copies the status word to the host, so the call has no last kernel for it.
-        KernelConfig.pair_tables: the tile tables are written by the pair dispatch launch's first programs instead
-        (no prologue launch, no fork), and the pair combine, launched plainly, copies the status word.
         Otherwise the call ends with that copy (`copy_status`), as the resident call does."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         keys, filled = _tile_keys(configs), None
-        # the layer's tile tables, filled by the counts launch (chain_pairs) or the pair dispatch (pair_tables)
-        tables = self._tile_tables(keys)[0] if self.chain_pairs or self.pair_tables else None
+        # the layer's tile tables, filled by the counts launch (chain_pairs)
+        tables = self._tile_tables(keys)[0] if self.chain_pairs else None
         counts = self._counts(verdict=True, tiles=list(tables.values()) if self.chain_pairs else None)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
         if tables is None:
@@ -611,7 +606,7 @@ class WeaveBackend:
                                                        side=self.fork_prologue, form="counts")
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
                                   self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
-                                  pdl=self.chain_pairs, tiles=list(tables.values()) if self.pair_tables else None)
+                                  pdl=self.chain_pairs)
         if filled is not None:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables, preload=self._preloads(configs))
@@ -623,9 +618,9 @@ class WeaveBackend:
             copy_status(self.status, self.status_host)
 
     def _pair_report(self) -> tuple | None:
-        """What a paired call's combine copies to the host, if it does (KernelConfig.chain_pairs, pair_tables): the
-        status words and their pinned host copy; None: `copy_status` does after it."""
-        return (self.status, self.status_host) if self.chain_pairs or self.pair_tables else None
+        """What a paired call's combine copies to the host, if it does (KernelConfig.chain_pairs): the status words
+        and their pinned host copy; None: `copy_status` does after it."""
+        return (self.status, self.status_host) if self.chain_pairs else None
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -1213,10 +1208,8 @@ class WeaveBackend:
                         pos = self.ctrl[:self.spec.top_k].view(1, -1)
                         tasks = self.ctrl[:len(COMBINE_COLUMNS)].view(1, -1)
                         self._scatter_rows(self.ctrl, pos, tasks, empty[-1:], empty[-1:])
-                if self.pair_dispatch is not None and (self.chain_pairs or self.pair_tables):
-                    # the counts launch (chain_pairs) or the pair dispatch (pair_tables) fills them (allocated here,
-                    # outside any capture)
-                    self._tile_tables(pair)
+                if self.pair_dispatch is not None and self.chain_pairs:
+                    self._tile_tables(pair)   # the counts launch fills them (allocated here, outside any capture)
                 elif self.pair_dispatch is not None:
                     # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
                     # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose
@@ -1230,12 +1223,9 @@ class WeaveBackend:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
-            # with pair_tables one compile per pair of tile kinds a call may take (their TILE_* constants)
-            for kind in tile_kinds if self.pair_tables else {None}:
-                self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io,
-                                          self.workspace, self.live_status, self.rank, self.timeout_ns, None,
-                                          self.pair_rows, self.workspace.y(), pdl=self.chain_pairs,
-                                          tiles=list(self._tile_tables(kind)[0].values()) if kind else None)
+            self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
+                                      self.live_status, self.rank, self.timeout_ns, None, self.pair_rows,
+                                      self.workspace.y(), pdl=self.chain_pairs)
             self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
                                      self.live_status, self.rank, pdl=self.chain_pairs, report=self._pair_report())
         if self.tables_dispatch is not None:

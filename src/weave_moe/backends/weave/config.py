@@ -232,17 +232,6 @@ class KernelConfig:
             its weights stream at the HBM rate from then on. Off: measured on an H100 (159b784, docs/perf-notes.md
             entries 53 and 55) its 1-token GPU span was 1.7 us shorter (43.0 against 44.7: the counts launch took ~3
             us more for the tables), but the call 6-8 us slower end to end (the host's time per call rose).
-        pair_tables: a paired call (`pair_dispatch`) in six launches instead of eight: the pair dispatch launch's
-            first programs build the grouped GEMMs' tile tables from the counts' pairs of this rank's experts (one
-            program per table, beside the programs that send the rows: kernels/early_dispatch.py, TILE_KINDS), in
-            place of the tile-table launch forked onto a side stream beside it and joined before GEMM0; and the pair
-            combine copies the status words to the host (its program 0, kernels/pair_combine.py, REPORT) in place of
-            `copy_status`'s one-CTA kernel after it. On an H100 at 1 token (Qwen3-30B-A3B, f012e48's timeline,
-            bench/results/h100-f012e48) GEMM0 began at 9.8 us, after the tile-table launch (5.4-9.7) where the pair
-            dispatch ended at 8.4, and the status copy took the call's last 1.4 us; no fork and join, and two graph
-            nodes fewer for the host to launch. With `chain_pairs` the counts launch builds the tables (and the
-            combine reports): this setting then changes nothing. Off until measured on a GPU (docs/perf-notes.md
-            entry 57).
         serial_at_ep1: at EP = 1 a resident layer (`resident`) of the adaptive policy ("weave") whose serial plans
             run the grouped GEMMs (`grouped_gemm`, a Hopper GPU) takes the serial plan, fixed when the layer is
             built, and is then the `serial` policy's layer (no planning per call; the paired decode call of
@@ -346,7 +335,6 @@ class KernelConfig:
     ws_gather: bool = False
     ws_chain: bool = True
     chain_pairs: bool = False
-    pair_tables: bool = False
     scatter_rows: bool = True
 
     def __post_init__(self):

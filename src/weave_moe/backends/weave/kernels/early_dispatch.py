@@ -54,8 +54,6 @@ import triton
 import triton.language as tl
 
 from weave_moe.backends.weave.kernels import sync
-from weave_moe.backends.weave.kernels.grouped_tiles import (tile_launch_arguments, tile_launch_constants,
-                                                            tile_table_of_kind)
 from weave_moe.backends.weave.kernels.peers import call_io_ptr, peer_ptr
 from weave_moe.backends.weave.kernels.tables_scan import token_destinations
 from weave_moe.plan.workload import MAX_CHUNKS
@@ -340,13 +338,10 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
                          recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr,
-                         rank, world_size, max_tokens, H, timeout_ns, table0_ptr, num_tiles0_ptr, max_tiles0,
-                         table1_ptr, num_tiles1_ptr, max_tiles1, L: tl.constexpr,
+                         rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
                          K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-                         LOCAL: tl.constexpr, OFFSETS: tl.constexpr, TILE_KINDS: tl.constexpr, TILE_M0: tl.constexpr,
-                         TILE_TAIL0: tl.constexpr, TILE_M1: tl.constexpr, TILE_TAIL1: tl.constexpr,
-                         TILE_E: tl.constexpr, PDL: tl.constexpr = False):
+                         LOCAL: tl.constexpr, OFFSETS: tl.constexpr, PDL: tl.constexpr = False):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
     (KernelConfig.pair_dispatch; docs/perf-notes.md entries 36-37). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
@@ -367,40 +362,11 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     releases and the last program's wait for them only lengthened a decode call's chain. OFFSETS: write the expert
     offsets. PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for the counts
     kernel before the first load, then let the next kernel's CTAs start (`sync.pdl_enter`): a preloading GEMM0's
-    (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it.
-    TILE_KINDS > 0 (KernelConfig.pair_tables): the launch's first TILE_KINDS programs build the grouped GEMMs' tile
-    tables of this rank's experts from their pairs instead (`grouped_tiles.tile_table_of_kind`, one table each;
-    what `fill_tile_tables(form="counts")` writes as a launch of its own beside this one), the rest do the above:
-    GEMM0 then follows this one launch, not it and a forked one."""
+    (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it."""
     if PDL:
         sync.pdl_enter()
-    if TILE_KINDS == 0:
-        _pair_dispatch_program(tl.program_id(0), tl.num_programs(0), ids_ptr, ids_stride, tokens_ptr, tokens_stride,
-                               pairs_ptr, io_ptr, peer_base_ptr, recv_offset, flags_offset, arrival_ptr, status_ptr,
-                               offsets_ptr, rows_ptr, local_ptr, rank, world_size, max_tokens, H, timeout_ns, L, K,
-                               KP, MC, BLOCK_T, BLOCK_E, BLOCK_P, BLOCK_L, BLOCK_H, LOCAL, OFFSETS)
-    else:
-        pid = tl.program_id(0) - TILE_KINDS   # < 0: a tile-table program
-        if pid < 0:
-            tile_table_of_kind(pid + TILE_KINDS, pairs_ptr + rank * L, L, table0_ptr, num_tiles0_ptr, max_tiles0,
-                               table1_ptr, num_tiles1_ptr, max_tiles1, TILE_M0, TILE_TAIL0, TILE_M1, TILE_TAIL1,
-                               TILE_E)
-        else:
-            _pair_dispatch_program(pid, tl.num_programs(0) - TILE_KINDS, ids_ptr, ids_stride, tokens_ptr,
-                                   tokens_stride, pairs_ptr, io_ptr, peer_base_ptr, recv_offset, flags_offset,
-                                   arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr, rank, world_size,
-                                   max_tokens, H, timeout_ns, L, K, KP, MC, BLOCK_T, BLOCK_E, BLOCK_P, BLOCK_L,
-                                   BLOCK_H, LOCAL, OFFSETS)
-
-
-@triton.jit
-def _pair_dispatch_program(pid, grid, ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr,
-                           peer_base_ptr, recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr,
-                           local_ptr, rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr, K: tl.constexpr,
-                           KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, LOCAL: tl.constexpr,
-                           OFFSETS: tl.constexpr):
-    """`pair_dispatch_kernel`'s work of pair program `pid` of `grid` (its docstring)."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
     ee = tl.arange(0, BLOCK_E)
     t = tl.arange(0, BLOCK_T)
     jj = tl.arange(0, KP)
@@ -478,7 +444,6 @@ class PairDispatch:
         KP = triton.next_power_of_2(top_k)
         BLOCK_T = triton.next_power_of_2(max_call_tokens)
         self.num_programs = min(num_programs, BLOCK_T * KP)
-        self.local = local
         self.constants = dict(L=local, K=top_k, KP=KP, MC=MAX_CHUNKS, BLOCK_T=BLOCK_T,
                               BLOCK_E=triton.next_power_of_2(num_experts),
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
@@ -510,38 +475,26 @@ class PairDispatch:
                 rows if offsets is None else offsets, rows, rows if local is None else local, rank, P, T,
                 self.hidden_size, timeout_ns)
 
-    def _variant(self, pairs, local, offsets, pdl: bool = False, tiles: list | None = None) -> dict:
-        """The launch's compile-time switches and tile-table arguments for these arguments (and its launch
-        option); without tiles the table pointers are `pairs` (never read then)."""
-        if tiles and self.world_size != 1:
-            raise ValueError("tiles: the tile tables are built from this rank's pairs at EP = 1 only (at EP > 1 "
-                             "its rows come from its peers' dispatch too)")
-        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None,
-                    **tile_launch_arguments(tiles, pairs), **tile_launch_constants(tiles, self.local),
-                    **sync.optional_pdl(pdl))
-
-    def grid(self, tiles: list | None = None) -> tuple:
-        """The launch's grid: a program per table of `tiles`, then the pairs' programs."""
-        return (len(tiles or ()) + self.num_programs, )
+    def _variant(self, local, offsets, pdl: bool = False) -> dict:
+        """The launch's compile-time switches for these arguments (and its launch option)."""
+        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None, **sync.optional_pdl(pdl))
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
                offsets: torch.Tensor | None, rows: torch.Tensor, local: torch.Tensor | None = None,
-               pdl: bool = False, tiles: list | None = None) -> None:
+               pdl: bool = False) -> None:
         """`pairs`: the counts vector's pairs per expert (E int32); `offsets`: int32 [E_local + 1], written with this
         rank's expert offsets (zeros if the call is refused); `rows`: int32 `rows_shape`, row (t, j) written with
         pair (t, j)'s row at its destination, -1 for no expert (t < T; unless the call is refused). `local`: at EP =
         1, bf16 [>= max_call_tokens * top_k, H] rows of this rank to write the pairs' rows into instead of the receive
-        region. `offsets` None: not written. `pdl`: launched with programmatic dependent launch (the kernel's PDL).
-        `tiles` (EP = 1): one or two `grouped_tiles.TileTable` buffers of distinct (block_m, split_tail), built from
-        this rank's experts' pairs in the same launch (the kernel's TILE_KINDS)."""
-        pair_dispatch_kernel[self.grid(tiles)](
+        region. `offsets` None: not written. `pdl`: launched with programmatic dependent launch (the kernel's PDL)."""
+        pair_dispatch_kernel[(self.num_programs,)](
             *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
-            **self._variant(pairs, local, offsets, pdl, tiles), num_warps=NUM_WARPS)
+            **self._variant(local, offsets, pdl), num_warps=NUM_WARPS)
 
     def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows,
-               local=None, pdl: bool = False, tiles: list | None = None) -> None:
+               local=None, pdl: bool = False) -> None:
         """Compile for these arguments' specialisation without launching (the layer's first call, before it
         enqueues anything)."""
         pair_dispatch_kernel.warmup(
             *self._arguments(all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local),
-            **self._variant(pairs, local, offsets, pdl, tiles), grid=self.grid(tiles), num_warps=NUM_WARPS)
+            **self._variant(local, offsets, pdl), grid=(self.num_programs,), num_warps=NUM_WARPS)

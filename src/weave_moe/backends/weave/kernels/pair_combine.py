@@ -40,11 +40,10 @@ def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr
     """out[t, cols] for the items (t, column block) dealt to this program; y: [pairs, H] bf16; rows: int32 [*, K]
     (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`.
     PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for GEMM1 first
-    (`sync.pdl_enter`). REPORT > 0: program 0 also copies the call's REPORT status words (`report_ptr`) to the
-    host's pinned copy (`host_ptr`), `exchange.copy_status`'s work, so that the call needs no last kernel for it:
-    every kernel of a paired call that writes them has ended by then (the counts' verdict, a stream-K GEMM's
-    bounded wait; the pair dispatch at EP = 1 waits for nothing): a plain launch starts after them, a programmatic
-    one has passed its wait; and this kernel writes none."""
+    (`sync.pdl_enter`). REPORT > 0 (with PDL): program 0 also copies the call's REPORT status words (`report_ptr`)
+    to the host's pinned copy (`host_ptr`), `exchange.copy_status`'s work, so that the call needs no last kernel for
+    it: every kernel of a paired call that writes them has ended once the wait returns (the counts' verdict, a
+    stream-K GEMM's bounded wait; the pair dispatch at EP = 1 waits for nothing), and this kernel writes none."""
     if PDL:
         sync.pdl_enter()
     pid = tl.program_id(0)
@@ -112,9 +111,8 @@ class PairCombine:
                io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False,
                report: tuple | None = None) -> None:
         """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`); `pdl`: launched
-        with programmatic dependent launch (the kernel's PDL); `report`: (the call's status words, their pinned host
-        copy), copied as `exchange.copy_status` would (the kernel's REPORT; the launch after every kernel of the call
-        that writes them)."""
+        with programmatic dependent launch (the kernel's PDL); `report` (with `pdl`): (the call's status words, their
+        pinned host copy), copied as `exchange.copy_status` would (the kernel's REPORT)."""
         pair_combine_kernel[(self.num_programs,)](
             *self._arguments(y, rows, all_weights, tokens, io, status, rank, report), **self._variant(pdl, report),
             num_warps=NUM_WARPS)
@@ -126,6 +124,8 @@ class PairCombine:
 
     def _variant(self, pdl: bool, report: tuple | None = None) -> dict:
         """The launch's constants and launch option (the default compile keeps its key)."""
+        if report is not None and not pdl:
+            raise ValueError("report: only a launch that waits for the GEMMs first (pdl) may copy the status words")
         variant = dict(self.constants, **sync.optional_pdl(pdl))
         if report is not None:
             variant["REPORT"] = report[0].numel()
