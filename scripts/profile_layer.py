@@ -45,7 +45,7 @@ def kernel_timeline(events) -> dict:
                 span_us=max(end for _, _, end in work) - origin, before_gemm_us=before)
 
 
-def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
+def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1, skew=0.0):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,7 +60,10 @@ def worker(rank, world_size, model, tokens, variants, rows, emulate_ep=1):
     spec = emulated_spec(MoESpec.from_name(model), emulate_ep)
     local = spec.num_experts // world_size
     w13, w2 = make_experts(spec, local, first_expert=rank * local, seed=1, device=device)
-    ids, w = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=rank)
+    if skew:   # as the bench draws skewed routing (busiest expert / mean count)
+        ids, w = routing.skewed(tokens, spec.num_experts, spec.top_k, skew=skew, seed=rank)
+    else:
+        ids, w = routing.uniform(tokens, spec.num_experts, spec.top_k, seed=rank)
     ids, w = ids.to(device), w.to(device)
     x = torch.randn(tokens, spec.hidden_size, device=device).to(torch.bfloat16)
     report = []
@@ -116,9 +119,11 @@ if __name__ == "__main__":
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--emulate-ep", type=int, default=1)
+    parser.add_argument("--skew", type=float, default=0.0,
+                        help="skewed routing with this busiest-expert / mean count (the bench's 3.0); 0: uniform")
     args = parser.parse_args()
     results = run_distributed(worker, args.nproc, args.model, args.tokens, args.variants.split(","), args.rows,
-                              args.emulate_ep, backend="nccl", timeout_s=500)
+                              args.emulate_ep, args.skew, backend="nccl", timeout_s=500)
     for variant, times, table, cpu_table, timeline in results[0]:
         print(f"##### {variant}: host-return ms / synced ms per call:",
               " ".join(f"{a:.2f}/{b:.2f}" for a, b in times))
