@@ -119,8 +119,9 @@ for stage in "$@"; do
     graph-decode) timeout "${GD_TEST_TIMEOUT:-120}" python3 -m pytest -q tests/test_gpu_nccl.py -k replays > "$W/graph-nccl-test.log" 2>&1; echo "nccl capture test rc=$?"; tail -2 "$W/graph-nccl-test.log"
           for mode in ${GD_MODES:-graph eager}; do timeout "${GD_TIMEOUT:-240}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v3,deepseek-v2-lite}" --tokens "${GD_TOKENS:-1,8,32,128,512}" --routing uniform --variants "${GD_VARIANTS:-nccl,weave:serial,weave}" --check --iters 30 --rounds 3 $([ $mode = graph ] && echo --graph) --no-progress --timeout $(( ${GD_TIMEOUT:-240} - 10 )) --name "decode-$mode" --out "$W" > "$W/decode-$mode.log" 2>&1; echo "$mode rc=$?"; tail -12 "$W/decode-$mode.log" | cut -c1-200; done;;
     # why the skewed rows lose to the library where the uniform ones win: weave:serial's kernel timeline, uniform and
-    # skewed (3.0, as the bench), DeepSeek-V2 at 2048 / 8192 and Qwen3-30B-A3B at 2048
-    skew-profile) for mt in ${SKP_CONFIGS:-deepseek-v2:2048 deepseek-v2:8192 qwen3-30b-a3b:2048}; do for skew in 0 3; do
+    # skewed (3.0, as the bench), DeepSeek-V2 at 2048 / 8192 and Qwen3-30B-A3B at 2048; DeepSeek-V3 8192 for where its
+    # ~0.8 ms outside the GEMMs goes (issue 14's 620 TFLOP/s)
+    skew-profile) for mt in ${SKP_CONFIGS:-deepseek-v2:2048 deepseek-v2:8192 qwen3-30b-a3b:2048 deepseek-v3:8192}; do for skew in 0 3; do
           timeout 120 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${mt%%:*}" --tokens "${mt##*:}" --skew $skew --variants weave:serial --rows 30 > "$W/profile-skew$skew-${mt%%:*}-${mt##*:}.txt" 2>&1; echo "profile ${mt} skew $skew rc=$?"; grep -A14 -E "^#####.*span" "$W/profile-skew$skew-${mt%%:*}-${mt##*:}.txt"; done; done;;
     next58) TA_TABLES="shipped bench/results/h100-4ad5052/table-candidate.json" TA_MODELS=deepseek-v2,phi-3.5-moe TA_TOKENS=8192 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on,weave" TA_TIMEOUT=240 "$0" table-ab;;
     next56) TA_TABLES="shipped bench/results/h100-7180516/table-candidate.json" TA_MODELS=deepseek-v3,qwen3.5-35b-a3b,qwen3-30b-a3b TA_TOKENS=2048 TA_ROUTING=uniform,skewed TA_VARIANTS="nccl,weave:serial,weave:serial@ws_gather=on,weave:serial@gemm0_gather=off" TA_TIMEOUT=270 "$0" table-ab;;

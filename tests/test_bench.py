@@ -293,6 +293,14 @@ def test_markdown_and_csv_columns(tmp_path):
     for column in ("best_baseline", "best_baseline_ms", "x_best_baseline", "x_floor", "lib_compute_ms", "x_nccl",
                    "x_symm", "x_deepep", "skipped", "emulate_ep", "floor_weights_ms"):
         assert column in header, column
+    # which variants were replayed from CUDA graphs (--graph) is said once, above the tables
+    assert "- timing:" not in text
+    for row in rows:
+        row["timing"] = "graph" if row["variant"].startswith("weave") else "eager"
+    graphed = sorted({row["variant"] for row in rows if row["timing"] == "graph"})
+    eager = sorted({row["variant"] for row in rows if row["timing"] == "eager"})
+    assert (f"- timing: each call a replay of the call captured in a CUDA graph (as serving engines run decode) for "
+            f"{', '.join(graphed)}; eager calls for {', '.join(eager)}") in report.markdown(rows, {"name": "t"})
 
 
 def test_failed_rows_and_exit_code(monkeypatch, tmp_path, capsys):
