@@ -1172,7 +1172,6 @@ class WeaveBackend:
         warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
-        tile_kinds = set()   # the (GEMM0, GEMM1) pairs of tile kinds a call may take
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             y = self.workspace.y()
@@ -1196,8 +1195,8 @@ class WeaveBackend:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
                 for chained in (False, True) if self._chains([config]) else (False, ):
                     self._gemm1(table, config, chained=chained)
-            tile_kinds = {tuple(sorted(set(_tile_keys((c0, c1))))) for c0 in configs[0] for c1 in configs[1]}
-            for pair in tile_kinds:
+            # the (GEMM0, GEMM1) pairs of tile kinds a call may take
+            for pair in {tuple(sorted(set(_tile_keys((c0, c1))))) for c0 in configs[0] for c1 in configs[1]}:
                 _, rows, _ = self._grouped_prologue(empty, pair, self.grouped_serial)
                 if not self.gemm0_gather or self.ws_gemm:   # otherwise a call makes no gather launch
                     # both compiles: after a forked prologue (its count read ahead: here a count written long
