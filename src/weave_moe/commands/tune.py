@@ -604,14 +604,17 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=(
         for config, reason in candidates[g][1]:
             print(f"  GEMM{g} skipped {config_name(config)}: {reason}")
 
-    def time_alone(works, gemm, config) -> float:
+    def time_alone(works, gemm, config, each: list | None = None) -> float:
         """ms of one launch of `config` alone: the median of --reps replays, each over the cold rotations; over
-        several routings' works the geomean of theirs."""
+        several routings' works the geomean of theirs (`each`, when a list, receives every routing's)."""
         def one(work):
             launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
             return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches],
                                                      args.reps)) / len(launches)
-        return geomean([one(work) for work in works])
+        times = [one(work) for work in works]
+        if each is not None:
+            each.extend(times)
+        return geomean(times)
 
     results, failed, started = [], 0, time.time()
     for shape in shapes:
@@ -643,14 +646,17 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=(
                         continue
                     if not measured:   # a shape's first timing of a GEMM can run slow throughout (an H100,
                         time_alone(works, gemm, config)   # bench/results/h100-1eee06e): timed twice, the second kept
-                    ms = time_alone(works, gemm, config)
+                    each = []
+                    ms = time_alone(works, gemm, config, each)
                 except Exception as error:  # a config that does not compile or launch must not stop the sweep
                     print(f"  GEMM{gemm} {name}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
                     torch.cuda.synchronize()
                     continue
                 measured.append((ms, config, err))
-                print(f"  GEMM{gemm} {name}: {ms:.4f} ms, error {err:.1e}{'  (default)' if config == default else ''}",
-                      flush=True)
+                # with several routings each one's time too: a config that wins on one alone shows here
+                split = f" ({', '.join(f'{r} {t:.4f}' for r, t in zip(routings, each))})" if len(each) > 1 else ""
+                print(f"  GEMM{gemm} {name}: {ms:.4f} ms{split}, error {err:.1e}"
+                      f"{'  (default)' if config == default else ''}", flush=True)
             counts[gemm] = len(measured)
             if args.confirm and measured:
                 measured = confirm_measured(measured, default, args.confirm,
