@@ -115,9 +115,13 @@ for stage in "$@"; do
     # the 8192-token Gluon entries of ws_gemm_probe (bench/results/h100-4ad5052) in calls: DeepSeek-V2 both GEMMs on
     # 128x256x64 w8 s4, Phi-3.5-MoE GEMM0 with GROUP_M 4 (the candidate also holds DeepSeek-V3 2048 GEMM0, next56)
     # decode timed as serving engines run it (bench --graph: each capturable variant's call replayed from a CUDA graph;
-    # nccl at EP = 1 and weave's resident call both are), then the same rows eager, one host
+    # nccl at EP = 1 and weave's resident call both are) and eagerly, one host (eager first: a fresh host's compiles
+    # land there, the graph run finds them cached)
     graph-decode) timeout "${GD_TEST_TIMEOUT:-120}" python3 -m pytest -q tests/test_gpu_nccl.py -k replays > "$W/graph-nccl-test.log" 2>&1; echo "nccl capture test rc=$?"; tail -2 "$W/graph-nccl-test.log"
-          for mode in ${GD_MODES:-graph eager}; do timeout "${GD_TIMEOUT:-240}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v3,deepseek-v2-lite}" --tokens "${GD_TOKENS:-1,8,32,128,512}" --routing uniform --variants "${GD_VARIANTS:-nccl,weave:serial,weave}" --check --iters 30 --rounds 3 $([ $mode = graph ] && echo --graph) --no-progress --timeout $(( ${GD_TIMEOUT:-240} - 10 )) --name "decode-$mode" --out "$W" > "$W/decode-$mode.log" 2>&1; echo "$mode rc=$?"; tail -12 "$W/decode-$mode.log" | cut -c1-200; done;;
+          for mode in ${GD_MODES:-eager graph}; do timeout "${GD_TIMEOUT:-240}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v3,deepseek-v2-lite}" --tokens "${GD_TOKENS:-1,8,32,128,512}" --routing uniform --variants "${GD_VARIANTS:-nccl,weave:serial,weave}" --check --iters 30 --rounds 3 $([ $mode = graph ] && echo --graph) --no-progress --timeout $(( ${GD_TIMEOUT:-240} - 10 )) --name "decode-$mode" --out "$W" > "$W/decode-$mode.log" 2>&1; echo "$mode rc=$?"; tail -12 "$W/decode-$mode.log" | cut -c1-200; done;;
+    # the decode levers that lost eagerly because the host's time per call rose (entry 38's prefetch, entry 55's
+    # chain_pairs), replayed from a caller's graph, where the host is outside the call (perf-notes entry 60)
+    graph-levers) timeout "${GL2_TIMEOUT:-300}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GL2_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${GL2_TOKENS:-1,8,32}" --routing uniform --variants "${GL2_VARIANTS:-nccl,weave:serial,weave:serial@chain_pairs=on,weave:serial@prefetch_mib=48,weave:serial@chain_pairs=on@prefetch_mib=48}" --check --iters 30 --rounds 5 --graph --no-progress --timeout $(( ${GL2_TIMEOUT:-300} - 10 )) --name graph-levers --out "$W" > "$W/graph-levers.log" 2>&1; echo "rc=$?"; tail -14 "$W/graph-levers.log" | cut -c1-200;;
     # why the skewed rows lose to the library where the uniform ones win: weave:serial's kernel timeline, uniform and
     # skewed (3.0, as the bench), DeepSeek-V2 at 2048 / 8192 and Qwen3-30B-A3B at 2048; DeepSeek-V3 8192 for where its
     # ~0.8 ms outside the GEMMs goes (issue 14's 620 TFLOP/s)
