@@ -105,7 +105,7 @@ for stage in "$@"; do
     # perf-notes 53 (KernelConfig.chain_pairs: the paired call's tile tables in its counts launch, GEMM0 loading its
     # first weights while the pair dispatch runs): the resident check with it (~6 min on a fresh host), then the
     # serial policy without and with it at decode sizes, every row checked, 5 rounds, with the calls' timelines
-    next54) WEAVE_MOE_KERNEL_CONFIG=chain_pairs=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT=400 "$0" resident;;
+    next54) WEAVE_MOE_KERNEL_CONFIG=chain_pairs=on RESIDENT_CALLS=1000 RESIDENT_TIMEOUT=400 "$0" resident;;
     next54b) WC_TIMEOUT="${CP_TIMEOUT:-300}" WC_TOKENS="${CP_TOKENS:-1,8,32}" WC_MODELS="${CP_MODELS:-qwen3-30b-a3b,deepseek-v3,deepseek-v2}" WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@chain_pairs=on" WC_NAME=chain-pairs "$0" ws-calls
         RP_TOKENS="1 8" RP_VARIANTS="weave:serial,weave:serial@chain_pairs=on" "$0" resident-profile;;
     # perf-notes entry 56: the candidate table (DeepSeek-V3 2048's GEMM0 and Qwen3.5-35B-A3B 2048's on the Gluon
@@ -121,7 +121,11 @@ for stage in "$@"; do
           for mode in ${GD_MODES:-eager graph}; do timeout "${GD_TIMEOUT:-240}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GD_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v3,deepseek-v2-lite}" --tokens "${GD_TOKENS:-1,8,32,128,512}" --routing uniform --variants "${GD_VARIANTS:-nccl,weave:serial,weave}" --check --iters 30 --rounds 3 $([ $mode = graph ] && echo --graph) --no-progress --timeout $(( ${GD_TIMEOUT:-240} - 10 )) --name "decode-$mode" --out "$W" > "$W/decode-$mode.log" 2>&1; echo "$mode rc=$?"; tail -12 "$W/decode-$mode.log" | cut -c1-200; done;;
     # the decode levers that lost eagerly because the host's time per call rose (entry 38's prefetch, entry 55's
     # chain_pairs), replayed from a caller's graph, where the host is outside the call (perf-notes entry 60)
-    graph-levers) timeout "${GL2_TIMEOUT:-300}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GL2_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${GL2_TOKENS:-1,8,32}" --routing uniform --variants "${GL2_VARIANTS:-nccl,weave:serial,weave:serial@chain_pairs=on,weave:serial@prefetch_mib=48,weave:serial@chain_pairs=on@prefetch_mib=48}" --check --iters 30 --rounds 5 --graph --no-progress --timeout $(( ${GL2_TIMEOUT:-300} - 10 )) --name graph-levers --out "$W" > "$W/graph-levers.log" 2>&1; echo "rc=$?"; tail -14 "$W/graph-levers.log" | cut -c1-200;;
+    graph-levers) for mode in ${GL2_MODES:-eager graph}; do timeout "${GL2_TIMEOUT:-300}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GL2_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${GL2_TOKENS:-1,8,32}" --routing uniform --variants "${GL2_VARIANTS:-nccl,weave:serial,weave:serial@chain_pairs=on,weave:serial@chain_pairs=capture,weave:serial@prefetch_mib=48}" --check --iters 30 --rounds 5 $([ $mode = graph ] && echo --graph) --no-progress --timeout $(( ${GL2_TIMEOUT:-300} - 10 )) --name "graph-levers-$mode" --out "$W" > "$W/graph-levers-$mode.log" 2>&1; echo "$mode rc=$?"; tail -14 "$W/graph-levers-$mode.log" | cut -c1-200; done;;
+    # chain_pairs="capture" checked: the caller's-capture check (paired calls chained inside the capture, eager
+    # calls after it unchained), then graph-levers
+    next60) WEAVE_MOE_KERNEL_CONFIG=chain_pairs=capture RESIDENT_CHECKS=check_graph_capture RESIDENT_CALLS=100 RESIDENT_TIMEOUT="${N60_TIMEOUT:-240}" "$0" resident
+        GL2_TIMEOUT="${N60B_TIMEOUT:-200}" "$0" graph-levers;;
     # why the skewed rows lose to the library where the uniform ones win: weave:serial's kernel timeline, uniform and
     # skewed (3.0, as the bench), DeepSeek-V2 at 2048 / 8192 and Qwen3-30B-A3B at 2048; DeepSeek-V3 8192 for where its
     # ~0.8 ms outside the GEMMs goes (issue 14's 620 TFLOP/s)
@@ -138,7 +142,7 @@ for stage in "$@"; do
     next55) WC_TIMEOUT=180 WC_TOKENS=1,8,32 WC_MODELS=qwen3-30b-a3b,deepseek-v3,deepseek-v2 WC_ROUNDS=5 WC_VARIANTS="nccl,weave:serial,weave:serial@chain_pairs=on" WC_NAME=chain-pairs "$0" ws-calls
         WC_TIMEOUT=90 WC_TOKENS=1,8 WC_MODELS=qwen3-30b-a3b,deepseek-v3 WC_ROUNDS=3 WC_ARGS="--max-tokens-per-rank 8192" WC_VARIANTS="nccl,weave:serial,weave:serial@chain_pairs=on" WC_NAME=decode-tmax8192 "$0" ws-calls
         RP_TOKENS=1 RP_VARIANTS="weave:serial,weave:serial@chain_pairs=on" "$0" resident-profile
-        WEAVE_MOE_KERNEL_CONFIG=ws_gather=1,chain_pairs=1 RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${RESIDENT_TIMEOUT:-170}" "$0" resident;;
+        WEAVE_MOE_KERNEL_CONFIG=ws_gather=1,chain_pairs=on RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${RESIDENT_TIMEOUT:-170}" "$0" resident;;
     # perf-notes 52's list, item 2 (an H200): the six models' prefill shapes tuned with the Gluon kernels among the
     # candidates (--ws auto: the rule's configs and the 192-row tiles) into the shipped H200 table, then the record
     h200-prefill) TUNE_TIMEOUT=420 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h200.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;

@@ -379,7 +379,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
     backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
-    backend.chain_pairs = False
+    backend.chain_pairs = {False: False, True: False}
 
     class Stream:
         def wait_event(self, event):
@@ -582,7 +582,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     from weave_moe.backends.weave.exchange import CountsFormat
 
     backend, launched = _tables_host(monkeypatch)
-    backend.num_sms, backend.chain_pairs = 4, chain
+    backend.num_sms = 4
     backend.counts_format = CountsFormat(1, 8, 4)
     vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
     held = {"k0": "table k0", "k1": "table k1"}
@@ -594,7 +594,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
 
     backend.device_counts.build = counts
     backend._tile_tables = lambda keys: (held, "rows") if keys == ["k0", "k1"] else None
-    backend._preloads = lambda configs: chain and configs == "configs"
+    backend._preloads = lambda configs, chained: chained and configs == "configs"
     backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
 
     class Pairs:
@@ -634,7 +634,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend.status, backend.status_host = "status words", "their host copy"
     monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append(("status copy", host)))
-    backend._resident_paired("configs")
+    backend._resident_paired("configs", chain=chain)
     if chain:
         assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
                             ("gemms", "configs", held, True), "pair combine (programmatic, status copied)"], launched
@@ -675,14 +675,15 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True, "chain"])
+@pytest.mark.parametrize("paired", [False, True, "chain", "capture"])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
     `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the pair rows in y read in place, and the pair
     dispatch on the counts vector's pairs and the layer's offsets, the pair combine on y; "chain"
     (KernelConfig.chain_pairs): the pair dispatch as launched programmatically, and no tile-table launch from the
-    counts (the counts launch writes the tables)."""
+    counts (the counts launch writes the tables); "capture" (chain_pairs="capture": chained under a caller's capture
+    only): both chains' launches and both sources of the tables."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -725,45 +726,50 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
         backend.message, backend.counts_format = RoutingMessage(8, 2), CountsFormat(1, 8, 4)
         backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
-        backend.device_counts = type("Counts", (), {"counts": torch.full((backend.counts_format.size,), 7,
-                                                                         dtype=torch.int32)})()
+        backend.device_counts = type("Counts", (), {
+            "counts": torch.full((backend.counts_format.size,), 7, dtype=torch.int32), "planner": None,
+            "warmup": lambda self, messages, status, rank, verdict, plans, tiles: counted.append(tuple(tiles))})()
 
         class Pairs:
             def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
                        pdl):
-                assert pdl is (paired == "chain")
                 assert local.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
                 assert offsets is None
-                warmed.append("pair dispatch")
+                warmed.append("pair dispatch" + (" chained" if pdl else ""))
 
         class Combine:
             def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
-                assert pdl is (paired == "chain") and (report is not None) is pdl
+                assert (report is not None) is pdl
                 assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
-                warmed.append("pair combine")
+                warmed.append("pair combine" + (" chained" if pdl else ""))
 
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
-        backend.chain_pairs = paired == "chain"
+        backend.chain_pairs = {False: paired == "chain", True: paired in ("chain", "capture")}
         backend.status_host = torch.zeros_like(backend.status)
-    held = []
-    backend._tile_tables = lambda keys: held.append(tuple(sorted(set(keys))))
+    held, counted = [], []
+    backend._tile_tables = lambda keys: held.append(tuple(sorted(set(keys)))) or (
+        {key: f"table {key}" for key in sorted(set(keys))}, "rows")
     backend._compile_before_call()
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
-    pairs = ["pair dispatch", "pair combine"] if paired else []
+    chains = {False: [], True: [""], "chain": [" chained"], "capture": ["", " chained"]}[paired]
+    pairs = [f"pair {launch}{chain}" for chain in chains for launch in ("dispatch", "combine")]
     assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
     g1 = (configs[1][0].block_m, False)
     kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
     expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds]
-                                              if paired is True else [])
-    # "chain": the tables the counts launch fills, allocated before the call (not inside its capture)
-    assert sorted(held) == (sorted(kinds) if paired == "chain" else []), held
+                                              if paired in (True, "capture") else [])
+    # "chain": the tables the counts launch fills, allocated before the call (not inside its capture), and the
+    # counts launch compiled for them (a chained call may first come inside a caller's capture)
+    assert sorted(held) == (sorted(kinds) if paired in ("chain", "capture") else []), held
+    assert sorted(counted) == (sorted(tuple(f"table {key}" for key in kind) for kind in kinds)
+                               if paired in ("chain", "capture") else []), counted
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 
@@ -1384,22 +1390,40 @@ def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
         calls.clear()
         WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"})
         assert calls == [("gemm0", y, h, "decode table", chain), ("gemm1", h, y, "decode table", chain)]
-        for chain_pairs in (False, True):   # KernelConfig.chain_pairs
-            backend.chain_pairs = chain_pairs
-            preload = WeaveBackend._preloads(backend, (config, config))
+        for chain_pairs in (False, True):   # KernelConfig.chain_pairs, for this call
+            preload = WeaveBackend._preloads(backend, (config, config), chain_pairs)
             assert preload is chain_pairs
             calls.clear()
             WeaveBackend._paired_gemms(backend, (config, config), {(8, False): "decode table"}, preload=preload)
             assert calls == [("gemm0", y, h, "decode table", chain) + (("preload",) if chain_pairs else ()),
                              ("gemm1", h, y, "decode table", chain)], calls
-        backend.chain_pairs = False
     triton = gc.analytical_configs(1)[0]
-    backend.chain_pairs = True   # a Triton GEMM0 does not preload
-    assert not WeaveBackend._preloads(backend, (gc.analytical_configs(0)[0], config))
-    backend.chain_pairs = False
+    assert not WeaveBackend._preloads(backend, (gc.analytical_configs(0)[0], config), True)   # a Triton GEMM0 does not
     assert not WeaveBackend._chains(backend, (config, triton)) and WeaveBackend._chains(backend, (config, config))
     # the prefill form never chains (DeepSeek-V3 at 2048 tokens ran slower chained)
     prefill = ws_gemm.DEFAULT_CONFIG
     assert not WeaveBackend._chains(backend, (prefill, prefill)) and not WeaveBackend._chains(backend, (config, prefill))
     backend.ws_chain = False
     assert not WeaveBackend._chains(backend, (config, config))
+
+
+@pytest.mark.parametrize("setting", ["off", "on", "capture"])
+def test_paired_calls_take_the_chain_of_eager_or_captured_calls(monkeypatch, setting):
+    """KernelConfig.chain_pairs: "on" chains every paired call, "capture" only those made under a caller's
+    CUDA-graph capture (the call's pack launched by the caller: `from_slot` False), "off" none."""
+    from weave_moe.backends.weave.backend import WeaveBackend
+    from weave_moe.backends.weave.config import KernelConfig
+
+    backend, launched = _tables_host(monkeypatch)
+    cfg = KernelConfig.from_text(f"chain_pairs={setting}", "test")
+    chained = (cfg.chains_pairs(False), cfg.chains_pairs(True))
+    assert chained == {"off": (False, False), "on": (True, True), "capture": (False, True)}[setting]
+    backend.chain_pairs = dict(enumerate(chained))
+    backend.slots = type("Slots", (), {"launch": lambda self, *args: launched.append("pack from the slot")})()
+    backend.send_routing = backend.header_device = backend.ctrl = None   # the pack's arguments (recorded only)
+    backend._resident_paired = lambda configs, chain: launched.append(("paired", configs, chain))
+    for from_slot in (True, False):
+        launched.clear()
+        WeaveBackend._resident_call(backend, "configs", from_slot, True, paired=True)
+        assert launched == (["pack from the slot"] if from_slot else []) + [("paired", "configs",
+                                                                             chained[not from_slot])], launched

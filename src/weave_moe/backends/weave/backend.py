@@ -340,9 +340,11 @@ class WeaveBackend:
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
             self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
-        # KernelConfig.chain_pairs: the paired call's tile tables written by its counts launch, the pair dispatch and
-        # GEMM0 launched programmatically (_resident_paired)
-        self.chain_pairs = bool(cfg.chain_pairs and self.pair_dispatch is not None)
+        # KernelConfig.chain_pairs: whether a paired call's tile tables are written by its counts launch, the pair
+        # dispatch and GEMM0 launched programmatically (_resident_paired), by whether the call is made under a
+        # caller's CUDA-graph capture: {captured: chained}
+        self.chain_pairs = {captured: self.pair_dispatch is not None and cfg.chains_pairs(captured)
+                            for captured in (False, True)}
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -564,7 +566,7 @@ class WeaveBackend:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
         if paired:   # it copies the status word itself
-            self._resident_paired(grouped_configs)
+            self._resident_paired(grouped_configs, chain=self.chain_pairs[not from_slot])
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
@@ -580,7 +582,7 @@ class WeaveBackend:
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_paired(self, configs) -> None:
+    def _resident_paired(self, configs, chain: bool = False) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
         GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
@@ -589,38 +591,38 @@ class WeaveBackend:
         (kernels/pair_combine.py). No task tables and no megakernel launch: at EP = 1 nothing else needs them. The
         chain to GEMM0 is pack -> counts -> pair dispatch (the tile tables beside it), not pack -> counts -> bases
         -> emit (-> gather) (docs/perf-notes.md entry 37).
-        KernelConfig.chain_pairs: the tile tables are written by the counts launch instead (no prologue launch, no
-        fork), the pair dispatch is launched programmatically after it, and a decode-form GEMM0 programmatically
+        `chain` (KernelConfig.chain_pairs, for eager calls or those under a caller's capture): the tile tables are
+        written by the counts launch instead (no prologue launch, no fork), the pair dispatch is launched programmatically after it, and a decode-form GEMM0 programmatically
         after the pair dispatch, loading its first weight blocks while the rows are sent (`_preloads`): the chain to
         GEMM0's weights is pack -> counts -> pair dispatch's start (docs/perf-notes.md entry 53); the pair combine,
         launched programmatically, also copies the status word to the host, so the call has no last kernel for it.
         Otherwise the call ends with that copy (`copy_status`), as the resident call does."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         keys, filled = _tile_keys(configs), None
-        # the layer's tile tables, filled by the counts launch (chain_pairs)
-        tables = self._tile_tables(keys)[0] if self.chain_pairs else None
-        counts = self._counts(verdict=True, tiles=list(tables.values()) if self.chain_pairs else None)
+        # the layer's tile tables, filled by the counts launch (chain)
+        tables = self._tile_tables(keys)[0] if chain else None
+        counts = self._counts(verdict=True, tiles=list(tables.values()) if chain else None)
         joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
         if tables is None:
             tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), keys, False,
                                                        side=self.fork_prologue, form="counts")
         self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
                                   self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
-                                  pdl=self.chain_pairs)
+                                  pdl=chain)
         if filled is not None:
             self._current_stream().wait_event(filled)
-        self._paired_gemms(configs, tables, preload=self._preloads(configs))
+        self._paired_gemms(configs, tables, preload=self._preloads(configs, chain))
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, pdl=self.chain_pairs, report=self._pair_report())
+                                 self.rank, pdl=chain, report=self._pair_report(chain))
         for event in joins:   # the side streams nothing of the call waits for
             self._current_stream().wait_event(event)
-        if self._pair_report() is None:
+        if self._pair_report(chain) is None:
             copy_status(self.status, self.status_host)
 
-    def _pair_report(self) -> tuple | None:
-        """What a paired call's combine copies to the host, if it does (KernelConfig.chain_pairs): the status words
-        and their pinned host copy; None: `copy_status` does after it."""
-        return (self.status, self.status_host) if self.chain_pairs else None
+    def _pair_report(self, chain: bool) -> tuple | None:
+        """What a paired call's combine copies to the host, if it does (`chain`: KernelConfig.chain_pairs): the
+        status words and their pinned host copy; None: `copy_status` does after it."""
+        return (self.status, self.status_host) if chain else None
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -719,8 +721,11 @@ class WeaveBackend:
         `KernelConfig.fused_planner` it also writes every rank's plan into `plans_device`; with `tiles` (TileTable
         buffers) the tile tables of this rank's experts (KernelConfig.chain_pairs)."""
         return self.device_counts.build(self.all_routing, self.live_status, self.rank, verdict=verdict,
-                                        plans=self.plans_device if self.device_counts.planner is not None else None,
-                                        tiles=tiles)
+                                        plans=self._counts_plans(), tiles=tiles)
+
+    def _counts_plans(self) -> torch.Tensor | None:
+        """The counts kernel's `plans` argument: every rank's plan where it plans (KernelConfig.fused_planner)."""
+        return self.plans_device if self.device_counts.planner is not None else None
 
     def _raise_deferred(self) -> None:
         """Raise the error an earlier resident call left in the status word, if its copy has reached the host (no
@@ -1074,10 +1079,10 @@ class WeaveBackend:
         both the warp-specialised decode form; kernels/ws_ring.py, "Chained launches")."""
         return self.ws_chain and all(gemm_configs.kernel_of(c) == "ws_decode" for c in configs)
 
-    def _preloads(self, configs) -> bool:
+    def _preloads(self, configs, chain: bool) -> bool:
         """Whether a paired call's GEMM0 of `configs` is launched programmatically after the pair dispatch, its first
-        weight blocks loaded before it waits (KernelConfig.chain_pairs; the decode form's PRELOAD)."""
-        return self.chain_pairs and gemm_configs.kernel_of(configs[0]) == "ws_decode"
+        weight blocks loaded before it waits (`chain`: KernelConfig.chain_pairs; the decode form's PRELOAD)."""
+        return chain and gemm_configs.kernel_of(configs[0]) == "ws_decode"
 
     def _gemm0(self, a: torch.Tensor, tiles, config, gather: torch.Tensor | None = None,
                chained: bool = False, preload: bool = False) -> None:
@@ -1189,7 +1194,8 @@ class WeaveBackend:
                         self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl, chained=chained)
                     if not self._gathers_in_gemm0(config) or self.pair_dispatch is not None:
                         self._gemm0(y, table, config, chained=chained)
-                    if self._preloads([config]):   # KernelConfig.chain_pairs: the paired call's GEMM0
+                    # KernelConfig.chain_pairs (eager or captured calls): the chained paired call's GEMM0
+                    if self._preloads([config], True in self.chain_pairs.values()):
                         self._gemm0(y, table, config, chained=chained, preload=True)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
@@ -1207,9 +1213,13 @@ class WeaveBackend:
                         pos = self.ctrl[:self.spec.top_k].view(1, -1)
                         tasks = self.ctrl[:len(COMBINE_COLUMNS)].view(1, -1)
                         self._scatter_rows(self.ctrl, pos, tasks, empty[-1:], empty[-1:])
-                if self.pair_dispatch is not None and self.chain_pairs:
-                    self._tile_tables(pair)   # the counts launch fills them (allocated here, outside any capture)
-                elif self.pair_dispatch is not None:
+                if self.pair_dispatch is not None and True in self.chain_pairs.values():
+                    # the counts launch fills them (allocated here, outside any capture), compiled for them here: a
+                    # chained call may come first under a caller's capture (chain_pairs="capture")
+                    tables = list(self._tile_tables(pair)[0].values())
+                    self.device_counts.warmup(self.all_routing, self.live_status, self.rank, verdict=True,
+                                              plans=self._counts_plans(), tiles=tables)
+                if self.pair_dispatch is not None and False in self.chain_pairs.values():
                     # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
                     # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose
                     # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
@@ -1222,11 +1232,12 @@ class WeaveBackend:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
-            self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
-                                      self.live_status, self.rank, self.timeout_ns, None, self.pair_rows,
-                                      self.workspace.y(), pdl=self.chain_pairs)
-            self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
-                                     self.live_status, self.rank, pdl=self.chain_pairs, report=self._pair_report())
+            for chain in sorted(set(self.chain_pairs.values())):   # the chains of eager and captured calls
+                self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io,
+                                          self.workspace, self.live_status, self.rank, self.timeout_ns, None,
+                                          self.pair_rows, self.workspace.y(), pdl=chain)
+                self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
+                                         self.live_status, self.rank, pdl=chain, report=self._pair_report(chain))
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

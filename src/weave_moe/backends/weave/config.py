@@ -57,7 +57,8 @@ def decode_block_h(hidden_size: int) -> int:
     return min(4096, 1 << max(hidden_size - 1, 1).bit_length())
 
 #: the values of the str fields
-_CHOICES = {"resident": ("auto", "on", "off"), "gemm0_gather": ("auto", "on", "off")}
+_CHOICES = {"resident": ("auto", "on", "off"), "gemm0_gather": ("auto", "on", "off"),
+            "chain_pairs": ("off", "on", "capture")}
 #: KernelConfig.gemm0_gather="auto": GEMM0 reads its rows through the gather rows for intermediate sizes up to this
 GEMM0_GATHER_MAX_I = 1024
 #: KernelConfig.prefetch_mib at most: the budget in bytes stays an int32 in the prefetch kernel
@@ -229,9 +230,12 @@ class KernelConfig:
             for GEMM1); the pair combine is launched programmatically after GEMM1 and copies the status words to the
             host itself (no `copy_status` kernel at the call's end). On an H100 at 1 token (Qwen3-30B-A3B, dfac10b's
             timeline) GEMM0 began at 13.2 us, after the tile-table launch (ending 12.7) and the pair dispatch (12.2);
-            its weights stream at the HBM rate from then on. Off: measured on an H100 (159b784, docs/perf-notes.md
-            entries 53 and 55) its 1-token GPU span was 1.7 us shorter (43.0 against 44.7: the counts launch took ~3
-            us more for the tables), but the call 6-8 us slower end to end (the host's time per call rose).
+            its weights stream at the HBM rate from then on. "off" (default), "on", or "capture": only the calls
+            made under a caller's CUDA-graph capture (serving engines' decode; the host's time per call is then not
+            in the call), eager calls keeping the default chain (both compiled at the first call). Off: measured on
+            an H100 (159b784, docs/perf-notes.md entries 53 and 55) its 1-token GPU span was 1.7 us shorter (43.0
+            against 44.7: the counts launch took ~3 us more for the tables), but the eager call 6-8 us slower end to
+            end (the host's time per call rose); "capture" is for `device_run graph-levers` (entry 60).
         serial_at_ep1: at EP = 1 a resident layer (`resident`) of the adaptive policy ("weave") whose serial plans
             run the grouped GEMMs (`grouped_gemm`, a Hopper GPU) takes the serial plan, fixed when the layer is
             built, and is then the `serial` policy's layer (no planning per call; the paired decode call of
@@ -334,7 +338,7 @@ class KernelConfig:
     ws_gemm: bool = True
     ws_gather: bool = False
     ws_chain: bool = True
-    chain_pairs: bool = False
+    chain_pairs: str = "off"
     scatter_rows: bool = True
 
     def __post_init__(self):
@@ -412,6 +416,11 @@ class KernelConfig:
         # that did not compile on rank 1, kernels/tables.py); since, validate passes at EP = 2 (two ranks sharing one
         # GPU, bench/results/shared-gpu-ep2-e9a5fca)
         return self.resident in ("on", "auto")
+
+    def chains_pairs(self, captured: bool) -> bool:
+        """Whether a paired call takes `chain_pairs`' chain: every call ("on"), a call made under a caller's
+        CUDA-graph capture (`captured`) with "capture", none with "off"."""
+        return self.chain_pairs == "on" or (captured and self.chain_pairs == "capture")
 
     def gathers_in_gemm0(self, intermediate_size: int) -> bool:
         """Whether the grouped GEMM0 of a layer of this intermediate size reads its rows through the gather rows
