@@ -340,7 +340,7 @@ class DeviceCounts:
             raise ValueError(f"plans must be a contiguous int32 [{fmt.world_size}, 4] tensor, got {plans.dtype} "
                              f"{tuple(plans.shape)}")
         args, options = self._launch(messages, status, rank, verdict, plans, tiles)
-        counts_kernel[self.grid](*args, **options)
+        counts_kernel[self.grid](*args, **options, **sync.LAUNCH)
         return self.counts
 
     def warmup(self, messages: torch.Tensor, status: torch.Tensor, rank: int, verdict: bool,
@@ -348,15 +348,15 @@ class DeviceCounts:
         """Compile `build`'s launch for these arguments without launching (a layer's first call, before it enqueues
         anything: a variant first used inside a caller's CUDA-graph capture must not compile there)."""
         args, options = self._launch(messages, status, rank, verdict, plans, tiles)
-        counts_kernel.warmup(*args, grid=self.grid, **options)
+        counts_kernel.warmup(*args, grid=self.grid, **options, **sync.LAUNCH)
 
     def _launch(self, messages, status, rank, verdict, plans, tiles) -> tuple[tuple, dict]:
-        """(arguments, options) of the kernel's launch by `build` (and its compile by `warmup`)."""
+        """(arguments, options but the launch's PDL) of the kernel's launch by `build` (and its compile by
+        `warmup`)."""
         args = (messages, status, self.scratch, self.counts, self.counts if plans is None else plans,
                 *self.plan_tables, rank)
         return args, dict(**self.scalar_args, **self.tile_arguments(tiles), **self.constants,
-                          **self.tile_constants(tiles), VERDICT=verdict, num_warps=NUM_WARPS, **self.options,
-                          **sync.LAUNCH)
+                          **self.tile_constants(tiles), VERDICT=verdict, num_warps=NUM_WARPS, **self.options)
 
     def tile_arguments(self, tiles: list | None) -> dict:
         """The kernel's table0_ptr .. max_tiles1 for `build(tiles=)` (placeholders without tiles)."""
