@@ -124,8 +124,8 @@ for stage in "$@"; do
     graph-levers) for mode in ${GL2_MODES:-eager graph}; do timeout "${GL2_TIMEOUT:-300}" python3 -m weave_moe.bench --emulate-ep 2 --models "${GL2_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite}" --tokens "${GL2_TOKENS:-1,8,32}" --routing uniform --variants "${GL2_VARIANTS:-nccl,weave:serial,weave:serial@chain_pairs=on,weave:serial@chain_pairs=capture,weave:serial@prefetch_mib=48}" --check --iters 30 --rounds 5 $([ $mode = graph ] && echo --graph) --no-progress --timeout $(( ${GL2_TIMEOUT:-300} - 10 )) --name "graph-levers-$mode" --out "$W" > "$W/graph-levers-$mode.log" 2>&1; echo "$mode rc=$?"; tail -14 "$W/graph-levers-$mode.log" | cut -c1-200; done;;
     # chain_pairs="capture" checked: the caller's-capture check (paired calls chained inside the capture, eager
     # calls after it unchained), then graph-levers
-    next60) WEAVE_MOE_KERNEL_CONFIG=chain_pairs=capture RESIDENT_CHECKS=check_graph_capture RESIDENT_CALLS=100 RESIDENT_TIMEOUT="${N60_TIMEOUT:-240}" "$0" resident
-        GL2_TIMEOUT="${N60B_TIMEOUT:-200}" "$0" graph-levers;;
+    next60) WEAVE_MOE_KERNEL_CONFIG=chain_pairs=capture RESIDENT_CHECKS=check_graph_capture RESIDENT_CALLS=100 RESIDENT_TIMEOUT="${N60_TIMEOUT:-200}" "$0" resident
+        GL2_TIMEOUT="${N60B_TIMEOUT:-180}" "$0" graph-levers;;
     # why the skewed rows lose to the library where the uniform ones win: weave:serial's kernel timeline, uniform and
     # skewed (3.0, as the bench), DeepSeek-V2 at 2048 / 8192 and Qwen3-30B-A3B at 2048; DeepSeek-V3 8192 for where its
     # ~0.8 ms outside the GEMMs goes (issue 14's 620 TFLOP/s)
