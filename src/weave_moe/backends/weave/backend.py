@@ -582,7 +582,7 @@ class WeaveBackend:
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_paired(self, configs, chain: bool = False) -> None:
+    def _resident_paired(self, configs, chain: bool) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
         GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
@@ -592,10 +592,11 @@ class WeaveBackend:
         chain to GEMM0 is pack -> counts -> pair dispatch (the tile tables beside it), not pack -> counts -> bases
         -> emit (-> gather) (docs/perf-notes.md entry 37).
         `chain` (KernelConfig.chain_pairs, for eager calls or those under a caller's capture): the tile tables are
-        written by the counts launch instead (no prologue launch, no fork), the pair dispatch is launched programmatically after it, and a decode-form GEMM0 programmatically
-        after the pair dispatch, loading its first weight blocks while the rows are sent (`_preloads`): the chain to
-        GEMM0's weights is pack -> counts -> pair dispatch's start (docs/perf-notes.md entry 53); the pair combine,
-        launched programmatically, also copies the status word to the host, so the call has no last kernel for it.
+        written by the counts launch instead (no prologue launch, no fork), the pair dispatch is launched
+        programmatically after it, and a decode-form GEMM0 programmatically after the pair dispatch, loading its
+        first weight blocks while the rows are sent (`_preloads`): the chain to GEMM0's weights is pack -> counts ->
+        pair dispatch's start (docs/perf-notes.md entry 53); the pair combine, launched programmatically, also copies
+        the status word to the host, so the call has no last kernel for it.
         Otherwise the call ends with that copy (`copy_status`), as the resident call does."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         keys, filled = _tile_keys(configs), None
@@ -1177,6 +1178,9 @@ class WeaveBackend:
         warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
+        # KernelConfig.chain_pairs: the paired call's chains, of eager and captured calls (none without the pair
+        # dispatch)
+        chains = set(self.chain_pairs.values()) if self.pair_dispatch is not None else set()
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             y = self.workspace.y()
@@ -1194,8 +1198,7 @@ class WeaveBackend:
                         self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl, chained=chained)
                     if not self._gathers_in_gemm0(config) or self.pair_dispatch is not None:
                         self._gemm0(y, table, config, chained=chained)
-                    # KernelConfig.chain_pairs (eager or captured calls): the chained paired call's GEMM0
-                    if self._preloads([config], True in self.chain_pairs.values()):
+                    if self._preloads([config], True in chains):   # the chained paired call's GEMM0
                         self._gemm0(y, table, config, chained=chained, preload=True)
             for config in configs[1]:
                 table = grouped_tiles.build_tile_table(empty, config.block_m, self.max_pairs, config.split_tail)
@@ -1213,13 +1216,13 @@ class WeaveBackend:
                         pos = self.ctrl[:self.spec.top_k].view(1, -1)
                         tasks = self.ctrl[:len(COMBINE_COLUMNS)].view(1, -1)
                         self._scatter_rows(self.ctrl, pos, tasks, empty[-1:], empty[-1:])
-                if self.pair_dispatch is not None and True in self.chain_pairs.values():
+                if True in chains:
                     # the counts launch fills them (allocated here, outside any capture), compiled for them here: a
                     # chained call may come first under a caller's capture (chain_pairs="capture")
                     tables = list(self._tile_tables(pair)[0].values())
                     self.device_counts.warmup(self.all_routing, self.live_status, self.rank, verdict=True,
                                               plans=self._counts_plans(), tiles=tables)
-                if self.pair_dispatch is not None and False in self.chain_pairs.values():
+                if False in chains:
                     # the prologue from the counts' pairs (_resident_paired), on zeros placed as the counts' pairs
                     # are (the same specialisation): no row, no tile. Not on the counts buffer itself, whose
                     # contents before a first call are anything (an H100 run at 81dd1fe: a prior layer's memory
@@ -1232,7 +1235,7 @@ class WeaveBackend:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
         if self.pair_dispatch is not None:
-            for chain in sorted(set(self.chain_pairs.values())):   # the chains of eager and captured calls
+            for chain in sorted(chains):
                 self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io,
                                           self.workspace, self.live_status, self.rank, self.timeout_ns, None,
                                           self.pair_rows, self.workspace.y(), pdl=chain)

@@ -60,8 +60,7 @@ import triton.language as tl
 
 from weave_moe.backends.coordination import HEADER_CALL_WORD, HEADER_CODE_WORD, HEADER_WORDS
 from weave_moe.backends.weave.kernels import sync
-from weave_moe.backends.weave.kernels.grouped_tiles import (tile_launch_arguments, tile_launch_constants,
-                                                            tile_table_of_kind)
+from weave_moe.backends.weave.kernels.grouped_tiles import tile_table_from_counts
 from weave_moe.backends.weave.kernels.planner import POLICY_ARGS, DevicePlanner, plan_rank
 
 __all__ = ["DeviceCounts", "counts_kernel", "compile_counts_ptx", "MAX_PROGRAMS"]
@@ -72,6 +71,8 @@ MAX_PROGRAMS = 256
 #: ids per block (BLOCK_T tokens x KP slots): 16 per thread at 4 warps
 BLOCK_IDS = 2048
 NUM_WARPS = 4
+#: tile-table entries the last program writes per step (`build(tiles=)`): [TILE_BLOCK, E_local] per step
+TILE_BLOCK = tl.constexpr(32)
 
 _CALL_WORD = tl.constexpr(HEADER_CALL_WORD)
 _CODE_WORD = tl.constexpr(HEADER_CODE_WORD)
@@ -237,10 +238,11 @@ def counts_kernel(messages_ptr, status_ptr, scratch_ptr, counts_ptr, plans_ptr, 
                           BLOCK_M)
         if TILE_KINDS > 0:   # this rank's experts' pairs
             local_pairs = counts_ptr + expert_pairs_offset + rank * num_local_experts
-            for kind in tl.static_range(TILE_KINDS):
-                tile_table_of_kind(kind, local_pairs, num_local_experts, table0_ptr, num_tiles0_ptr, max_tiles0,
-                                   table1_ptr, num_tiles1_ptr, max_tiles1, TILE_M0, TILE_TAIL0, TILE_M1, TILE_TAIL1,
-                                   TILE_E)
+            tile_table_from_counts(local_pairs, table0_ptr, num_tiles0_ptr, num_local_experts, max_tiles0, TILE_M0,
+                                   TILE_TAIL0, TILE_E, TILE_BLOCK)
+            if TILE_KINDS == 2:
+                tile_table_from_counts(local_pairs, table1_ptr, num_tiles1_ptr, num_local_experts, max_tiles1,
+                                       TILE_M1, TILE_TAIL1, TILE_E, TILE_BLOCK)
 
 
 def _pow2(n: int) -> int:
@@ -360,11 +362,23 @@ class DeviceCounts:
 
     def tile_arguments(self, tiles: list | None) -> dict:
         """The kernel's table0_ptr .. max_tiles1 for `build(tiles=)` (placeholders without tiles)."""
-        return tile_launch_arguments(tiles, self.counts)
+        if not tiles:
+            return dict(table0_ptr=self.counts, num_tiles0_ptr=self.counts, max_tiles0=1, table1_ptr=self.counts,
+                        num_tiles1_ptr=self.counts, max_tiles1=1)
+        if len(tiles) > 2 or len({(t.block_m, t.split_tail) for t in tiles}) != len(tiles):
+            raise ValueError(f"tiles: one or two tables of distinct (block_m, split_tail), got "
+                             f"{[(t.block_m, t.split_tail) for t in tiles]}")
+        first, second = tiles[0], tiles[-1]
+        return dict(table0_ptr=first.table, num_tiles0_ptr=first.num_tiles, max_tiles0=first.max_tiles,
+                    table1_ptr=second.table, num_tiles1_ptr=second.num_tiles, max_tiles1=second.max_tiles)
 
     def tile_constants(self, tiles: list | None) -> dict:
         """The kernel's TILE_* constants for `build(tiles=)`."""
-        return tile_launch_constants(tiles, self.counts_format.num_experts // self.counts_format.world_size)
+        if not tiles:
+            return dict(TILE_KINDS=0, TILE_M0=1, TILE_TAIL0=False, TILE_M1=1, TILE_TAIL1=False, TILE_E=1)
+        local = self.counts_format.num_experts // self.counts_format.world_size
+        return dict(TILE_KINDS=len(tiles), TILE_M0=tiles[0].block_m, TILE_TAIL0=tiles[0].split_tail,
+                    TILE_M1=tiles[-1].block_m, TILE_TAIL1=tiles[-1].split_tail, TILE_E=_pow2(local))
 
 
 def compile_counts_ptx(device_counts: DeviceCounts, verdict: bool = True, capability: int = 90,

@@ -15,7 +15,7 @@ import triton.language as tl
 from weave_moe.backends.weave.kernels import sync
 
 __all__ = ["TileTable", "build_tile_table", "build_tile_table_torch", "empty_tile_tables", "fill_tile_tables",
-           "tile_table_from_counts", "tile_table_of_kind", "tile_launch_arguments", "tile_launch_constants",
+           "tile_table_from_counts",
            "gather_rows", "scatter_rows", "grouped_prologue"]
 
 
@@ -175,50 +175,6 @@ def tile_table_from_counts(counts_ptr, table_ptr, num_tiles_ptr, num_experts, ma
     for block in range(0, tl.maximum(tl.cdiv(tl.minimum(used, max_tiles), BLOCK_T), 1)):
         _tile_table_block(block, counts_ptr, 1, table_ptr, num_tiles_ptr, num_experts, max_tiles, BLOCK_M,
                           SPLIT_TAIL, BLOCK_E, BLOCK_T, FROM_COUNTS)
-
-
-#: tile-table entries `tile_table_of_kind` writes per step: [TILE_BLOCK, E_local] per step
-TILE_BLOCK = tl.constexpr(32)
-
-
-@triton.jit
-def tile_table_of_kind(kind, counts_ptr, num_experts, table0_ptr, num_tiles0_ptr, max_tiles0, table1_ptr,
-                       num_tiles1_ptr, max_tiles1, TILE_M0: tl.constexpr, TILE_TAIL0: tl.constexpr,
-                       TILE_M1: tl.constexpr, TILE_TAIL1: tl.constexpr, TILE_E: tl.constexpr):
-    """Tile table `kind` (0 or 1) of a launch that builds its tables itself (`tile_launch_arguments` /
-    `tile_launch_constants`: the table pointers and their TILE_* constants), by one program
-    (`tile_table_from_counts`) from the rows per expert `counts_ptr` [num_experts]."""
-    if kind == 0:
-        tile_table_from_counts(counts_ptr, table0_ptr, num_tiles0_ptr, num_experts, max_tiles0, TILE_M0, TILE_TAIL0,
-                               TILE_E, TILE_BLOCK)
-    else:
-        tile_table_from_counts(counts_ptr, table1_ptr, num_tiles1_ptr, num_experts, max_tiles1, TILE_M1, TILE_TAIL1,
-                               TILE_E, TILE_BLOCK)
-
-
-def tile_launch_arguments(tiles: list | None, placeholder: torch.Tensor) -> dict:
-    """The arguments table0_ptr .. max_tiles1 of a kernel that builds one or two tile tables in its launch
-    (`tile_table_of_kind`): `tiles`, TileTable buffers of distinct (block_m, split_tail); `placeholder` (any int32
-    tensor of the launch) stands for absent tables."""
-    if not tiles:
-        return dict(table0_ptr=placeholder, num_tiles0_ptr=placeholder, max_tiles0=1, table1_ptr=placeholder,
-                    num_tiles1_ptr=placeholder, max_tiles1=1)
-    if len(tiles) > 2 or len({(t.block_m, t.split_tail) for t in tiles}) != len(tiles):
-        raise ValueError(f"tiles: one or two tables of distinct (block_m, split_tail), got "
-                         f"{[(t.block_m, t.split_tail) for t in tiles]}")
-    first, second = tiles[0], tiles[-1]
-    return dict(table0_ptr=first.table, num_tiles0_ptr=first.num_tiles, max_tiles0=first.max_tiles,
-                table1_ptr=second.table, num_tiles1_ptr=second.num_tiles, max_tiles1=second.max_tiles)
-
-
-def tile_launch_constants(tiles: list | None, num_experts: int) -> dict:
-    """The constants TILE_KINDS (tables built: 0, 1 or 2) .. TILE_E of `tile_launch_arguments`' launch, for tables
-    over `num_experts` experts."""
-    if not tiles:
-        return dict(TILE_KINDS=0, TILE_M0=1, TILE_TAIL0=False, TILE_M1=1, TILE_TAIL1=False, TILE_E=1)
-    return dict(TILE_KINDS=len(tiles), TILE_M0=tiles[0].block_m, TILE_TAIL0=tiles[0].split_tail,
-                TILE_M1=tiles[-1].block_m, TILE_TAIL1=tiles[-1].split_tail,
-                TILE_E=triton.next_power_of_2(max(num_experts, 1)))
 
 
 @triton.jit
