@@ -1,5 +1,7 @@
 """Host-side pieces of the weave backend that run without a GPU: configuration, errors, measured timelines."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -379,7 +381,6 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
     backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
-    backend.chain_pairs = {False: False, True: False}
 
     class Stream:
         def wait_event(self, event):
@@ -675,15 +676,17 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True, "chain", "capture"])
+@pytest.mark.parametrize("paired", [False, True, "chain", "chain1", "capture"])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
     `paired` (KernelConfig.pair_dispatch): each GEMM0 config also on the pair rows in y read in place, and the pair
     dispatch on the counts vector's pairs and the layer's offsets, the pair combine on y; "chain"
-    (KernelConfig.chain_pairs): the pair dispatch as launched programmatically, and no tile-table launch from the
-    counts (the counts launch writes the tables); "capture" (chain_pairs="capture": chained under a caller's capture
-    only): both chains' launches and both sources of the tables."""
+    (KernelConfig.chain_pairs="on", paired calls of up to 8 tokens): the pair dispatch as launched programmatically
+    and the counts launch writing the tables, and the plain chain too (calls over CHAIN_PAIRS_MAX_TOKENS tokens take
+    it); "chain1": the same where no paired call is longer (the chained launches only, no tile-table launch from the
+    counts); "capture" (chained under a caller's capture only): both chains' launches and both sources of the
+    tables."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -746,8 +749,10 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
                 warmed.append("pair combine" + (" chained" if pdl else ""))
 
         backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
+        backend.pair_dispatch.max_call_tokens = 1 if paired == "chain1" else 8
         backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
-        backend.chain_pairs = {False: paired == "chain", True: paired in ("chain", "capture")}
+        setting = {True: "off", "chain": "on", "chain1": "on", "capture": "capture"}[paired]
+        backend.config = dataclasses.replace(backend.config, chain_pairs=setting)
         backend.status_host = torch.zeros_like(backend.status)
     held, counted = [], []
     backend._tile_tables = lambda keys: held.append(tuple(sorted(set(keys)))) or (
@@ -756,7 +761,8 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
-    chains = {False: [], True: [""], "chain": [" chained"], "capture": ["", " chained"]}[paired]
+    chains = {False: [], True: [""], "chain": ["", " chained"], "chain1": [" chained"],
+              "capture": ["", " chained"]}[paired]
     pairs = [f"pair {launch}{chain}" for chain in chains for launch in ("dispatch", "combine")]
     assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
     g1 = (configs[1][0].block_m, False)
@@ -764,12 +770,12 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
     expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds]
-                                              if paired in (True, "capture") else [])
+                                              if paired in (True, "chain", "capture") else [])
     # "chain": the tables the counts launch fills, allocated before the call (not inside its capture), and the
     # counts launch compiled for them (a chained call may first come inside a caller's capture)
-    assert sorted(held) == (sorted(kinds) if paired in ("chain", "capture") else []), held
+    assert sorted(held) == (sorted(kinds) if paired in ("chain", "chain1", "capture") else []), held
     assert sorted(counted) == (sorted(tuple(f"table {key}" for key in kind) for kind in kinds)
-                               if paired in ("chain", "capture") else []), counted
+                               if paired in ("chain", "chain1", "capture") else []), counted
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 
@@ -989,8 +995,9 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     built = []
     backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
     backend.pair_dispatch = None
-    backend._resident_call = lambda configs, from_slot, decode, paired: built.append(
-        "paired" if paired else from_slot if decode else "not decode")
+    backend.config = KernelConfig()   # chain_pairs="capture": paired calls of 1 token under a caller's capture
+    backend._resident_call = lambda configs, from_slot, decode, paired, chain: built.append(
+        ("paired", chain) if paired else from_slot if decode else "not decode")
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
@@ -1029,11 +1036,21 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend.forward(x[:2], ids[:2], w[:2])
     backend.forward(x, ids, w)
     names = [name for name, _ in backend.graphs.runs]
-    assert built[-2:] == ["paired", True] and names[-2].endswith(".paired") and names[-1].endswith(".decode"), names
+    assert built[-2:] == [("paired", False), True] and names[-2].endswith(".paired") \
+        and names[-1].endswith(".decode"), names
+    # KernelConfig.chain_pairs ("capture"): a paired call of one token under a caller's capture is chained, one of two
+    # tokens and an eager one are not
+    capturing[0] = True
+    for tokens, chain in ((1, True), (2, False)):
+        backend.forward(x[:tokens], ids[:tokens], w[:tokens])
+        assert built[-1] == ("paired", chain), built
+    capturing[0] = False
+    backend.forward(x[:1], ids[:1], w[:1])
+    assert built[-1] == ("paired", False), built
     backend.graphs.fail = True
     with pytest.raises(RuntimeError, match="launch failed"):
         backend.forward(x, ids, w)
-    assert backend.slots.written == 6 and backend.broken and "enqueued" in backend.broken
+    assert backend.slots.written == 7 and backend.broken and "enqueued" in backend.broken
     with pytest.raises(WeaveError, match="failed earlier"):
         backend.forward(x, ids, w)
 
@@ -1409,21 +1426,29 @@ def test_ws_gemm_decode_configs_run_the_decode_kernels(monkeypatch):
 
 @pytest.mark.parametrize("setting", ["off", "on", "capture"])
 def test_paired_calls_take_the_chain_of_eager_or_captured_calls(monkeypatch, setting):
-    """KernelConfig.chain_pairs: "on" chains every paired call, "capture" only those made under a caller's
-    CUDA-graph capture (the call's pack launched by the caller: `from_slot` False), "off" none."""
+    """KernelConfig.chain_pairs: "on" chains every paired call of at most CHAIN_PAIRS_MAX_TOKENS tokens, "capture"
+    only those made under a caller's CUDA-graph capture, "off" none; longer calls and layers without the pair
+    dispatch never. `_resident_call` runs the paired call with the chain it is given (`_forward_resident` passes
+    `_chained` of the call's tokens), after the pack from the slot for eager calls (`from_slot`)."""
     from weave_moe.backends.weave.backend import WeaveBackend
-    from weave_moe.backends.weave.config import KernelConfig
+    from weave_moe.backends.weave.config import CHAIN_PAIRS_MAX_TOKENS, KernelConfig
 
     backend, launched = _tables_host(monkeypatch)
-    cfg = KernelConfig.from_text(f"chain_pairs={setting}", "test")
-    chained = (cfg.chains_pairs(False), cfg.chains_pairs(True))
+    backend.config = KernelConfig.from_text(f"chain_pairs={setting}", "test")
+    backend.pair_dispatch = object()
+    short, longer = CHAIN_PAIRS_MAX_TOKENS, CHAIN_PAIRS_MAX_TOKENS + 1
+    chained = tuple(WeaveBackend._chained(backend, short, captured) for captured in (False, True))
     assert chained == {"off": (False, False), "on": (True, True), "capture": (False, True)}[setting]
-    backend.chain_pairs = dict(enumerate(chained))
+    assert WeaveBackend._chained(backend, 0, True) is chained[1]   # a refused call (no tokens) as a short one
+    assert not any(WeaveBackend._chained(backend, longer, captured) for captured in (False, True))
+    backend.pair_dispatch = None
+    assert not any(WeaveBackend._chained(backend, short, captured) for captured in (False, True))
     backend.slots = type("Slots", (), {"launch": lambda self, *args: launched.append("pack from the slot")})()
     backend.send_routing = backend.header_device = backend.ctrl = None   # the pack's arguments (recorded only)
     backend._resident_paired = lambda configs, chain: launched.append(("paired", configs, chain))
     for from_slot in (True, False):
-        launched.clear()
-        WeaveBackend._resident_call(backend, "configs", from_slot, True, paired=True)
-        assert launched == (["pack from the slot"] if from_slot else []) + [("paired", "configs",
-                                                                             chained[not from_slot])], launched
+        for chain in (False, True):
+            launched.clear()
+            WeaveBackend._resident_call(backend, "configs", from_slot, True, paired=True, chain=chain)
+            assert launched == (["pack from the slot"] if from_slot else []) + [("paired", "configs", chain)], \
+                launched

@@ -25,8 +25,8 @@ from weave_moe.backends import raise_on_bad_ids
 from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordinator, CallOrderError, PeerError,
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
-from weave_moe.backends.weave.config import (DECODE_ROWS, DECODE_TOKENS, KernelConfig, decode_block_h,
-                                             timeout_s_from_env, unsupported_device)
+from weave_moe.backends.weave.config import (CHAIN_PAIRS_MAX_TOKENS, DECODE_ROWS, DECODE_TOKENS, KernelConfig,
+                                             decode_block_h, timeout_s_from_env, unsupported_device)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
@@ -340,11 +340,6 @@ class WeaveBackend:
         if self.pair_dispatch is not None:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
             self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
-        # KernelConfig.chain_pairs: whether a paired call's tile tables are written by its counts launch, the pair
-        # dispatch and GEMM0 launched programmatically (_resident_paired), by whether the call is made under a
-        # caller's CUDA-graph capture: {captured: chained}
-        self.chain_pairs = {captured: self.pair_dispatch is not None and cfg.chains_pairs(captured)
-                            for captured in (False, True)}
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -518,6 +513,7 @@ class WeaveBackend:
         configs = self._grouped_configs(rows)
         decode = self._decode_call(x.shape[0])   # a function of rows, as the graph's name is
         paired = self._paired_call(x.shape[0])   # and so is this
+        chain = paired and self._chained(x.shape[0], capturing)   # and, eager or captured, this
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             # ... and the kind of call: a decode call's graph (decode compiles, the early or pair dispatch of at most
             # DECODE_TOKENS tokens) must not serve a longer call whose configs are the same
@@ -530,7 +526,7 @@ class WeaveBackend:
             # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired), in_capture=True)
+            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired, chain), in_capture=True)
         elif self.debug_skip_launch:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
@@ -539,7 +535,7 @@ class WeaveBackend:
                                                               timeout_s=self.timeout_s + coordinator.timeout_s))
             clock.lap("pack")
             try:
-                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired),
+                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired, chain),
                                 in_capture=False)
             except BaseException as error:
                 # the slot may or may not have been read: the ring and the device cursor could have parted
@@ -558,15 +554,17 @@ class WeaveBackend:
             raise failure
         return out
 
-    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: bool = False) -> None:
+    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: bool = False,
+                       chain: bool = False) -> None:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
-        `io`); `decode`: `_decode_call`; `paired`: `_paired_call` (then `_resident_paired`)."""
+        `io`); `decode`: `_decode_call`; `paired`: `_paired_call` (then `_resident_paired`, with `chain`:
+        `_chained`)."""
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
         if paired:   # it copies the status word itself
-            self._resident_paired(grouped_configs, chain=self.chain_pairs[not from_slot])
+            self._resident_paired(grouped_configs, chain=chain)
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
@@ -636,6 +634,21 @@ class WeaveBackend:
     def _paired_call(self, tokens: int) -> bool:
         """Whether a resident call of `tokens` tokens runs `_resident_paired` (KernelConfig.pair_dispatch)."""
         return self.pair_dispatch is not None and tokens <= self.pair_dispatch.max_call_tokens
+
+    def _chained(self, tokens: int, captured: bool) -> bool:
+        """Whether a paired call of `tokens` tokens, made under a caller's CUDA-graph capture or not (`captured`),
+        takes KernelConfig.chain_pairs' chain (its tile tables written by the counts launch, the pair dispatch and
+        GEMM0 launched programmatically: `_resident_paired`)."""
+        return self.pair_dispatch is not None and self.config.chains_pairs(captured, tokens)
+
+    def _paired_chains(self) -> set:
+        """The chains paired calls of this layer can take (`_chained` of every call: a rule of at most
+        CHAIN_PAIRS_MAX_TOKENS tokens or more, eager or captured), which its first call compiles."""
+        if self.pair_dispatch is None:
+            return set()
+        most = self.pair_dispatch.max_call_tokens
+        sizes = {min(CHAIN_PAIRS_MAX_TOKENS, most), most}   # a call on each side of the rule's bound
+        return {self._chained(tokens, captured) for tokens in sizes for captured in (False, True)}
 
     def _rows_per_token(self) -> int:
         """GEMM rows per token on this rank at most: its (token, expert) pairs, k, or E_local when fewer."""
@@ -1178,9 +1191,7 @@ class WeaveBackend:
         warm-up launches to end."""
         for constants in sorted(self.kernel_variants, key=lambda variant: variant.STAGE):
             mk_launch.warmup(args=args, constants=constants, **launch_options)
-        # KernelConfig.chain_pairs: the paired call's chains, of eager and captured calls (none without the pair
-        # dispatch)
-        chains = set(self.chain_pairs.values()) if self.pair_dispatch is not None else set()
+        chains = self._paired_chains()   # KernelConfig.chain_pairs (none without the pair dispatch)
         if self.grouped or self.grouped_serial:  # compile every grouped-GEMM variant a call may pick, on no tiles
             empty = torch.zeros(self.num_local_experts + 1, dtype=torch.int32, device=self.device)
             y = self.workspace.y()

@@ -56,6 +56,11 @@ def decode_block_h(hidden_size: int) -> int:
     the combine holds top-k such rows in registers)."""
     return min(4096, 1 << max(hidden_size - 1, 1).bit_length())
 
+#: KernelConfig.chain_pairs chains paired calls of at most this many tokens per rank. Replayed from a caller's CUDA
+#: graph on an H100 (docs/perf-notes.md entry 61: Qwen3-30B-A3B, Qwen3.5-35B-A3B, DeepSeek-V2-Lite, one rank's work
+#: of EP=2) the chain won at 1 token in all three (44.8 -> 43.7, 39.0 -> 36.6, 51.6 -> 48.2 us) and was mixed at 8
+#: tokens (-2.8 to +2.8 us) and 32 (-2.8 to +11.9 us): those calls keep the default chain
+CHAIN_PAIRS_MAX_TOKENS = 1
 #: the values of the str fields
 _CHOICES = {"resident": ("auto", "on", "off"), "gemm0_gather": ("auto", "on", "off"),
             "chain_pairs": ("off", "on", "capture")}
@@ -230,12 +235,14 @@ class KernelConfig:
             for GEMM1); the pair combine is launched programmatically after GEMM1 and copies the status words to the
             host itself (no `copy_status` kernel at the call's end). On an H100 at 1 token (Qwen3-30B-A3B, dfac10b's
             timeline) GEMM0 began at 13.2 us, after the tile-table launch (ending 12.7) and the pair dispatch (12.2);
-            its weights stream at the HBM rate from then on. "off" (default), "on", or "capture": only the calls
-            made under a caller's CUDA-graph capture (serving engines' decode; the host's time per call is then not
-            in the call), eager calls keeping the default chain (both compiled at the first call). Off: measured on
-            an H100 (159b784, docs/perf-notes.md entries 53 and 55) its 1-token GPU span was 1.7 us shorter (43.0
-            against 44.7: the counts launch took ~3 us more for the tables), but the eager call 6-8 us slower end to
-            end (the host's time per call rose); "capture" is for `device_run graph-levers` (entry 60).
+            its weights stream at the HBM rate from then on. Only calls of at most CHAIN_PAIRS_MAX_TOKENS tokens
+            (1) take it. "capture" (default): those made under a caller's CUDA-graph capture (serving engines'
+            decode; the host's time per call is then not in the call), eager calls keeping the plain chain (both
+            compiled at the first call); "on": every such call; "off": none. Eagerly it loses: on an H100
+            (159b784, docs/perf-notes.md entries 53 and 55) its 1-token GPU span was 1.7 us shorter (43.0 against
+            44.7: the counts launch took ~3 us more for the tables), but the eager call 6-8 us slower end to end
+            (the host's time per call rose). Replayed from a caller's graph it wins at 1 token (entry 61, H100,
+            bc11158: 1.1-3.4 us on three models; the resident check's capture case passed with "capture").
         serial_at_ep1: at EP = 1 a resident layer (`resident`) of the adaptive policy ("weave") whose serial plans
             run the grouped GEMMs (`grouped_gemm`, a Hopper GPU) takes the serial plan, fixed when the layer is
             built, and is then the `serial` policy's layer (no planning per call; the paired decode call of
@@ -338,7 +345,7 @@ class KernelConfig:
     ws_gemm: bool = True
     ws_gather: bool = False
     ws_chain: bool = True
-    chain_pairs: str = "off"
+    chain_pairs: str = "capture"
     scatter_rows: bool = True
 
     def __post_init__(self):
@@ -417,10 +424,12 @@ class KernelConfig:
         # GPU, bench/results/shared-gpu-ep2-e9a5fca)
         return self.resident in ("on", "auto")
 
-    def chains_pairs(self, captured: bool) -> bool:
-        """Whether a paired call takes `chain_pairs`' chain: every call ("on"), a call made under a caller's
-        CUDA-graph capture (`captured`) with "capture", none with "off"."""
-        return self.chain_pairs == "on" or (captured and self.chain_pairs == "capture")
+    def chains_pairs(self, captured: bool, tokens: int) -> bool:
+        """Whether a paired call of `tokens` tokens takes `chain_pairs`' chain: one of at most CHAIN_PAIRS_MAX_TOKENS
+        tokens, made at all ("on") or under a caller's CUDA-graph capture (`captured`) with "capture"; none with
+        "off"."""
+        return tokens <= CHAIN_PAIRS_MAX_TOKENS and (
+            self.chain_pairs == "on" or (captured and self.chain_pairs == "capture"))
 
     def gathers_in_gemm0(self, intermediate_size: int) -> bool:
         """Whether the grouped GEMM0 of a layer of this intermediate size reads its rows through the gather rows
