@@ -19,8 +19,8 @@ What it checks (each a row with passed = True/False and the numbers behind it):
   8. memory per captured row count: the default policy's layer at T_max 8192 called at 12 row counts from 1 to 2048
      tokens (a CUDA graph each), every call against the reference; the device memory the graphs reserved beyond the
      first call's, per further row count (the task tables are the layer's, tables.TableBuffers, not each graph's).
-Every layer is made with WEAVE_MOE_KERNEL_CONFIG's settings, resident=on and serial_at_ep1=off (e.g. prefetch_mib=48
-checks the calls with the weights' L2 prefetch, its side stream inside each graph and inside the caller's capture).
+Every layer is made with WEAVE_MOE_KERNEL_CONFIG's settings, resident=on and serial_at_ep1=off (e.g. chain_pairs=on
+checks the paired calls' chain in eager calls too).
 """
 
 from __future__ import annotations

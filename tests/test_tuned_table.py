@@ -397,11 +397,27 @@ def test_tune_stream_k_candidates():
     assert cli.main(["tune", "--list", "--models", "qwen3-30b-a3b", "--stream-k", "2"]) == 2
 
 
+def test_tune_refuses_to_update_another_devices_table(tmp_path):
+    """`tune --out` naming a table measured on another device (here the H200's, tuned on an H100) is refused before
+    anything is measured, naming both; --replace starts it anew for this GPU; a table not yet written by a run (no
+    device recorded) is taken."""
+    out = tmp_path / "nvidia-h200.json"
+    table = tune._start_table(out, replace=False, device_key="nvidia-h200")
+    table.update(device="NVIDIA H200", device_key="nvidia-h200")
+    tune._write_table(out, table)
+    gc.clear_tuned_cache()
+    with pytest.raises(ValueError, match=r"measured on NVIDIA H200 \(nvidia-h200\), and this GPU is nvidia-h100"):
+        tune._start_table(out, replace=False, device_key="nvidia-h100-80gb-hbm3")
+    assert tune._start_table(out, replace=False, device_key="nvidia-h200")["device_key"] == "nvidia-h200"
+    assert "device_key" not in tune._start_table(out, replace=True, device_key="nvidia-h100-80gb-hbm3")
+    gc.clear_tuned_cache()
+
+
 def test_tune_records_round_trip_through_the_lookup(tmp_path):
     """What the command writes (its _record / _write_table, fed made-up timings here) is what default_config reads:
     an entry only where the best beats the default by --min-gain, older records of a re-measured key replaced."""
     out = tmp_path / "nvidia-h200.json"
-    table = tune._start_table(out, replace=False)
+    table = tune._start_table(out, replace=False, device_key="nvidia-h200")
     table["meta"] = dict(date="2026-12-01T00:00:00+00:00", commit="abc")
     shape = dict(model="qwen3-30b-a3b", tokens=2048, rows=16384, rows_bucket=16384, **SHAPE)
     default0, default1 = gc.analytical_config(0, 16384, 64), gc.analytical_config(1, 16384, 64)
@@ -416,7 +432,7 @@ def test_tune_records_round_trip_through_the_lookup(tmp_path):
         assert gc.default_config(0, 16384, 64, 2048, 768, table=out) == TUNED0
         assert gc.default_config(1, 16384, 64, 2048, 768, table=out) == default1  # within --min-gain: not written
         # re-measured: the new record replaces the old one
-        table = tune._start_table(out, replace=False)
+        table = tune._start_table(out, replace=False, device_key="nvidia-h200")
         assert [e["gemm"] for e in table["measured_default"]] == [1]
         table["meta"] = dict(date="2026-12-02T00:00:00+00:00", commit="def")
         tune._record(table, shape, 0, default0, [(1.0, default0, 1e-3), (0.99, TUNED0, 1e-3)], 0.05, 2)
@@ -470,7 +486,7 @@ def test_tune_ws_candidates_and_their_records_decide_as_measured(tmp_path, capsy
     assert tune.shape_candidates(triton, default, gathered=False) == triton + [default]
 
     out = tmp_path / "nvidia-h100.json"
-    table = tune._start_table(out, replace=False)
+    table = tune._start_table(out, replace=False, device_key="nvidia-h200")
     table["meta"] = dict(date="2026-12-06T00:00:00+00:00", commit="abc")
     shape = dict(model="qwen3-30b-a3b", tokens=1024, rows=8192, rows_bucket=8192, **SHAPE)
     both = ["triton", "ws", "ws_decode"]
@@ -529,7 +545,7 @@ def test_tune_pairs_write_the_fastest_pair_by_its_gain_over_the_default_pair(tmp
     """--pairs: GEMM0 -> GEMM1 timed back to back; the configs of the fastest pair are written (each GEMM's entry
     records the pair), even where one of them is not the fastest alone, and only by the pair's gain."""
     out = tmp_path / "nvidia-h200.json"
-    table = tune._start_table(out, replace=False)
+    table = tune._start_table(out, replace=False, device_key="nvidia-h200")
     table["meta"] = dict(date="2026-12-03T00:00:00+00:00", commit="abc")
     shape = dict(model="qwen3-30b-a3b", tokens=2048, rows=16384, rows_bucket=16384, **SHAPE)
     default0, default1 = gc.analytical_config(0, 16384, 64), gc.analytical_config(1, 16384, 64)

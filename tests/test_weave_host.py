@@ -372,7 +372,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
     backend.tile_buffers, backend.gemm_scratch, backend.stream_k_scratch = {}, {}, "the layer's stream-K scratch"
     backend.kernel_variants = backend._kernel_variants()
     backend._grouped_configs = lambda rows: None
-    backend.fork_prologue, backend.prefetch = fork, None
+    backend.fork_prologue = fork
     backend._grouped_prologue = lambda offsets, keys, device_serial, side=False: (
         launched.append("fork") if side else None) or ({}, None, "event" if side else None)
     backend._gather_rows = lambda index, rows, count_ready: None
@@ -566,7 +566,7 @@ def test_resident_tables_fork_the_early_dispatch_after_the_counts_of_a_decode_ca
                              (False, ["counts", "planner", "tables"])):
         launched.clear()
         dispatched = []
-        backend._resident_tables(decode=decode, joins=[], dispatched=dispatched)
+        backend._resident_tables(decode=decode, dispatched=dispatched)
         assert launched == expected and dispatched == (["dispatch event"] if decode else []), (decode, launched)
 
 
@@ -672,7 +672,7 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
                              (True, ["counts", "planner", "scan, bases", "emit"])):
         launched.clear()
         dispatched = []
-        backend._resident_tables(decode=decode, joins=[], dispatched=dispatched)
+        backend._resident_tables(decode=decode, dispatched=dispatched)
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
@@ -1098,55 +1098,6 @@ def test_resident_tables_plan_in_the_counts_launch_or_after_it(monkeypatch, fuse
     monkeypatch.setattr(backend_module, "build_layout_triton", tables)
     backend._resident_tables(decode=False)
     assert launched == ([("counts", True), "tables"] if fused else [("counts", None), "planner", "tables"])
-
-
-def test_resident_call_prefetches_weights_after_the_counts_and_joins_at_its_end(monkeypatch):
-    """KernelConfig.prefetch_mib: the L2 prefetch is forked off right after the counts launch (before the planner and
-    the tables, which it does not delay), and the call's stream waits for it only after the kernel's launches, before
-    the status copy, the call's last kernel (a CUDA-graph capture must join every stream it forks)."""
-    from weave_moe.backends.weave import backend as backend_module
-    from weave_moe.backends.weave.exchange import RoutingMessage
-
-    backend, launched, _ = _host_backend(monkeypatch, None, resident=True)
-    backend.message = RoutingMessage(8, 2)
-    backend.all_routing = torch.zeros(1, backend.message.words, dtype=torch.int32)
-    backend.plans_device = torch.zeros(1, 4, dtype=torch.int32)
-    backend.table_counters = None
-    backend.prefetch = "the layer's prefetch"
-
-    class Counts:
-        planner = None
-
-        def build(self, messages, status, rank, verdict, plans=None, tiles=None):
-            launched.append("counts")
-            return "counts vector"
-
-    class Planner:
-        def launch(self, counts, out):
-            launched.append("planner")
-
-    backend.device_counts, backend.device_planner = Counts(), Planner()
-    backend._prefetch_weights = lambda counts: launched.append(("prefetch", counts)) or "prefetched"
-    monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
-    joins = []
-    backend._resident_tables(decode=False, joins=joins)
-    assert launched == ["counts", ("prefetch", "counts vector"), "planner", "tables"] and joins == ["prefetched"]
-
-    # the call: the join after the kernel's launches, before the status copy
-    launched.clear()
-
-    class Stream:
-        def wait_event(self, event):
-            launched.append(("join", event))
-
-    backend._current_stream = lambda: Stream()
-    backend._resident_tables = lambda decode, configs, early, joins, dispatched: (joins.append("prefetched")
-                                                                                  or "layout")
-    backend._launch = lambda *args, **options: launched.append("kernel")
-    monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append("status"))
-    backend.status_host = None
-    backend._resident_call(None, False, False)
-    assert launched == ["kernel", ("join", "prefetched"), "status"]
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

@@ -336,7 +336,7 @@ def run(args) -> int:
         return refuse(f"needs Hopper or newer (sm_90+: TMA and wgmma); this GPU is sm_{capability[0]}{capability[1]}")
     try:
         out = _out_path(args.out)
-        table = _start_table(out, args.replace)
+        table = _start_table(out, args.replace, device_key=gc.device_key(torch.cuda.get_device_name()))
     except ValueError as error:
         return refuse(str(error))
     return _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings)
@@ -372,8 +372,11 @@ def _out_path(out):
     return path if path.suffix == ".json" else path / name
 
 
-def _start_table(out, replace: bool) -> dict:
-    """The table to update: the existing `out` (checked) unless `replace` or absent, else an empty one."""
+def _start_table(out, replace: bool, device_key: str) -> dict:
+    """The table to update: the existing `out` (checked) unless `replace` or absent, else an empty one.
+    ValueError before anything is measured when `out` is not a table, or holds configs measured on another device
+    than this GPU (`device_key`, `gemm_configs.device_key`): an H100's times written into the H200's table would be
+    read on every H200."""
     import json
 
     from weave_moe.backends.weave.kernels import gemm_configs as gc
@@ -381,7 +384,13 @@ def _start_table(out, replace: bool) -> dict:
     if out.exists() and not replace:
         gc.load_tuned_table(out)  # ValueError naming the file when it is not a table: refuse before measuring
         gc.clear_tuned_cache()
-        return json.loads(out.read_text())
+        table = json.loads(out.read_text())
+        held = table.get("device_key")   # absent until a run has written the table
+        if held is not None and held != device_key:
+            raise ValueError(f"{out} holds configs measured on {table.get('device', held)} ({held}), and this GPU is "
+                             f"{device_key}: a table serves the device it was measured on (give --out another file, "
+                             "or --replace to start it anew for this GPU)")
+        return table
     return dict(format=gc.TUNED_FORMAT, entries=[], measured_default=[])
 
 

@@ -36,7 +36,6 @@ from weave_moe.backends.weave.kernels.pair_combine import PairCombine
 from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES, STAGE_COMBINE_REDUCE
 from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
-from weave_moe.backends.weave.kernels.prefetch import WeightPrefetch
 from weave_moe.backends.weave.kernels.routing_exchange import exchange_routing
 from weave_moe.backends.weave.kernels.tables import TableBuffers, build_layout_triton, counter_words
 from weave_moe.backends.weave.kernels import sync
@@ -302,10 +301,6 @@ class WeaveBackend:
         # KernelConfig.fused_planner: the counts kernel's last program plans too (no planner launch after it)
         self.device_counts = DeviceCounts(self.counts_format, self.message, device,
                                           planner=self.device_planner if cfg.fused_planner else None)
-        # KernelConfig.prefetch_mib: the resident call's L2 prefetch of its experts' weights, on its own side stream
-        self.prefetch = (WeightPrefetch(self.num_local_experts, H, I, cfg.prefetch_mib << 20,
-                                        self.counts_format.expert_pairs_offset + rank * self.num_local_experts)
-                         if cfg.prefetch_mib and self.resident and WeightPrefetch.supports(H, I) else None)
         self.grouped_configs: dict[int, tuple] = {}   # rows -> (GEMM0, GEMM1) configs (_grouped_configs)
         self.resident_graph_names: dict[tuple, str] = {}   # (workspace generation, rows) -> the call's graph name
         self.max_pairs = max_pairs
@@ -567,15 +562,12 @@ class WeaveBackend:
             self._resident_paired(grouped_configs, chain=chain)
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
-        joins = []   # side-stream work nothing of the call waits for, joined before the call's last kernel
         dispatched = []   # the event of the dispatch beside the tables (early_dispatch, dispatch_beside_emit),
         #                   joined before the GEMMs
-        layout = self._resident_tables(decode, grouped_configs, early, joins, dispatched)
+        layout = self._resident_tables(decode, grouped_configs, early, dispatched)
         dummy = self.workspace.y()[:1]
         self._launch(dummy, dummy, layout, self.fixed_plan, 0, grouped_configs, decode,
                      early=early[0] if early else None, dispatched=dispatched[0] if dispatched else None)
-        for event in joins:
-            self._current_stream().wait_event(event)
         # the status word to the host, read at the next call once the event recorded after the call has passed
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
@@ -601,7 +593,6 @@ class WeaveBackend:
         # the layer's tile tables, filled by the counts launch (chain)
         tables = self._tile_tables(keys)[0] if chain else None
         counts = self._counts(verdict=True, tiles=list(tables.values()) if chain else None)
-        joins = [self._prefetch_weights(counts)] if self.prefetch is not None else []
         if tables is None:
             tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), keys, False,
                                                        side=self.fork_prologue, form="counts")
@@ -613,8 +604,6 @@ class WeaveBackend:
         self._paired_gemms(configs, tables, preload=self._preloads(configs, chain))
         self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
                                  self.rank, pdl=chain, report=self._pair_report(chain))
-        for event in joins:   # the side streams nothing of the call waits for
-            self._current_stream().wait_event(event)
         if self._pair_report(chain) is None:
             copy_status(self.status, self.status_host)
 
@@ -655,7 +644,7 @@ class WeaveBackend:
         return min(self.spec.top_k, self.num_local_experts)
 
     def _resident_tables(self, decode: bool, grouped_configs=None, early: list | None = None,
-                         joins: list | None = None, dispatched: list | None = None):
+                         dispatched: list | None = None):
         """The resident call's tables: counts, the verdict, the plan (adaptive policies) and the task tables for the
         planned chunk counts (the pack launch before them zeroed the control block and the flags, the resident call
         always using parity 0, and advanced the call number). The grouped-GEMM tile tables of a layer whose serial
@@ -663,8 +652,7 @@ class WeaveBackend:
         after the bases kernel, so they run beside the emit: beside the dispatch launch they waited for its CTAs to
         leave the SMs (ending 4-7 us after it at 2048 tokens on an H200, bench/results/h200-42828c2), and an
         adaptive policy's ran after its first launch.
-        With KernelConfig.prefetch_mib the weights' L2 prefetch is forked off after the counts (its event appended
-        to `joins`, which the caller joins at the end of the call). With KernelConfig.early_dispatch a decode call's
+        With KernelConfig.early_dispatch a decode call's
         rows are dispatched on a side stream once the counts and the plan are written, with
         KernelConfig.dispatch_beside_emit a longer call's once the bases kernel is (its event appended to
         `dispatched`, which the caller joins before the GEMMs: `_launch(dispatched=)`)."""
@@ -673,8 +661,6 @@ class WeaveBackend:
             exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
                              self.timeout_ns)
         counts = self._counts(verdict=True)
-        if self.prefetch is not None and joins is not None:
-            joins.append(self._prefetch_weights(counts))
         if self.device_planner is not None and self.device_counts.planner is None:
             self.device_planner.launch(counts, self.plans_device)
         cfg = self.config
@@ -723,12 +709,6 @@ class WeaveBackend:
             all_ids, all_weights, tokens, self.plans_device[:, 1], self.rank, spec.num_experts,
             hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, block_m=cfg.block_m,
             block_n0=cfg.block_n0, block_n1=cfg.block_n1, **self._table_rows(decode))
-
-    def _prefetch_weights(self, counts: torch.Tensor) -> torch.cuda.Event:
-        """Fork the L2 prefetch of this call's experts' weights (kernels/prefetch.py) onto the layer's prefetch stream,
-        after the counts kernel just enqueued; returns the event after it. Nothing waits for it but the end of the
-        call: a prefetch writes nothing."""
-        return self._fork("prefetch", lambda: self.prefetch.launch(counts, self.w13, self.w2))
 
     def _counts(self, verdict: bool, tiles: list | None = None) -> torch.Tensor:
         """Enqueue the counts kernel on the gathered routing (kernels/counts.py); returns the counts vector. With

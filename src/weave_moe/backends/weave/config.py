@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["KernelConfig", "timeout_s_from_env", "DEFAULT_TIMEOUT_S", "KERNEL_CONFIG_ENV", "TIMEOUT_ENV",
-           "DECODE_TOKENS", "DECODE_ROWS", "GEMM0_GATHER_MAX_I", "PREFETCH_MIB_MAX", "MIN_CAPABILITY",
+           "DECODE_TOKENS", "DECODE_ROWS", "GEMM0_GATHER_MAX_I", "MIN_CAPABILITY",
            "unsupported_device"]
 
 KERNEL_CONFIG_ENV = "WEAVE_MOE_KERNEL_CONFIG"
@@ -66,10 +66,6 @@ _CHOICES = {"resident": ("auto", "on", "off"), "gemm0_gather": ("auto", "on", "o
             "chain_pairs": ("off", "on", "capture")}
 #: KernelConfig.gemm0_gather="auto": GEMM0 reads its rows through the gather rows for intermediate sizes up to this
 GEMM0_GATHER_MAX_I = 1024
-#: KernelConfig.prefetch_mib at most: the budget in bytes stays an int32 in the prefetch kernel
-PREFETCH_MIB_MAX = 2047
-#: the int fields whose values are not "positive": (least, most) allowed
-_INT_RANGES = {"prefetch_mib": (0, PREFETCH_MIB_MAX)}   # 0: off
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -173,13 +169,6 @@ class KernelConfig:
             of its CTAs on one SM: 176 KB of shared memory each). Side by side on an H200 (six models x 1 / 32 / 2048 /
             8192 tokens, bench/results/h200-de378c8): off is 0.963x the serial policy's time in geomean at
             2048-8192 tokens (DeepSeek-V2 2048 0.84x, -V3 2048 0.90x, none slower than 1.001x) and 1.001x at 1-32.
-        prefetch_mib: 0 (default: off) or a budget in MiB (at most PREFETCH_MIB_MAX): a resident call, once its
-            counts are written, prefetches into L2 the weights of the local experts with rows, w13 then w2 in expert
-            order, up to this many MiB (kernels/prefetch.py: one launch on a side stream, beside the task tables and
-            the dispatch, which leave HBM idle). At decode sizes the GEMMs stream weights (Qwen3-30B-A3B at 1 token,
-            one rank's work of EP=2: GEMM0 reads 50 MB in 16.6 us, the ~17 us before it move almost no bytes;
-            bench/results/h200-39eda33); the H200's L2 holds 60 MiB. Layers whose H * I is not a multiple of 8 do
-            not prefetch. Off until measured on the GPU (`scripts/device_run.sh prefetch`).
         interleave_w13: a layer that runs grouped GEMMs (`grouped_gemm`) holds w13 re-laid with gate row j next to up
             row j (a copy of it, made by `load_experts`), so that GEMM0 is one wide MMA per K step, in the grouped
             GEMMs and (`wide_gemm0`) the megakernel's tiles. Off: w13 is used as given, with no copy, and GEMM0 runs
@@ -335,7 +324,6 @@ class KernelConfig:
     early_scan: bool = False
     gemm0_gather: str = "auto"
     grouped_pdl: bool = False
-    prefetch_mib: int = 0
     interleave_w13: bool = True
     vector_rows: bool = True
     early_dispatch: bool = False
@@ -359,11 +347,8 @@ class KernelConfig:
                     raise ValueError(f"KernelConfig.{field.name} must be one of {', '.join(_CHOICES[field.name])}, "
                                      f"got {value!r}")
             else:
-                low, high = _INT_RANGES.get(field.name, (1, None))
-                if not isinstance(value, int) or isinstance(value, bool) or value < low or \
-                        (high is not None and value > high):
-                    allowed = "a positive int" if (low, high) == (1, None) else f"an int in [{low}, {high}]"
-                    raise ValueError(f"KernelConfig.{field.name} must be {allowed}, got {value!r}")
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"KernelConfig.{field.name} must be a positive int, got {value!r}")
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
