@@ -140,7 +140,15 @@ for stage in "$@"; do
         WEAVE_MOE_KERNEL_CONFIG=ws_gather=1,chain_pairs=on RESIDENT_CALLS=1000 RESIDENT_TIMEOUT="${RESIDENT_TIMEOUT:-170}" "$0" resident;;
     # perf-notes 52's list, item 2 (an H200): the six models' prefill shapes tuned with the Gluon kernels among the
     # candidates (--ws auto: the rule's configs and the 192-row tiles) into the shipped H200 table, then the record
-    h200-prefill) TUNE_TIMEOUT=420 TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h200.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
+    # (tune refuses to update a table measured on another GPU: on an H100 this stage stops before measuring.) The six
+    # shapes at both sizes need more than one call: h200-prefill-2048 and h200-prefill-8192 split it (entry 61's list)
+    h200-prefill) TUNE_TIMEOUT=${H2P_TIMEOUT:-420} TUNE_TOKENS=${H2P_TOKENS:-2048,8192} TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h200.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
+    h200-prefill-2048) H2P_TIMEOUT=530 H2P_TOKENS=2048 "$0" h200-prefill;;
+    h200-prefill-8192) H2P_TIMEOUT=530 H2P_TOKENS=8192 "$0" h200-prefill;;
+    # perf-notes 61's list, item 1: the Qwen shapes' GEMMs at 128 / 512 tokens (over the library's alone there on an
+    # H100) tuned into this GPU's own table, then decode as served at those sizes
+    decode-tune) key=$(python3 -c "import torch; from weave_moe.backends.weave.kernels import gemm_configs as gc; print(gc.device_key(torch.cuda.get_device_name()))")
+        TUNE_TIMEOUT=${DT_TIMEOUT:-400} TUNE_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b TUNE_TOKENS=128,512 TUNE_OUT="src/weave_moe/backends/weave/kernels/tuned/$key.json" TUNE_ARGS="--routing uniform --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
     # the 192-row tiles' GEMM0 through the gather rows (no copy launch): the small checks (each config also gathered),
     # then DeepSeek-V2 2048's calls with and without ws_gather on the shipped table (192x128x64 GEMM0), 3 rounds
     rowgather) timeout 150 python3 scripts/ws_gemm_probe.py --smoke-only --configs 192x128x64w4s4,192x128x64w4s5,64x256x64w4s4 > "$W/ws_gemm_smoke.log" 2>&1; echo "smoke rc=$?"; grep "SMOKE END" "$W/ws_gemm_smoke.log"
