@@ -613,17 +613,14 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=(
         for config, reason in candidates[g][1]:
             print(f"  GEMM{g} skipped {config_name(config)}: {reason}")
 
-    def time_alone(works, gemm, config, each: list | None = None) -> float:
-        """ms of one launch of `config` alone: the median of --reps replays, each over the cold rotations; over
-        several routings' works the geomean of theirs (`each`, when a list, receives every routing's)."""
+    def times_alone(works, gemm, config) -> list[float]:
+        """ms of one launch of `config` alone on each routing's work: the median of --reps replays, each over the
+        cold rotations. A candidate's time is the geomean over the routings."""
         def one(work):
             launches = [work.launcher(gemm, config, r) for r in range(work.rotations[gemm])]
             return statistics.median(graph_replay_ms(lambda: [launch() for launch in launches],
                                                      args.reps)) / len(launches)
-        times = [one(work) for work in works]
-        if each is not None:
-            each.extend(times)
-        return geomean(times)
+        return [one(work) for work in works]
 
     results, failed, started = [], 0, time.time()
     for shape in shapes:
@@ -654,9 +651,9 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=(
                         print(f"  GEMM{gemm} {name}: WRONG, error {err:.2e} > {DEFAULT_TOLERANCE:g}", flush=True)
                         continue
                     if not measured:   # a shape's first timing of a GEMM can run slow throughout (an H100,
-                        time_alone(works, gemm, config)   # bench/results/h100-1eee06e): timed twice, the second kept
-                    each = []
-                    ms = time_alone(works, gemm, config, each)
+                        times_alone(works, gemm, config)   # bench/results/h100-1eee06e): timed twice, the second kept
+                    each = times_alone(works, gemm, config)
+                    ms = geomean(each)
                 except Exception as error:  # a config that does not compile or launch must not stop the sweep
                     print(f"  GEMM{gemm} {name}: FAILED {type(error).__name__}: {str(error)[:200]}", flush=True)
                     torch.cuda.synchronize()
@@ -669,7 +666,8 @@ def _tune(args, specs, shapes, gemms, grid, ws, layer_ws, out, table, routings=(
             counts[gemm] = len(measured)
             if args.confirm and measured:
                 measured = confirm_measured(measured, default, args.confirm,
-                                            lambda config, gemm=gemm, works=works: time_alone(works, gemm, config))
+                                            lambda config, gemm=gemm, works=works: geomean(
+                                                times_alone(works, gemm, config)))
                 for ms, config, _ in measured:
                     print(f"  GEMM{gemm} {config_name(config)}: {ms:.4f} ms over {args.confirm} rounds "
                           f"(confirmed)", flush=True)
