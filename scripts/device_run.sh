@@ -148,7 +148,7 @@ for stage in "$@"; do
     # perf-notes 61's list, item 1: the Qwen shapes' GEMMs at 128 / 512 tokens (over the library's alone there on an
     # H100) tuned into this GPU's own table, then decode as served at those sizes
     decode-tune) key=$(python3 -c "import torch; from weave_moe.backends.weave.kernels import gemm_configs as gc; print(gc.device_key(torch.cuda.get_device_name()))")
-        TUNE_TIMEOUT=${DT_TIMEOUT:-400} TUNE_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b TUNE_TOKENS=128,512 TUNE_OUT="src/weave_moe/backends/weave/kernels/tuned/$key.json" TUNE_ARGS="--routing uniform --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
+        TUNE_TIMEOUT=${DT_TIMEOUT:-400} TUNE_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b TUNE_TOKENS=128,512 TUNE_OUT="src/weave_moe/backends/weave/kernels/tuned/$key.json" TUNE_ARGS="--block-m 16,64 --block-n 128,256 --block-k 64,128 --warps 4 --stages 3,4 --ws auto,t16w128k128s5,t32w128k128s4,t64w128k128s4,t64w128k64s8 --routing uniform --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
     # the 192-row tiles' GEMM0 through the gather rows (no copy launch): the small checks (each config also gathered),
     # then DeepSeek-V2 2048's calls with and without ws_gather on the shipped table (192x128x64 GEMM0), 3 rounds
     rowgather) timeout 150 python3 scripts/ws_gemm_probe.py --smoke-only --configs 192x128x64w4s4,192x128x64w4s5,64x256x64w4s4 > "$W/ws_gemm_smoke.log" 2>&1; echo "smoke rc=$?"; grep "SMOKE END" "$W/ws_gemm_smoke.log"
@@ -303,7 +303,7 @@ for stage in "$@"; do
     # device, "off" = the analytical defaults, else a path, e.g. one the tune stage wrote); results numbered as listed
     table-ab) i=0; : > "$W/table-ab.txt"; for tbl in ${TA_TABLES:-shipped off}; do i=$((i + 1)); echo "$i $tbl" >> "$W/table-ab.txt"
           if [ "$tbl" = shipped ]; then unset WEAVE_MOE_TUNED_TABLE; else export WEAVE_MOE_TUNED_TABLE=$tbl; fi
-          timeout "${TA_TIMEOUT:-200}" python3 -m weave_moe.bench --emulate-ep 2 --models "${TA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${TA_TOKENS:-1,8,32,128,512}" --routing "${TA_ROUTING:-uniform}" --variants "${TA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 --no-progress --timeout $(( ${TA_TIMEOUT:-200} - 10 )) --name "table-ab$i" --out "$W" > "$W/bench-table-ab$i.log" 2>&1; echo "bench $i ($tbl) rc=$?"; tail -16 "$W/bench-table-ab$i.log" | cut -c1-220
+          timeout "${TA_TIMEOUT:-200}" python3 -m weave_moe.bench --emulate-ep 2 --models "${TA_MODELS:-qwen3-30b-a3b,deepseek-v3}" --tokens "${TA_TOKENS:-1,8,32,128,512}" --routing "${TA_ROUTING:-uniform}" --variants "${TA_VARIANTS:-nccl,weave:serial,weave}" --check --iters 20 ${TA_ARGS:-} --no-progress --timeout $(( ${TA_TIMEOUT:-200} - 10 )) --name "table-ab$i" --out "$W" > "$W/bench-table-ab$i.log" 2>&1; echo "bench $i ($tbl) rc=$?"; tail -16 "$W/bench-table-ab$i.log" | cut -c1-220
           for mt in ${TA_PROFILE:-}; do  # model:tokens, weave:serial's kernel timeline with this table
             timeout 100 python3 scripts/profile_layer.py --nproc 1 --emulate-ep 2 --model "${mt%%:*}" --tokens "${mt##*:}" --variants weave:serial --rows 30 > "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt" 2>&1; echo "profile $i $mt rc=$?"; grep -E "^#####.*span" "$W/profile-table-ab$i-${mt%%:*}-${mt##*:}.txt"
           done
