@@ -326,7 +326,7 @@ class WeaveBackend:
         # order, right after the counts; GEMM0 reads them through TMA, the combine reads y by the pairs' rows, no
         # task tables (_resident_paired); a fixed serial plan's calls only (an adaptive policy's took it as well,
         # gated on the device by its plan: 4-20% slower at 2-8 tokens on an H100, removed; docs/perf-notes.md 42, 53)
-        pair_tokens = min(self.decode_tokens, self.max_tokens)   # its rows go to y, which holds every pair
+        pair_tokens = min(cfg.pair_tokens, self.max_tokens) if self.resident else 0   # rows to y: every pair
         self.pair_dispatch = (PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, pair_tokens,
                                            self.num_sms)
                               if (cfg.pair_dispatch and world_size == 1 and self.grouped

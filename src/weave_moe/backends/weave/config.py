@@ -216,6 +216,9 @@ class KernelConfig:
             bench check passed, and it was the fastest serial variant at every size measured (Qwen3-30B-A3B, one
             rank's work of EP=2, at 1 / 8 / 32 tokens 89.0 / 178.8 / 253.4 us -> 77.5 / 166.0 / 243.4; DeepSeek-V3
             288.8 / 1640.5 / 3451.2 -> 279.9 / 1622.1 / 3441.7; 5 rounds).
+        pair_tokens: the most tokens per rank a `pair_dispatch` call serves (longer calls make the resident call with
+            task tables). Its pair dispatch computes each pair's row from the whole call's ids (work that grows with
+            the square of the call's pairs), so it is meant for decode and small batches, not prefill.
         chain_pairs: a paired call (`pair_dispatch`) starts its GEMM0's weight loads while its rows are sent: the
             counts launch also writes the grouped GEMMs' tile tables of this rank's experts (no tile-table launch
             beside the pair dispatch, no fork), the pair dispatch is launched programmatically after it, and a
@@ -329,6 +332,7 @@ class KernelConfig:
     early_dispatch: bool = False
     dispatch_beside_emit: bool = False
     pair_dispatch: bool = True
+    pair_tokens: int = DECODE_TOKENS
     serial_at_ep1: bool = True
     ws_gemm: bool = True
     ws_gather: bool = False

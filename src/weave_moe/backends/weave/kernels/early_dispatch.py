@@ -383,7 +383,7 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     if idle == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         n_tok = tl.load(tokens_ptr + rank * tokens_stride)
-        for pair in range(pid, BLOCK_T * KP, grid):
+        for pair in range(pid, tl.minimum(n_tok, BLOCK_T) * KP, grid):   # this call's tokens' slots only
             expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
             named = ((pair % KP) < K) & ((pair // KP) < n_tok)   # a (token, slot) of this call
             pair_row = rows_ptr + (pair // KP) * K + pair % KP
