@@ -149,6 +149,9 @@ for stage in "$@"; do
     # H100) tuned into this GPU's own table, then decode as served at those sizes
     decode-tune) key=$(python3 -c "import torch; from weave_moe.backends.weave.kernels import gemm_configs as gc; print(gc.device_key(torch.cuda.get_device_name()))")
         TUNE_TIMEOUT=${DT_TIMEOUT:-400} TUNE_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b TUNE_TOKENS=128,512 TUNE_OUT="src/weave_moe/backends/weave/kernels/tuned/$key.json" TUNE_ARGS="--block-m 16,64 --block-n 128,256 --block-k 64,128 --warps 4 --stages 3,4 --ws auto,t16w128k128s5,t32w128k128s4,t64w128k128s4,t64w128k64s8 --routing uniform --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
+    # perf-notes 62: the paired call (pair dispatch, no task tables, pair combine) for calls of 65-512 tokens, replayed
+    # from a caller's graph as served, against the call with task tables
+    pair-tokens) timeout "${PT_TIMEOUT:-420}" python3 -m weave_moe.bench --emulate-ep 2 --models "${PT_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v2-lite,deepseek-v3}" --tokens "${PT_TOKENS:-128,256,512}" --routing uniform --variants "${PT_VARIANTS:-nccl,weave:serial,weave:serial@pair_tokens=512}" --check --iters 30 --rounds 3 --graph --no-progress --timeout $(( ${PT_TIMEOUT:-420} - 10 )) --name pair-tokens-graph --out "$W" > "$W/pair-tokens-graph.log" 2>&1; echo "rc=$?"; tail -22 "$W/pair-tokens-graph.log" | cut -c1-200;;
     # the 192-row tiles' GEMM0 through the gather rows (no copy launch): the small checks (each config also gathered),
     # then DeepSeek-V2 2048's calls with and without ws_gather on the shipped table (192x128x64 GEMM0), 3 rounds
     rowgather) timeout 150 python3 scripts/ws_gemm_probe.py --smoke-only --configs 192x128x64w4s4,192x128x64w4s5,64x256x64w4s4 > "$W/ws_gemm_smoke.log" 2>&1; echo "smoke rc=$?"; grep "SMOKE END" "$W/ws_gemm_smoke.log"
