@@ -196,13 +196,14 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
         combine._arguments(*args[:7], (torch.zeros(6, **i32), torch.zeros(6, **i32)))
 
 
-def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False):
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False, pipe=None):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
     pack, counts (verdict), `PairDispatch`, then y made from the pair rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
     poisoned out of T + 1 rows. `chain` (KernelConfig.chain_pairs): the counts launch also writes a tile table of 4
     rows per tile (checked against build_tile_table_torch on the offsets), the pair dispatch compiled for
-    programmatic launch. Returns (out, rows table, offsets, receive region, status)."""
+    programmatic launch. `pipe`: the pair dispatch's pairs per step (PIPE; None: the launcher's, 4 here: 24 pairs of
+    the longest call on 5 programs). Returns (out, rows table, offsets, receive region, status)."""
     from weave_moe.backends.coordination import HEADER_WORDS
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
@@ -226,6 +227,9 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=Fa
         status[0] = sync.ERROR_ARRIVAL_TIMEOUT.value   # any error: the call is refused
     all_ids, all_weights, tokens = message.unpack(all_routing)
     dispatch = PairDispatch(1, E, k, H, max_tokens, max_call_tokens=8, num_programs=5)
+    assert dispatch.pipe == 4
+    if pipe is not None:
+        dispatch.pipe = pipe
     rows = torch.full(dispatch.rows_shape, -9, dtype=torch.int32)
     offsets = torch.full((E + 1,), -7, dtype=torch.int32)
     # the pair rows into the GEMMs' y ([max_pairs, H]), as the backend writes them: 8 tokens x k pairs do not fit
@@ -275,8 +279,12 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     """The process of test_pair_combine_after_the_pair_dispatch_at_ep1 (under the interpreter)."""
     E, k, H, max_tokens = 8, 3, 40, 12   # calls of up to 8 tokens: 24 pairs, more than T_max
     generator = torch.Generator().manual_seed(5)
-    for T, chain in ((0, False), (1, False), (2, False), (5, False), (8, False), (0, True), (1, True), (5, True),
-                     (8, True)):
+    # pipe: the pair dispatch's walk one pair per step (the decode calls'), two, and four (the launcher's here: each
+    # of 5 programs has at least 4 of the longest call's 24 pairs); a step may hold pairs past the call's
+    cases = [(T, chain, 4) for T, chain in ((0, False), (1, False), (2, False), (5, False), (8, False), (0, True),
+                                            (1, True), (5, True), (8, True))]
+    cases += [(T, False, pipe) for pipe in (1, 2) for T in (1, 5, 7, 8)]
+    for T, chain, pipe in cases:
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
             torch.zeros(0, k, dtype=torch.int32)
         if T >= 2:
@@ -284,7 +292,8 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
             ids[1, 2] = -1           # a slot with no expert
         weights = torch.rand(T, k, generator=generator)
         x = torch.randn(T, H, generator=generator).bfloat16()
-        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, chain=chain)
+        out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, chain=chain,
+                                                        pipe=pipe)
         assert status[:4].tolist() == [0, 0, 0, 0]
         assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
         for t in range(T):

@@ -62,6 +62,9 @@ __all__ = ["EarlyDispatch", "TablesDispatch", "PairDispatch", "early_dispatch_ke
            "pair_dispatch_kernel", "ids_block"]
 
 NUM_WARPS = 4
+#: pairs per step of `pair_dispatch_kernel`'s walk at EP = 1 when each program has at least that many pairs of the
+#: longest call (a paired call longer than a decode call: KernelConfig.pair_tokens); 1 (the plain walk) otherwise
+PIPE_PAIRS = 4
 
 
 def _check_hidden(hidden_size: int) -> None:
@@ -335,13 +338,60 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
     return ids_block(ids_ptr, ids_stride, source, n_tok, 0, max_tokens, K, KP, BLOCK_T)
 
 
+@triton.jit
+def _local_pair(pair, n_pairs, mine, flat, pairs, ee, rows_ptr, K: tl.constexpr, KP: tl.constexpr):
+    """`pair_dispatch_kernel`'s row of `pair` (token * KP + slot) at EP = 1: (its row in expert order, its token,
+    whether it has one: a slot of this call's tokens that names an expert), its entry of the rows table written (-1
+    for a named slot without an expert). A pair past `n_pairs` has none and writes nothing."""
+    live = pair < n_pairs
+    expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
+    expert = tl.where(live, expert, -1)
+    named = live & ((pair % KP) < K)   # a (token, slot) of this call (n_pairs stops at its tokens)
+    row = tl.sum(tl.where(ee < expert, pairs, 0), axis=0)   # the pairs of the experts before it ...
+    row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)   # ... and its own before
+    tl.store(rows_ptr + (pair // KP) * K + pair % KP, tl.where(expert < 0, -1, row), mask=named)
+    return row, pair // KP, expert >= 0
+
+
+@triton.jit
+def _local_pairs(pid, grid, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr, tokens_stride, rank, H,
+                 L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                 PIPE: tl.constexpr):
+    """`pair_dispatch_kernel`'s walk at EP = 1 (LOCAL) with PIPE (2 or 4) pairs per step: this program's pairs pid,
+    pid + grid, ... (the round-robin of PIPE = 1), PIPE of them per step, each step's rows loaded before any of them
+    is stored (one load latency per step, where the plain walk waits one per pair); a pair past the call's is
+    neither read nor written (`_local_pair`)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    n_pairs = tl.minimum(tl.load(tokens_ptr + rank * tokens_stride), BLOCK_T) * KP
+    for first in range(pid, n_pairs, grid * PIPE):
+        row0, token0, ok0 = _local_pair(first, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
+        row1, token1, ok1 = _local_pair(first + grid, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
+        if PIPE > 2:
+            row2, token2, ok2 = _local_pair(first + 2 * grid, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
+            row3, token3, ok3 = _local_pair(first + 3 * grid, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + offs_h
+            inside = cols < H
+            v0 = tl.load(x + tl.cast(token0, tl.int64) * H + cols, mask=inside & ok0)
+            v1 = tl.load(x + tl.cast(token1, tl.int64) * H + cols, mask=inside & ok1)
+            if PIPE > 2:
+                v2 = tl.load(x + tl.cast(token2, tl.int64) * H + cols, mask=inside & ok2)
+                v3 = tl.load(x + tl.cast(token3, tl.int64) * H + cols, mask=inside & ok3)
+            tl.store(local_ptr + tl.cast(row0, tl.int64) * H + cols, v0, mask=inside & ok0)
+            tl.store(local_ptr + tl.cast(row1, tl.int64) * H + cols, v1, mask=inside & ok1)
+            if PIPE > 2:
+                tl.store(local_ptr + tl.cast(row2, tl.int64) * H + cols, v2, mask=inside & ok2)
+                tl.store(local_ptr + tl.cast(row3, tl.int64) * H + cols, v3, mask=inside & ok3)
+
+
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
                          recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr,
                          rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
                          K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
-                         LOCAL: tl.constexpr, OFFSETS: tl.constexpr, PDL: tl.constexpr = False):
+                         LOCAL: tl.constexpr, OFFSETS: tl.constexpr, PDL: tl.constexpr = False,
+                         PIPE: tl.constexpr = 1):
     """A decode call's rows sent once per (token, expert) pair, to the pair's row in its destination's expert order
     (KernelConfig.pair_dispatch; docs/perf-notes.md entries 36-37). Under one chunk the task tables order a rank's pairs
     by (local expert, source, token, top-k slot) (`layout.build_layout`'s `gather_rows`), so pair (s, t, j) with
@@ -362,7 +412,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     releases and the last program's wait for them only lengthened a decode call's chain. OFFSETS: write the expert
     offsets. PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for the counts
     kernel before the first load, then let the next kernel's CTAs start (`sync.pdl_enter`): a preloading GEMM0's
-    (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it."""
+    (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it.
+    PIPE (LOCAL only; 1, 2 or 4): a program walks its pairs PIPE at a time, their rows' loads issued together before
+    their stores (`_local_pairs`), so a long call's program waits one load latency per PIPE pairs, not per pair."""
     if PDL:
         sync.pdl_enter()
     pid = tl.program_id(0)
@@ -380,7 +432,10 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
         offsets = tl.sum(tl.where((ee[None, :] >= rank * L) & (ee[None, :] < rank * L + ll[:, None]) & (idle == 0),
                                   pairs[None, :], 0), axis=1)
         tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
-    if idle == 0:   # every program has pairs to walk: no more programs than pairs
+    if idle == 0 and LOCAL and PIPE > 1:   # EP = 1, PIPE pairs' rows in flight at once (`_local_pairs`)
+        _local_pairs(pid, grid, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr, tokens_stride, rank, H,
+                     L, K, KP, BLOCK_T, BLOCK_H, PIPE)
+    elif idle == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         n_tok = tl.load(tokens_ptr + rank * tokens_stride)
         for pair in range(pid, tl.minimum(n_tok, BLOCK_T) * KP, grid):   # this call's tokens' slots only
@@ -444,6 +499,8 @@ class PairDispatch:
         KP = triton.next_power_of_2(top_k)
         BLOCK_T = triton.next_power_of_2(max_call_tokens)
         self.num_programs = min(num_programs, BLOCK_T * KP)
+        # at EP = 1 (local rows), PIPE_PAIRS pairs per step where the longest call gives each program that many
+        self.pipe = PIPE_PAIRS if max_call_tokens * top_k >= PIPE_PAIRS * self.num_programs else 1
         self.constants = dict(L=local, K=top_k, KP=KP, MC=MAX_CHUNKS, BLOCK_T=BLOCK_T,
                               BLOCK_E=triton.next_power_of_2(num_experts),
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
@@ -476,8 +533,11 @@ class PairDispatch:
                 self.hidden_size, timeout_ns)
 
     def _variant(self, local, offsets, pdl: bool = False) -> dict:
-        """The launch's compile-time switches for these arguments (and its launch option)."""
-        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None, **sync.optional_pdl(pdl))
+        """The launch's compile-time switches for these arguments (and its launch option); PIPE only where it is not 1
+        (the plain walk's compile keeps its key)."""
+        pipe = dict(PIPE=self.pipe) if local is not None and self.pipe > 1 else {}
+        return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None, **pipe,
+                    **sync.optional_pdl(pdl))
 
     def launch(self, all_ids, tokens, pairs, io, workspace, status, rank: int, timeout_ns: int,
                offsets: torch.Tensor | None, rows: torch.Tensor, local: torch.Tensor | None = None,
