@@ -603,12 +603,13 @@ SCATTER_SCRIPT = textwrap.dedent(
             columns = (COMBINE_COLUMNS.index("start"), COMBINE_COLUMNS.index("count"))
             want = torch.full((lay.max_pairs + 2, H), float("nan")).bfloat16()
             gt.gather_rows(src, lay.gather_rows, want, pairs, 3)
-            for count in (pairs, torch.zeros(1, dtype=torch.int32)):
+            # items of one column block (H <= 512) and of three (16 columns: the last partial)
+            for count, block_h in ((pairs, 512), (pairs, 16), (torch.zeros(1, dtype=torch.int32), 16)):
                 got = torch.full_like(want, float("nan"))
                 gt.scatter_rows(src, lay.gather_rows, lay.combine_pos, got, lay.combine_tasks, num_tasks, count, 3,
-                                *columns)
+                                *columns, block_h=block_h)
                 n = int(count)
-                assert torch.equal(got[:n], want[:n]), (world_size, tokens, rank, n)
+                assert torch.equal(got[:n], want[:n]), (world_size, tokens, rank, n, block_h)
                 assert got[n:].isnan().all(), (world_size, tokens, rank, n, "rows past the pairs were written")
     print("SCATTER ROWS INTERPRETER OK")
     """
@@ -618,7 +619,7 @@ SCATTER_SCRIPT = textwrap.dedent(
 def test_scatter_rows_writes_what_the_gather_writes_under_interpreter():
     """KernelConfig.scatter_rows: the received rows copied by row (each read once) into the pairs' rows, bit for bit
     the gather launch's result on the torch layout's tables, at EP = 1 and 2, with empty ranks and slots without an
-    expert; nothing when the count is 0."""
+    expert, items of one and of several column blocks; nothing when the count is 0."""
     run_interpreted(SCATTER_SCRIPT, "SCATTER ROWS INTERPRETER OK", timeout=600)
 
 

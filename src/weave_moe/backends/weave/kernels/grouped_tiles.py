@@ -239,9 +239,10 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
     """`gather_rows`' copy turned around: for every received row r of the combine tasks and top-k slot j with
     p = pos[r, j] >= 0, dst[p] = src[gather[p]], read once per received row (every valid p of a row has the same
     gather[p]) and written once per pair; nothing when count (the gather launch's row count) is 0. A persistent
-    grid strides over the tasks (TASK_WORDS int32 each, the row range at words START and COUNT), ROWS rows a step.
-    The table pointers are not specialised on their alignment (scalars and indices only are loaded through them),
-    so the layer's warm-up on other buffers compiles the variant its calls run."""
+    grid strides over the items (task, BLOCK_H columns) (a task: TASK_WORDS int32, the row range at words START and
+    COUNT), ROWS rows a step: a call of a few tasks (128 tokens: 8 tasks of 16 rows) still spreads over
+    tasks x H / BLOCK_H programs. The table pointers are not specialised on their alignment (scalars and indices only
+    are loaded through them), so the layer's warm-up on other buffers compiles the variant its calls run."""
     sync.pdl_enter()
     jj = tl.arange(0, KP)
     offs_r = tl.arange(0, ROWS)
@@ -249,9 +250,13 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
     num_tasks = 0
     if tl.load(count_ptr) > 0:   # the task count only then (a warm-up's count 0 comes with no tables)
         num_tasks = tl.load(num_tasks_ptr)
-    for task in range(tl.program_id(0), num_tasks, tl.num_programs(0)):
+    blocks = tl.cdiv(H, BLOCK_H)
+    for item in range(tl.program_id(0), num_tasks * blocks, tl.num_programs(0)):
+        task = item // blocks
         first = tl.load(tasks_ptr + task * TASK_WORDS + START)
         end = first + tl.load(tasks_ptr + task * TASK_WORDS + COUNT)
+        cols = (item % blocks) * BLOCK_H + offs_h
+        col_ok = cols < H
         for r0 in range(first, end, ROWS):
             rows = r0 + offs_r
             row_ok = rows < end
@@ -259,20 +264,16 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
                           mask=row_ok[:, None] & (jj < K)[None, :], other=-1)
             any_pos = tl.max(pos, axis=1)   # some valid pair of the row, or -1
             src = tl.load(gather_ptr + tl.maximum(any_pos, 0), mask=any_pos >= 0, other=0).to(tl.int64)
-            for h0 in range(0, H, BLOCK_H):
-                cols = h0 + offs_h
-                col_ok = cols < H
-                values = tl.load(src_ptr + src[:, None] * H + cols[None, :],
-                                 mask=(any_pos >= 0)[:, None] & col_ok[None, :])
-                for j in tl.static_range(K):
-                    p = tl.sum(tl.where(jj[None, :] == j, pos, 0), axis=1)
-                    tl.store(dst_ptr + tl.maximum(p, 0).to(tl.int64)[:, None] * H + cols[None, :], values,
-                             mask=(p >= 0)[:, None] & col_ok[None, :])
+            values = tl.load(src_ptr + src[:, None] * H + cols[None, :], mask=(any_pos >= 0)[:, None] & col_ok[None, :])
+            for j in tl.static_range(K):
+                p = tl.sum(tl.where(jj[None, :] == j, pos, 0), axis=1)
+                tl.store(dst_ptr + tl.maximum(p, 0).to(tl.int64)[:, None] * H + cols[None, :], values,
+                         mask=(p >= 0)[:, None] & col_ok[None, :])
 
 
 def scatter_rows(src: torch.Tensor, gather: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor,
                  tasks: torch.Tensor, num_tasks: torch.Tensor, count: torch.Tensor, num_programs: int,
-                 start_column: int, count_column: int) -> torch.Tensor:
+                 start_column: int, count_column: int, block_h: int = 512) -> torch.Tensor:
     """What `gather_rows(src, gather, dst, count)` writes, by received row instead of by pair: each received row of
     src is read once, not once per pair (KernelConfig.scatter_rows). The rows come from a layout's combine tables,
     which list every received row with its pairs' positions.
@@ -284,6 +285,7 @@ def scatter_rows(src: torch.Tensor, gather: torch.Tensor, pos: torch.Tensor, dst
             a task's first row and row count are. num_tasks: int32 device scalar (tasks to walk).
         count: int32 device scalar, the pairs `gather_rows` would copy: 0 copies nothing (another plan's call).
         num_programs: persistent grid size.
+        block_h: columns per work item (a power of two).
     """
     if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
         raise ValueError(f"scatter_rows: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
@@ -294,7 +296,7 @@ def scatter_rows(src: torch.Tensor, gather: torch.Tensor, pos: torch.Tensor, dst
     top_k = pos.shape[1]
     _scatter_rows_kernel[(num_programs,)](src, gather, pos, dst, tasks, num_tasks, count, src.shape[1], K=top_k,
                                           KP=triton.next_power_of_2(top_k), TASK_WORDS=tasks.shape[1],
-                                          START=start_column, COUNT=count_column, ROWS=16, BLOCK_H=512, num_warps=8,
+                                          START=start_column, COUNT=count_column, ROWS=16, BLOCK_H=block_h, num_warps=8,
                                           **sync.LAUNCH)
     return dst
 
