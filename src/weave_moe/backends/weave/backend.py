@@ -25,7 +25,7 @@ from weave_moe.backends import raise_on_bad_ids
 from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordinator, CallOrderError, PeerError,
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
-from weave_moe.backends.weave.config import (CHAIN_PAIRS_MAX_TOKENS, DECODE_ROWS, DECODE_TOKENS, KernelConfig,
+from weave_moe.backends.weave.config import (CHAIN_PAIRS_MAX_TOKENS, DECODE_ROWS, KernelConfig,
                                              decode_block_h, timeout_s_from_env, unsupported_device)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
@@ -309,11 +309,11 @@ class WeaveBackend:
             cfg, spec.top_k, MAX_CHUNKS, self.timeline_events, self.use_tma,
             resident=self.resident, interleaved=self.interleaved)
         self.stage_constants = stage_constants(self.constants, spec.hidden_size)
-        # KernelConfig.decode_stages: resident calls of at most DECODE_TOKENS tokens (the graph of a call is per row
+        # KernelConfig.decode_stages: resident calls of at most `decode_tokens` tokens (the graph of a call is per row
         # count, so per T: its launches and tables are fixed at capture)
-        self.decode_tokens = DECODE_TOKENS if cfg.decode_stages and self.resident else 0
+        self.decode_tokens = cfg.decode_tokens if cfg.decode_stages and self.resident else 0
         # KernelConfig.early_dispatch: a decode call's rows dispatched right after the counts, beside the tables
-        # (a layer of fewer than DECODE_TOKENS tokens per rank: its every call; seen on an H200 at 3ec8976, where
+        # (a layer of fewer than `decode_tokens` tokens per rank: its every call; seen on an H200 at 3ec8976, where
         # such a layer refused to build)
         self.early_dispatch = (EarlyDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens,
                                              min(self.decode_tokens, self.max_tokens), self.num_sms)
@@ -511,7 +511,7 @@ class WeaveBackend:
         chain = paired and self._chained(x.shape[0], capturing)   # and, eager or captured, this
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             # ... and the kind of call: a decode call's graph (decode compiles, the early or pair dispatch of at most
-            # DECODE_TOKENS tokens) must not serve a longer call whose configs are the same
+            # `decode_tokens` tokens) must not serve a longer call whose configs are the same
             kind = "paired" if paired else "decode" if decode else "full"
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}.{kind}")

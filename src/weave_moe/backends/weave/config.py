@@ -125,12 +125,16 @@ class KernelConfig:
             serial policy or a resident adaptive call). On: where such a call's plan runs the megakernel's tiles it
             measured 1.4-4.7% faster than two MMAs in 9 of 9 configurations on an H200 (three models x 1 / 32 / 512
             tokens, one rank's work of EP=2; bench/results/wide-gemm0-h200-f9bb464/).
-        decode_stages: a resident call of at most DECODE_TOKENS tokens runs its launches without GEMM (dispatch;
+        decode_stages: a resident call of at most `decode_tokens` tokens runs its launches without GEMM (dispatch;
             combine + reduce) compiled for one row per task and a whole row per step (`DECODE_ROWS`,
             `decode_block_h`), with task tables cut to match: at decode sizes those launches are chains of dependent
             loads (a task's rows in BLOCK_H-wide steps), not bandwidth, and one row per task spreads the few rows
             over as many CTAs. The launch that may run every phase (an adaptive policy's first) keeps its compile:
             tasks of fewer rows than its blocks are valid for it.
+        decode_tokens: the most tokens per rank of a `decode_stages` call (DECODE_TOKENS, 64). Above it a call's
+            dispatch, copy by received row and combine tasks hold `dispatch_rows` / `combine_rows` (16) rows, so a
+            call of 65-512 tokens has 5-32 of them for 132 SMs (docs/perf-notes.md entry 62: at 128 tokens the
+            dispatch launch took 10.0 us and the combine + reduce 17.9 for 4 MB each).
         fork_prologue: a fixed serial plan's grouped-GEMM tile tables (grouped_tiles.fill_tile_tables) are built on a
             side stream beside the dispatch launch, which they do not depend on, instead of after it; the gather of
             the received rows waits for both.
@@ -181,7 +185,7 @@ class KernelConfig:
             kernels/peers.py, ROW_ALIGNMENT), and the dispatch launch of the serial stages issues a step's loads
             before the previous step's stores (tiles.dispatch_rows PIPELINED). Off: one access per bf16 element and
             steps in series, as before 2323dbc; for A/B (`scripts/device_run.sh vector-rows`), unmeasured on a GPU.
-        early_dispatch: a resident call of at most DECODE_TOKENS tokens dispatches its rows right after the counts
+        early_dispatch: a resident call of at most `decode_tokens` tokens dispatches its rows right after the counts
             (and the plan), on a side stream beside the task tables (kernels/early_dispatch.py: each row's slot and
             flag follow from the ids alone), instead of in a launch after the tables, which then runs from its GEMM
             phase on or not at all; the call's GEMMs wait for both. At decode sizes the dispatch launch was one
@@ -191,7 +195,7 @@ class KernelConfig:
             at 1 token 58.7 -> 53.8 us, DeepSeek-V3 206.9 -> 205.2). Off until the resident check passes with it
             (its run there found the bug of layers under 64 tokens, since fixed) and EP=2 on two GPUs; the rows
             and counters are the torch tables', bit for bit, under the interpreter (tests/test_megakernel_cpu.py).
-        dispatch_beside_emit: a resident call that is not a decode call (more than DECODE_TOKENS tokens, or any
+        dispatch_beside_emit: a resident call that is not a decode call (more than `decode_tokens` tokens, or any
             call without `decode_stages`) dispatches its rows right after the bases kernel of its task tables, on a
             side stream beside the emit (kernels/early_dispatch.py, `tables_dispatch_kernel`: each row's slot from
             the scan's and the bases' entries, a few release atomics per 16-token step), instead of in a launch
@@ -320,6 +324,7 @@ class KernelConfig:
     resident: str = "auto"
     triton_tables: bool = True
     decode_stages: bool = True
+    decode_tokens: int = DECODE_TOKENS
     wide_gemm0: bool = True
     fork_prologue: bool = True
     gemm_early_release: bool = False
