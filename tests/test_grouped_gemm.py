@@ -603,13 +603,15 @@ SCATTER_SCRIPT = textwrap.dedent(
             columns = (COMBINE_COLUMNS.index("start"), COMBINE_COLUMNS.index("count"))
             want = torch.full((lay.max_pairs + 2, H), float("nan")).bfloat16()
             gt.gather_rows(src, lay.gather_rows, want, pairs, 3)
-            # items of one column block (H <= 512) and of three (16 columns: the last partial)
-            for count, block_h in ((pairs, 512), (pairs, 16), (torch.zeros(1, dtype=torch.int32), 16)):
+            # one column block (H <= 512) and three (16 columns, the last partial), on 3, 5 and 8 programs: whole
+            # tasks per item, or their blocks in groups of two (the last of one) or of one
+            for count, block_h, programs in ((pairs, 512, 3), (pairs, 16, 3), (pairs, 16, 5), (pairs, 16, 8),
+                                             (torch.zeros(1, dtype=torch.int32), 16, 8)):
                 got = torch.full_like(want, float("nan"))
-                gt.scatter_rows(src, lay.gather_rows, lay.combine_pos, got, lay.combine_tasks, num_tasks, count, 3,
-                                *columns, block_h=block_h)
+                gt.scatter_rows(src, lay.gather_rows, lay.combine_pos, got, lay.combine_tasks, num_tasks, count,
+                                programs, *columns, block_h=block_h)
                 n = int(count)
-                assert torch.equal(got[:n], want[:n]), (world_size, tokens, rank, n, block_h)
+                assert torch.equal(got[:n], want[:n]), (world_size, tokens, rank, n, block_h, programs)
                 assert got[n:].isnan().all(), (world_size, tokens, rank, n, "rows past the pairs were written")
     print("SCATTER ROWS INTERPRETER OK")
     """

@@ -239,10 +239,13 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
     """`gather_rows`' copy turned around: for every received row r of the combine tasks and top-k slot j with
     p = pos[r, j] >= 0, dst[p] = src[gather[p]], read once per received row (every valid p of a row has the same
     gather[p]) and written once per pair; nothing when count (the gather launch's row count) is 0. A persistent
-    grid strides over the items (task, BLOCK_H columns) (a task: TASK_WORDS int32, the row range at words START and
-    COUNT), ROWS rows a step: a call of a few tasks (128 tokens: 8 tasks of 16 rows) still spreads over
-    tasks x H / BLOCK_H programs. The table pointers are not specialised on their alignment (scalars and indices only
-    are loaded through them), so the layer's warm-up on other buffers compiles the variant its calls run."""
+    grid strides over the items (task, group of BLOCK_H-column blocks) (a task: TASK_WORDS int32, the row range at
+    words START and COUNT), ROWS rows a step: a task's columns are cut into as many groups as it takes for the items
+    to fill the grid (at most one block each), so a call of few tasks (128 tokens: 8 tasks of 16 rows) spreads over
+    tasks x H / BLOCK_H programs, and one of a task per program or more keeps whole tasks (its rows' `pos` and
+    `gather` loaded once per step, not once per column block). The table pointers are not specialised on their
+    alignment (scalars and indices only are loaded through them), so the layer's warm-up on other buffers compiles
+    the variant its calls run."""
     sync.pdl_enter()
     jj = tl.arange(0, KP)
     offs_r = tl.arange(0, ROWS)
@@ -251,12 +254,14 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
     if tl.load(count_ptr) > 0:   # the task count only then (a warm-up's count 0 comes with no tables)
         num_tasks = tl.load(num_tasks_ptr)
     blocks = tl.cdiv(H, BLOCK_H)
-    for item in range(tl.program_id(0), num_tasks * blocks, tl.num_programs(0)):
-        task = item // blocks
+    groups = tl.minimum(blocks, tl.cdiv(tl.num_programs(0), tl.maximum(num_tasks, 1)))
+    per_group = tl.cdiv(blocks, groups)
+    for item in range(tl.program_id(0), num_tasks * groups, tl.num_programs(0)):
+        task = item // groups
+        first_block = (item % groups) * per_group
+        end_block = tl.minimum(first_block + per_group, blocks)
         first = tl.load(tasks_ptr + task * TASK_WORDS + START)
         end = first + tl.load(tasks_ptr + task * TASK_WORDS + COUNT)
-        cols = (item % blocks) * BLOCK_H + offs_h
-        col_ok = cols < H
         for r0 in range(first, end, ROWS):
             rows = r0 + offs_r
             row_ok = rows < end
@@ -264,11 +269,15 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
                           mask=row_ok[:, None] & (jj < K)[None, :], other=-1)
             any_pos = tl.max(pos, axis=1)   # some valid pair of the row, or -1
             src = tl.load(gather_ptr + tl.maximum(any_pos, 0), mask=any_pos >= 0, other=0).to(tl.int64)
-            values = tl.load(src_ptr + src[:, None] * H + cols[None, :], mask=(any_pos >= 0)[:, None] & col_ok[None, :])
-            for j in tl.static_range(K):
-                p = tl.sum(tl.where(jj[None, :] == j, pos, 0), axis=1)
-                tl.store(dst_ptr + tl.maximum(p, 0).to(tl.int64)[:, None] * H + cols[None, :], values,
-                         mask=(p >= 0)[:, None] & col_ok[None, :])
+            for block in range(first_block, end_block):
+                cols = block * BLOCK_H + offs_h
+                col_ok = cols < H
+                values = tl.load(src_ptr + src[:, None] * H + cols[None, :],
+                                 mask=(any_pos >= 0)[:, None] & col_ok[None, :])
+                for j in tl.static_range(K):
+                    p = tl.sum(tl.where(jj[None, :] == j, pos, 0), axis=1)
+                    tl.store(dst_ptr + tl.maximum(p, 0).to(tl.int64)[:, None] * H + cols[None, :], values,
+                             mask=(p >= 0)[:, None] & col_ok[None, :])
 
 
 def scatter_rows(src: torch.Tensor, gather: torch.Tensor, pos: torch.Tensor, dst: torch.Tensor,
