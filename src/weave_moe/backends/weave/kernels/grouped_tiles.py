@@ -240,10 +240,10 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
     p = pos[r, j] >= 0, dst[p] = src[gather[p]], read once per received row (every valid p of a row has the same
     gather[p]) and written once per pair; nothing when count (the gather launch's row count) is 0. A persistent
     grid strides over the items (task, group of BLOCK_H-column blocks) (a task: TASK_WORDS int32, the row range at
-    words START and COUNT), ROWS rows a step: a task's columns are cut into as many groups as it takes for the items
-    to fill the grid (at most one block each), so a call of few tasks (128 tokens: 8 tasks of 16 rows) spreads over
-    tasks x H / BLOCK_H programs, and one of a task per program or more keeps whole tasks (its rows' `pos` and
-    `gather` loaded once per step, not once per column block). The table pointers are not specialised on their
+    words START and COUNT), ROWS rows a step: a task's columns are cut into programs // tasks groups (at most one
+    block each), so a call of few tasks (128 tokens: 8 tasks of 16 rows) spreads over tasks x H / BLOCK_H programs,
+    and one of more than half a task per program keeps whole tasks (its rows' `pos` and `gather` loaded once per
+    step, not once per group). The table pointers are not specialised on their
     alignment (scalars and indices only are loaded through them), so the layer's warm-up on other buffers compiles
     the variant its calls run."""
     sync.pdl_enter()
@@ -254,7 +254,7 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
     if tl.load(count_ptr) > 0:   # the task count only then (a warm-up's count 0 comes with no tables)
         num_tasks = tl.load(num_tasks_ptr)
     blocks = tl.cdiv(H, BLOCK_H)
-    groups = tl.minimum(blocks, tl.cdiv(tl.num_programs(0), tl.maximum(num_tasks, 1)))
+    groups = tl.minimum(blocks, tl.maximum(tl.num_programs(0) // tl.maximum(num_tasks, 1), 1))
     per_group = tl.cdiv(blocks, groups)
     for item in range(tl.program_id(0), num_tasks * groups, tl.num_programs(0)):
         task = item // groups
