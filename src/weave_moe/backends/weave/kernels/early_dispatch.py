@@ -339,14 +339,14 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 
 
 @triton.jit
-def _local_pair(pair, n_pairs, mine, flat, pairs, ee, rows_ptr, K: tl.constexpr, KP: tl.constexpr):
+def _local_pair(pair, n_pairs, ids_ptr, mine, flat, pairs, ee, rows_ptr, K: tl.constexpr, KP: tl.constexpr):
     """`pair_dispatch_kernel`'s row of `pair` (token * KP + slot) at EP = 1: (its row in expert order, its token,
     whether it has one: a slot of this call's tokens that names an expert), its entry of the rows table written (-1
-    for a named slot without an expert). A pair past `n_pairs` has none and writes nothing."""
-    live = pair < n_pairs
-    expert = tl.sum(tl.sum(tl.where(flat == pair, mine, 0), axis=1), axis=0)
-    expert = tl.where(live, expert, -1)
-    named = live & ((pair % KP) < K)   # a (token, slot) of this call (n_pairs stops at its tokens)
+    for a named slot without an expert). A pair past `n_pairs` has none and writes nothing. Its expert is loaded
+    from this rank's ids (`ids_ptr`; the counts launch has replaced bad ids by -1 there, or refused the call) rather
+    than picked out of `mine` (a reduction over the whole tile)."""
+    named = (pair < n_pairs) & ((pair % KP) < K)   # a (token, slot) of this call (n_pairs stops at its tokens)
+    expert = tl.load(ids_ptr + (pair // KP) * K + pair % KP, mask=named, other=-1)
     row = tl.sum(tl.where(ee < expert, pairs, 0), axis=0)   # the pairs of the experts before it ...
     row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)   # ... and its own before
     tl.store(rows_ptr + (pair // KP) * K + pair % KP, tl.where(expert < 0, -1, row), mask=named)
@@ -354,21 +354,22 @@ def _local_pair(pair, n_pairs, mine, flat, pairs, ee, rows_ptr, K: tl.constexpr,
 
 
 @triton.jit
-def _local_pairs(pid, grid, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr, tokens_stride, rank, H,
-                 L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                 PIPE: tl.constexpr):
+def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
+                 tokens_stride, rank, H, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PIPE: tl.constexpr):
     """`pair_dispatch_kernel`'s walk at EP = 1 (LOCAL) with PIPE (2 or 4) pairs per step: this program's pairs pid,
     pid + grid, ... (the round-robin of PIPE = 1), PIPE of them per step, each step's rows loaded before any of them
     is stored (one load latency per step, where the plain walk waits one per pair); a pair past the call's is
     neither read nor written (`_local_pair`)."""
     offs_h = tl.arange(0, BLOCK_H)
     n_pairs = tl.minimum(tl.load(tokens_ptr + rank * tokens_stride), BLOCK_T) * KP
+    ids = ids_ptr + rank * ids_stride
     for first in range(pid, n_pairs, grid * PIPE):
-        row0, token0, ok0 = _local_pair(first, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
-        row1, token1, ok1 = _local_pair(first + grid, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
+        row0, token0, ok0 = _local_pair(first, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
+        row1, token1, ok1 = _local_pair(first + grid, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
         if PIPE > 2:
-            row2, token2, ok2 = _local_pair(first + 2 * grid, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
-            row3, token3, ok3 = _local_pair(first + 3 * grid, n_pairs, mine, flat, pairs, ee, rows_ptr, K, KP)
+            row2, token2, ok2 = _local_pair(first + 2 * grid, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
+            row3, token3, ok3 = _local_pair(first + 3 * grid, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + offs_h
             inside = cols < H
@@ -433,8 +434,8 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                                   pairs[None, :], 0), axis=1)
         tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
     if idle == 0 and LOCAL and PIPE > 1:   # EP = 1, PIPE pairs' rows in flight at once (`_local_pairs`)
-        _local_pairs(pid, grid, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr, tokens_stride, rank, H,
-                     L, K, KP, BLOCK_T, BLOCK_H, PIPE)
+        _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
+                     tokens_stride, rank, H, L, K, KP, BLOCK_T, BLOCK_H, PIPE)
     elif idle == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         n_tok = tl.load(tokens_ptr + rank * tokens_stride)
