@@ -355,8 +355,8 @@ def _local_pair(pair, n_pairs, ids_ptr, mine, flat, pairs, ee, rows_ptr, K: tl.c
 
 @triton.jit
 def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
-                 tokens_stride, rank, H, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PIPE: tl.constexpr):
+                 tokens_stride, rank, H, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_H: tl.constexpr, PIPE: tl.constexpr):
     """`pair_dispatch_kernel`'s walk at EP = 1 (LOCAL) with PIPE (2 or 4) pairs per step: this program's pairs pid,
     pid + grid, ... (the round-robin of PIPE = 1), PIPE of them per step, each step's rows loaded before any of them
     is stored (one load latency per step, where the plain walk waits one per pair); a pair past the call's is
@@ -435,7 +435,7 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
         tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
     if idle == 0 and LOCAL and PIPE > 1:   # EP = 1, PIPE pairs' rows in flight at once (`_local_pairs`)
         _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
-                     tokens_stride, rank, H, L, K, KP, BLOCK_T, BLOCK_H, PIPE)
+                     tokens_stride, rank, H, K, KP, BLOCK_T, BLOCK_H, PIPE)
     elif idle == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         n_tok = tl.load(tokens_ptr + rank * tokens_stride)

@@ -243,9 +243,8 @@ def _scatter_rows_kernel(src_ptr, gather_ptr, pos_ptr, dst_ptr, tasks_ptr, num_t
     words START and COUNT), ROWS rows a step: a task's columns are cut into programs // tasks groups (at most one
     block each), so a call of few tasks (128 tokens: 8 tasks of 16 rows) spreads over tasks x H / BLOCK_H programs,
     and one of more than half a task per program keeps whole tasks (its rows' `pos` and `gather` loaded once per
-    step, not once per group). The table pointers are not specialised on their
-    alignment (scalars and indices only are loaded through them), so the layer's warm-up on other buffers compiles
-    the variant its calls run."""
+    step, not once per group). The table pointers are not specialised on their alignment (scalars and indices only
+    are loaded through them), so the layer's warm-up on other buffers compiles the variant its calls run."""
     sync.pdl_enter()
     jj = tl.arange(0, KP)
     offs_r = tl.arange(0, ROWS)
