@@ -380,7 +380,8 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
         launched.append("grouped" + (" if serial" if device_serial else "") + (" after fork" if early is not None
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
-    backend.early_dispatch = backend.tables_dispatch = backend.pair_dispatch = None
+    backend.early_dispatch = backend.tables_dispatch = None
+    backend.pair_dispatches = []
 
     class Stream:
         def wait_event(self, event):
@@ -598,7 +599,12 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._preloads = lambda configs, chained: chained and configs == "configs"
     backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
 
+    def class_rows(rows):   # the call's size class's rows table: the first 32 of the layer's (Pairs.rows_shape)
+        return rows.data_ptr() == backend.pair_rows.data_ptr() and tuple(rows.shape) == (32, 2)
+
     class Pairs:
+        rows_shape = (32, 2)
+
         def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
                    pdl):
             start = backend.counts_format.expert_pairs_offset
@@ -606,17 +612,17 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
             assert local.data_ptr() == backend.workspace.y().data_ptr()   # the pair rows into y
             assert tuple(all_ids.shape) == (1, 8, 2) and tokens.numel() == 1 and io is backend.io
             # no expert offsets: the tile tables come from the counts, nothing would read them
-            assert offsets is None and rows is backend.pair_rows and status is backend.live_status
+            assert offsets is None and class_rows(rows) and status is backend.live_status
             launched.append("pair dispatch" + (" (programmatic)" if pdl else ""))
 
     class Combine:
         def launch(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
-            assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
+            assert y.data_ptr() == backend.workspace.y().data_ptr() and class_rows(rows)
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
             assert report == ((backend.status, backend.status_host) if chain else None)
             launched.append("pair combine" + (" (programmatic, status copied)" if pdl else ""))
 
-    backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
+    backend.pair_combine = Combine()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
     monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
     backend._launch = lambda *args, **options: launched.append("megakernel")
@@ -635,7 +641,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend.status, backend.status_host = "status words", "their host copy"
     monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append(("status copy", host)))
-    backend._resident_paired("configs", chain=chain)
+    backend._resident_paired("configs", Pairs(), chain=chain)
     if chain:
         assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
                             ("gemms", "configs", held, True), "pair combine (programmatic, status copied)"], launched
@@ -676,7 +682,7 @@ def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monk
         assert launched == expected and dispatched == ([] if decode else ["dispatch event"]), (decode, launched)
 
 
-@pytest.mark.parametrize("paired", [False, True, "chain", "chain1", "capture"])
+@pytest.mark.parametrize("paired", [False, True, "chain", "chain1", "capture", "classes"])
 def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkeypatch, paired):
     """The grouped GEMMs' warm-up at the first call: each config a call may pick (the tuned table's, split-tail ones
     included) is compiled on a table of its own kind, and the prologue for every (GEMM0, GEMM1) pair of tile kinds.
@@ -686,7 +692,9 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     and the counts launch writing the tables, and the plain chain too (calls over CHAIN_PAIRS_MAX_TOKENS tokens take
     it); "chain1": the same where no paired call is longer (the chained launches only, no tile-table launch from the
     counts); "capture" (chained under a caller's capture only): both chains' launches and both sources of the
-    tables."""
+    tables; "classes": "chain" with the paired calls in two size classes (KernelConfig.pair_tokens over
+    decode_tokens), each class's pair dispatch compiled for the chains of its own calls only, on its prefix of the
+    rows table."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.kernels import gemm_configs as gc
     from weave_moe.backends.weave.kernels.grouped_tiles import TileTable
@@ -733,25 +741,32 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
             "counts": torch.full((backend.counts_format.size,), 7, dtype=torch.int32), "planner": None,
             "warmup": lambda self, messages, status, rank, verdict, plans, tiles: counted.append(tuple(tiles))})()
 
+        def class_rows(rows, most):   # a size class's rows table: the layer's first rows, as many as its tokens
+            return rows.data_ptr() == backend.pair_rows.data_ptr() and tuple(rows.shape) == (most, 2)
+
         class Pairs:
+            def __init__(self, most):
+                self.max_call_tokens, self.rows_shape = most, (most, 2)
+
             def warmup(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
                        pdl):
-                assert local.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
+                assert local.data_ptr() == backend.workspace.y().data_ptr() and class_rows(rows, self.max_call_tokens)
                 start = backend.counts_format.expert_pairs_offset
                 assert pairs.data_ptr() == backend.device_counts.counts[start:].data_ptr() and pairs.numel() == 8
                 assert offsets is None
-                warmed.append("pair dispatch" + (" chained" if pdl else ""))
+                warmed.append(f"pair dispatch <= {self.max_call_tokens}" + (" chained" if pdl else ""))
 
         class Combine:
             def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
                 assert (report is not None) is pdl
-                assert y.data_ptr() == backend.workspace.y().data_ptr() and rows is backend.pair_rows
-                warmed.append("pair combine" + (" chained" if pdl else ""))
+                assert y.data_ptr() == backend.workspace.y().data_ptr()
+                assert rows.data_ptr() == backend.pair_rows.data_ptr()
+                warmed.append(f"pair combine <= {rows.shape[0]}" + (" chained" if pdl else ""))
 
-        backend.pair_dispatch, backend.pair_combine = Pairs(), Combine()
-        backend.pair_dispatch.max_call_tokens = 1 if paired == "chain1" else 8
-        backend.pair_rows = torch.zeros(64, 2, dtype=torch.int32)
-        setting = {True: "off", "chain": "on", "chain1": "on", "capture": "capture"}[paired]
+        classes = {"chain1": (1,), "classes": (1, 8)}.get(paired, (8,))
+        backend.pair_dispatches, backend.pair_combine = [Pairs(most) for most in classes], Combine()
+        backend.pair_rows = torch.zeros(classes[-1], 2, dtype=torch.int32)
+        setting = {True: "off", "chain": "on", "chain1": "on", "capture": "capture", "classes": "on"}[paired]
         backend.config = dataclasses.replace(backend.config, chain_pairs=setting)
         backend.status_host = torch.zeros_like(backend.status)
     held, counted = [], []
@@ -761,21 +776,22 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
     gemm0 = [(0, c) for c in configs[0]]
     if paired:   # each config on both sources, the pair rows second
         gemm0 = [w for c in configs[0] for w in ((0, c), (0, c, "in place"))]
-    chains = {False: [], True: [""], "chain": ["", " chained"], "chain1": [" chained"],
-              "capture": ["", " chained"]}[paired]
-    pairs = [f"pair {launch}{chain}" for chain in chains for launch in ("dispatch", "combine")]
+    # (class, chain) pairs compiled: "chain" calls of 1 token chained, of 2-8 not; "classes" the same by class
+    chains = {False: [], True: [(8, "")], "chain": [(8, ""), (8, " chained")], "chain1": [(1, " chained")],
+              "capture": [(8, ""), (8, " chained")], "classes": [(1, " chained"), (8, "")]}[paired]
+    pairs = [f"pair {launch} <= {most}{chain}" for most, chain in chains for launch in ("dispatch", "combine")]
     assert warmed == gemm0 + [(1, c) for c in configs[1]] + pairs
     g1 = (configs[1][0].block_m, False)
     kinds = {tuple(sorted({(128, False), g1})), tuple(sorted({(64, True), g1}))}
     # paired: each pair also from the counts vector's pairs of the local experts (8 here), zeros (not the counts
     # buffer, whose contents before a first call are anything: an H100 run at 81dd1fe read past the buffers so)
     expected = [(k, False) for k in kinds] + ([(k, False, "from the counts", 8, True) for k in kinds]
-                                              if paired in (True, "chain", "capture") else [])
+                                              if paired in (True, "chain", "capture", "classes") else [])
     # "chain": the tables the counts launch fills, allocated before the call (not inside its capture), and the
     # counts launch compiled for them (a chained call may first come inside a caller's capture)
-    assert sorted(held) == (sorted(kinds) if paired in ("chain", "chain1", "capture") else []), held
+    assert sorted(held) == (sorted(kinds) if paired in ("chain", "chain1", "capture", "classes") else []), held
     assert sorted(counted) == (sorted(tuple(f"table {key}" for key in kind) for kind in kinds)
-                               if paired in ("chain", "chain1", "capture") else []), counted
+                               if paired in ("chain", "chain1", "capture", "classes") else []), counted
     assert sorted(prologues, key=str) == sorted(expected, key=str)
 
 
@@ -837,7 +853,7 @@ def test_resident_and_host_driven_calls_compile_before_their_first_enqueue(monke
 
     backend.spec, backend.num_local_experts, backend.device = MoESpec(8, 2, 32, 16), 8, torch.device("cpu")
     backend.resident_graph_names, backend.decode_tokens, backend.debug_skip_launch = {}, 0, False
-    backend.pair_dispatch = None
+    backend.pair_dispatches = []
     backend.workspace = type("W", (), {"generation": 1})()
     backend._grouped_configs = lambda rows: None
     backend.slots = type("S", (), {"write": enqueue})()   # the resident call's first enqueue: its slot
@@ -994,10 +1010,10 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend._current_stream = lambda: None
     built = []
     backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
-    backend.pair_dispatch = None
+    backend.pair_dispatches = []
     backend.config = KernelConfig()   # chain_pairs="capture": paired calls of 1 token under a caller's capture
     backend._resident_call = lambda configs, from_slot, decode, paired, chain: built.append(
-        ("paired", chain) if paired else from_slot if decode else "not decode")
+        ("paired", chain, paired.max_call_tokens) if paired is not None else from_slot if decode else "not decode")
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
@@ -1031,22 +1047,31 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     names = [name for name, _ in backend.graphs.runs]
     assert names[0] != names[-1] and names[0].endswith(".decode") and names[-1].endswith(".full"), names
     # KernelConfig.pair_dispatch: calls of at most its tokens run the paired graph, longer decode calls the other
-    backend.pair_dispatch = type("Pairs", (), {"max_call_tokens": 2})()
+    backend.pair_dispatches = [type("Pairs", (), {"max_call_tokens": 2})()]
     backend.resident_graph_names.clear()
     backend.forward(x[:2], ids[:2], w[:2])
     backend.forward(x, ids, w)
     names = [name for name, _ in backend.graphs.runs]
-    assert built[-2:] == [("paired", False), True] and names[-2].endswith(".paired") \
+    assert built[-2:] == [("paired", False, 2), True] and names[-2].endswith(".paired") \
         and names[-1].endswith(".decode"), names
     # KernelConfig.chain_pairs ("capture"): a paired call of one token under a caller's capture is chained, one of two
     # tokens and an eager one are not
     capturing[0] = True
     for tokens, chain in ((1, True), (2, False)):
         backend.forward(x[:tokens], ids[:tokens], w[:tokens])
-        assert built[-1] == ("paired", chain), built
+        assert built[-1] == ("paired", chain, 2), built
     capturing[0] = False
     backend.forward(x[:1], ids[:1], w[:1])
-    assert built[-1] == ("paired", False), built
+    assert built[-1] == ("paired", False, 2), built
+    # size classes (KernelConfig.pair_tokens over decode_tokens): each call takes the shortest class that holds it
+    # (calls under a caller's capture here: they write no slot of the ring)
+    backend.pair_dispatches = [type("Pairs", (), {"max_call_tokens": most})() for most in (1, 3)]
+    capturing[0] = True
+    for tokens, most in ((1, 1), (2, 3), (3, 3)):
+        backend.forward(x[:tokens], ids[:tokens], w[:tokens])
+        assert built[-1] == ("paired", tokens == 1, most), built
+    capturing[0] = False
+    backend.pair_dispatches = [type("Pairs", (), {"max_call_tokens": 2})()]
     backend.graphs.fail = True
     with pytest.raises(RuntimeError, match="launch failed"):
         backend.forward(x, ids, w)
@@ -1386,20 +1411,47 @@ def test_paired_calls_take_the_chain_of_eager_or_captured_calls(monkeypatch, set
 
     backend, launched = _tables_host(monkeypatch)
     backend.config = KernelConfig.from_text(f"chain_pairs={setting}", "test")
-    backend.pair_dispatch = object()
+    backend.pair_dispatches = [object()]
     short, longer = CHAIN_PAIRS_MAX_TOKENS, CHAIN_PAIRS_MAX_TOKENS + 1
     chained = tuple(WeaveBackend._chained(backend, short, captured) for captured in (False, True))
     assert chained == {"off": (False, False), "on": (True, True), "capture": (False, True)}[setting]
     assert WeaveBackend._chained(backend, 0, True) is chained[1]   # a refused call (no tokens) as a short one
     assert not any(WeaveBackend._chained(backend, longer, captured) for captured in (False, True))
-    backend.pair_dispatch = None
+    backend.pair_dispatches = []
     assert not any(WeaveBackend._chained(backend, short, captured) for captured in (False, True))
     backend.slots = type("Slots", (), {"launch": lambda self, *args: launched.append("pack from the slot")})()
     backend.send_routing = backend.header_device = backend.ctrl = None   # the pack's arguments (recorded only)
-    backend._resident_paired = lambda configs, chain: launched.append(("paired", configs, chain))
+    backend._resident_paired = lambda configs, dispatch, chain: launched.append(("paired", configs, dispatch, chain))
     for from_slot in (True, False):
         for chain in (False, True):
             launched.clear()
-            WeaveBackend._resident_call(backend, "configs", from_slot, True, paired=True, chain=chain)
-            assert launched == (["pack from the slot"] if from_slot else []) + [("paired", "configs", chain)], \
-                launched
+            WeaveBackend._resident_call(backend, "configs", from_slot, True, paired="class", chain=chain)
+            paired = [("paired", "configs", "class", chain)]
+            assert launched == (["pack from the slot"] if from_slot else []) + paired, launched
+
+
+def test_paired_calls_fall_in_size_classes_each_compiled_for_its_own_calls(monkeypatch):
+    """KernelConfig.pair_tokens above decode_tokens: the paired calls in two size classes (`pair_size_classes`), the
+    decode calls' (the compile a decode layer has) and the longer ones'; one class where no paired call is longer
+    than a decode call. `_pair_classes` gives each class its calls' range and `_paired_chains` of a range the chains
+    of those calls only (KernelConfig.chain_pairs)."""
+    from types import SimpleNamespace
+
+    from weave_moe.backends.weave.backend import WeaveBackend, pair_size_classes
+    from weave_moe.backends.weave.config import KernelConfig
+
+    assert pair_size_classes(64, 64) == [64] and pair_size_classes(32, 64) == [32]
+    assert pair_size_classes(512, 64) == [64, 512] and pair_size_classes(65, 64) == [64, 65]
+    assert pair_size_classes(8, 1) == [1, 8] and pair_size_classes(8, 0) == [1, 8]
+    backend, _ = _tables_host(monkeypatch)
+    backend.config = KernelConfig.from_text("chain_pairs=on", "test")
+    short, longer = SimpleNamespace(max_call_tokens=1), SimpleNamespace(max_call_tokens=8)
+    backend.pair_dispatches = [short, longer]
+    assert WeaveBackend._pair_classes(backend) == [(short, 1, 1), (longer, 2, 8)]
+    assert [WeaveBackend._pair_dispatch_for(backend, t) for t in (0, 1, 2, 8, 9)] == [short, short, longer, longer,
+                                                                                     None]
+    assert WeaveBackend._paired_chains(backend, 1, 1) == {True}
+    assert WeaveBackend._paired_chains(backend, 2, 8) == {False}
+    assert WeaveBackend._paired_chains(backend) == {False, True}
+    backend.pair_dispatches = []
+    assert WeaveBackend._pair_classes(backend) == [] and WeaveBackend._paired_chains(backend) == set()

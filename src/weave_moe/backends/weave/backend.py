@@ -25,8 +25,8 @@ from weave_moe.backends import raise_on_bad_ids
 from weave_moe.backends.coordination import (CODE_OK, HEADER_WORDS, CallCoordinator, CallOrderError, PeerError,
                                              code_name)
 from weave_moe.backends.weave import launch as mk_launch
-from weave_moe.backends.weave.config import (CHAIN_PAIRS_MAX_TOKENS, DECODE_ROWS, KernelConfig,
-                                             decode_block_h, timeout_s_from_env, unsupported_device)
+from weave_moe.backends.weave.config import (DECODE_ROWS, KernelConfig, decode_block_h, timeout_s_from_env,
+                                             unsupported_device)
 from weave_moe.backends.weave.exchange import CallSlots, CountsFormat, LayoutCounts, RoutingMessage, copy_status
 from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
@@ -65,6 +65,13 @@ class WeaveTimeoutError(WeaveError):
 
 #: the launches without GEMM (keys of `stage_constants`), which have decode compiles ("decode", key)
 _ROW_STAGES = (0, STAGE_COMBINE_REDUCE.value, (STAGE_COMBINE_REDUCE.value, "grouped serial"))
+
+
+def pair_size_classes(pair_tokens: int, decode_tokens: int) -> list[int]:
+    """The longest call of each size class of a layer's paired calls (KernelConfig.pair_dispatch), shortest first:
+    the decode calls' (at most `decode_tokens` tokens), then the longer ones up to `pair_tokens` (the layer's
+    `min(KernelConfig.pair_tokens, T_max)`), one pair dispatch compiled for each."""
+    return sorted({min(pair_tokens, max(decode_tokens, 1)), pair_tokens})
 
 
 def _tile_keys(configs) -> list:
@@ -326,15 +333,19 @@ class WeaveBackend:
         # order, right after the counts; GEMM0 reads them through TMA, the combine reads y by the pairs' rows, no
         # task tables (_resident_paired); a fixed serial plan's calls only (an adaptive policy's took it as well,
         # gated on the device by its plan: 4-20% slower at 2-8 tokens on an H100, removed; docs/perf-notes.md 42, 53)
+        # One pair dispatch per size class (`pair_size_classes`, `_pair_dispatch_for`), each compiled for its longest
+        # call (its ids tile, its pairs per step), so a decode call in a layer of long paired calls keeps the compile
+        # of a decode layer's
         pair_tokens = min(cfg.pair_tokens, self.max_tokens) if self.resident else 0   # rows to y: every pair
-        self.pair_dispatch = (PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, pair_tokens,
-                                           self.num_sms)
-                              if (cfg.pair_dispatch and world_size == 1 and self.grouped
-                                  and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0)
-                              else None)
-        if self.pair_dispatch is not None:
+        self.pair_dispatches: list[PairDispatch] = (
+            [PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, most, self.num_sms)
+             for most in pair_size_classes(pair_tokens, cfg.decode_tokens)]
+            if (cfg.pair_dispatch and world_size == 1 and self.grouped
+                and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0) else [])
+        if self.pair_dispatches:
             self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
-            self.pair_rows = torch.zeros(self.pair_dispatch.rows_shape, dtype=torch.int32, device=device)
+            # every class's rows table: a prefix of the longest class's (row (t, j) at t * k + j in each)
+            self.pair_rows = torch.zeros(self.pair_dispatches[-1].rows_shape, dtype=torch.int32, device=device)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
         # every call, so that the CUDA graph captured for each row count holds no tables of its own
         self.table_buffers = {}
@@ -507,12 +518,12 @@ class WeaveBackend:
         name = self.resident_graph_names.get((self.workspace.generation, rows))
         configs = self._grouped_configs(rows)
         decode = self._decode_call(x.shape[0])   # a function of rows, as the graph's name is
-        paired = self._paired_call(x.shape[0])   # and so is this
-        chain = paired and self._chained(x.shape[0], capturing)   # and, eager or captured, this
+        paired = self._pair_dispatch_for(x.shape[0])   # and so is this
+        chain = paired is not None and self._chained(x.shape[0], capturing)   # and, eager or captured, this
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             # ... and the kind of call: a decode call's graph (decode compiles, the early or pair dispatch of at most
             # `decode_tokens` tokens) must not serve a longer call whose configs are the same
-            kind = "paired" if paired else "decode" if decode else "full"
+            kind = "paired" if paired is not None else "decode" if decode else "full"
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}.{kind}")
         if capturing:
@@ -549,17 +560,17 @@ class WeaveBackend:
             raise failure
         return out
 
-    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: bool = False,
+    def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: PairDispatch | None = None,
                        chain: bool = False) -> None:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
-        `io`); `decode`: `_decode_call`; `paired`: `_paired_call` (then `_resident_paired`, with `chain`:
-        `_chained`)."""
+        `io`); `decode`: `_decode_call`; `paired`: `_pair_dispatch_for` (not None: `_resident_paired` with it,
+        with `chain`: `_chained`)."""
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
-        if paired:   # it copies the status word itself
-            self._resident_paired(grouped_configs, chain=chain)
+        if paired is not None:   # it copies the status word itself
+            self._resident_paired(grouped_configs, paired, chain=chain)
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         dispatched = []   # the event of the dispatch beside the tables (early_dispatch, dispatch_beside_emit),
@@ -572,7 +583,7 @@ class WeaveBackend:
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_paired(self, configs, chain: bool) -> None:
+    def _resident_paired(self, configs, dispatch: PairDispatch, chain: bool) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
         GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
@@ -587,8 +598,10 @@ class WeaveBackend:
         first weight blocks while the rows are sent (`_preloads`): the chain to GEMM0's weights is pack -> counts ->
         pair dispatch's start (docs/perf-notes.md entry 53); the pair combine, launched programmatically, also copies
         the status word to the host, so the call has no last kernel for it.
-        Otherwise the call ends with that copy (`copy_status`), as the resident call does."""
+        Otherwise the call ends with that copy (`copy_status`), as the resident call does. `dispatch`: the pair
+        dispatch of the call's size class (`_pair_dispatch_for`)."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
+        rows = self.pair_rows[:dispatch.rows_shape[0]]
         keys, filled = _tile_keys(configs), None
         # the layer's tile tables, filled by the counts launch (chain)
         tables = self._tile_tables(keys)[0] if chain else None
@@ -596,13 +609,12 @@ class WeaveBackend:
         if tables is None:
             tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), keys, False,
                                                        side=self.fork_prologue, form="counts")
-        self.pair_dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status,
-                                  self.rank, self.timeout_ns, None, self.pair_rows, self.workspace.y(),
-                                  pdl=chain)
+        dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status, self.rank,
+                        self.timeout_ns, None, rows, self.workspace.y(), pdl=chain)
         if filled is not None:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables, preload=self._preloads(configs, chain))
-        self.pair_combine.launch(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io, self.live_status,
+        self.pair_combine.launch(self.workspace.y(), rows, all_weights, tokens, self.io, self.live_status,
                                  self.rank, pdl=chain, report=self._pair_report(chain))
         if self._pair_report(chain) is None:
             copy_status(self.status, self.status_host)
@@ -620,24 +632,30 @@ class WeaveBackend:
             start, size = start + self.rank * self.num_local_experts, self.num_local_experts
         return counts[start:start + size]
 
-    def _paired_call(self, tokens: int) -> bool:
-        """Whether a resident call of `tokens` tokens runs `_resident_paired` (KernelConfig.pair_dispatch)."""
-        return self.pair_dispatch is not None and tokens <= self.pair_dispatch.max_call_tokens
+    def _pair_dispatch_for(self, tokens: int) -> PairDispatch | None:
+        """The pair dispatch with which a resident call of `tokens` tokens runs `_resident_paired`
+        (KernelConfig.pair_dispatch): the shortest size class that holds the call; None: the call is not paired."""
+        return next((dispatch for dispatch in self.pair_dispatches if tokens <= dispatch.max_call_tokens), None)
+
+    def _pair_classes(self) -> list[tuple[PairDispatch, int, int]]:
+        """(pair dispatch, its shortest call, its longest call) of each size class, shortest first."""
+        bounds = [0] + [dispatch.max_call_tokens for dispatch in self.pair_dispatches]
+        return [(dispatch, low + 1, dispatch.max_call_tokens) for dispatch, low in zip(self.pair_dispatches, bounds)]
 
     def _chained(self, tokens: int, captured: bool) -> bool:
         """Whether a paired call of `tokens` tokens, made under a caller's CUDA-graph capture or not (`captured`),
         takes KernelConfig.chain_pairs' chain (its tile tables written by the counts launch, the pair dispatch and
         GEMM0 launched programmatically: `_resident_paired`)."""
-        return self.pair_dispatch is not None and self.config.chains_pairs(captured, tokens)
+        return bool(self.pair_dispatches) and self.config.chains_pairs(captured, tokens)
 
-    def _paired_chains(self) -> set:
-        """The chains paired calls of this layer can take (`_chained` of every call: a rule of at most
-        CHAIN_PAIRS_MAX_TOKENS tokens or more, eager or captured), which its first call compiles."""
-        if self.pair_dispatch is None:
+    def _paired_chains(self, low: int = 1, high: int | None = None) -> set:
+        """The chains the paired calls of this layer of `low` to `high` tokens (default: all of them) can take
+        (`_chained`, eager or captured), which its first call compiles. The rule takes calls of at most
+        CHAIN_PAIRS_MAX_TOKENS tokens: the shortest and the longest call of the range decide."""
+        if not self.pair_dispatches:
             return set()
-        most = self.pair_dispatch.max_call_tokens
-        sizes = {min(CHAIN_PAIRS_MAX_TOKENS, most), most}   # a call on each side of the rule's bound
-        return {self._chained(tokens, captured) for tokens in sizes for captured in (False, True)}
+        high = self.pair_dispatches[-1].max_call_tokens if high is None else high
+        return {self._chained(tokens, captured) for tokens in (low, high) for captured in (False, True)}
 
     def _rows_per_token(self) -> int:
         """GEMM rows per token on this rank at most: its (token, expert) pairs, k, or E_local when fewer."""
@@ -1187,7 +1205,7 @@ class WeaveBackend:
                 for chained in (False, True) if self._chains([config]) else (False, ):
                     if self._gathers_in_gemm0(config):
                         self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl, chained=chained)
-                    if not self._gathers_in_gemm0(config) or self.pair_dispatch is not None:
+                    if not self._gathers_in_gemm0(config) or self.pair_dispatches:
                         self._gemm0(y, table, config, chained=chained)
                     if self._preloads([config], True in chains):   # the chained paired call's GEMM0
                         self._gemm0(y, table, config, chained=chained, preload=True)
@@ -1220,17 +1238,18 @@ class WeaveBackend:
                     # there made the gather warm-up after it read past the buffers)
                     self._grouped_prologue(self._pairs(torch.zeros_like(self.device_counts.counts), local=True),
                                            pair, False, form="counts")
-        if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatch is not None:
+        if self.early_dispatch is not None or self.tables_dispatch is not None or self.pair_dispatches:
             all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         if self.early_dispatch is not None:
             self.early_dispatch.warmup(all_ids, tokens, self.plans_device[:, 1], self.io, self.workspace,
                                        self.live_status, self.rank, self.timeout_ns)
-        if self.pair_dispatch is not None:
-            for chain in sorted(chains):
-                self.pair_dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io,
-                                          self.workspace, self.live_status, self.rank, self.timeout_ns, None,
-                                          self.pair_rows, self.workspace.y(), pdl=chain)
-                self.pair_combine.warmup(self.workspace.y(), self.pair_rows, all_weights, tokens, self.io,
+        for dispatch, low, high in self._pair_classes():
+            rows = self.pair_rows[:dispatch.rows_shape[0]]
+            for chain in sorted(self._paired_chains(low, high)):
+                dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
+                                self.live_status, self.rank, self.timeout_ns, None, rows, self.workspace.y(),
+                                pdl=chain)
+                self.pair_combine.warmup(self.workspace.y(), rows, all_weights, tokens, self.io,
                                          self.live_status, self.rank, pdl=chain, report=self._pair_report(chain))
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
