@@ -145,7 +145,8 @@ for stage in "$@"; do
     # perf-notes 63: the same A/B cut to what decides `pair_tokens` / `decode_tokens`, in calls a host that is taken
     # back after a few minutes can finish: Qwen3-30B-A3B at 128 then 512 tokens, the partial JSON kept per row
     pt-short) PT_TIMEOUT=${PTS_TIMEOUT:-280} PT_MODELS=qwen3-30b-a3b PT_TOKENS=128,512 PT_NAME=pt-short PT_VARIANTS=nccl,weave:serial,weave:serial@pair_tokens=512,weave:serial@pair_dispatch=off@decode_tokens=512 "$0" pair-tokens;;
-    # ... then decode calls in a layer of pair_tokens=512 and T_max 512 (a long paired call's 1-token cost)
+    # ... then decode calls in a layer of pair_tokens=512 and T_max 512: they take the decode layer's pair dispatch
+    # (its size class), so they should time as in a decode layer
     pt-decode) PT_TIMEOUT=${PTD_TIMEOUT:-200} PT_MODELS=qwen3-30b-a3b PT_TOKENS=1,32 PT_NAME=pt-decode PT_ARGS="--max-tokens-per-rank 512" PT_VARIANTS=weave:serial,weave:serial@pair_tokens=512 "$0" pair-tokens;;
     h200-prefill) TUNE_TIMEOUT=${H2P_TIMEOUT:-420} TUNE_TOKENS=${H2P_TOKENS:-2048,8192} TUNE_OUT=src/weave_moe/backends/weave/kernels/tuned/nvidia-h200.json TUNE_ARGS="--block-m 64,128 --block-n 256 --warps 4,8 --stages 3,4 --ws auto,64x256x64w4s4c2,128x256x64w8s4 --routing uniform,skewed --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
     h200-prefill-2048) H2P_TIMEOUT=530 H2P_TOKENS=2048 "$0" h200-prefill;;
