@@ -102,19 +102,23 @@ def test_tables_dispatch_refuses_what_it_cannot_send():
                                                 torch.zeros(2, dtype=torch.int32), None, None, None, 0, 1)
 
 
+@pytest.mark.parametrize("call_tokens", [64, 512])
 @pytest.mark.parametrize("num_experts, top_k, hidden", [(64, 8, 2048), (128, 8, 7168)])
-def test_the_programmatic_pair_dispatch_waits_then_releases_before_any_load(num_experts, top_k, hidden):
+def test_the_programmatic_pair_dispatch_waits_then_releases_before_any_load(num_experts, top_k, hidden,
+                                                                            call_tokens):
     """KernelConfig.chain_pairs: the pair dispatch launched programmatically waits for the counts launch and then
-    lets the next launch (a preloading GEMM0) start, before its first global load; the plain one holds neither."""
-    from weave_moe.backends.weave.config import DECODE_TOKENS
+    lets the next launch (a preloading GEMM0) start, before its first global load; the plain one holds neither.
+    Both without local memory, for a decode layer's calls (64 tokens: one pair per step on 132 SMs) and for a long
+    paired call's size class (512: four pairs per step, the rows counted by a histogram)."""
     from weave_moe.backends.weave.kernels import early_dispatch as ed
     from weave_moe.backends.weave.kernels import sm90
     from weave_moe.backends.weave.workspace import SymmetricWorkspace
 
     i32 = dict(dtype=torch.int32)
-    launcher = ed.PairDispatch(1, num_experts, top_k, hidden, 2048, DECODE_TOKENS, 132)
+    launcher = ed.PairDispatch(1, num_experts, top_k, hidden, 2048, call_tokens, 132)
+    assert launcher.pipe == (1 if call_tokens == 64 else ed.PIPE_PAIRS)
     workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(2048, hidden)
-    local = torch.zeros(DECODE_TOKENS * top_k, hidden, dtype=torch.bfloat16)
+    local = torch.zeros(call_tokens * top_k, hidden, dtype=torch.bfloat16)
     args = launcher._arguments(torch.zeros(1, 2048, top_k, **i32), torch.zeros(1, **i32),
                                torch.zeros(num_experts, **i32), torch.zeros(2, dtype=torch.int64), workspace,
                                torch.zeros(4, **i32), 0, 10 ** 9, None, torch.zeros(launcher.rows_shape, **i32), local)

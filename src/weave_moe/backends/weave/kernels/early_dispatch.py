@@ -339,37 +339,44 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 
 
 @triton.jit
-def _local_pair(pair, n_pairs, ids_ptr, mine, flat, pairs, ee, rows_ptr, K: tl.constexpr, KP: tl.constexpr):
-    """`pair_dispatch_kernel`'s row of `pair` (token * KP + slot) at EP = 1: (its row in expert order, its token,
-    whether it has one: a slot of this call's tokens that names an expert), its entry of the rows table written (-1
-    for a named slot without an expert). A pair past `n_pairs` has none and writes nothing. Its expert is loaded
-    from this rank's ids (`ids_ptr`; the counts launch has replaced bad ids by -1 there, or refused the call) rather
-    than picked out of `mine` (a reduction over the whole tile)."""
-    named = (pair < n_pairs) & ((pair % KP) < K)   # a (token, slot) of this call (n_pairs stops at its tokens)
+def _local_pair(pair, end, ids_ptr, cursor, ee, rows_ptr, K: tl.constexpr, KP: tl.constexpr):
+    """`_local_pairs`' step for `pair` (token * KP + slot): (its row in expert order, its token, whether it has one:
+    a slot of this program's range that names an expert, the cursors after it), its entry of the rows table written
+    (-1 for a named slot without an expert). `cursor` [BLOCK_E]: each expert's next row, advanced past this pair's.
+    A pair at or past `end` has none and writes nothing. Its expert is loaded from this rank's ids (`ids_ptr`; the
+    counts launch has replaced bad ids by -1 there, or refused the call)."""
+    named = (pair < end) & ((pair % KP) < K)   # a (token, slot) of this program's range of the call's pairs
     expert = tl.load(ids_ptr + (pair // KP) * K + pair % KP, mask=named, other=-1)
-    row = tl.sum(tl.where(ee < expert, pairs, 0), axis=0)   # the pairs of the experts before it ...
-    row += tl.sum(tl.sum(((mine == expert) & (flat < pair)).to(tl.int32), axis=1), axis=0)   # ... and its own before
+    row = tl.sum(tl.where(ee == expert, cursor, 0), axis=0)
     tl.store(rows_ptr + (pair // KP) * K + pair % KP, tl.where(expert < 0, -1, row), mask=named)
-    return row, pair // KP, expert >= 0
+    return row, pair // KP, expert >= 0, tl.where(ee == expert, cursor + 1, cursor)
 
 
 @triton.jit
 def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
                  tokens_stride, rank, H, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_H: tl.constexpr, PIPE: tl.constexpr):
-    """`pair_dispatch_kernel`'s walk at EP = 1 (LOCAL) with PIPE (2 or 4) pairs per step: this program's pairs pid,
-    pid + grid, ... (the round-robin of PIPE = 1), PIPE of them per step, each step's rows loaded before any of them
-    is stored (one load latency per step, where the plain walk waits one per pair); a pair past the call's is
-    neither read nor written (`_local_pair`)."""
+                 BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PIPE: tl.constexpr):
+    """`pair_dispatch_kernel`'s walk at EP = 1 (LOCAL) with PIPE (2 or 4) pairs per step. A program takes one
+    contiguous range of the call's pairs (token * KP + slot order), so the rows are counted once, not per pair:
+    each expert's cursor starts at its first row (the pairs of the experts before it) plus its pairs before the
+    range (one histogram of the ids tile `mine`), and advances by one per pair of it walked in order. Each step's
+    rows are loaded before any of them is stored (one load latency per step, where the plain walk waits one per
+    pair); a pair past the range is neither read nor written (`_local_pair`)."""
     offs_h = tl.arange(0, BLOCK_H)
     n_pairs = tl.minimum(tl.load(tokens_ptr + rank * tokens_stride), BLOCK_T) * KP
-    ids = ids_ptr + rank * ids_stride
-    for first in range(pid, n_pairs, grid * PIPE):
-        row0, token0, ok0 = _local_pair(first, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
-        row1, token1, ok1 = _local_pair(first + grid, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
+    per = tl.cdiv(n_pairs, grid)
+    begin = pid * per
+    end = tl.minimum(begin + per, n_pairs)
+    ids = tl.reshape(mine, [BLOCK_T * KP])
+    before = tl.histogram(ids, BLOCK_E, mask=(tl.reshape(flat, [BLOCK_T * KP]) < begin) & (ids >= 0))
+    cursor = tl.cumsum(pairs, axis=0) - pairs + before   # [BLOCK_E] each expert's next row
+    ids_ptr = ids_ptr + rank * ids_stride
+    for first in range(begin, end, PIPE):
+        row0, token0, ok0, cursor = _local_pair(first, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+        row1, token1, ok1, cursor = _local_pair(first + 1, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
         if PIPE > 2:
-            row2, token2, ok2 = _local_pair(first + 2 * grid, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
-            row3, token3, ok3 = _local_pair(first + 3 * grid, n_pairs, ids, mine, flat, pairs, ee, rows_ptr, K, KP)
+            row2, token2, ok2, cursor = _local_pair(first + 2, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+            row3, token3, ok3, cursor = _local_pair(first + 3, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + offs_h
             inside = cols < H
@@ -414,8 +421,10 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     offsets. PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for the counts
     kernel before the first load, then let the next kernel's CTAs start (`sync.pdl_enter`): a preloading GEMM0's
     (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it.
-    PIPE (LOCAL only; 1, 2 or 4): a program walks its pairs PIPE at a time, their rows' loads issued together before
-    their stores (`_local_pairs`), so a long call's program waits one load latency per PIPE pairs, not per pair."""
+    PIPE (LOCAL only; 1, 2 or 4): a program walks one contiguous range of the pairs PIPE at a time, their rows' loads
+    issued together before their stores, the rows counted once per program (`_local_pairs`), so a long call's
+    program waits one load latency per PIPE pairs, not per pair, and reduces over the call's ids once, not per
+    pair."""
     if PDL:
         sync.pdl_enter()
     pid = tl.program_id(0)
@@ -435,7 +444,7 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
         tl.store(offsets_ptr + ll, offsets, mask=ll <= L)
     if idle == 0 and LOCAL and PIPE > 1:   # EP = 1, PIPE pairs' rows in flight at once (`_local_pairs`)
         _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
-                     tokens_stride, rank, H, K, KP, BLOCK_T, BLOCK_H, PIPE)
+                     tokens_stride, rank, H, K, KP, BLOCK_T, BLOCK_E, BLOCK_H, PIPE)
     elif idle == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         n_tok = tl.load(tokens_ptr + rank * tokens_stride)
