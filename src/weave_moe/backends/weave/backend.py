@@ -71,7 +71,7 @@ def pair_size_classes(pair_tokens: int, decode_tokens: int) -> list[int]:
     """The longest call of each size class of a layer's paired calls (KernelConfig.pair_dispatch), shortest first:
     the decode calls' (at most `decode_tokens` tokens), then the longer ones up to `pair_tokens` (the layer's
     `min(KernelConfig.pair_tokens, T_max)`), one pair dispatch compiled for each."""
-    return sorted({min(pair_tokens, max(decode_tokens, 1)), pair_tokens})
+    return sorted({min(pair_tokens, decode_tokens), pair_tokens})
 
 
 def _tile_keys(configs) -> list:

@@ -221,10 +221,11 @@ class KernelConfig:
             rank's work of EP=2, at 1 / 8 / 32 tokens 89.0 / 178.8 / 253.4 us -> 77.5 / 166.0 / 243.4; DeepSeek-V3
             288.8 / 1640.5 / 3451.2 -> 279.9 / 1622.1 / 3441.7; 5 rounds).
         pair_tokens: the most tokens per rank a `pair_dispatch` call serves (longer calls make the resident call with
-            task tables). Its pair dispatch computes each pair's row from the whole call's ids (work that grows with
-            the square of the call's pairs), so it is meant for decode and small batches, not prefill. Above
-            `decode_tokens` the calls longer than that take a pair dispatch of their own, compiled for `pair_tokens`
-            tokens, and the decode calls keep the one a layer of `decode_tokens` paired tokens has.
+            task tables). Every program of its pair dispatch holds the whole call's ids in registers, so it is meant
+            for decode and small batches, not prefill. Above `decode_tokens` the calls longer than that take a pair
+            dispatch of their own, compiled for `pair_tokens` tokens (each program walks one contiguous range of the
+            pairs, four per step, each expert's rows counted once by a histogram), and the decode calls keep the one
+            a layer of `decode_tokens` paired tokens has (each pair's row found by a reduction over the call's ids).
         chain_pairs: a paired call (`pair_dispatch`) starts its GEMM0's weight loads while its rows are sent: the
             counts launch also writes the grouped GEMMs' tile tables of this rank's experts (no tile-table launch
             beside the pair dispatch, no fork), the pair dispatch is launched programmatically after it, and a
