@@ -200,14 +200,16 @@ def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
         combine._arguments(*args[:7], (torch.zeros(6, **i32), torch.zeros(6, **i32)))
 
 
-def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False, pipe=None):
+def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=False, pipe=None, combine_tokens=None):
     """One paired call at EP = 1 under the interpreter, as `WeaveBackend._resident_paired` makes it minus the GEMMs:
     pack, counts (verdict), `PairDispatch`, then y made from the pair rows by a stand-in for the experts (row p of
     expert e: bf16(recv[p] * (e + 1) / 8), e read off the offsets the dispatch wrote), then `PairCombine` into a
     poisoned out of T + 1 rows. `chain` (KernelConfig.chain_pairs): the counts launch also writes a tile table of 4
     rows per tile (checked against build_tile_table_torch on the offsets), the pair dispatch compiled for
     programmatic launch. `pipe`: the pair dispatch's pairs per step (PIPE; None: the launcher's, 4 here: 24 pairs of
-    the longest call on 5 programs). Returns (out, rows table, offsets, receive region, status)."""
+    the longest call on 5 programs). `combine_tokens`: the T the combine's grid is sized for (`PairCombine.grid`;
+    None: the call's, as the backend launches it; 1: one program, which then takes every token's item in turn).
+    Returns (out, rows table, offsets, receive region, status)."""
     from weave_moe.backends.coordination import HEADER_WORDS
     from weave_moe.backends.weave.exchange import CountsFormat, RoutingMessage
     from weave_moe.backends.weave.kernels import sync
@@ -260,7 +262,8 @@ def _paired_call(T, E, k, H, max_tokens, ids, weights, x, refuse=False, chain=Fa
         y[lo:hi] = (recv[lo:hi].float() * (e + 1) / 8).bfloat16()
     host = torch.full_like(status, -9)   # the status words' host copy, which a chained combine writes
     PairCombine(H, k, 8, 3).launch(y, rows, all_weights, tokens, io, status[:sync.STATUS_WORDS], 0, pdl=chain,
-                                   report=(status, host) if chain else None)
+                                   report=(status, host) if chain else None,
+                                   call_tokens=T if combine_tokens is None else combine_tokens)
     assert torch.equal(host, status) if chain else (host == -9).all(), (host, status)
     return out, rows, offsets, recv, status
 
@@ -285,10 +288,13 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     generator = torch.Generator().manual_seed(5)
     # pipe: the pair dispatch's walk one pair per step (the decode calls'), two, and four (the launcher's here: each
     # of 5 programs has at least 4 of the longest call's 24 pairs); a step may hold pairs past the call's
-    cases = [(T, chain, 4) for T, chain in ((0, False), (1, False), (2, False), (5, False), (8, False), (0, True),
-                                            (1, True), (5, True), (8, True))]
-    cases += [(T, False, pipe) for pipe in (1, 2) for T in (1, 5, 7, 8)]
-    for T, chain, pipe in cases:
+    # combine_tokens: the combine's grid, one program per token (the backend's: H is one column block here) or one
+    # program for the whole call (each item in turn)
+    cases = [(T, chain, 4, None) for T, chain in ((0, False), (1, False), (2, False), (5, False), (8, False),
+                                                  (0, True), (1, True), (5, True), (8, True))]
+    cases += [(T, False, pipe, None) for pipe in (1, 2) for T in (1, 5, 7, 8)]
+    cases += [(T, chain, 4, 1) for T, chain in ((5, False), (8, True))]
+    for T, chain, pipe, combine_tokens in cases:
         ids = torch.stack([torch.randperm(E, generator=generator)[:k] for _ in range(T)]).int() if T else \
             torch.zeros(0, k, dtype=torch.int32)
         if T >= 2:
@@ -297,7 +303,7 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
         weights = torch.rand(T, k, generator=generator)
         x = torch.randn(T, H, generator=generator).bfloat16()
         out, rows, offsets, recv, status = _paired_call(T, E, k, H, max_tokens, ids, weights, x, chain=chain,
-                                                        pipe=pipe)
+                                                        pipe=pipe, combine_tokens=combine_tokens)
         assert status[:4].tolist() == [0, 0, 0, 0]
         assert offsets.tolist() == [0] + torch.bincount(ids[ids >= 0].long(), minlength=E).cumsum(0).tolist()
         for t in range(T):

@@ -532,7 +532,8 @@ class WeaveBackend:
             # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired, chain), in_capture=True)
+            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired, chain, x.shape[0]),
+                            in_capture=True)
         elif self.debug_skip_launch:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
@@ -541,7 +542,7 @@ class WeaveBackend:
                                                               timeout_s=self.timeout_s + coordinator.timeout_s))
             clock.lap("pack")
             try:
-                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired, chain),
+                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired, chain, x.shape[0]),
                                 in_capture=False)
             except BaseException as error:
                 # the slot may or may not have been read: the ring and the device cursor could have parted
@@ -561,16 +562,16 @@ class WeaveBackend:
         return out
 
     def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: PairDispatch | None = None,
-                       chain: bool = False) -> None:
+                       chain: bool = False, call_tokens: int | None = None) -> None:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
         `io`); `decode`: `_decode_call`; `paired`: `_pair_dispatch_for` (not None: `_resident_paired` with it,
-        with `chain`: `_chained`)."""
+        with `chain`: `_chained`); `call_tokens`: the call's T (a graph is one per T: the paired combine's grid)."""
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
         if paired is not None:   # it copies the status word itself
-            self._resident_paired(grouped_configs, paired, chain=chain)
+            self._resident_paired(grouped_configs, paired, chain=chain, call_tokens=call_tokens)
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
         dispatched = []   # the event of the dispatch beside the tables (early_dispatch, dispatch_beside_emit),
@@ -583,7 +584,7 @@ class WeaveBackend:
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_paired(self, configs, dispatch: PairDispatch, chain: bool) -> None:
+    def _resident_paired(self, configs, dispatch: PairDispatch, chain: bool, call_tokens: int | None = None) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
         GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
@@ -599,7 +600,7 @@ class WeaveBackend:
         pair dispatch's start (docs/perf-notes.md entry 53); the pair combine, launched programmatically, also copies
         the status word to the host, so the call has no last kernel for it.
         Otherwise the call ends with that copy (`copy_status`), as the resident call does. `dispatch`: the pair
-        dispatch of the call's size class (`_pair_dispatch_for`)."""
+        dispatch of the call's size class (`_pair_dispatch_for`); `call_tokens`: the call's T, the combine's grid."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         rows = self.pair_rows[:dispatch.rows_shape[0]]
         keys, filled = _tile_keys(configs), None
@@ -615,7 +616,7 @@ class WeaveBackend:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables, preload=self._preloads(configs, chain))
         self.pair_combine.launch(self.workspace.y(), rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, pdl=chain, report=self._pair_report(chain))
+                                 self.rank, pdl=chain, report=self._pair_report(chain), call_tokens=call_tokens)
         if self._pair_report(chain) is None:
             copy_status(self.status, self.status_host)
 

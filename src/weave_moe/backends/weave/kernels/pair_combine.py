@@ -31,6 +31,10 @@ __all__ = ["PairCombine", "pair_combine_kernel", "PeerPairCombine", "pair_combin
            "pair_reduce_kernel"]
 
 NUM_WARPS = 2   # 64 threads x 8 bf16 = one BLOCK_H of 512 columns: 16-byte accesses
+#: programs per SM at most (`PairCombine.grid`): an item's loads wait one round trip for the rows, then one for y, so
+#: a program of two warps keeps ~K x 512 B per warp in flight; one program per SM left a 512-token call's combine
+#: (Qwen3-30B-A3B: 2048 items, ~16 per program) at 38.7 us on an H100 for 18 MB (docs/perf-notes.md entry 64)
+PROGRAMS_PER_SM = 8
 
 
 @triton.jit(do_not_specialize=["rank"])
@@ -79,12 +83,19 @@ def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr
 class PairCombine:
     """`pair_combine_kernel`'s launch for one layer at EP = 1: `launch(...)` after GEMM1 of a paired call."""
 
-    def __init__(self, hidden_size: int, top_k: int, max_call_tokens: int, num_programs: int):
+    def __init__(self, hidden_size: int, top_k: int, max_call_tokens: int, num_sms: int):
         self.hidden_size, self.top_k = hidden_size, top_k
         block_h = min(512, triton.next_power_of_2(hidden_size))
-        # no more programs than items of the longest call
-        self.num_programs = max(1, min(num_programs, max_call_tokens * triton.cdiv(hidden_size, block_h)))
+        self.blocks = triton.cdiv(hidden_size, block_h)
+        self.max_programs = num_sms * PROGRAMS_PER_SM
+        self.num_programs = self.grid(max_call_tokens)   # the longest call's
         self.constants = dict(K=top_k, BLOCK_H=block_h)
+
+    def grid(self, call_tokens: int) -> int:
+        """Programs for a call of `call_tokens` tokens: one per item (token, column block), at most
+        PROGRAMS_PER_SM per SM. The host knows the call's tokens (a captured call's graph is one per token count),
+        so a 1-token call launches one program per column block, not a grid sized for the layer's longest call."""
+        return max(1, min(self.max_programs, call_tokens * self.blocks))
 
     def _arguments(self, y, rows, all_weights, tokens, io, status, rank, report=None) -> tuple:
         H, K = self.hidden_size, self.top_k
@@ -109,11 +120,14 @@ class PairCombine:
 
     def launch(self, y: torch.Tensor, rows: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
                io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False,
-               report: tuple | None = None) -> None:
+               report: tuple | None = None, call_tokens: int | None = None) -> None:
         """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`); `pdl`: launched
         with programmatic dependent launch (the kernel's PDL); `report` (with `pdl`): (the call's status words, their
-        pinned host copy), copied as `exchange.copy_status` would (the kernel's REPORT)."""
-        pair_combine_kernel[(self.num_programs,)](
+        pinned host copy), copied as `exchange.copy_status` would (the kernel's REPORT); `call_tokens`: the call's T
+        as the host knows it (the grid, `grid`; None: the layer's longest call's). Any grid is correct: the items
+        are dealt round-robin over the programs and the kernel reads T from `tokens`."""
+        programs = self.num_programs if call_tokens is None else self.grid(call_tokens)
+        pair_combine_kernel[(programs,)](
             *self._arguments(y, rows, all_weights, tokens, io, status, rank, report), **self._variant(pdl, report),
             num_warps=NUM_WARPS)
 
