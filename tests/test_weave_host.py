@@ -616,7 +616,8 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
             launched.append("pair dispatch" + (" (programmatic)" if pdl else ""))
 
     class Combine:
-        def launch(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
+        def launch(self, y, rows, all_weights, tokens, io, status, rank, pdl, report, call_tokens):
+            assert call_tokens == 5   # the grid of the call's tokens (PairCombine.grid)
             assert y.data_ptr() == backend.workspace.y().data_ptr() and class_rows(rows)
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
             assert report == ((backend.status, backend.status_host) if chain else None)
@@ -641,7 +642,7 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
     backend.status, backend.status_host = "status words", "their host copy"
     monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append(("status copy", host)))
-    backend._resident_paired("configs", Pairs(), chain=chain)
+    backend._resident_paired("configs", Pairs(), chain=chain, call_tokens=5)
     if chain:
         assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
                             ("gemms", "configs", held, True), "pair combine (programmatic, status copied)"], launched
@@ -1012,8 +1013,11 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
     backend.pair_dispatches = []
     backend.config = KernelConfig()   # chain_pairs="capture": paired calls of 1 token under a caller's capture
-    backend._resident_call = lambda configs, from_slot, decode, paired, chain: built.append(
-        ("paired", chain, paired.max_call_tokens) if paired is not None else from_slot if decode else "not decode")
+    call_tokens = []   # the T each call's graph is built for (the paired combine's grid)
+    backend._resident_call = lambda configs, from_slot, decode, paired, chain, tokens: (
+        call_tokens.append(tokens),
+        built.append(("paired", chain, paired.max_call_tokens) if paired is not None
+                     else from_slot if decode else "not decode"))
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
@@ -1021,6 +1025,7 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     out = torch.empty(3, 32, dtype=torch.bfloat16)
     assert backend.forward(x, ids, w, out=out) is out
     assert backend.slots.written == 1 and built == [True] and backend.message.packs == 0 and events == ["record"]
+    assert call_tokens == [3]
     assert backend.slots.slots_numpy[0].tolist() == [x.data_ptr(), out.data_ptr(), ids.data_ptr(), w.data_ptr(),
                                                      3, 0, 0, 6]
     # x and out that start off the kernel's 16-byte alignment (peers.ROW_ALIGNMENT): the slot gets a copy of x
@@ -1421,12 +1426,14 @@ def test_paired_calls_take_the_chain_of_eager_or_captured_calls(monkeypatch, set
     assert not any(WeaveBackend._chained(backend, short, captured) for captured in (False, True))
     backend.slots = type("Slots", (), {"launch": lambda self, *args: launched.append("pack from the slot")})()
     backend.send_routing = backend.header_device = backend.ctrl = None   # the pack's arguments (recorded only)
-    backend._resident_paired = lambda configs, dispatch, chain: launched.append(("paired", configs, dispatch, chain))
+    backend._resident_paired = lambda configs, dispatch, chain, call_tokens: launched.append(
+        ("paired", configs, dispatch, chain, call_tokens))
     for from_slot in (True, False):
         for chain in (False, True):
             launched.clear()
-            WeaveBackend._resident_call(backend, "configs", from_slot, True, paired="class", chain=chain)
-            paired = [("paired", "configs", "class", chain)]
+            WeaveBackend._resident_call(backend, "configs", from_slot, True, paired="class", chain=chain,
+                                        call_tokens=short)
+            paired = [("paired", "configs", "class", chain, short)]
             assert launched == (["pack from the slot"] if from_slot else []) + paired, launched
 
 
