@@ -168,6 +168,23 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
         alone._arguments(*args[:2], None, *args[3:], local)
 
 
+def test_pair_dispatch_spreads_only_a_pipelined_walk_over_more_programs():
+    """KernelConfig.pair_programs (`spread`): the long class's pair dispatch (four pairs per step) on `spread` times
+    the SMs' programs, no more than the longest call's steps; the decode class (one pair per step) keeps one program
+    per SM, and its walk is not turned into the pipelined one by the spread."""
+    from weave_moe.backends.weave.kernels.early_dispatch import PIPE_PAIRS, PairDispatch
+
+    long = PairDispatch(1, 128, 8, 2048, 2048, 512, 132, spread=4)   # Qwen3-30B-A3B at EP = 2, 4096 pairs
+    assert (long.pipe, long.num_programs) == (PIPE_PAIRS, 528)
+    assert PairDispatch(1, 128, 8, 2048, 2048, 512, 132).num_programs == 132
+    shorter = PairDispatch(1, 128, 8, 2048, 2048, 128, 132, spread=4)   # 1024 pairs: 256 steps of four
+    assert (shorter.pipe, shorter.num_programs) == (PIPE_PAIRS, 256)
+    decode = PairDispatch(1, 128, 8, 2048, 2048, 64, 132, spread=4)
+    assert (decode.pipe, decode.num_programs) == (1, 132)
+    with pytest.raises(ValueError, match="spread"):
+        PairDispatch(1, 128, 8, 2048, 2048, 512, 132, spread=0)
+
+
 @pytest.mark.parametrize("top_k, hidden", [(8, 2048), (8, 7168), (6, 4096)])
 def test_pair_combine_compiles_for_sm90_with_vector_rows(top_k, hidden):
     """The paired call's combine as launched: no local memory, y read and out written in 16-byte vectors (out's

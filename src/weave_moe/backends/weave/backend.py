@@ -338,7 +338,8 @@ class WeaveBackend:
         # of a decode layer's
         pair_tokens = min(cfg.pair_tokens, self.max_tokens) if self.resident else 0   # rows to y: every pair
         self.pair_dispatches: list[PairDispatch] = (
-            [PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, most, self.num_sms)
+            [PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, most, self.num_sms,
+                          spread=cfg.pair_programs)
              for most in pair_size_classes(pair_tokens, cfg.decode_tokens)]
             if (cfg.pair_dispatch and world_size == 1 and self.grouped
                 and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0) else [])

@@ -226,6 +226,18 @@ class KernelConfig:
             dispatch of their own, compiled for `pair_tokens` tokens (each program walks one contiguous range of the
             pairs, four per step, each expert's rows counted once by a histogram), and the decode calls keep the one
             a layer of `decode_tokens` paired tokens has (each pair's row found by a reduction over the call's ids).
+            512 since this default was set (64 before): on an H100 at 36ff1fe (bench/results/h100-36ff1fe, one
+            rank's work of EP=2, replayed) the paired calls of 128 / 256 tokens against the call with task tables,
+            as a fraction of nccl's time: Qwen3-30B-A3B 0.91 / 0.92 -> 0.83 / 0.87, Qwen3.5-35B-A3B 0.89 / 0.90 ->
+            0.83 / 0.87, DeepSeek-V2-Lite 0.89 / 0.91 -> 0.81 / 0.84, DeepSeek-V3 equal (its GEMMs are the call);
+            1-32 token calls unchanged (their own class); the resident check 22 / 22 with `pair_tokens=256`. At 512
+            the paired call lost there (its combine: 38.7 us on one program per SM); with the combine's grid per
+            call (d7d48b9, bench/results/h200-d7d48b9, an H200) it wins at 512 too: Qwen3-30B-A3B 0.84 -> 0.78,
+            DeepSeek-V2-Lite 0.93 -> 0.83 (span 225.9 -> 210.6 us, the pair combine 8.3 us).
+        pair_programs: programs per SM of the long paired calls' pair dispatch (the class above `decode_tokens`,
+            which walks four pairs per step): 1 gives a 512-token call's program ~31 pairs, eight steps of one load
+            round trip each (12.2 us on an H200 at d7d48b9 for 16 MB of rows); more programs share the pairs (each
+            counts the ids tile once). The decode calls' pair dispatch keeps one program per SM. Not measured above 1.
         chain_pairs: a paired call (`pair_dispatch`) starts its GEMM0's weight loads while its rows are sent: the
             counts launch also writes the grouped GEMMs' tile tables of this rank's experts (no tile-table launch
             beside the pair dispatch, no fork), the pair dispatch is launched programmatically after it, and a
@@ -340,7 +352,8 @@ class KernelConfig:
     early_dispatch: bool = False
     dispatch_beside_emit: bool = False
     pair_dispatch: bool = True
-    pair_tokens: int = DECODE_TOKENS
+    pair_tokens: int = 512
+    pair_programs: int = 1
     serial_at_ep1: bool = True
     ws_gemm: bool = True
     ws_gather: bool = False

@@ -493,7 +493,10 @@ class PairDispatch:
     top_k <= E_local (the tables drop no pair)."""
 
     def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
-                 max_call_tokens: int, num_programs: int):
+                 max_call_tokens: int, num_programs: int, spread: int = 1):
+        """`num_programs`: the SMs (at most one program per SM; fewer where the call has fewer pairs); `spread`
+        (KernelConfig.pair_programs): where the walk takes PIPE_PAIRS pairs per step, `spread` times the programs
+        (no more than the longest call's steps of pairs)."""
         local = num_experts // world_size
         if top_k > local:
             raise ValueError(f"top_k = {top_k} > {local} local experts: the task tables drop pairs there")
@@ -511,6 +514,10 @@ class PairDispatch:
         self.num_programs = min(num_programs, BLOCK_T * KP)
         # at EP = 1 (local rows), PIPE_PAIRS pairs per step where the longest call gives each program that many
         self.pipe = PIPE_PAIRS if max_call_tokens * top_k >= PIPE_PAIRS * self.num_programs else 1
+        if spread < 1:
+            raise ValueError(f"spread must be >= 1, got {spread}")
+        if self.pipe > 1:
+            self.num_programs = min(self.num_programs * spread, triton.cdiv(max_call_tokens * top_k, self.pipe))
         self.constants = dict(L=local, K=top_k, KP=KP, MC=MAX_CHUNKS, BLOCK_T=BLOCK_T,
                               BLOCK_E=triton.next_power_of_2(num_experts),
                               BLOCK_P=triton.next_power_of_2(world_size), BLOCK_L=triton.next_power_of_2(local + 1),
