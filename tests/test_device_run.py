@@ -43,6 +43,10 @@ def test_every_variant_list_is_one_the_bench_accepts():
     from weave_moe.bench.variants import parse_variants
 
     lists = _defaults(re.findall(r"--variants (\"[^\"]*\"|[^ ]+)", TEXT))
+    # the lists a stage hands to another through the environment (pair-tokens' PT_VARIANTS, resident-profile's)
+    handed = _defaults(re.findall(r"\b(?:PT|RP)_VARIANTS=(\"[^\"]*\"|[^ ]+)", TEXT))
+    assert any("pair_programs" in text for text in handed), handed
+    lists += handed
     sweep = re.search(r'SWEEP_VARIANTS="([^"]*)"', TEXT).group(1)
     lists.append(sweep + ",weave:static:8,1")   # the loop appends static splits like this one
     assert len(lists) >= 15
