@@ -18,7 +18,9 @@ What it checks (each a row with passed = True/False and the numbers behind it):
      grouped launches see no rows), alternating, each against the reference, with the plans the device made;
   8. memory per captured row count: the default policy's layer at T_max 8192 called at 12 row counts from 1 to 2048
      tokens (a CUDA graph each), every call against the reference; the device memory the graphs reserved beyond the
-     first call's, per further row count (the task tables are the layer's, tables.TableBuffers, not each graph's).
+     first call's, per further row count (the task tables are the layer's, tables.TableBuffers, not each graph's);
+  9. the paired calls' size classes: one serial layer's eager calls of 1-513 tokens, a decode call's graph first,
+     each against the reference (`check_size_classes`).
 Every layer is made with WEAVE_MOE_KERNEL_CONFIG's settings, resident=on and serial_at_ep1=off (e.g. chain_pairs=on
 checks the paired calls' chain in eager calls too).
 """
@@ -95,6 +97,29 @@ def check_policies(rows, device):
             cases += 1
         rows.append(dict(check="policy_vs_reference", policy=policy, cases=cases, worst_rel_error=worst,
                          passed=worst <= DEFAULT_TOLERANCE))
+
+
+def check_size_classes(rows, device):
+    """Check 9. One serial layer's eager calls across the paired calls' size classes (KernelConfig.pair_tokens over
+    decode_tokens: a decode class and a longer one, each with its own pair dispatch) and the calls with task tables
+    above them, in an order where a decode call's graph comes first and longer calls of the same grouped configs
+    follow (a graph replayed for a call of another class would leave the rows past its class unsent), each against
+    the reference on a NaN-poisoned output; the graphs the layer holds after them."""
+    spec = MoESpec(32, 4, 512, 256, name="resident-classes")
+    layer, w13, w2 = _layer(spec, "serial", 1024, device)
+    worst, cases = 0.0, []
+    for seed, T in enumerate([1, 64, 65, 200, 2, 129, 512, 33, 513, 100]):
+        x = torch.randn(T, spec.hidden_size, device=device).bfloat16()
+        ids, w = _routing("uniform", T, spec, 100 + seed, device)
+        out = layer(x, ids, w)
+        layer.synchronize()
+        err = _error(out, x, ids, w, w13, w2)
+        worst = max(worst, err)
+        cases.append(dict(tokens=T, rel_error=err))
+    backend = layer.backend
+    rows.append(dict(check="size_classes", cases=cases, worst_rel_error=worst,
+                     classes=[dispatch.max_call_tokens for dispatch in backend.pair_dispatches],
+                     graphs=sorted(set(backend.resident_graph_names.values())), passed=worst <= DEFAULT_TOLERANCE))
 
 
 def check_grouped_serial(rows, device):
@@ -285,7 +310,8 @@ def main() -> None:
     device = torch.device("cuda", 0)
     rows: list[dict] = []
     checks = [check_policies, check_grouped_serial, check_no_sync_and_host_time, check_deferred_errors,
-              check_graph_capture, check_graph_memory, functools.partial(check_back_to_back, calls=args.calls)]
+              check_graph_capture, check_graph_memory, functools.partial(check_back_to_back, calls=args.calls),
+              check_size_classes]
     names = {getattr(check, "func", check).__name__: check for check in checks}
     chosen = [name for name in args.checks.split(",") if name] or list(names)
     unknown = sorted(set(chosen) - set(names))

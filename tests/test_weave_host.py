@@ -1002,7 +1002,7 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend.broken, backend.coordinator, backend.timeout_s = None, Coordinator(), 5.0
     backend.kernel_variants, backend.compiled = frozenset({"k"}), {"k"}
     backend.status_copied, backend.status_numpy = Event(), torch.zeros(8, dtype=torch.int32).numpy()
-    backend.slots, backend.message = CallSlots(RoutingMessage(8, 2), torch.device("cpu"), num_slots=8), Message()
+    backend.slots, backend.message = CallSlots(RoutingMessage(8, 2), torch.device("cpu"), num_slots=16), Message()
     backend.graphs, backend.resident_graph_names = Graphs(), {}
     backend.workspace = type("W", (), {"generation": 1, "flags": lambda self, parity: None})()
     backend.send_routing = backend.header_device = backend.io = backend.status = backend.ctrl = None
@@ -1052,12 +1052,15 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     names = [name for name, _ in backend.graphs.runs]
     assert names[0] != names[-1] and names[0].endswith(".decode") and names[-1].endswith(".full"), names
     # KernelConfig.pair_dispatch: calls of at most its tokens run the paired graph, longer decode calls the other
+    from weave_moe.backends.weave.kernels.pair_combine import PairCombine
+
     backend.pair_dispatches = [type("Pairs", (), {"max_call_tokens": 2})()]
+    backend.pair_combine = PairCombine(32, 2, 3, 2)   # one column block: a grid of T rounded up to a power of two
     backend.resident_graph_names.clear()
     backend.forward(x[:2], ids[:2], w[:2])
     backend.forward(x, ids, w)
     names = [name for name, _ in backend.graphs.runs]
-    assert built[-2:] == [("paired", False, 2), True] and names[-2].endswith(".paired") \
+    assert built[-2:] == [("paired", False, 2), True] and names[-2].endswith(".paired2.g2") \
         and names[-1].endswith(".decode"), names
     # KernelConfig.chain_pairs ("capture"): a paired call of one token under a caller's capture is chained, one of two
     # tokens and an eager one are not
@@ -1076,11 +1079,20 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
         backend.forward(x[:tokens], ids[:tokens], w[:tokens])
         assert built[-1] == ("paired", tokens == 1, most), built
     capturing[0] = False
+    # ... and eager calls of two classes with the same grouped configs (here: none) never share a graph: the decode
+    # class's pair dispatch covers its own calls' tokens only; within a class, calls of one power-of-two range of
+    # tokens share one (the combine's grid), those of another do not
+    backend.resident_graph_names.clear()
+    for tokens in (1, 2, 3, 2):
+        backend.forward(x[:tokens], ids[:tokens], w[:tokens])
+    names = [name for name, _ in backend.graphs.runs][-4:]
+    assert [name.rsplit(".", 2)[-2:] for name in names] == [["paired1", "g1"], ["paired3", "g2"], ["paired3", "g4"],
+                                                            ["paired3", "g2"]], names
     backend.pair_dispatches = [type("Pairs", (), {"max_call_tokens": 2})()]
     backend.graphs.fail = True
     with pytest.raises(RuntimeError, match="launch failed"):
         backend.forward(x, ids, w)
-    assert backend.slots.written == 7 and backend.broken and "enqueued" in backend.broken
+    assert backend.slots.written == 11 and backend.broken and "enqueued" in backend.broken
     with pytest.raises(WeaveError, match="failed earlier"):
         backend.forward(x, ids, w)
 

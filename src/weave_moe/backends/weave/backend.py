@@ -523,8 +523,13 @@ class WeaveBackend:
         chain = paired is not None and self._chained(x.shape[0], capturing)   # and, eager or captured, this
         if name is None:  # the name holds the configs' repr, ~5 us of host time to format: once per row count
             # ... and the kind of call: a decode call's graph (decode compiles, the early or pair dispatch of at most
-            # `decode_tokens` tokens) must not serve a longer call whose configs are the same
-            kind = "paired" if paired is not None else "decode" if decode else "full"
+            # `decode_tokens` tokens) must not serve a longer call whose configs are the same; nor a paired call's
+            # graph one of another size class (its pair dispatch covers that class's tokens only), of another
+            # chain, or of another combine grid (`PairCombine.grid`). Names serve eager calls only (a captured call
+            # is recorded into the caller's graph), whose chain is a function of T.
+            kind = ("decode" if decode else "full") if paired is None else (
+                f"paired{paired.max_call_tokens}{'.chain' if self._chained(x.shape[0], False) else ''}"
+                f".g{self.pair_combine.grid(x.shape[0])}")
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}.{kind}")
         if capturing:
@@ -567,7 +572,8 @@ class WeaveBackend:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
         `io`); `decode`: `_decode_call`; `paired`: `_pair_dispatch_for` (not None: `_resident_paired` with it,
-        with `chain`: `_chained`); `call_tokens`: the call's T (a graph is one per T: the paired combine's grid)."""
+        with `chain`: `_chained`); `call_tokens`: the call's T (the paired combine's grid, `PairCombine.grid`: the
+        same for every call of the graph, whose name holds it)."""
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)

@@ -92,10 +92,11 @@ class PairCombine:
         self.constants = dict(K=top_k, BLOCK_H=block_h)
 
     def grid(self, call_tokens: int) -> int:
-        """Programs for a call of `call_tokens` tokens: one per item (token, column block), at most
-        PROGRAMS_PER_SM per SM. The host knows the call's tokens (a captured call's graph is one per token count),
-        so a 1-token call launches one program per column block, not a grid sized for the layer's longest call."""
-        return max(1, min(self.max_programs, call_tokens * self.blocks))
+        """Programs for a call of `call_tokens` tokens: one per item (token, column block) of a call of
+        `call_tokens` rounded up to a power of two, at most PROGRAMS_PER_SM per SM. So a 1-token call launches one
+        program per column block, not a grid sized for the layer's longest call; the rounding lets the calls of one
+        power-of-two range share a graph (the backend's graph names hold the grid): at most twice their items."""
+        return max(1, min(self.max_programs, triton.next_power_of_2(max(call_tokens, 1)) * self.blocks))
 
     def _arguments(self, y, rows, all_weights, tokens, io, status, rank, report=None) -> tuple:
         H, K = self.hidden_size, self.top_k
@@ -125,7 +126,8 @@ class PairCombine:
         with programmatic dependent launch (the kernel's PDL); `report` (with `pdl`): (the call's status words, their
         pinned host copy), copied as `exchange.copy_status` would (the kernel's REPORT); `call_tokens`: the call's T
         as the host knows it (the grid, `grid`; None: the layer's longest call's). Any grid is correct: the items
-        are dealt round-robin over the programs and the kernel reads T from `tokens`."""
+        are dealt round-robin over the programs and the kernel reads T from `tokens` (a graph replays its grid for
+        every call of its name)."""
         programs = self.num_programs if call_tokens is None else self.grid(call_tokens)
         pair_combine_kernel[(programs,)](
             *self._arguments(y, rows, all_weights, tokens, io, status, rank, report), **self._variant(pdl, report),
