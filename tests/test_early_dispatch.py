@@ -169,9 +169,10 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
 
 
 def test_pair_dispatch_spreads_only_a_pipelined_walk_over_more_programs():
-    """KernelConfig.pair_programs (`spread`): the long class's pair dispatch (four pairs per step) on `spread` times
-    the SMs' programs, no more than the longest call's steps; the decode class (one pair per step) keeps one program
-    per SM, and its walk is not turned into the pipelined one by the spread."""
+    """KernelConfig.pair_programs (`spread`): a pair dispatch of four pairs per step into local rows (EP = 1) on
+    `spread` times the SMs' programs, no more than the longest call's steps; one of one pair per step keeps one
+    program per SM, and its walk is not turned into the pipelined one by the spread; nor does an EP > 1 dispatch (no
+    local rows: the plain walk) spread. The backend spreads the long size class only (test_weave_host.py)."""
     from weave_moe.backends.weave.kernels.early_dispatch import PIPE_PAIRS, PairDispatch
 
     long = PairDispatch(1, 128, 8, 2048, 2048, 512, 132, spread=4)   # Qwen3-30B-A3B at EP = 2, 4096 pairs
@@ -181,6 +182,7 @@ def test_pair_dispatch_spreads_only_a_pipelined_walk_over_more_programs():
     assert (shorter.pipe, shorter.num_programs) == (PIPE_PAIRS, 256)
     decode = PairDispatch(1, 128, 8, 2048, 2048, 64, 132, spread=4)
     assert (decode.pipe, decode.num_programs) == (1, 132)
+    assert PairDispatch(2, 128, 8, 2048, 4096, 512, 132, spread=4).num_programs == 132
     with pytest.raises(ValueError, match="spread"):
         PairDispatch(1, 128, 8, 2048, 2048, 512, 132, spread=0)
 

@@ -1459,9 +1459,12 @@ def test_paired_calls_fall_in_size_classes_each_compiled_for_its_own_calls(monke
     from weave_moe.backends.weave.backend import WeaveBackend, pair_size_classes
     from weave_moe.backends.weave.config import KernelConfig
 
-    assert pair_size_classes(64, 64) == [64] and pair_size_classes(32, 64) == [32]
-    assert pair_size_classes(512, 64) == [64, 512] and pair_size_classes(65, 64) == [64, 65]
-    assert pair_size_classes(8, 1) == [1, 8]
+    assert pair_size_classes(64, 64) == [(64, 1)] and pair_size_classes(32, 64) == [(32, 1)]
+    assert pair_size_classes(512, 64) == [(64, 1), (512, 1)] and pair_size_classes(65, 64) == [(64, 1), (65, 1)]
+    assert pair_size_classes(8, 1) == [(1, 1), (8, 1)]
+    # KernelConfig.pair_programs: the long class's pair dispatch only (a decode class may be pipelined too on a GPU
+    # of few SMs, and keeps its programs)
+    assert pair_size_classes(512, 64, 4) == [(64, 1), (512, 4)] and pair_size_classes(64, 64, 4) == [(64, 1)]
     backend, _ = _tables_host(monkeypatch)
     backend.config = KernelConfig.from_text("chain_pairs=on", "test")
     short, longer = SimpleNamespace(max_call_tokens=1), SimpleNamespace(max_call_tokens=8)

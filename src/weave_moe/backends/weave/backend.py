@@ -67,11 +67,13 @@ class WeaveTimeoutError(WeaveError):
 _ROW_STAGES = (0, STAGE_COMBINE_REDUCE.value, (STAGE_COMBINE_REDUCE.value, "grouped serial"))
 
 
-def pair_size_classes(pair_tokens: int, decode_tokens: int) -> list[int]:
-    """The longest call of each size class of a layer's paired calls (KernelConfig.pair_dispatch), shortest first:
-    the decode calls' (at most `decode_tokens` tokens), then the longer ones up to `pair_tokens` (the layer's
-    `min(KernelConfig.pair_tokens, T_max)`), one pair dispatch compiled for each."""
-    return sorted({min(pair_tokens, decode_tokens), pair_tokens})
+def pair_size_classes(pair_tokens: int, decode_tokens: int, pair_programs: int = 1) -> list[tuple[int, int]]:
+    """(longest call, programs per SM of its pair dispatch: `PairDispatch(spread=)`) of each size class of a layer's
+    paired calls (KernelConfig.pair_dispatch), shortest first: the decode calls' (at most `decode_tokens` tokens;
+    one program per SM at most), then the longer ones up to `pair_tokens` (the layer's
+    `min(KernelConfig.pair_tokens, T_max)`; KernelConfig.pair_programs), one pair dispatch compiled for each."""
+    return [(most, pair_programs if most > decode_tokens else 1)
+            for most in sorted({min(pair_tokens, decode_tokens), pair_tokens})]
 
 
 def _tile_keys(configs) -> list:
@@ -339,8 +341,8 @@ class WeaveBackend:
         pair_tokens = min(cfg.pair_tokens, self.max_tokens) if self.resident else 0   # rows to y: every pair
         self.pair_dispatches: list[PairDispatch] = (
             [PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, most, self.num_sms,
-                          spread=cfg.pair_programs)
-             for most in pair_size_classes(pair_tokens, cfg.decode_tokens)]
+                          spread=spread)
+             for most, spread in pair_size_classes(pair_tokens, cfg.decode_tokens, cfg.pair_programs)]
             if (cfg.pair_dispatch and world_size == 1 and self.grouped
                 and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0) else [])
         if self.pair_dispatches:

@@ -237,7 +237,8 @@ class KernelConfig:
         pair_programs: programs per SM of the long paired calls' pair dispatch (the class above `decode_tokens`,
             which walks four pairs per step): 1 gives a 512-token call's program ~31 pairs, eight steps of one load
             round trip each (12.2 us on an H200 at d7d48b9 for 16 MB of rows); more programs share the pairs (each
-            counts the ids tile once). The decode calls' pair dispatch keeps one program per SM. Not measured above 1.
+            counts the ids tile once). The decode class's pair dispatch keeps its programs (one per SM at most). Not
+            measured above 1.
         chain_pairs: a paired call (`pair_dispatch`) starts its GEMM0's weight loads while its rows are sent: the
             counts launch also writes the grouped GEMMs' tile tables of this rank's experts (no tile-table launch
             beside the pair dispatch, no fork), the pair dispatch is launched programmatically after it, and a

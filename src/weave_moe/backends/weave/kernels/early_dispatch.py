@@ -495,8 +495,9 @@ class PairDispatch:
     def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
                  max_call_tokens: int, num_programs: int, spread: int = 1):
         """`num_programs`: the SMs (at most one program per SM; fewer where the call has fewer pairs); `spread`
-        (KernelConfig.pair_programs): where the walk takes PIPE_PAIRS pairs per step, `spread` times the programs
-        (no more than the longest call's steps of pairs)."""
+        (KernelConfig.pair_programs; the backend gives it to the long size class only): where the walk takes
+        PIPE_PAIRS pairs per step into local rows (EP = 1), `spread` times the programs (no more than the longest
+        call's steps of pairs)."""
         local = num_experts // world_size
         if top_k > local:
             raise ValueError(f"top_k = {top_k} > {local} local experts: the task tables drop pairs there")
@@ -516,7 +517,7 @@ class PairDispatch:
         self.pipe = PIPE_PAIRS if max_call_tokens * top_k >= PIPE_PAIRS * self.num_programs else 1
         if spread < 1:
             raise ValueError(f"spread must be >= 1, got {spread}")
-        if self.pipe > 1:
+        if self.pipe > 1 and world_size == 1:   # the pipelined walk is EP = 1's (local rows)
             self.num_programs = min(self.num_programs * spread, triton.cdiv(max_call_tokens * top_k, self.pipe))
         self.constants = dict(L=local, K=top_k, KP=KP, MC=MAX_CHUNKS, BLOCK_T=BLOCK_T,
                               BLOCK_E=triton.next_power_of_2(num_experts),
