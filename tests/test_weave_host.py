@@ -1013,9 +1013,9 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     backend.decode_tokens = 3   # calls of <= 3 tokens are decode calls (KernelConfig.decode_stages)
     backend.pair_dispatches = []
     backend.config = KernelConfig()   # chain_pairs="capture": paired calls of 1 token under a caller's capture
-    call_tokens = []   # the T each call's graph is built for (the paired combine's grid)
-    backend._resident_call = lambda configs, from_slot, decode, paired, chain, tokens: (
-        call_tokens.append(tokens),
+    tokens_seen = []   # the T each call's graph is built for (the paired combine's grid)
+    backend._resident_call = lambda configs, from_slot, decode, paired, chain, call_tokens: (
+        tokens_seen.append(call_tokens),
         built.append(("paired", chain, paired.max_call_tokens) if paired is not None
                      else from_slot if decode else "not decode"))
     capturing = [False]
@@ -1025,7 +1025,7 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
     out = torch.empty(3, 32, dtype=torch.bfloat16)
     assert backend.forward(x, ids, w, out=out) is out
     assert backend.slots.written == 1 and built == [True] and backend.message.packs == 0 and events == ["record"]
-    assert call_tokens == [3]
+    assert tokens_seen == [3]
     assert backend.slots.slots_numpy[0].tolist() == [x.data_ptr(), out.data_ptr(), ids.data_ptr(), w.data_ptr(),
                                                      3, 0, 0, 6]
     # x and out that start off the kernel's 16-byte alignment (peers.ROW_ALIGNMENT): the slot gets a copy of x

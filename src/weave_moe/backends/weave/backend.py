@@ -540,8 +540,8 @@ class WeaveBackend:
             # flags (this rank's parity-0 flags, before its message leaves: workspace.py)
             self.message.pack_call(self.send_routing, topk_ids, topk_weights, self.header_device, self.io, x, out,
                                    code, self.status, self.ctrl, self.workspace.flags(0), self.spec.num_experts)
-            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired, chain, x.shape[0]),
-                            in_capture=True)
+            self.graphs.run(name, lambda: self._resident_call(configs, False, decode, paired, chain,
+                                                              call_tokens=x.shape[0]), in_capture=True)
         elif self.debug_skip_launch:
             return out  # test hook (a stalled peer): this rank never reaches the call's exchange
         else:  # the same pack, first in the call's graph, from this call's slot (CallSlots)
@@ -550,8 +550,8 @@ class WeaveBackend:
                                                               timeout_s=self.timeout_s + coordinator.timeout_s))
             clock.lap("pack")
             try:
-                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired, chain, x.shape[0]),
-                                in_capture=False)
+                self.graphs.run(name, lambda: self._resident_call(configs, True, decode, paired, chain,
+                                                                  call_tokens=x.shape[0]), in_capture=False)
             except BaseException as error:
                 # the slot may or may not have been read: the ring and the device cursor could have parted
                 self.broken = f"a call failed while it was enqueued: {type(error).__name__}: {error}"
@@ -570,7 +570,7 @@ class WeaveBackend:
         return out
 
     def _resident_call(self, grouped_configs, from_slot: bool, decode: bool, paired: PairDispatch | None = None,
-                       chain: bool = False, call_tokens: int | None = None) -> None:
+                       chain: bool = False, *, call_tokens: int) -> None:
         """The resident call's device work: the pack from this call's slot (`from_slot`; else the caller launched
         `pack_call` before), the exchange and the tables, then the kernel (dummy x / out: it reads this call's from
         `io`); `decode`: `_decode_call`; `paired`: `_pair_dispatch_for` (not None: `_resident_paired` with it,
@@ -593,7 +593,7 @@ class WeaveBackend:
         # (_raise_deferred); in a caller's capture too (harmless: nothing reads it without that event)
         copy_status(self.status, self.status_host)
 
-    def _resident_paired(self, configs, dispatch: PairDispatch, chain: bool, call_tokens: int | None = None) -> None:
+    def _resident_paired(self, configs, dispatch: PairDispatch, chain: bool, call_tokens: int) -> None:
         """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
         GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each

@@ -88,7 +88,7 @@ class PairCombine:
         block_h = min(512, triton.next_power_of_2(hidden_size))
         self.blocks = triton.cdiv(hidden_size, block_h)
         self.max_programs = num_sms * PROGRAMS_PER_SM
-        self.num_programs = self.grid(max_call_tokens)   # the longest call's
+        self.num_programs = self.grid(max_call_tokens)   # the longest call's (the warm-up's compile)
         self.constants = dict(K=top_k, BLOCK_H=block_h)
 
     def grid(self, call_tokens: int) -> int:
@@ -121,15 +121,14 @@ class PairCombine:
 
     def launch(self, y: torch.Tensor, rows: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
                io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False,
-               report: tuple | None = None, call_tokens: int | None = None) -> None:
+               report: tuple | None = None, *, call_tokens: int) -> None:
         """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`); `pdl`: launched
         with programmatic dependent launch (the kernel's PDL); `report` (with `pdl`): (the call's status words, their
         pinned host copy), copied as `exchange.copy_status` would (the kernel's REPORT); `call_tokens`: the call's T
-        as the host knows it (the grid, `grid`; None: the layer's longest call's). Any grid is correct: the items
+        as the host knows it (the grid, `grid`). Any grid is correct: the items
         are dealt round-robin over the programs and the kernel reads T from `tokens` (a graph replays its grid for
         every call of its name)."""
-        programs = self.num_programs if call_tokens is None else self.grid(call_tokens)
-        pair_combine_kernel[(programs,)](
+        pair_combine_kernel[(self.grid(call_tokens),)](
             *self._arguments(y, rows, all_weights, tokens, io, status, rank, report), **self._variant(pdl, report),
             num_warps=NUM_WARPS)
 
