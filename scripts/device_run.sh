@@ -154,7 +154,7 @@ for stage in "$@"; do
     # perf-notes 61's list, item 1: the Qwen shapes' GEMMs at 128 / 512 tokens (over the library's alone there on an
     # H100) tuned into this GPU's own table, then decode as served at those sizes
     decode-tune) key=$(python3 -c "import torch; from weave_moe.backends.weave.kernels import gemm_configs as gc; print(gc.device_key(torch.cuda.get_device_name()))")
-        TUNE_TIMEOUT=${DT_TIMEOUT:-400} TUNE_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b TUNE_TOKENS=128,512 TUNE_OUT="src/weave_moe/backends/weave/kernels/tuned/$key.json" TUNE_ARGS="--block-m 16,64 --block-n 128,256 --block-k 64,128 --warps 4 --stages 3,4 --ws auto,t16w128k128s5,t32w128k128s4,t64w128k128s4,t64w128k64s8 --routing uniform --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
+        TUNE_TIMEOUT=${DT_TIMEOUT:-400} TUNE_MODELS=${DT_MODELS:-qwen3-30b-a3b,qwen3.5-35b-a3b} TUNE_TOKENS=${DT_TOKENS:-128,512} TUNE_OUT="src/weave_moe/backends/weave/kernels/tuned/$key.json" TUNE_ARGS="--block-m 16,64 --block-n 128,256 --block-k 64,128 --warps 4 --stages 3,4 --ws auto,t16w128k128s5,t32w128k128s4,t64w128k128s4,t64w128k64s8 --routing uniform --confirm 3 --git-commit ${WEAVE_MOE_GIT_COMMIT:-unknown}" "$0" tune;;
     # perf-notes 62: the paired call (pair dispatch, no task tables, pair combine) for calls of 65-512 tokens, replayed
     # from a caller's graph as served, against the call with task tables
     # perf-notes 64's list: the long paired class's pair dispatch on more programs per SM; the decode record (1-512
