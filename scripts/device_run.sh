@@ -159,7 +159,7 @@ for stage in "$@"; do
     # from a caller's graph as served, against the call with task tables
     # perf-notes 64's list: the long paired class's pair dispatch on more programs per SM; the decode record (1-512
     # tokens, the paired call's default pair_tokens against 64); the launches without GEMM copying in wider steps
-    pp-ab) PT_TIMEOUT=${PP_TIMEOUT:-280} PT_MODELS=qwen3-30b-a3b,deepseek-v2-lite PT_TOKENS=128,256,512 PT_NAME=pp-ab PT_VARIANTS=nccl,weave:serial,weave:serial@pair_programs=2,weave:serial@pair_programs=4 "$0" pair-tokens;;
+    pp-ab) PT_TIMEOUT=${PP_TIMEOUT:-280} PT_MODELS=${PP_MODELS:-qwen3-30b-a3b,deepseek-v2-lite} PT_TOKENS=${PP_TOKENS:-128,256,512} PT_NAME=pp-ab PT_VARIANTS=nccl,weave:serial,weave:serial@pair_programs=2,weave:serial@pair_programs=4 "$0" pair-tokens;;
     decode-record) PT_TIMEOUT=${DR_TIMEOUT:-280} PT_MODELS=qwen3-30b-a3b,qwen3.5-35b-a3b,deepseek-v3 PT_TOKENS=1,8,32,128,512 PT_NAME=decode-record PT_VARIANTS=nccl,weave:serial,weave:serial@pair_tokens=64 "$0" pair-tokens;;
     # decode calls in a layer sized as servers size one (T_max 8192: the pack and the counts walk T_max x k ids each
     # call) against the bench's layers of T_max = the call's tokens
