@@ -576,10 +576,10 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     """`_resident_paired` (KernelConfig.pair_dispatch, EP = 1): the counts; the tile tables from the counts vector's
     pairs of the local experts, forked beside the pair dispatch (on every expert's pairs, with the layer's offsets
     and rows table); the join; the grouped GEMMs on those tables; the pair combine of y by the rows with the
-    message's weights; the status word's copy to the host last. No task tables, no megakernel launch on the call's
-    stream. `chain` (KernelConfig.chain_pairs): the layer's tile tables written by the counts launch itself (no
-    tile-table launch, no fork, no join), the pair dispatch launched programmatically, GEMM0 preloading, the pair
-    combine launched programmatically and copying the status word itself (no last kernel)."""
+    message's weights, which also copies the status words to the host (no `copy_status` kernel after it). No task
+    tables, no megakernel launch on the call's stream. `chain` (KernelConfig.chain_pairs): the layer's tile tables
+    written by the counts launch itself (no tile-table launch, no fork, no join), the pair dispatch launched
+    programmatically, GEMM0 preloading, the pair combine launched programmatically."""
     from weave_moe.backends.weave import backend as backend_module
     from weave_moe.backends.weave.exchange import CountsFormat
 
@@ -620,8 +620,8 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
             assert call_tokens == 5   # the grid of the call's tokens (PairCombine.grid)
             assert y.data_ptr() == backend.workspace.y().data_ptr() and class_rows(rows)
             assert all_weights.dtype == torch.float32 and tuple(all_weights.shape) == (1, 8, 2) and io is backend.io
-            assert report == ((backend.status, backend.status_host) if chain else None)
-            launched.append("pair combine" + (" (programmatic, status copied)" if pdl else ""))
+            assert report == (backend.status, backend.status_host)   # the call's last kernel copies them
+            launched.append("pair combine" + (" (programmatic)" if pdl else "") + ", status copied")
 
     backend.pair_combine = Combine()
     monkeypatch.setattr(backend_module, "build_layout_triton", lambda *args, **options: launched.append("tables"))
@@ -645,11 +645,10 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     backend._resident_paired("configs", Pairs(), chain=chain, call_tokens=5)
     if chain:
         assert launched == ["counts and tile tables", "pair dispatch (programmatic)",
-                            ("gemms", "configs", held, True), "pair combine (programmatic, status copied)"], launched
+                            ("gemms", "configs", held, True), "pair combine (programmatic), status copied"], launched
     else:
         assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
-                            ("gemms", "configs", "tile tables", False), "pair combine",
-                            ("status copy", "their host copy")], launched
+                            ("gemms", "configs", "tile tables", False), "pair combine, status copied"], launched
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -759,7 +758,7 @@ def test_first_call_compiles_every_grouped_config_with_its_own_tile_table(monkey
 
         class Combine:
             def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl, report):
-                assert (report is not None) is pdl
+                assert report == (backend.status, backend.status_host)   # compiled as launched, either chain
                 assert y.data_ptr() == backend.workspace.y().data_ptr()
                 assert rows.data_ptr() == backend.pair_rows.data_ptr()
                 warmed.append(f"pair combine <= {rows.shape[0]}" + (" chained" if pdl else ""))

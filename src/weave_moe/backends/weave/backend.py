@@ -579,7 +579,7 @@ class WeaveBackend:
         if from_slot:
             self.slots.launch(self.send_routing, self.header_device, self.io, self.status, self.ctrl,
                               self.workspace.flags(0), self.spec.num_experts)
-        if paired is not None:   # it copies the status word itself
+        if paired is not None:   # its combine copies the status words itself
             self._resident_paired(grouped_configs, paired, chain=chain, call_tokens=call_tokens)
             return
         early = []   # a fixed serial plan's grouped-GEMM tile tables, built beside the emit (_resident_tables)
@@ -606,10 +606,11 @@ class WeaveBackend:
         written by the counts launch instead (no prologue launch, no fork), the pair dispatch is launched
         programmatically after it, and a decode-form GEMM0 programmatically after the pair dispatch, loading its
         first weight blocks while the rows are sent (`_preloads`): the chain to GEMM0's weights is pack -> counts ->
-        pair dispatch's start (docs/perf-notes.md entry 53); the pair combine, launched programmatically, also copies
-        the status word to the host, so the call has no last kernel for it.
-        Otherwise the call ends with that copy (`copy_status`), as the resident call does. `dispatch`: the pair
-        dispatch of the call's size class (`_pair_dispatch_for`); `call_tokens`: the call's T, the combine's grid."""
+        pair dispatch's start (docs/perf-notes.md entry 53); the pair combine is launched programmatically.
+        Either way the pair combine, the call's last kernel, also copies the status words to the host (what
+        `copy_status`, the last kernel of a call with task tables, does), so the call has no last kernel for it.
+        `dispatch`: the pair dispatch of the call's size class (`_pair_dispatch_for`); `call_tokens`: the call's T,
+        the combine's grid."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         rows = self.pair_rows[:dispatch.rows_shape[0]]
         keys, filled = _tile_keys(configs), None
@@ -625,14 +626,8 @@ class WeaveBackend:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables, preload=self._preloads(configs, chain))
         self.pair_combine.launch(self.workspace.y(), rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, pdl=chain, report=self._pair_report(chain), call_tokens=call_tokens)
-        if self._pair_report(chain) is None:
-            copy_status(self.status, self.status_host)
-
-    def _pair_report(self, chain: bool) -> tuple | None:
-        """What a paired call's combine copies to the host, if it does (`chain`: KernelConfig.chain_pairs): the
-        status words and their pinned host copy; None: `copy_status` does after it."""
-        return (self.status, self.status_host) if chain else None
+                                 self.rank, pdl=chain, report=(self.status, self.status_host),
+                                 call_tokens=call_tokens)
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -1260,7 +1255,8 @@ class WeaveBackend:
                                 self.live_status, self.rank, self.timeout_ns, None, rows, self.workspace.y(),
                                 pdl=chain)
                 self.pair_combine.warmup(self.workspace.y(), rows, all_weights, tokens, self.io,
-                                         self.live_status, self.rank, pdl=chain, report=self._pair_report(chain))
+                                         self.live_status, self.rank, pdl=chain,
+                                         report=(self.status, self.status_host))
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

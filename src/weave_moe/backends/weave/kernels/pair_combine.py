@@ -44,10 +44,11 @@ def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr
     """out[t, cols] for the items (t, column block) dealt to this program; y: [pairs, H] bf16; rows: int32 [*, K]
     (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`.
     PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for GEMM1 first
-    (`sync.pdl_enter`). REPORT > 0 (with PDL): program 0 also copies the call's REPORT status words (`report_ptr`)
-    to the host's pinned copy (`host_ptr`), `exchange.copy_status`'s work, so that the call needs no last kernel for
-    it: every kernel of a paired call that writes them has ended once the wait returns (the counts' verdict, a
-    stream-K GEMM's bounded wait; the pair dispatch at EP = 1 waits for nothing), and this kernel writes none."""
+    (`sync.pdl_enter`). REPORT > 0: program 0 also copies the call's REPORT status words (`report_ptr`) to the
+    host's pinned copy (`host_ptr`), `exchange.copy_status`'s work, so that the call needs no last kernel for it:
+    every kernel of a paired call that writes them has ended before this one's first load (launched without PDL it
+    starts after them; with PDL it waits for them first): the counts' verdict, a stream-K GEMM's bounded wait (the
+    pair dispatch at EP = 1 waits for nothing), and this kernel writes none."""
     if PDL:
         sync.pdl_enter()
     pid = tl.program_id(0)
@@ -123,8 +124,9 @@ class PairCombine:
                io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False,
                report: tuple | None = None, *, call_tokens: int) -> None:
         """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`); `pdl`: launched
-        with programmatic dependent launch (the kernel's PDL); `report` (with `pdl`): (the call's status words, their
-        pinned host copy), copied as `exchange.copy_status` would (the kernel's REPORT); `call_tokens`: the call's T
+        with programmatic dependent launch (the kernel's PDL); `report`: (the call's status words, their pinned host
+        copy), copied as `exchange.copy_status` would (the kernel's REPORT; the caller launches nothing after it that
+        writes them); `call_tokens`: the call's T
         as the host knows it (the grid, `grid`). Any grid is correct: the items
         are dealt round-robin over the programs and the kernel reads T from `tokens` (a graph replays its grid for
         every call of its name)."""
@@ -139,8 +141,6 @@ class PairCombine:
 
     def _variant(self, pdl: bool, report: tuple | None = None) -> dict:
         """The launch's constants and launch option (the default compile keeps its key)."""
-        if report is not None and not pdl:
-            raise ValueError("report: only a launch that waits for the GEMMs first (pdl) may copy the status words")
         variant = dict(self.constants, **sync.optional_pdl(pdl))
         if report is not None:
             variant["REPORT"] = report[0].numel()
