@@ -245,8 +245,8 @@ class KernelConfig:
             GEMM0 of the warp-specialised decode form programmatically after the pair dispatch, its producer loading
             its first weight blocks before it waits for the rows (kernels/ws_decode.py, PRELOAD; what `ws_chain` does
             for GEMM1); the pair combine is launched programmatically after GEMM1 (it copies the status words to
-            the host in either chain: no `copy_status` kernel at a paired call's end). On an H100 at 1 token (Qwen3-30B-A3B, dfac10b's
-            timeline) GEMM0 began at 13.2 us, after the tile-table launch (ending 12.7) and the pair dispatch (12.2);
+            the host in either chain: no `copy_status` kernel at a paired call's end). On an H100 at 1 token
+            (Qwen3-30B-A3B, dfac10b's timeline) GEMM0 began at 13.2 us, after the tile-table launch (ending 12.7) and the pair dispatch (12.2);
             its weights stream at the HBM rate from then on. Only calls of at most CHAIN_PAIRS_MAX_TOKENS tokens
             (1) take it. "capture" (default): those made under a caller's CUDA-graph capture (serving engines'
             decode; the host's time per call is then not in the call), eager calls keeping the plain chain (both

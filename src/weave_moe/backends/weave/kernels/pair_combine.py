@@ -40,11 +40,11 @@ PROGRAMS_PER_SM = 8
 @triton.jit(do_not_specialize=["rank"])
 def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr, tokens_stride, io_ptr, status_ptr,
                         report_ptr, host_ptr, rank, H, K: tl.constexpr, BLOCK_H: tl.constexpr,
-                        PDL: tl.constexpr = False, REPORT: tl.constexpr = 0):
+                        REPORT: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, cols] for the items (t, column block) dealt to this program; y: [pairs, H] bf16; rows: int32 [*, K]
     (`pair_dispatch_kernel`'s); weights: fp32, this rank's [T_max, K] at `weights_ptr + rank * weights_stride`.
     PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for GEMM1 first
-    (`sync.pdl_enter`). REPORT > 0: program 0 also copies the call's REPORT status words (`report_ptr`) to the
+    (`sync.pdl_enter`). REPORT: program 0 also copies the call's REPORT status words (`report_ptr`) to the
     host's pinned copy (`host_ptr`), `exchange.copy_status`'s work, so that the call needs no last kernel for it:
     every kernel of a paired call that writes them has ended before this one's first load (launched without PDL it
     starts after them; with PDL it waits for them first): the counts' verdict, a stream-K GEMM's bounded wait (the
@@ -52,10 +52,9 @@ def pair_combine_kernel(y_ptr, rows_ptr, weights_ptr, weights_stride, tokens_ptr
     if PDL:
         sync.pdl_enter()
     pid = tl.program_id(0)
-    if REPORT > 0:
-        if pid == 0:
-            words = tl.arange(0, REPORT)
-            tl.store(host_ptr + words, tl.load(report_ptr + words))
+    if pid == 0:
+        words = tl.arange(0, REPORT)
+        tl.store(host_ptr + words, tl.load(report_ptr + words))
     grid = tl.num_programs(0)
     n_tok = tl.load(tokens_ptr + rank * tokens_stride)
     blocks = tl.cdiv(H, BLOCK_H)
@@ -99,7 +98,7 @@ class PairCombine:
         power-of-two range share a graph (the backend's graph names hold the grid): at most twice their items."""
         return max(1, min(self.max_programs, triton.next_power_of_2(max(call_tokens, 1)) * self.blocks))
 
-    def _arguments(self, y, rows, all_weights, tokens, io, status, rank, report=None) -> tuple:
+    def _arguments(self, y, rows, all_weights, tokens, io, status, rank, report) -> tuple:
         H, K = self.hidden_size, self.top_k
         if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != H or not y.is_contiguous():
             raise ValueError(f"y must be contiguous bf16 [pairs, {H}], got {y.dtype} {tuple(y.shape)}")
@@ -109,42 +108,35 @@ class PairCombine:
                 or all_weights.stride(2) != 1 or all_weights.stride(1) != K:
             raise ValueError(f"all_weights must be fp32 [EP, T_max, {K}] with contiguous rows, got "
                              f"{all_weights.dtype} {tuple(all_weights.shape)}")
-        if report is not None:
-            words, host = report
-            if words.dtype != torch.int32 or host.dtype != torch.int32 or words.shape != host.shape \
-                    or words.dim() != 1 or words.numel() & (words.numel() - 1):
-                raise ValueError(f"report: two int32 [n] tensors, n a power of two (the status words and their host "
-                                 f"copy), got {words.dtype} {tuple(words.shape)} and {host.dtype} {tuple(host.shape)}")
-        else:
-            words = host = status
+        words, host = report
+        if words.dtype != torch.int32 or host.dtype != torch.int32 or words.shape != host.shape \
+                or words.dim() != 1 or words.numel() & (words.numel() - 1):
+            raise ValueError(f"report: two int32 [n] tensors, n a power of two (the status words and their host "
+                             f"copy), got {words.dtype} {tuple(words.shape)} and {host.dtype} {tuple(host.shape)}")
         return (y, rows, all_weights, all_weights.stride(0), tokens, tokens.stride(0), io, status, words, host, rank,
                 H)
 
     def launch(self, y: torch.Tensor, rows: torch.Tensor, all_weights: torch.Tensor, tokens: torch.Tensor,
-               io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False,
-               report: tuple | None = None, *, call_tokens: int) -> None:
+               io: torch.Tensor, status: torch.Tensor, rank: int, pdl: bool = False, *, report: tuple,
+               call_tokens: int) -> None:
         """Enqueue out = the call's combine (out at `io[1]`, this rank's T tokens from `tokens`); `pdl`: launched
         with programmatic dependent launch (the kernel's PDL); `report`: (the call's status words, their pinned host
-        copy), copied as `exchange.copy_status` would (the kernel's REPORT; the caller launches nothing after it that
-        writes them); `call_tokens`: the call's T
-        as the host knows it (the grid, `grid`). Any grid is correct: the items
-        are dealt round-robin over the programs and the kernel reads T from `tokens` (a graph replays its grid for
-        every call of its name)."""
+        copy), copied as `exchange.copy_status` would (the kernel's REPORT: the call's last kernel, after which the
+        caller launches nothing that writes them); `call_tokens`: the call's T as the host knows it (the grid,
+        `grid`). Any grid is correct: the items are dealt round-robin over the programs and the kernel reads T from
+        `tokens` (a graph replays its grid for every call of its name)."""
         pair_combine_kernel[(self.grid(call_tokens),)](
             *self._arguments(y, rows, all_weights, tokens, io, status, rank, report), **self._variant(pdl, report),
             num_warps=NUM_WARPS)
 
-    def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl: bool = False, report=None) -> None:
+    def warmup(self, y, rows, all_weights, tokens, io, status, rank, pdl: bool = False, *, report: tuple) -> None:
         """Compile for these arguments' specialisation without launching."""
         pair_combine_kernel.warmup(*self._arguments(y, rows, all_weights, tokens, io, status, rank, report),
                                    **self._variant(pdl, report), grid=(self.num_programs,), num_warps=NUM_WARPS)
 
-    def _variant(self, pdl: bool, report: tuple | None = None) -> dict:
-        """The launch's constants and launch option (the default compile keeps its key)."""
-        variant = dict(self.constants, **sync.optional_pdl(pdl))
-        if report is not None:
-            variant["REPORT"] = report[0].numel()
-        return variant
+    def _variant(self, pdl: bool, report: tuple) -> dict:
+        """The launch's constants and launch option."""
+        return dict(self.constants, REPORT=report[0].numel(), **sync.optional_pdl(pdl))
 
 
 # ---- at EP > 1 (docs/perf-notes.md entry 41; a building block, not used by the backend yet) -------------------------
