@@ -21,7 +21,8 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
     i32 = dict(dtype=torch.int32)
     flags = torch.zeros(64, **i32)
     workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), recv_offset=1 << 20,
-                                      flags_offsets=(0, 256), flags=lambda parity: flags)
+                                      flags_offsets=(0, 256), flags=lambda parity: flags,
+                                      recv_rows=world_size * max_tokens)
     ids, tokens = torch.zeros(world_size, max_tokens, top_k, **i32), torch.zeros(world_size, **i32)
     chunks, status = torch.zeros(world_size, 4, **i32)[:, 1], torch.zeros(4, **i32)
     io = torch.zeros(2, dtype=torch.int64)
@@ -146,8 +147,12 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
 
     with pytest.raises(ValueError, match="local experts"):
         PairDispatch(2, 8, 6, 32, 64, 4, 4)
-    with pytest.raises(ValueError, match="max_call_tokens"):
+    # at EP > 1 every source's pairs of its longest call must fit each destination's receive region
+    with pytest.raises(ValueError, match="2 ranks .64 rows. do not fit the receive region .32 rows"):
         PairDispatch(2, 16, 4, 32, 16, 8, 4)
+    assert PairDispatch(2, 16, 4, 32, 16, 8, 4, recv_rows=64).recv_rows == 64   # a region sized for pairs
+    with pytest.raises(ValueError, match="do not fit the receive region .63 rows"):
+        PairDispatch(2, 16, 4, 32, 16, 8, 4, recv_rows=63)
     with pytest.raises(ValueError, match="multiple of 8"):
         PairDispatch(2, 16, 4, 36, 64, 4, 4)
     with pytest.raises(ValueError, match="max_tokens = 16"):
@@ -350,16 +355,17 @@ def _pair_combine_worker(rank: int, world_size: int) -> str:
     return "checked"
 
 
-@pytest.mark.parametrize("world_size, num_experts, top_k, hidden", [(2, 128, 8, 2048), (2, 256, 8, 7168),
-                                                                    (8, 64, 6, 4096)])
-def test_peer_pair_combine_compiles_for_sm90(world_size, num_experts, top_k, hidden):
+@pytest.mark.parametrize("world_size, num_experts, top_k, hidden, call_tokens",
+                         [(2, 128, 8, 2048, 64), (2, 256, 8, 7168, 64), (8, 64, 6, 4096, 64), (2, 128, 8, 2048, 512),
+                          (2, 256, 8, 7168, 512)])
+def test_peer_pair_combine_compiles_for_sm90(world_size, num_experts, top_k, hidden, call_tokens):
     """The paired call's combine at EP > 1 (`PeerPairCombine`, docs/perf-notes.md entry 41) as launched: no local
     memory in either launch; rows in 16-byte vectors (y read, the peers' combine rows written; the combine rows read,
-    out written); each row released at system scope, the owed rows acquired at system scope."""
-    from weave_moe.backends.weave.config import DECODE_TOKENS
+    out written); each row released at system scope, the owed rows acquired at system scope. For decode calls and
+    for a layer of KernelConfig.pair_peers' largest calls (512 tokens: the ids tile of 4096 slots per source)."""
     from weave_moe.backends.weave.kernels import pair_combine, sm90
 
-    combine = pair_combine.PeerPairCombine(world_size, num_experts, top_k, hidden, 2048, DECODE_TOKENS, 132)
+    combine = pair_combine.PeerPairCombine(world_size, num_experts, top_k, hidden, 2048, call_tokens, 132)
     i32 = dict(dtype=torch.int32)
     rows = world_size * 2048
     workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), comb_offsets=(0, 0),

@@ -926,9 +926,10 @@ class _PairRig:
     as the resident call makes them, then `PairDispatch` into the peers' receive regions. `call` makes one call:
     the call's inputs (`_call_inputs`, a token naming one expert twice in call 1 on rank 0, a bad id on rank 0 when
     `bad_id`), the receive region poisoned, the pack, the exchange, the counts, the dispatch into poisoned offsets
-    (-7) and rows (-9) tables."""
+    (-7) and rows (-9) tables. The layer is one the backend pairs at EP > 1 (KernelConfig.pair_peers): its calls
+    of up to T_max tokens, its receive region sized for EP * T_max * k pairs (`attach(recv_rows=)`)."""
 
-    H, MAX_TOKENS, MAX_CALL_TOKENS = 40, 16, 4
+    H, MAX_TOKENS, MAX_CALL_TOKENS = 40, 4, 4
 
     def __init__(self, rank: int, world_size: int, E: int, k: int):
         import torch
@@ -946,7 +947,7 @@ class _PairRig:
         self.fmt = CountsFormat(world_size, E, sync.STATUS_WORDS)
         self.counts = DeviceCounts(self.fmt, self.message, torch.device("cpu"))
         self.ws = SymmetricWorkspace(dist.group.WORLD, rank, world_size, torch.device("cpu")).attach(
-            self.MAX_TOKENS, self.H, routing_words=self.message.words)
+            self.MAX_TOKENS, self.H, routing_words=self.message.words, recv_rows=world_size * self.MAX_TOKENS * k)
         self.send = torch.empty(self.message.words, dtype=torch.int32)
         self.all_routing = torch.zeros(world_size, self.message.words, dtype=torch.int32)
         self.status = torch.zeros(2 * sync.STATUS_WORDS, dtype=torch.int32)
@@ -955,7 +956,7 @@ class _PairRig:
         self.io = torch.zeros(2, dtype=torch.int64)
         self.ctrl = torch.zeros(64, dtype=torch.int32)
         self.dispatch = PairDispatch(world_size, E, k, self.H, self.MAX_TOKENS, self.MAX_CALL_TOKENS,
-                                     num_programs=5)
+                                     num_programs=5, recv_rows=self.ws.recv_rows)
 
     def call(self, call: int, T: int, out, bad_id: bool):
         """One call of T tokens on this rank with `out` as its output; returns a namespace of its ids, weights and x,
@@ -1108,7 +1109,7 @@ def _peer_pair_combine_worker(rank: int, world_size: int, calls: list, E: int, k
         ws.comb(0).fill_(float("nan"))
         got = rig.call(call, T, out, bad_id=refused)
         recv = ws.recv()
-        y = torch.full((world_size * max_tokens, H), float("nan")).bfloat16()
+        y = torch.full((ws.recv_rows, H), float("nan")).bfloat16()
         for e in range(local):
             lo, hi = int(got.offsets[e]), int(got.offsets[e + 1])
             y[lo:hi] = (recv[lo:hi].float() * (rank * local + e + 1) / 8).bfloat16()

@@ -381,7 +381,7 @@ def _host_backend(monkeypatch, fixed_plan, *, grouped=False, fused_serial=False,
                                                                                else "")
                         + ("" if gather_ahead else ", its gather waiting first"))
     backend.early_dispatch = backend.tables_dispatch = None
-    backend.pair_dispatches = []
+    backend.pair_dispatches, backend.pair_combine, backend.peer_pair_combine = [], None, None
 
     class Stream:
         def wait_event(self, event):
@@ -649,6 +649,102 @@ def test_resident_paired_runs_no_task_tables_and_combines_by_the_pair_rows(monke
     else:
         assert launched == ["counts", ("tile tables", "beside"), "pair dispatch", ("join", "filled"),
                             ("gemms", "configs", "tile tables", False), "pair combine, status copied"], launched
+
+
+def test_paired_calls_at_ep2_only_in_a_layer_sized_for_them():
+    """`paired_call_tokens`: at EP = 1 a resident grouped layer pairs its calls of at most pair_tokens tokens; at
+    EP > 1 (KernelConfig.pair_peers) all calls of a layer whose T_max is at most pair_tokens, none of a longer
+    layer's (the ranks' T differ, their layers' T_max do not), none without pair_peers; no layer that is not
+    resident and grouped, or has top_k > E_local, or H not a multiple of 8."""
+    from weave_moe.backends.weave.backend import paired_call_tokens
+
+    spec = MoESpec(16, 4, 64, 32)   # 16 experts, top-4, H 64
+    base, peers = KernelConfig(), KernelConfig(pair_peers=True)
+    assert base.pair_peers is False   # off by default: unmeasured on two GPUs
+    assert paired_call_tokens(base, 1, 8192, spec, True) == base.pair_tokens
+    assert paired_call_tokens(base, 1, 100, spec, True) == 100
+    assert paired_call_tokens(base, 2, 128, spec, True) == 0
+    assert paired_call_tokens(peers, 2, 128, spec, True) == 128
+    assert paired_call_tokens(peers, 4, peers.pair_tokens, spec, True) == peers.pair_tokens
+    assert paired_call_tokens(peers, 2, peers.pair_tokens + 1, spec, True) == 0
+    assert paired_call_tokens(peers, 2, 128, spec, False) == 0
+    assert paired_call_tokens(peers, 8, 128, spec, True) == 0   # 2 local experts < top-4
+    assert paired_call_tokens(peers, 2, 128, MoESpec(16, 4, 60, 32), True) == 0
+    assert paired_call_tokens(KernelConfig(pair_peers=True, pair_dispatch=False), 2, 128, spec, True) == 0
+
+
+def test_resident_paired_at_ep2_exchanges_and_combines_through_the_peers(monkeypatch):
+    """`_resident_paired` at EP > 1 (KernelConfig.pair_peers): the routing exchange first; the counts; the tile
+    tables beside the pair dispatch, which writes into the destinations' receive regions (no local rows); the join;
+    GEMM0 reading the pair rows from this rank's receive region, GEMM1 into y; the peer combine's send from y, its
+    reduce into out, then `copy_status` (the call's last kernel). Never chained."""
+    from weave_moe.backends.weave import backend as backend_module
+    from weave_moe.backends.weave.exchange import CountsFormat
+    from weave_moe.backends.weave.workspace import SymmetricWorkspace
+
+    backend, launched = _tables_host(monkeypatch)
+    backend.world_size, backend.rank, backend.num_local_experts, backend.num_sms = 2, 1, 4, 4
+    backend.counts_format = CountsFormat(2, 8, 4)
+    backend.workspace = SymmetricWorkspace(None, 0, 1, torch.device("cpu")).attach(8, 32, 16, 32, recv_rows=32)
+    vector = torch.arange(backend.counts_format.size, dtype=torch.int32)
+    backend.device_counts.build = lambda *args, tiles=None, **options: launched.append(("counts", tiles)) or vector
+    backend.pair_rows = torch.zeros(8, 2, dtype=torch.int32)
+    backend.pair_dispatches = ["the class"]
+    assert not backend._chained(1, True) and not backend._chained(1, False)   # at EP > 1 never chained
+    start = backend.counts_format.expert_pairs_offset
+
+    def exchange(workspace, message, send, all_routing, status, timeout_ns):
+        assert workspace is backend.workspace and send is backend.send_routing and status is backend.live_status
+        launched.append("exchange")
+
+    class Pairs:
+        rows_shape = (8, 2)
+
+        def launch(self, all_ids, tokens, pairs, io, workspace, status, rank, timeout_ns, offsets, rows, local,
+                   pdl):
+            assert pairs.data_ptr() == vector[start:].data_ptr() and pairs.numel() == 8 and rank == 1
+            assert local is None and offsets is None and not pdl   # into the peers' receive regions
+            launched.append("pair dispatch")
+
+    class PeerCombine:
+        def send(self, all_ids, all_weights, tokens, pairs, y, workspace, status, rank):
+            assert y.data_ptr() == backend.workspace.y().data_ptr() and pairs.numel() == 8 and rank == 1
+            assert all_weights.dtype == torch.float32 and workspace is backend.workspace
+            launched.append("combine send")
+
+        def reduce(self, all_ids, tokens, io, workspace, status, rank, timeout_ns):
+            assert io is backend.io and timeout_ns == backend.timeout_ns and status is backend.live_status
+            launched.append("combine reduce")
+
+    def gemm(index, config, a, w, out, tiles, gather=None, **launch):
+        ws = backend.workspace
+        source, target = (ws.recv(), ws.h()) if index == 0 else (ws.h(), ws.y())
+        assert a.data_ptr() == source.data_ptr() and a.shape == source.shape and gather is None
+        assert index == 1 or a.shape == (32, 32)   # the receive region's rows for pairs (recv_rows)
+        assert out.data_ptr() == target.data_ptr() and (config, tiles) == (f"c{index}", f"tiles {index}")
+        launched.append(f"gemm{index}")
+
+    backend.send_routing = torch.zeros(4, dtype=torch.int32)
+    backend.status_host = torch.zeros(8, dtype=torch.int32)
+    backend.pair_combine, backend.peer_pair_combine = None, PeerCombine()
+    monkeypatch.setattr(backend_module, "exchange_routing", exchange)
+    monkeypatch.setattr(backend_module.grouped_gemm, "launch_gemm", gemm)
+    monkeypatch.setattr(backend_module, "_tile_keys", lambda configs: ["k0", "k1"])
+    monkeypatch.setattr(backend_module, "copy_status", lambda status, host: launched.append("status copy")
+                        if status is backend.status and host is backend.status_host else None)
+    backend.fork_prologue = True
+    backend._fork = lambda name, enqueue: launched.append(("fork", name)) or f"{name} event"
+
+    def prologue(offsets, keys, device_serial, side=False, form="offsets"):
+        assert offsets.data_ptr() == vector[start + 4:].data_ptr() and offsets.numel() == 4   # rank 1's experts
+        launched.append("tile tables beside" if side else "tile tables")
+        return {"k0": "tiles 0", "k1": "tiles 1"}, None, "filled"
+
+    backend._grouped_prologue = prologue
+    backend._current_stream = lambda: type("Stream", (), {"wait_event": lambda self, e: launched.append(("join", e))})()
+    backend._resident_paired(("c0", "c1"), Pairs(), chain=False, call_tokens=3)
+    assert launched == ["exchange", ("counts", None), "tile tables beside", "pair dispatch", ("join", "filled"),
+                        "gemm0", "gemm1", "combine send", "combine reduce", "status copy"], launched
 
 
 def test_resident_tables_fork_the_dispatch_beside_the_emit_of_a_longer_call(monkeypatch):
@@ -955,6 +1051,7 @@ def test_resident_call_host_path_writes_a_slot_or_packs_under_capture(monkeypatc
 
     spec = MoESpec(8, 2, 32, 16)
     backend = WeaveBackend.__new__(WeaveBackend)   # the host-side logic only
+    backend.world_size = 1
     events = []
 
     class Coordinator:

@@ -59,6 +59,28 @@ def test_two_layers_share_one_workspace_sized_by_the_larger():
     assert all(offset % 256 == 0 for offset in (ws.recv_offset, *ws.comb_offsets, *ws.flags_offsets))
 
 
+def test_a_paired_layer_sizes_the_receive_region_for_its_pairs():
+    """`attach(recv_rows=)` (a layer whose paired calls at EP > 1 receive one row per (token, expert) pair): the
+    receive region alone grows to that many rows; the combine regions keep EP * T_max rows of the largest layer and
+    follow it, none overlapping; a layer without recv_rows sees EP * T_max rows of the same region."""
+    ws = SymmetricWorkspace(None, 0, 1, CPU)
+    plain = ws.attach(max_tokens=16, hidden_size=32)
+    paired = ws.attach(max_tokens=8, hidden_size=32, recv_rows=8 * 6)
+    assert ws.generation == 2 and ws.capacity.rows == WorkspaceBytes.of(1, 16, 32).rows
+    assert ws.capacity.recv == 48 * 32 * 2 and ws.buffer.numel() == ws.capacity.symmetric
+    assert paired.recv().shape == (48, 32) and paired.recv_rows == 48
+    assert plain.recv().shape == (16, 32) and paired.comb(0).shape == (8, 32)
+    assert plain.recv().data_ptr() == paired.recv().data_ptr()
+    spans = sorted([_span(paired.flags(0)), _span(paired.flags(1)), _span(paired.recv()), _span(plain.comb(0)),
+                    _span(plain.comb(1))])
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= ws.buffer.data_ptr() + ws.buffer.numel()
+    assert ws.comb_offsets[0] == ws.recv_offset + ws.capacity.recv
+    again = ws.attach(max_tokens=8, hidden_size=32, recv_rows=40)   # fits: no growth
+    assert ws.generation == 2 and again.recv().shape == (40, 32)
+    with pytest.raises(ValueError, match="recv_rows"):
+        ws.attach(max_tokens=8, hidden_size=32, recv_rows=-1)
+
+
 def test_a_smaller_layer_does_not_grow_the_workspace():
     ws = SymmetricWorkspace(None, 0, 1, CPU)
     ws.attach(64, 128, 32, 100)

@@ -135,16 +135,16 @@ def check_worker(rank: int, world_size: int, cases: list[Case], variants: list[s
                     retire_shared(group)
     if extra.get("stress_calls"):
         log("stress")
-        rows.append(_stress(rank, world_size, group, device, extra["stress_calls"], extra.get("stress_policy", "weave")))
+        rows.append(_stress(rank, world_size, group, device, extra["stress_calls"], extra.get("policy", "weave")))
     if extra.get("bad_ids"):
         log("bad ids")
-        rows.append(_bad_ids(rank, world_size, group, device))
+        rows.append(_bad_ids(rank, world_size, group, device, extra.get("policy", "weave")))
     if extra.get("graph_capture"):
         log("graph capture")
         rows.extend(_graph_capture(rank, world_size, group, device, extra["graph_capture"]))
     if extra.get("stall"):
         log("stall")
-        rows.append(_stall(rank, world_size, group, device))
+        rows.append(_stall(rank, world_size, group, device, extra.get("policy", "weave")))
     if extra.get("failures"):
         # nccl: its count exchange and polled waits on real NCCL (not with --shared-gpu: a gloo group there)
         for backend in ("weave",) if extra.get("shared_gpu") else ("weave", "nccl"):
@@ -263,13 +263,13 @@ def _graph_capture(rank, world_size, group, device, replays: int) -> list[dict]:
     return rows
 
 
-def _bad_ids(rank, world_size, group, device) -> dict:
+def _bad_ids(rank, world_size, group, device, policy: str) -> dict:
     """The last rank passes an id >= E: every rank must raise ValueError in the same call (no rank left waiting; a
     device-resident call raises at the `synchronize()` after it),
     and the next call of the same layer, with valid ids, must match the reference; on a layer's first call and on a
-    later one."""
+    later one. `policy`: the layer's (`--policy`)."""
     spec = MoESpec(16, 2, 256, 128, name="bad-ids")
-    layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 2, 64, debug_poison=True)
+    layer, w13, w2 = _weave_layer(spec, rank, world_size, group, device, 2, 64, debug_poison=True, policy=policy)
     gen = torch.Generator(device).manual_seed(rank)
     ids = torch.stack([torch.randperm(spec.num_experts, generator=gen, device=device)[:2] for _ in range(64)])
     x = torch.randn(64, spec.hidden_size, generator=gen, device=device).to(torch.bfloat16)
@@ -303,14 +303,15 @@ def _bad_ids(rank, world_size, group, device) -> dict:
                 and rel <= TOLERANCE)
 
 
-def _stall(rank, world_size, group, device) -> dict:
+def _stall(rank, world_size, group, device, policy: str) -> dict:
     """Rank world_size-1 never launches its kernel: every other rank must raise WeaveTimeoutError within seconds.
 
-    The stall is the layer's second call (a first call compiles: its timing is the compile barrier's business)."""
+    The stall is the layer's second call (a first call compiles: its timing is the compile barrier's business).
+    `policy`: the layer's (`--policy`)."""
     from weave_moe.backends.weave import WeaveTimeoutError
     spec = MoESpec(16, 2, 256, 128, name="stall")
     stalled = rank == world_size - 1
-    layer, _, _ = _weave_layer(spec, rank, world_size, group, device, 1, 64, timeout_s=2.0)
+    layer, _, _ = _weave_layer(spec, rank, world_size, group, device, 1, 64, timeout_s=2.0, policy=policy)
     ids = torch.randint(0, spec.num_experts, (64, 1), device=device).repeat(1, 2)
     ids[:, 1] = (ids[:, 0] + 1) % spec.num_experts
     x = torch.randn(64, spec.hidden_size, device=device).to(torch.bfloat16)
@@ -528,6 +529,8 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS))
     parser.add_argument("--stress-calls", type=int, default=0)
     parser.add_argument("--stall", action="store_true")
+    parser.add_argument("--policy", default="weave",
+                        help="the weave policy of the --stress-calls, --bad-ids and --stall layers")
     parser.add_argument("--graph-capture", type=int, default=0, metavar="N",
                         help="capture the layer in a caller's CUDA graph, then N replays with fresh inputs written "
                              "into it (every rank), each against the reference")
@@ -550,7 +553,8 @@ def main(argv=None) -> int:
              "quick": QUICK_CASES}
     cases = cases[args.suite]
     extra = dict(stress_calls=args.stress_calls, stall=args.stall, trace=args.trace, bad_ids=args.bad_ids,
-                 failures=args.failures, shared_gpu=args.shared_gpu, graph_capture=args.graph_capture)
+                 failures=args.failures, shared_gpu=args.shared_gpu, graph_capture=args.graph_capture,
+                 policy=args.policy)
     start = time.time()
     from weave_moe.bench.variants import parse_variants
 

@@ -32,7 +32,7 @@ from weave_moe.backends.weave.graphs import GraphCache, LayoutBuilder
 from weave_moe.backends.weave.kernels import gemm_configs, grouped_gemm, grouped_tiles
 from weave_moe.backends.weave.kernels.counts import DeviceCounts
 from weave_moe.backends.weave.kernels.early_dispatch import EarlyDispatch, PairDispatch, TablesDispatch
-from weave_moe.backends.weave.kernels.pair_combine import PairCombine
+from weave_moe.backends.weave.kernels.pair_combine import PairCombine, PeerPairCombine
 from weave_moe.backends.weave.kernels.megakernel import CTRL_SIZE_FIXED, EVENT_NAMES, STAGE_COMBINE_REDUCE
 from weave_moe.backends.weave.kernels.peers import ROW_ALIGNMENT
 from weave_moe.backends.weave.kernels.planner import DevicePlanner
@@ -65,6 +65,21 @@ class WeaveTimeoutError(WeaveError):
 
 #: the launches without GEMM (keys of `stage_constants`), which have decode compiles ("decode", key)
 _ROW_STAGES = (0, STAGE_COMBINE_REDUCE.value, (STAGE_COMBINE_REDUCE.value, "grouped serial"))
+
+
+def paired_call_tokens(config: KernelConfig, world_size: int, max_tokens: int, spec: MoESpec,
+                       resident_grouped: bool) -> int:
+    """The most tokens per rank of a layer's paired calls (`WeaveBackend._resident_paired`; 0: none), by
+    KernelConfig.pair_dispatch: a resident layer of a fixed serial plan's grouped GEMMs (`resident_grouped`), top_k
+    <= E_local and H a multiple of 8; at EP = 1 its calls of at most `pair_tokens` tokens, at EP > 1
+    (KernelConfig.pair_peers) all its calls if its T_max is at most `pair_tokens` (every rank's layer has the same
+    T_max, so every rank pairs every call), else none."""
+    if not (config.pair_dispatch and resident_grouped and spec.top_k <= spec.num_experts // world_size
+            and spec.hidden_size % 8 == 0):
+        return 0
+    if world_size == 1:
+        return min(config.pair_tokens, max_tokens)
+    return max_tokens if config.pair_peers and max_tokens <= config.pair_tokens else 0
 
 
 def pair_size_classes(pair_tokens: int, decode_tokens: int, pair_programs: int = 1) -> list[tuple[int, int]]:
@@ -224,11 +239,28 @@ class WeaveBackend:
                                          grouped_capable)
         max_pairs = world_size * max_tokens_per_rank * min(spec.top_k, self.num_local_experts)
         self.message = RoutingMessage(max_tokens_per_rank, spec.top_k)
+        # The fixed serial policy runs its GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm) over an
+        # interleaved w13 (gate j, up j neighbours). So does a resident call of an adaptive policy whose device plan
+        # is serial (`grouped_serial`: the grouped launches are in its graph and do nothing under another plan, a
+        # few microseconds each; its planner knows the grouped GEMMs' speed, cost_model A8); its megakernel reads
+        # the same interleaved w13, so the layer holds one copy. Host-driven calls of adaptive policies keep the
+        # megakernel's GEMMs for serial plans: there every extra launch costs host time, and routing them through
+        # the grouped GEMMs measured 45-75% slower at 2048 tokens on small models
+        # (bench/results/eval6-emu-h200-2b24350).
+        self.only_serial = self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
+        self.grouped = grouped_capable and self.only_serial
+        self.resident = cfg.resident_at(world_size)
+        # the paired call (_resident_paired): its longest call; at EP > 1 every call or none (pair_peers: the ranks
+        # agree by the layer, whose receive region then holds a row per pair)
+        pair_tokens = paired_call_tokens(cfg, world_size, max_tokens_per_rank, spec, self.resident and self.grouped)
+        self.pair_peers = world_size > 1 and pair_tokens > 0
         # one workspace per (group, device) shared by every layer, h and y included (workspace.py: the protocol)
         shared = SymmetricWorkspace.shared(group, rank, world_size, device)
-        shared.claim_call_mode(cfg.resident_at(world_size))
+        shared.claim_call_mode(self.resident)
         self.workspace = shared.attach(max_tokens_per_rank, H, I, max(max_pairs, 1),
-                                       routing_words=self.message.words)
+                                       routing_words=self.message.words,
+                                       recv_rows=world_size * max_tokens_per_rank * spec.top_k if self.pair_peers
+                                       else 0)
         max_mtiles = max_pairs // cfg.block_m + MAX_CHUNKS * self.num_local_experts + 1
         self.ctrl = torch.zeros(CTRL_SIZE_FIXED + max_mtiles, dtype=torch.int32, device=device)
         # [0:4] the live status word, [4:8] the resident call's reported rejection (kernels/sync.py)
@@ -254,7 +286,6 @@ class WeaveBackend:
         self.side_streams: dict[str, torch.cuda.Stream] = {}   # by purpose, each made at its first use (_fork)
         # KernelConfig.device_plan: every rank's plan from the GPU, read back with the counts (kernels/planner.py)
         # KernelConfig.resident: the plan is made on the GPU for every adaptive policy (the host never sees counts)
-        self.resident = cfg.resident_at(world_size)
         self.narrows_int64_ids = self.resident   # the resident call's pack launch narrows them (RoutingMessage.pack_call)
         self.capturable = self.resident   # the host-driven call copies the counts to the host
         self.plans_device = torch.zeros(world_size, 4, dtype=torch.int32, device=device)
@@ -284,16 +315,6 @@ class WeaveBackend:
         self.w13 = self.w2 = None
         self.descriptors: dict = {}
         self.use_tma = bool(cfg.tma and H % 8 == 0 and I % 8 == 0 and cfg.block_n1 >= 256)
-        # The fixed serial policy runs its GEMM stage as two grouped-GEMM launches (KernelConfig.grouped_gemm) over an
-        # interleaved w13 (gate j, up j neighbours). So does a resident call of an adaptive policy whose device plan
-        # is serial (`grouped_serial`: the grouped launches are in its graph and do nothing under another plan, a
-        # few microseconds each; its planner knows the grouped GEMMs' speed, cost_model A8); its megakernel reads
-        # the same interleaved w13, so the layer holds one copy. Host-driven calls of adaptive policies keep the
-        # megakernel's GEMMs for serial plans: there every extra launch costs host time, and routing them through
-        # the grouped GEMMs measured 45-75% slower at 2048 tokens on small models
-        # (bench/results/eval6-emu-h200-2b24350).
-        self.only_serial = self.fixed_plan is not None and self.fixed_plan.is_serial(self.num_sms)
-        self.grouped = grouped_capable and self.only_serial
         self.grouped_serial = grouped_capable and self.resident and self.fixed_plan is None
         # KernelConfig.interleave_w13 off: w13 kept as given (no copy); the grouped GEMM0 then runs gate and up as two
         # MMAs (GemmConfig.interleaved off, `_held_layout`), as the megakernel's tiles do
@@ -331,22 +352,24 @@ class WeaveBackend:
         self.tables_dispatch = (TablesDispatch(world_size, H, self.max_tokens, self.num_sms)
                                 if cfg.dispatch_beside_emit and self.resident and cfg.triton_tables and H % 8 == 0
                                 else None)
-        # KernelConfig.pair_dispatch: at EP = 1 a decode call's rows sent once per (token, expert) pair, in expert
-        # order, right after the counts; GEMM0 reads them through TMA, the combine reads y by the pairs' rows, no
-        # task tables (_resident_paired); a fixed serial plan's calls only (an adaptive policy's took it as well,
-        # gated on the device by its plan: 4-20% slower at 2-8 tokens on an H100, removed; docs/perf-notes.md 42, 53)
+        # KernelConfig.pair_dispatch: a decode call's rows sent once per (token, expert) pair, in expert order, right
+        # after the counts (at EP = 1 into y, at EP > 1 into the destination's receive region); GEMM0 reads them
+        # through TMA, the combine reads y by the pairs' rows (at EP > 1 the peer combine), no task tables
+        # (_resident_paired); a fixed serial plan's calls only (an adaptive policy's took it as well, gated on the
+        # device by its plan: 4-20% slower at 2-8 tokens on an H100, removed; docs/perf-notes.md 42, 53)
         # One pair dispatch per size class (`pair_size_classes`, `_pair_dispatch_for`), each compiled for its longest
         # call (its ids tile, its pairs per step), so a decode call in a layer of long paired calls keeps the compile
         # of a decode layer's
-        pair_tokens = min(cfg.pair_tokens, self.max_tokens) if self.resident else 0   # rows to y: every pair
         self.pair_dispatches: list[PairDispatch] = (
             [PairDispatch(world_size, spec.num_experts, spec.top_k, H, self.max_tokens, most, self.num_sms,
-                          spread=spread)
+                          spread=spread, recv_rows=self.workspace.recv_rows)
              for most, spread in pair_size_classes(pair_tokens, cfg.decode_tokens, cfg.pair_programs)]
-            if (cfg.pair_dispatch and world_size == 1 and self.grouped
-                and pair_tokens >= 1 and spec.top_k <= self.num_local_experts and H % 8 == 0) else [])
+            if pair_tokens >= 1 else [])
+        self.peer_pair_combine = (PeerPairCombine(world_size, spec.num_experts, spec.top_k, H, self.max_tokens,
+                                                  pair_tokens, self.num_sms) if self.pair_peers else None)
+        self.pair_combine = (PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
+                             if self.pair_dispatches and world_size == 1 else None)
         if self.pair_dispatches:
-            self.pair_combine = PairCombine(H, spec.top_k, pair_tokens, self.num_sms)
             # every class's rows table: a prefix of the longest class's (row (t, j) at t * k + j in each)
             self.pair_rows = torch.zeros(self.pair_dispatches[-1].rows_shape, dtype=torch.int32, device=device)
         # the resident call's task tables (kernels/tables.py): one set per kind of call (decode or not), rewritten by
@@ -531,7 +554,7 @@ class WeaveBackend:
             # is recorded into the caller's graph), whose chain is a function of T.
             kind = ("decode" if decode else "full") if paired is None else (
                 f"paired{paired.max_call_tokens}{'.chain' if self._chained(x.shape[0], False) else ''}"
-                f".g{self.pair_combine.grid(x.shape[0])}")
+                f".{'peers' if self.pair_combine is None else f'g{self.pair_combine.grid(x.shape[0])}'}")
             name = self.resident_graph_names[(self.workspace.generation, rows)] = (
                 f"resident.{self.workspace.generation}.{configs}.{kind}")
         if capturing:
@@ -594,8 +617,9 @@ class WeaveBackend:
         copy_status(self.status, self.status_host)
 
     def _resident_paired(self, configs, dispatch: PairDispatch, chain: bool, call_tokens: int) -> None:
-        """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, a fixed serial plan, the grouped
-        GEMMs), after the pack: the counts (and their verdict); the grouped GEMMs' tile tables from the counts
+        """A decode call's device work under KernelConfig.pair_dispatch (EP = 1, or EP > 1 under
+        KernelConfig.pair_peers; a fixed serial plan, the grouped GEMMs), after the pack: at EP > 1 the routing
+        exchange; the counts (and their verdict); the grouped GEMMs' tile tables from the counts
         vector's pairs of this rank's experts, forked (KernelConfig.fork_prologue) beside the pair dispatch (each
         (token, expert) pair's row at its place in expert order, into y, and the pairs' rows); GEMM0 reading those
         rows in place through TMA once both are done, GEMM1 into y, and the combine of y by the pairs' rows into out
@@ -609,11 +633,17 @@ class WeaveBackend:
         pair dispatch's start (docs/perf-notes.md entry 53); the pair combine is launched programmatically.
         Either way the pair combine, the call's last kernel, also copies the status words to the host (what
         `copy_status`, the last kernel of a call with task tables, does), so the call has no last kernel for it.
+        At EP > 1 (KernelConfig.pair_peers; never chained) the pairs' rows go into their destinations' receive
+        regions (the dispatch's last program waits, bounded, for every row this rank is owed), GEMM0 reads them
+        there, and the combine is `PeerPairCombine`'s send and reduce, then `copy_status`.
         `dispatch`: the pair dispatch of the call's size class (`_pair_dispatch_for`); `call_tokens`: the call's T,
-        the combine's grid."""
+        the combine's grid (EP = 1)."""
         all_ids, all_weights, tokens = self.message.unpack(self.all_routing)
         rows = self.pair_rows[:dispatch.rows_shape[0]]
         keys, filled = _tile_keys(configs), None
+        if self.world_size > 1:   # KernelConfig.pair_peers: the routing exchange first, as `_resident_tables`'
+            exchange_routing(self.workspace, self.message, self.send_routing, self.all_routing, self.live_status,
+                             self.timeout_ns)
         # the layer's tile tables, filled by the counts launch (chain)
         tables = self._tile_tables(keys)[0] if chain else None
         counts = self._counts(verdict=True, tiles=list(tables.values()) if chain else None)
@@ -621,13 +651,28 @@ class WeaveBackend:
             tables, _, filled = self._grouped_prologue(self._pairs(counts, local=True), keys, False,
                                                        side=self.fork_prologue, form="counts")
         dispatch.launch(all_ids, tokens, self._pairs(counts), self.io, self.workspace, self.live_status, self.rank,
-                        self.timeout_ns, None, rows, self.workspace.y(), pdl=chain)
+                        self.timeout_ns, None, rows, self._local_pair_rows(), pdl=chain)
         if filled is not None:
             self._current_stream().wait_event(filled)
         self._paired_gemms(configs, tables, preload=self._preloads(configs, chain))
-        self.pair_combine.launch(self.workspace.y(), rows, all_weights, tokens, self.io, self.live_status,
-                                 self.rank, pdl=chain, report=(self.status, self.status_host),
-                                 call_tokens=call_tokens)
+        if self.peer_pair_combine is None:
+            self.pair_combine.launch(self.workspace.y(), rows, all_weights, tokens, self.io, self.live_status,
+                                     self.rank, pdl=chain, report=(self.status, self.status_host),
+                                     call_tokens=call_tokens)
+            return
+        # at EP > 1: this rank's sums of every source's tokens to the sources, then out from what its destinations
+        # sent (a bounded wait), then the status words to the host (what the EP = 1 combine does itself)
+        pairs = self._pairs(counts)
+        self.peer_pair_combine.send(all_ids, all_weights, tokens, pairs, self.workspace.y(), self.workspace,
+                                    self.live_status, self.rank)
+        self.peer_pair_combine.reduce(all_ids, tokens, self.io, self.workspace, self.live_status, self.rank,
+                                      self.timeout_ns)
+        copy_status(self.status, self.status_host)
+
+    def _local_pair_rows(self) -> torch.Tensor | None:
+        """Where the pair dispatch writes the pairs' rows and GEMM0 reads them: this rank's y at EP = 1 (the pair
+        dispatch's `local`), None at EP > 1 (the destinations' receive regions, `pair_peers`)."""
+        return self.workspace.y() if self.world_size == 1 else None
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -651,7 +696,7 @@ class WeaveBackend:
         """Whether a paired call of `tokens` tokens, made under a caller's CUDA-graph capture or not (`captured`),
         takes KernelConfig.chain_pairs' chain (its tile tables written by the counts launch, the pair dispatch and
         GEMM0 launched programmatically: `_resident_paired`)."""
-        return bool(self.pair_dispatches) and self.config.chains_pairs(captured, tokens)
+        return bool(self.pair_dispatches) and self.world_size == 1 and self.config.chains_pairs(captured, tokens)
 
     def _paired_chains(self, low: int = 1, high: int | None = None) -> set:
         """The chains the paired calls of this layer of `low` to `high` tokens (default: all of them) can take
@@ -1119,11 +1164,14 @@ class WeaveBackend:
 
     def _paired_gemms(self, configs, tables, preload: bool = False) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s,
-        or the counts launch's): GEMM0 reading the pair rows (in y, in expert order) contiguously through TMA (no
+        or the counts launch's): GEMM0 reading the pair rows (in expert order, in y at EP = 1, in the receive region
+        at EP > 1: `_local_pair_rows`) contiguously through TMA (no
         gather; `preload`: launched programmatically after the pair dispatch, `_preloads`), and GEMM1 into y (rows in
         the same expert order; it starts once GEMM0 has ended)."""
         keys, chained = _tile_keys(configs), self._chains(configs)
-        self._gemm0(self.workspace.y(), tables[keys[0]], configs[0], chained=chained, preload=preload)
+        rows = self._local_pair_rows()
+        self._gemm0(self.workspace.recv() if rows is None else rows, tables[keys[0]], configs[0], chained=chained,
+                    preload=preload)
         self._gemm1(tables[keys[1]], configs[1], chained=chained)
 
     def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False,
@@ -1210,8 +1258,12 @@ class WeaveBackend:
                 for chained in (False, True) if self._chains([config]) else (False, ):
                     if self._gathers_in_gemm0(config):
                         self._gemm0(self.workspace.recv(), table, config, gather=self.ctrl, chained=chained)
-                    if not self._gathers_in_gemm0(config) or self.pair_dispatches:
+                    if not self._gathers_in_gemm0(config):
                         self._gemm0(y, table, config, chained=chained)
+                    if self.pair_dispatches:   # the pair rows where the pair dispatch leaves them (_paired_gemms)
+                        pair_rows = self._local_pair_rows()
+                        self._gemm0(self.workspace.recv() if pair_rows is None else pair_rows, table, config,
+                                    chained=chained)
                     if self._preloads([config], True in chains):   # the chained paired call's GEMM0
                         self._gemm0(y, table, config, chained=chained, preload=True)
             for config in configs[1]:
@@ -1252,11 +1304,16 @@ class WeaveBackend:
             rows = self.pair_rows[:dispatch.rows_shape[0]]
             for chain in sorted(self._paired_chains(low, high)):
                 dispatch.warmup(all_ids, tokens, self._pairs(self.device_counts.counts), self.io, self.workspace,
-                                self.live_status, self.rank, self.timeout_ns, None, rows, self.workspace.y(),
+                                self.live_status, self.rank, self.timeout_ns, None, rows, self._local_pair_rows(),
                                 pdl=chain)
-                self.pair_combine.warmup(self.workspace.y(), rows, all_weights, tokens, self.io,
-                                         self.live_status, self.rank, pdl=chain,
-                                         report=(self.status, self.status_host))
+                if self.pair_combine is not None:
+                    self.pair_combine.warmup(self.workspace.y(), rows, all_weights, tokens, self.io,
+                                             self.live_status, self.rank, pdl=chain,
+                                             report=(self.status, self.status_host))
+        if self.peer_pair_combine is not None:
+            self.peer_pair_combine.warmup(all_ids, all_weights, tokens, self._pairs(self.device_counts.counts),
+                                          self.workspace.y(), self.io, self.workspace, self.live_status, self.rank,
+                                          self.timeout_ns)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

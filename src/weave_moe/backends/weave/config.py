@@ -215,7 +215,8 @@ class KernelConfig:
             to GEMM0 becomes pack -> counts -> pair dispatch instead of pack -> counts -> bases -> emit (Qwen3-30B-A3B
             at 1 token: counts end at 8.3 us, emit at 19.2; bench/results/h200-39eda33). Takes the place of
             `early_dispatch` on those calls. Needs top_k <= E_local. At EP > 1 each rank would pick the row layout
-            by its own T, which its peers must agree with, so it is not used there. On since 8019eb3: on an H100
+            by its own T, which its peers must agree with, so it is used there only by a rule of the layer's
+            (`pair_peers`). On since 8019eb3: on an H100
             (bench/results/h100-8019eb3) the resident check passed 21/21 and validate quick 28/28 with it, every
             bench check passed, and it was the fastest serial variant at every size measured (Qwen3-30B-A3B, one
             rank's work of EP=2, at 1 / 8 / 32 tokens 89.0 / 178.8 / 253.4 us -> 77.5 / 166.0 / 243.4; DeepSeek-V3
@@ -239,6 +240,20 @@ class KernelConfig:
             round trip each (12.2 us on an H200 at d7d48b9 for 16 MB of rows); more programs share the pairs (each
             counts the ids tile once). The decode class's pair dispatch keeps its programs (one per SM at most). Not
             measured above 1.
+        pair_peers: `pair_dispatch` at EP > 1, for a layer sized for decode: where the layer's max_tokens_per_rank
+            is at most `pair_tokens` (the same on every rank, which `LayerMismatchError` checks, so the ranks agree
+            without looking at each other's T, as DeepEP's low-latency buffers are sized by
+            num_max_dispatch_tokens_per_rank), every resident call of a fixed serial plan is paired: after the
+            routing exchange and the counts, each (token, expert) pair's row goes straight to its row in expert
+            order in the destination's receive region (which the workspace then sizes for EP * T_max * top_k rows,
+            `attach(recv_rows=)`), the grouped GEMMs read it there, and the combine is
+            `pair_combine.PeerPairCombine` (each destination sums its rows of a source's token and sends them, the
+            source reduces what its destinations sent) and `copy_status`. No task tables, no megakernel launch.
+            Calls never take `chain_pairs`' chain. Off: such a layer's calls make the call with task tables, as
+            every EP > 1 call did before. Off by default until two GPUs time it: one rank's work of EP=2 on one GPU
+            (an EP = 1 layer, which already runs the paired call) measured the paired call 13-15% faster than the
+            call with task tables at 128-256 tokens (docs/perf-notes.md entry 64), but the peer combine's cost at
+            EP = 2 is unmeasured.
         chain_pairs: a paired call (`pair_dispatch`) starts its GEMM0's weight loads while its rows are sent: the
             counts launch also writes the grouped GEMMs' tile tables of this rank's experts (no tile-table launch
             beside the pair dispatch, no fork), the pair dispatch is launched programmatically after it, and a
@@ -355,6 +370,7 @@ class KernelConfig:
     pair_dispatch: bool = True
     pair_tokens: int = 512
     pair_programs: int = 1
+    pair_peers: bool = False
     serial_at_ep1: bool = True
     ws_gemm: bool = True
     ws_gather: bool = False

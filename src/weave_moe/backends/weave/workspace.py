@@ -7,7 +7,10 @@ Symmetric part (PyTorch symmetric memory, CUDA IPC; no NVLink multicast), one bu
                           (monotonic, never zeroed; kernels/routing_exchange.py)
     routing  [2 parities][EP sources][M] int32   routing messages written to this rank (M = slot words, the largest
                           RoutingMessage.words attached; the parity is chosen on the device by the exchange)
-    recv     [EP * T_max, H] bf16   rows dispatched to this rank (source s at rows [s*T_max, (s+1)*T_max))
+    recv     [R_recv, H] bf16   rows dispatched to this rank: R_recv = EP * T_max (source s at rows [s*T_max,
+                          (s+1)*T_max)), or more where a layer's paired calls at EP > 1 need a row per (token,
+                          expert) pair (`attach(recv_rows=)`: EP * T_max * k, every pair of every source in expert
+                          order, kernels/early_dispatch.py `pair_dispatch_kernel`)
     comb     [2 parities][EP * T_max, H] bf16   combine rows written back to this rank (destination d at [d*T_max...))
 
 Local part (ordinary memory, shared the same way; only this rank's kernels touch it, in stream order): h [max_pairs,
@@ -52,11 +55,11 @@ and rebuild every layer of the group. The workspace outlives its layers (it is f
 a view), so that allocating stays a function of the construction sequence alone.
 
 Memory per rank (bytes), with R = EP * T_max * H * 2 of the largest layer (T_max = max_tokens_per_rank),
-M = the largest routing message (RoutingMessage.words = 2 * T_max * k + 1 + HEADER_WORDS) and
-P = EP * T_max * min(k, E_local) (max_pairs):
+R_recv = the largest of R and a paired layer's EP * T_max * k * H * 2 (`attach(recv_rows=)`), M = the largest routing
+message (RoutingMessage.words = 2 * T_max * k + 1 + HEADER_WORDS) and P = EP * T_max * min(k, E_local) (max_pairs):
 
     symmetric = 2 * align256(4 * (EP * MAX_CHUNKS + EP)) + align256(4 * EP) + align256(2 * EP * M * 4)
-                + 3 * align256(R)
+                + align256(R_recv) + 2 * align256(R)
     local     = max(P * I) * 2 + max(P * H) * 2       (each over the layers attached)
 
 plus the exchange's control block, 4 * (EXCHANGE_CTRL_FIXED + EP) bytes (not counted in `WorkspaceBytes`).
@@ -113,7 +116,8 @@ class WorkspaceBytes:
 
     Attributes:
         flags: both parities' flags, aligned.
-        rows: one rows region (recv, or one parity of comb): EP * T_max * H * 2, aligned.
+        rows: one parity of the comb region: EP * T_max * H * 2, aligned.
+        recv: the recv region: the larger of `rows` and recv_rows * H * 2, aligned.
         h, y: local GEMM scratch (max_pairs * I * 2 and max_pairs * H * 2).
         routing_flags: the routing flags, [EP] int32, aligned.
         routing: the routing slots, [2][EP][M] int32 (M = routing words), aligned.
@@ -125,13 +129,16 @@ class WorkspaceBytes:
     y: int
     routing_flags: int = 0
     routing: int = 0
+    recv: int = 0
 
     @classmethod
     def of(cls, world_size: int, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
-           max_pairs: int = 0, routing_words: int = 0) -> "WorkspaceBytes":
+           max_pairs: int = 0, routing_words: int = 0, recv_rows: int = 0) -> "WorkspaceBytes":
         flag_words = world_size * MAX_CHUNKS + world_size
+        rows = world_size * max_tokens
         return cls(flags=2 * _align(flag_words * 4),
-                   rows=_align(world_size * max_tokens * hidden_size * BYTES_PER_ELEMENT),
+                   rows=_align(rows * hidden_size * BYTES_PER_ELEMENT),
+                   recv=_align(max(rows, recv_rows) * hidden_size * BYTES_PER_ELEMENT),
                    h=max_pairs * intermediate_size * BYTES_PER_ELEMENT,
                    y=max_pairs * hidden_size * BYTES_PER_ELEMENT,
                    routing_flags=_align(world_size * 4),
@@ -143,7 +150,7 @@ class WorkspaceBytes:
 
     @property
     def symmetric(self) -> int:
-        return self.flags + self.routing_flags + self.routing + 3 * self.rows
+        return self.flags + self.routing_flags + self.routing + self.recv + 2 * self.rows
 
     @property
     def local(self) -> int:
@@ -211,7 +218,7 @@ class SymmetricWorkspace:
 
     # ---- layers -----------------------------------------------------------------------------------------------------
     def attach(self, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
-               max_pairs: int = 0, *, routing_words: int = 0) -> "WorkspaceView":
+               max_pairs: int = 0, *, routing_words: int = 0, recv_rows: int = 0) -> "WorkspaceView":
         """A layer's view (grows the workspace first when this layer needs more; collective then, see module doc).
 
         Args:
@@ -220,22 +227,24 @@ class SymmetricWorkspace:
             intermediate_size: I (0: the layer needs no h scratch).
             max_pairs: rows of h and y (0: no scratch).
             routing_words: the layer's RoutingMessage.words (0: the layer does not use the routing exchange).
+            recv_rows: rows of the receive region the layer needs beyond EP * T_max (0: none; a paired layer at
+                EP > 1: one per (token, expert) pair, module docstring).
         """
         for name, value in (("max_tokens", max_tokens), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size), ("max_pairs", max_pairs),
-                            ("routing_words", routing_words)):
+                            ("routing_words", routing_words), ("recv_rows", recv_rows)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.reserve(WorkspaceBytes.of(self.world_size, max_tokens, hidden_size, intermediate_size, max_pairs,
-                                       routing_words))
-        view = WorkspaceView(self, max_tokens, hidden_size, intermediate_size, max_pairs, routing_words)
+                                       routing_words, recv_rows))
+        view = WorkspaceView(self, max_tokens, hidden_size, intermediate_size, max_pairs, routing_words, recv_rows)
         self._views.add(view)
         return view
 
     def reserve(self, need: WorkspaceBytes) -> None:
         """Grow the symmetric part (collectively) and the local part (locally) to at least `need`."""
         grow_symmetric = (need.rows > self.capacity.rows or need.routing > self.capacity.routing
-                          or self.buffer is None)
+                          or need.recv > self.capacity.recv or self.buffer is None)
         grow_h, grow_y = need.h > self.capacity.h, need.y > self.capacity.y
         if not (grow_symmetric or grow_h or grow_y):
             return
@@ -249,7 +258,8 @@ class SymmetricWorkspace:
                                   rows=max(need.rows, self.capacity.rows), h=max(need.h, self.capacity.h),
                                   y=max(need.y, self.capacity.y),
                                   routing_flags=need.routing_flags if first else self.capacity.routing_flags,
-                                  routing=max(need.routing, self.capacity.routing))
+                                  routing=max(need.routing, self.capacity.routing),
+                                  recv=max(need.recv, self.capacity.recv))
         if grow_symmetric:
             self._allocate_symmetric(capacity)
         if grow_h:
@@ -269,7 +279,7 @@ class SymmetricWorkspace:
         self.routing_offset = self.routing_flags_offset + capacity.routing_flags
         self.routing_slot_words = capacity.routing_slot_words(self.world_size)
         self.recv_offset = self.routing_offset + capacity.routing
-        self.comb_offsets = (self.recv_offset + capacity.rows, self.recv_offset + 2 * capacity.rows)
+        self.comb_offsets = (self.recv_offset + capacity.recv, self.recv_offset + capacity.recv + capacity.rows)
         total = capacity.symmetric
         # the exchange's sequence numbers restart with the routing flags they are compared with (module docstring)
         self.exchange_ctrl.zero_()
@@ -377,6 +387,7 @@ class WorkspaceView:
         workspace: the shared SymmetricWorkspace.
         peer_bases: [EP] int64 base address of every rank's symmetric buffer.
         recv_offset, comb_offsets, flags_offsets: byte offsets of the regions in every rank's buffer.
+        recv_rows: rows of this layer's receive region (`recv`): EP * T_max, or the layer's `attach(recv_rows=)`.
         routing_offset, routing_flags_offset: byte offsets of the routing slots and the routing flags.
         routing_slot_words: M, int32 words of one routing slot (>= routing_words).
         routing_words: this layer's RoutingMessage.words (0: none attached).
@@ -384,9 +395,10 @@ class WorkspaceView:
     """
 
     def __init__(self, workspace: SymmetricWorkspace, max_tokens: int, hidden_size: int, intermediate_size: int,
-                 max_pairs: int, routing_words: int = 0):
+                 max_pairs: int, routing_words: int = 0, recv_rows: int = 0):
         self.workspace = workspace
         self.max_tokens, self.hidden_size = max_tokens, hidden_size
+        self.recv_rows = max(workspace.world_size * max_tokens, recv_rows)
         self.intermediate_size, self.max_pairs = intermediate_size, max_pairs
         self.routing_words = routing_words
         self.exchange_ctrl = workspace.exchange_ctrl
@@ -407,7 +419,7 @@ class WorkspaceView:
                                  torch.int32).view(2, ep, ws.routing_slot_words)
         self._flags = tuple(ws._view(ws.flags_offsets[p], ws.flag_words, torch.int32) for p in (0, 1))
         self._comb_flags = tuple(flags[ep * MAX_CHUNKS:] for flags in self._flags)
-        self._recv = ws._view(ws.recv_offset, rows * H, torch.bfloat16).view(rows, H)
+        self._recv = ws._view(ws.recv_offset, self.recv_rows * H, torch.bfloat16).view(self.recv_rows, H)
         self._comb = tuple(ws._view(ws.comb_offsets[p], rows * H, torch.bfloat16).view(rows, H) for p in (0, 1))
         self._h = ws.h_buffer[:pairs * I].view(pairs, I) if pairs and I else None
         self._y = ws.y_buffer[:pairs * H].view(pairs, H) if pairs else None
@@ -444,7 +456,7 @@ class WorkspaceView:
         return self._routing[parity]
 
     def recv(self) -> torch.Tensor:
-        """[EP * T_max, H] bf16 receive rows of this rank."""
+        """[recv_rows, H] bf16 receive rows of this rank."""
         return self._recv
 
     def comb(self, parity: int) -> torch.Tensor:

@@ -493,19 +493,23 @@ class PairDispatch:
     top_k <= E_local (the tables drop no pair)."""
 
     def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
-                 max_call_tokens: int, num_programs: int, spread: int = 1):
+                 max_call_tokens: int, num_programs: int, spread: int = 1, recv_rows: int = 0):
         """`num_programs`: the SMs (at most one program per SM; fewer where the call has fewer pairs); `spread`
         (KernelConfig.pair_programs; the backend gives it to the long size class only): where the walk takes
         PIPE_PAIRS pairs per step into local rows (EP = 1), `spread` times the programs (no more than the longest
-        call's steps of pairs)."""
+        call's steps of pairs). `recv_rows`: rows of every rank's receive region (the workspace view's
+        `recv_rows`; 0: EP * max_tokens), which must hold every pair a destination can receive at EP > 1,
+        EP * max_call_tokens * top_k."""
         local = num_experts // world_size
         if top_k > local:
             raise ValueError(f"top_k = {top_k} > {local} local experts: the task tables drop pairs there")
-        if not 1 <= max_call_tokens or (max_call_tokens * top_k > max_tokens and world_size > 1):
-            raise ValueError(f"max_call_tokens must be in [1, max_tokens / top_k = {max_tokens // top_k}] (the pair "
-                             f"rows fill the receive region), got {max_call_tokens}")
-        if max_call_tokens > max_tokens:
+        if max_call_tokens > max_tokens or max_call_tokens < 1:
             raise ValueError(f"max_call_tokens must be in [1, max_tokens = {max_tokens}], got {max_call_tokens}")
+        self.recv_rows = max(recv_rows, world_size * max_tokens)
+        if world_size > 1 and world_size * max_call_tokens * top_k > self.recv_rows:
+            raise ValueError(f"the pairs of {max_call_tokens} tokens from each of {world_size} ranks "
+                             f"({world_size * max_call_tokens * top_k} rows) do not fit the receive region "
+                             f"({self.recv_rows} rows): size it with the workspace's recv_rows")
         _check_hidden(hidden_size)
         self.world_size, self.max_tokens, self.hidden_size = world_size, max_tokens, hidden_size
         self.max_call_tokens = max_call_tokens
@@ -528,9 +532,12 @@ class PairDispatch:
                    local) -> tuple:
         P, T, L = self.world_size, self.max_tokens, self.constants["L"]
         need = self.max_call_tokens * self.rows_shape[1]   # rows of the longest call's pairs
-        if local is None and need > P * T:
-            raise ValueError(f"the pairs of {self.max_call_tokens} tokens ({need} rows) do not fit the receive region "
-                             f"({P * T} rows): give local rows (EP = 1)")
+        if local is None:
+            region = self.recv_rows if P * need > self.recv_rows else min(self.recv_rows, workspace.recv_rows)
+            if P * need > region:
+                raise ValueError(f"the pairs of {self.max_call_tokens} tokens from each of {P} ranks ({P * need} "
+                                 f"rows) do not fit the receive region ({region} rows): give local rows (EP = 1) "
+                                 f"or size the region (the workspace's recv_rows)")
         if local is not None:
             if P != 1 or local.dtype != torch.bfloat16 or local.dim() != 2 or local.shape[1] != self.hidden_size \
                     or local.shape[0] < need or not local.is_contiguous():

@@ -1,5 +1,5 @@
 """The combine of a paired call: at EP = 1 (KernelConfig.pair_dispatch) out[t] = sum_j w[t, j] * y[row(t, j)]; at
-EP > 1 (`PeerPairCombine`, below; not used by the backend yet) the same in two levels, through the peers.
+EP > 1 (`PeerPairCombine`, below; KernelConfig.pair_peers) the same in two levels, through the peers.
 
 Why. After the pair dispatch (kernels/early_dispatch.py, `pair_dispatch_kernel`) each (token, expert) pair has its
 own row in expert order, and that kernel wrote the row of pair (t, j) into a [T, k] table. At EP = 1 every pair is
@@ -139,7 +139,7 @@ class PairCombine:
         return dict(self.constants, REPORT=report[0].numel(), **sync.optional_pdl(pdl))
 
 
-# ---- at EP > 1 (docs/perf-notes.md entry 41; a building block, not used by the backend yet) -------------------------
+# ---- at EP > 1 (docs/perf-notes.md entry 41; the backend's paired calls at EP > 1, KernelConfig.pair_peers) ---------
 # After `PairDispatch` (without local rows) each destination d holds every pair of its experts in expert order in its
 # receive region and, after the grouped GEMMs, y in that order. The combine is then the megakernel's, with positions
 # computed from the ids instead of read from the emit's tables:
@@ -254,8 +254,8 @@ def pair_reduce_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, comb_ptr,
 
 class PeerPairCombine:
     """The combine after a pair dispatch at EP > 1 (`send` at every destination after its GEMMs, then `reduce` at
-    every source); a building block of docs/perf-notes.md entry 41, not used by the backend yet. Decode calls of at
-    most `max_call_tokens` tokens on every rank."""
+    every source; docs/perf-notes.md entry 41): the paired call's at EP > 1 (KernelConfig.pair_peers). Decode calls
+    of at most `max_call_tokens` tokens on every rank."""
 
     def __init__(self, world_size: int, num_experts: int, top_k: int, hidden_size: int, max_tokens: int,
                  max_call_tokens: int, num_programs: int):
@@ -293,3 +293,12 @@ class PeerPairCombine:
         """At this rank (a source): out (at `io[1]`) from the rows its destinations sent, after a bounded wait."""
         args, options = self.reduce_arguments(all_ids, tokens, io, workspace, status, rank, timeout_ns)
         pair_reduce_kernel[(self.reduce_programs,)](*args, **options)
+
+    def warmup(self, all_ids, all_weights, tokens, pairs, y, io, workspace, status, rank: int,
+               timeout_ns: int) -> None:
+        """Compile `send` and `reduce` for these arguments' specialisation without launching (the layer's first
+        call, before it enqueues anything)."""
+        args, options = self.send_arguments(all_ids, all_weights, tokens, pairs, y, workspace, status, rank)
+        pair_combine_send_kernel.warmup(*args, **options, grid=(self.send_programs,))
+        args, options = self.reduce_arguments(all_ids, tokens, io, workspace, status, rank, timeout_ns)
+        pair_reduce_kernel.warmup(*args, **options, grid=(self.reduce_programs,))
