@@ -125,6 +125,11 @@ def _failure_cases(rank: int, world_size: int) -> dict:
     results["build-max-tokens"] = _outcome(build(max_tokens_per_rank=MAX_TOKENS + (rank == last)))
     results["build-spec"] = _outcome(build(spec=MoESpec(8, 2, 32, 16 + 8 * (rank == last))))
     results["build-backend"] = _outcome(build(backend="reference" if rank == last else "nccl"))
+    # the weave kernels' protocol differs with the KernelConfig (e.g. pair_peers: the paired call at EP > 1 against
+    # the call with task tables): checked before the backend is built (on the CPU here, where it would refuse)
+    from weave_moe.backends.weave import KernelConfig
+
+    results["build-kernel-config"] = _outcome(build(backend="weave", config=KernelConfig(pair_peers=rank == last)))
     results["build-invalid"] = _outcome(build(max_tokens_per_rank=0 if rank == last else MAX_TOKENS))
     results["build-bad-option"] = _outcome(build(**({"bogus_option": 1} if rank == last else {})))
     results["build-ok/next"] = _error_of_good_call(layer, rank, seed=1, call=7)
@@ -233,7 +238,8 @@ def test_layers_called_in_a_different_order_raise_on_every_rank(world_size):
 
 @pytest.mark.parametrize("world_size", EP_SIZES)
 @pytest.mark.parametrize("case, field", [("build-max-tokens", "max_tokens_per_rank differs"),
-                                          ("build-spec", "spec differs"), ("build-backend", "backend differs")])
+                                          ("build-spec", "spec differs"), ("build-backend", "backend differs"),
+                                          ("build-kernel-config", "kernel_config differs")])
 def test_ranks_that_build_different_layers_raise_naming_the_field(world_size, case, field):
     results = _results(world_size)
     for rank, result in enumerate(results):

@@ -28,6 +28,15 @@ def test_kernel_config_from_env(monkeypatch):
         cfg.block_m = 64                                       # frozen
 
 
+def test_kernel_config_as_text_names_the_fields_off_their_defaults():
+    """`KernelConfig.as_text` (what the ranks' construction check compares): "" for the defaults, else the changed
+    fields in `from_text`'s format, which reads them back to the same config."""
+    assert KernelConfig().as_text() == ""
+    config = KernelConfig.from_text("pair_peers=on,block_m=64,chain_pairs=off", "test")
+    assert config.as_text() == "block_m=64,pair_peers=on,chain_pairs=off"
+    assert KernelConfig.from_text(config.as_text(), "test") == config
+
+
 def test_gemm0_gather_auto_follows_the_intermediate_size():
     from weave_moe.backends.weave.config import GEMM0_GATHER_MAX_I
 

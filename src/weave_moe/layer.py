@@ -44,6 +44,15 @@ _POLICY_BACKENDS = {"weave"}
 DEFAULT_POLICY = "weave"
 
 
+def _with_kernel_config(options: dict) -> dict:
+    """The weave backend's options with its KernelConfig resolved (the one given, else WEAVE_MOE_KERNEL_CONFIG's), so
+    that the ranks' construction check compares, and the backend runs, the same one."""
+    from weave_moe.backends.weave import KernelConfig
+
+    config = options.get("config")
+    return dict(options, config=KernelConfig.from_env() if config is None else config)
+
+
 def _backend_class(name: str):
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
@@ -126,8 +135,8 @@ class ExpertParallelMoE(torch.nn.Module):
         **backend_options: passed to the backend (each backend rejects options it does not know).
 
     Construction is collective at EP > 1: every rank of the group builds its layers in the same order, and ranks that
-    disagree on spec, max_tokens_per_rank, backend or policy raise LayerMismatchError naming the field, on every
-    rank. The layer is inference-only: its forward runs without autograd, and a backward through it raises.
+    disagree on spec, max_tokens_per_rank, backend, policy or (weave) the KernelConfig (`config`, else
+    WEAVE_MOE_KERNEL_CONFIG) raise LayerMismatchError naming the field, on every rank. The layer is inference-only: its forward runs without autograd, and a backward through it raises.
     Expert weights are held by the backend, not registered as parameters: `.to()` does not move them.
     """
 
@@ -137,16 +146,20 @@ class ExpertParallelMoE(torch.nn.Module):
         super().__init__()
         self.group, self.rank, self.world_size = _resolve_group(group)
         # Checks that could fail on one rank alone: every rank learns of them in the construction check below.
+        kernel_config = None
         try:
             self._check_arguments(spec, max_tokens_per_rank, policy, backend, timeout_s)
             self.timeout_s = float(timeout_s)
             self.device = _resolve_device(device, self.group)
+            if backend == "weave":   # its kernels' protocol: every rank's KernelConfig must be the same
+                backend_options = _with_kernel_config(backend_options)
+                kernel_config = backend_options["config"].as_text()
             local_error = None
         except (TypeError, ValueError, RuntimeError) as error:
             local_error = error
             # what the construction check's exchange runs with
             self.timeout_s, self.device = DEFAULT_TIMEOUT_S, _resolve_device(None, self.group)
-        description = describe_layer(spec, max_tokens_per_rank, backend, policy)
+        description = describe_layer(spec, max_tokens_per_rank, backend, policy, kernel_config=kernel_config)
         index = 0
         if self.world_size > 1:
             index = agree_on_layer(self.group, self.rank, self.world_size, self.device, description, local_error,

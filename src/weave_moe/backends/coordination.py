@@ -110,14 +110,20 @@ class LayerBrokenError(CoordinationError):
     """The layer was marked broken by an earlier timeout or failed collective and cannot be used again."""
 
 
-def describe_layer(spec, max_tokens_per_rank, backend: str, policy: str, dtype: str = "bfloat16") -> dict[str, str]:
-    """What every rank must agree on, field name -> printable value (a spec that is not a MoESpec still prints)."""
+def describe_layer(spec, max_tokens_per_rank, backend: str, policy: str, dtype: str = "bfloat16",
+                   kernel_config: str | None = None) -> dict[str, str]:
+    """What every rank must agree on, field name -> printable value (a spec that is not a MoESpec still prints).
+    `kernel_config`: the weave backend's KernelConfig (`as_text`: its fields off their defaults), whose kernels'
+    protocol every rank must share (None: a backend without one)."""
     if all(hasattr(spec, f) for f in ("num_experts", "top_k", "hidden_size", "intermediate_size")):
         spec_text = (f"E={spec.num_experts} k={spec.top_k} H={spec.hidden_size} I={spec.intermediate_size}")
     else:
         spec_text = repr(spec)[:200]
-    return {"spec": spec_text, "dtype": dtype, "max_tokens_per_rank": repr(max_tokens_per_rank),
-            "backend": repr(backend), "policy": repr(policy)}
+    description = {"spec": spec_text, "dtype": dtype, "max_tokens_per_rank": repr(max_tokens_per_rank),
+                   "backend": repr(backend), "policy": repr(policy)}
+    if kernel_config is not None:
+        description["kernel_config"] = repr(kernel_config or "defaults")
+    return description
 
 
 def layer_fingerprint(description: dict[str, str]) -> int:

@@ -411,6 +411,15 @@ class KernelConfig:
                 names = []
         return docs
 
+    def as_text(self) -> str:
+        """The fields that differ from the defaults as "key=value,..." (`from_text`'s format: `from_text(c.as_text())`
+        equals c; "" for the defaults)."""
+        default = type(self)()
+        changed = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != getattr(default, f.name)]
+        return ",".join(f"{name}={('on' if value else 'off') if isinstance(value, bool) else value}"
+                        for name, value in changed)
+
     @classmethod
     def from_env(cls) -> "KernelConfig":
         """Defaults, overridden by WEAVE_MOE_KERNEL_CONFIG="key=value,..." (ints; booleans as 1/0, true/false,
