@@ -22,7 +22,8 @@ def _compiled(kind: str, world_size: int, num_experts: int, top_k: int, hidden: 
     flags = torch.zeros(64, **i32)
     workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), recv_offset=1 << 20,
                                       flags_offsets=(0, 256), flags=lambda parity: flags,
-                                      recv_rows=world_size * max_tokens)
+                                      recv_rows=world_size * max_tokens * top_k, pair_rows_offset=1 << 19,
+                                      pair_slots=world_size * max_tokens * top_k)
     ids, tokens = torch.zeros(world_size, max_tokens, top_k, **i32), torch.zeros(world_size, **i32)
     chunks, status = torch.zeros(world_size, 4, **i32)[:, 1], torch.zeros(4, **i32)
     io = torch.zeros(2, dtype=torch.int64)
@@ -161,7 +162,8 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
     alone = PairDispatch(1, 16, 4, 32, 16, 8, 4)
     i32 = dict(dtype=torch.int32)
     args = (torch.zeros(1, 16, 4, **i32), torch.zeros(1, **i32), torch.zeros(16, **i32), None,
-            types.SimpleNamespace(peer_bases=None, recv_offset=0, flags_offsets=(0, 0), flags=lambda parity: None),
+            types.SimpleNamespace(peer_bases=None, recv_offset=0, pair_rows_offset=0, flags_offsets=(0, 0),
+                                  flags=lambda parity: None),
             None, 0, 1, torch.zeros(17, **i32), torch.zeros(alone.rows_shape, **i32))
     with pytest.raises(ValueError, match="do not fit the receive region"):
         alone._arguments(*args, None)
@@ -371,11 +373,12 @@ def test_peer_pair_combine_compiles_for_sm90(world_size, num_experts, top_k, hid
     workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), comb_offsets=(0, 0),
                                       flags_offsets=(0, 0), comb=lambda parity: torch.zeros(rows, hidden,
                                                                                             dtype=torch.bfloat16),
-                                      comb_flags=lambda parity: torch.zeros(world_size, **i32))
+                                      comb_flags=lambda parity: torch.zeros(world_size, **i32),
+                                      pair_rows=lambda: torch.zeros(rows * top_k, **i32))
     ids, tokens = torch.zeros(world_size, 2048, top_k, **i32), torch.zeros(world_size, **i32)
     weights, status = torch.zeros(world_size, 2048, top_k), torch.zeros(4, **i32)
-    send = combine.send_arguments(ids, weights, tokens, torch.zeros(num_experts, **i32),
-                                  torch.zeros(rows, hidden, dtype=torch.bfloat16), workspace, status, 1)
+    send = combine.send_arguments(ids, weights, tokens, torch.zeros(rows * top_k, hidden, dtype=torch.bfloat16),
+                                  workspace, status, 1)
     reduce = combine.reduce_arguments(ids, tokens, torch.zeros(2, dtype=torch.int64), workspace, status, 1, 10 ** 9)
     for kernel, (args, options), scope in ((pair_combine.pair_combine_send_kernel, send, "release"),
                                           (pair_combine.pair_reduce_kernel, reduce, "acquire")):

@@ -974,6 +974,7 @@ class _PairRig:
         if bad_id and rank == 0:
             ids[0, 0] = E
         self.ws.recv().fill_(float("nan"))
+        self.ws.pair_rows().fill_(-5)
         self.message.pack_call(self.send, ids, weights, self.header, self.io, x if T else out, out, 0, self.status,
                                self.ctrl, self.ws.flags(0), E)
         exchange_routing(self.ws, self.message, self.send, self.all_routing, self.live_status,
@@ -1035,6 +1036,7 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
         owed = [int(((all_ids[s, :int(all_tokens[s])] >= rank * local)
                      & (all_ids[s, :int(all_tokens[s])] < (rank + 1) * local)).sum()) for s in range(world_size)]
         results.append(dict(refused=False, rows=rows[:T].tolist(), ids=all_ids[rank, :T].tolist(), placed=placed,
+                            pair_rows=ws.pair_rows().tolist(),
                             rows_past=bool((rows[T:] == -9).all()), status=status[:4].tolist(), wrong=wrong, total=total,
                             offsets=offsets.tolist(), expert_offsets=ref.expert_offsets.tolist(),
                             unwritten_past=bool(recv[total:].isnan().all()),
@@ -1083,6 +1085,19 @@ def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, c
                     placed = sorted(p for p, s, token in results[dest][call]["placed"] if (s, token) == (source, t))
                     assert named == placed, (source, call, t, dest, named, placed)
                 assert all(r == -1 for e, r in zip(ids, rows) if e < 0), (source, call, t)
+    # the destinations' pair rows regions: entry (s * T_max + t) * k + j holds the row of source s's pair (t, j)
+    # where its expert is the destination's (the source's rows table names the same row), every other entry as
+    # poisoned (-5)
+    max_tokens = _PairRig.MAX_TOKENS
+    for call in range(len(calls) - 1):
+        for dest, per_call in enumerate(results):
+            expected = [-5] * len(per_call[call]["pair_rows"])
+            for source, theirs in enumerate(results):
+                for t, (ids, rows) in enumerate(zip(theirs[call]["ids"], theirs[call]["rows"])):
+                    for j, (e, r) in enumerate(zip(ids, rows)):
+                        if e >= 0 and e // local == dest:
+                            expected[(source * max_tokens + t) * k + j] = r
+            assert per_call[call]["pair_rows"] == expected, (dest, call)
 
 
 def _peer_pair_combine_worker(rank: int, world_size: int, calls: list, E: int, k: int, stall: bool) -> list:
@@ -1114,7 +1129,7 @@ def _peer_pair_combine_worker(rank: int, world_size: int, calls: list, E: int, k
             lo, hi = int(got.offsets[e]), int(got.offsets[e + 1])
             y[lo:hi] = (recv[lo:hi].float() * (rank * local + e + 1) / 8).bfloat16()
         if not (stall and last and rank == 1):
-            combine.send(got.all_ids, got.all_weights, got.all_tokens, got.pairs, y, ws, rig.live_status, rank)
+            combine.send(got.all_ids, got.all_weights, got.all_tokens, y, ws, rig.live_status, rank)
         # the interpreter's deadline counts polls (100 ns each): 10^6 ns is 10^4 polls
         combine.reduce(got.all_ids, got.all_tokens, rig.io, ws, rig.live_status, rank, 10 ** 6)
         owed_by_1 = bool(((got.ids >= local) & (got.ids < 2 * local)).any())

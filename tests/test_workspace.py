@@ -75,6 +75,10 @@ def test_a_paired_layer_sizes_the_receive_region_for_its_pairs():
                     _span(plain.comb(1))])
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= ws.buffer.data_ptr() + ws.buffer.numel()
     assert ws.comb_offsets[0] == ws.recv_offset + ws.capacity.recv
+    # the pair rows region: one int32 per receive row of the paired layer, none for the other
+    assert paired.pair_rows().shape == (48,) and plain.pair_rows().numel() == 0 and ws.capacity.pair_rows == 256
+    assert paired.pair_rows().data_ptr() == ws.buffer.data_ptr() + ws.pair_rows_offset
+    assert _span(paired.pair_rows())[1] <= ws.buffer.data_ptr() + ws.recv_offset and ws.pair_rows_offset % 256 == 0
     again = ws.attach(max_tokens=8, hidden_size=32, recv_rows=40)   # fits: no growth
     assert ws.generation == 2 and again.recv().shape == (40, 32)
     with pytest.raises(ValueError, match="recv_rows"):

@@ -662,8 +662,7 @@ class WeaveBackend:
             return
         # at EP > 1: this rank's sums of every source's tokens to the sources, then out from what its destinations
         # sent (a bounded wait), then the status words to the host (what the EP = 1 combine does itself)
-        pairs = self._pairs(counts)
-        self.peer_pair_combine.send(all_ids, all_weights, tokens, pairs, self.workspace.y(), self.workspace,
+        self.peer_pair_combine.send(all_ids, all_weights, tokens, self.workspace.y(), self.workspace,
                                     self.live_status, self.rank)
         self.peer_pair_combine.reduce(all_ids, tokens, self.io, self.workspace, self.live_status, self.rank,
                                       self.timeout_ns)
@@ -1311,9 +1310,8 @@ class WeaveBackend:
                                              self.live_status, self.rank, pdl=chain,
                                              report=(self.status, self.status_host))
         if self.peer_pair_combine is not None:
-            self.peer_pair_combine.warmup(all_ids, all_weights, tokens, self._pairs(self.device_counts.counts),
-                                          self.workspace.y(), self.io, self.workspace, self.live_status, self.rank,
-                                          self.timeout_ns)
+            self.peer_pair_combine.warmup(all_ids, all_weights, tokens, self.workspace.y(), self.io, self.workspace,
+                                          self.live_status, self.rank, self.timeout_ns)
         if self.tables_dispatch is not None:
             self.tables_dispatch.warmup(self.table_buffers[False], tokens, self.plans_device[:, 1], self.io,
                                         self.workspace, self.live_status, self.rank, self.timeout_ns)

@@ -7,6 +7,10 @@ Symmetric part (PyTorch symmetric memory, CUDA IPC; no NVLink multicast), one bu
                           (monotonic, never zeroed; kernels/routing_exchange.py)
     routing  [2 parities][EP sources][M] int32   routing messages written to this rank (M = slot words, the largest
                           RoutingMessage.words attached; the parity is chosen on the device by the exchange)
+    pair rows [R_pairs] int32   where a paired call at EP > 1 put each pair sent here: entry (s * T_max + t) * k + j
+                          = the receive row of source s's pair (token t, slot j) (`attach(recv_rows=)`: R_pairs =
+                          recv_rows = EP * T_max * k; 0 otherwise), written by the source's pair dispatch with the
+                          row, read by this rank's combine (kernels/pair_combine.py)
     recv     [R_recv, H] bf16   rows dispatched to this rank: R_recv = EP * T_max (source s at rows [s*T_max,
                           (s+1)*T_max)), or more where a layer's paired calls at EP > 1 need a row per (token,
                           expert) pair (`attach(recv_rows=)`: EP * T_max * k, every pair of every source in expert
@@ -59,7 +63,7 @@ R_recv = the largest of R and a paired layer's EP * T_max * k * H * 2 (`attach(r
 message (RoutingMessage.words = 2 * T_max * k + 1 + HEADER_WORDS) and P = EP * T_max * min(k, E_local) (max_pairs):
 
     symmetric = 2 * align256(4 * (EP * MAX_CHUNKS + EP)) + align256(4 * EP) + align256(2 * EP * M * 4)
-                + align256(R_recv) + 2 * align256(R)
+                + align256(4 * R_pairs) + align256(R_recv) + 2 * align256(R)
     local     = max(P * I) * 2 + max(P * H) * 2       (each over the layers attached)
 
 plus the exchange's control block, 4 * (EXCHANGE_CTRL_FIXED + EP) bytes (not counted in `WorkspaceBytes`).
@@ -118,6 +122,7 @@ class WorkspaceBytes:
         flags: both parities' flags, aligned.
         rows: one parity of the comb region: EP * T_max * H * 2, aligned.
         recv: the recv region: the larger of `rows` and recv_rows * H * 2, aligned.
+        pair_rows: the pair rows region: recv_rows * 4 (0 without recv_rows), aligned.
         h, y: local GEMM scratch (max_pairs * I * 2 and max_pairs * H * 2).
         routing_flags: the routing flags, [EP] int32, aligned.
         routing: the routing slots, [2][EP][M] int32 (M = routing words), aligned.
@@ -130,6 +135,7 @@ class WorkspaceBytes:
     routing_flags: int = 0
     routing: int = 0
     recv: int = 0
+    pair_rows: int = 0
 
     @classmethod
     def of(cls, world_size: int, max_tokens: int, hidden_size: int, intermediate_size: int = 0,
@@ -139,6 +145,7 @@ class WorkspaceBytes:
         return cls(flags=2 * _align(flag_words * 4),
                    rows=_align(rows * hidden_size * BYTES_PER_ELEMENT),
                    recv=_align(max(rows, recv_rows) * hidden_size * BYTES_PER_ELEMENT),
+                   pair_rows=_align(recv_rows * 4),
                    h=max_pairs * intermediate_size * BYTES_PER_ELEMENT,
                    y=max_pairs * hidden_size * BYTES_PER_ELEMENT,
                    routing_flags=_align(world_size * 4),
@@ -150,7 +157,7 @@ class WorkspaceBytes:
 
     @property
     def symmetric(self) -> int:
-        return self.flags + self.routing_flags + self.routing + self.recv + 2 * self.rows
+        return self.flags + self.routing_flags + self.routing + self.pair_rows + self.recv + 2 * self.rows
 
     @property
     def local(self) -> int:
@@ -244,7 +251,8 @@ class SymmetricWorkspace:
     def reserve(self, need: WorkspaceBytes) -> None:
         """Grow the symmetric part (collectively) and the local part (locally) to at least `need`."""
         grow_symmetric = (need.rows > self.capacity.rows or need.routing > self.capacity.routing
-                          or need.recv > self.capacity.recv or self.buffer is None)
+                          or need.recv > self.capacity.recv or need.pair_rows > self.capacity.pair_rows
+                          or self.buffer is None)
         grow_h, grow_y = need.h > self.capacity.h, need.y > self.capacity.y
         if not (grow_symmetric or grow_h or grow_y):
             return
@@ -259,7 +267,8 @@ class SymmetricWorkspace:
                                   y=max(need.y, self.capacity.y),
                                   routing_flags=need.routing_flags if first else self.capacity.routing_flags,
                                   routing=max(need.routing, self.capacity.routing),
-                                  recv=max(need.recv, self.capacity.recv))
+                                  recv=max(need.recv, self.capacity.recv),
+                                  pair_rows=max(need.pair_rows, self.capacity.pair_rows))
         if grow_symmetric:
             self._allocate_symmetric(capacity)
         if grow_h:
@@ -278,7 +287,8 @@ class SymmetricWorkspace:
         self.routing_flags_offset = capacity.flags
         self.routing_offset = self.routing_flags_offset + capacity.routing_flags
         self.routing_slot_words = capacity.routing_slot_words(self.world_size)
-        self.recv_offset = self.routing_offset + capacity.routing
+        self.pair_rows_offset = self.routing_offset + capacity.routing
+        self.recv_offset = self.pair_rows_offset + capacity.pair_rows
         self.comb_offsets = (self.recv_offset + capacity.recv, self.recv_offset + capacity.recv + capacity.rows)
         total = capacity.symmetric
         # the exchange's sequence numbers restart with the routing flags they are compared with (module docstring)
@@ -386,7 +396,8 @@ class WorkspaceView:
     Attributes:
         workspace: the shared SymmetricWorkspace.
         peer_bases: [EP] int64 base address of every rank's symmetric buffer.
-        recv_offset, comb_offsets, flags_offsets: byte offsets of the regions in every rank's buffer.
+        recv_offset, comb_offsets, flags_offsets, pair_rows_offset: byte offsets of the regions in every rank's
+            buffer.
         recv_rows: rows of this layer's receive region (`recv`): EP * T_max, or the layer's `attach(recv_rows=)`.
         routing_offset, routing_flags_offset: byte offsets of the routing slots and the routing flags.
         routing_slot_words: M, int32 words of one routing slot (>= routing_words).
@@ -399,6 +410,7 @@ class WorkspaceView:
         self.workspace = workspace
         self.max_tokens, self.hidden_size = max_tokens, hidden_size
         self.recv_rows = max(workspace.world_size * max_tokens, recv_rows)
+        self.pair_slots = recv_rows   # entries of `pair_rows` (0: the layer has none)
         self.intermediate_size, self.max_pairs = intermediate_size, max_pairs
         self.routing_words = routing_words
         self.exchange_ctrl = workspace.exchange_ctrl
@@ -412,6 +424,8 @@ class WorkspaceView:
         self.generation = ws.generation
         self.peer_bases = ws.peer_bases
         self.recv_offset, self.comb_offsets, self.flags_offsets = ws.recv_offset, ws.comb_offsets, ws.flags_offsets
+        self.pair_rows_offset = ws.pair_rows_offset
+        self._pair_rows = ws._view(ws.pair_rows_offset, self.pair_slots, torch.int32)
         self.routing_offset, self.routing_flags_offset = ws.routing_offset, ws.routing_flags_offset
         self.routing_slot_words = ws.routing_slot_words
         self._routing_flags = ws._view(ws.routing_flags_offset, ep, torch.int32)
@@ -458,6 +472,11 @@ class WorkspaceView:
     def recv(self) -> torch.Tensor:
         """[recv_rows, H] bf16 receive rows of this rank."""
         return self._recv
+
+    def pair_rows(self) -> torch.Tensor:
+        """[recv_rows] int32 (empty without `attach(recv_rows=)`): where the pairs sent here at EP > 1 lie
+        (module docstring)."""
+        return self._pair_rows
 
     def comb(self, parity: int) -> torch.Tensor:
         """[EP * T_max, H] bf16 combine rows written to this rank for `parity`."""

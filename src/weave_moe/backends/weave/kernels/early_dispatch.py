@@ -392,9 +392,10 @@ def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_
                 tl.store(local_ptr + tl.cast(row3, tl.int64) * H + cols, v3, mask=inside & ok3)
 
 
-@triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "flags_offset", "timeout_ns"])
+@triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "pair_rows_offset", "flags_offset",
+                               "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
-                         recv_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr,
+                         recv_offset, pair_rows_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr,
                          rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
                          K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -406,8 +407,9 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     expert e on rank d goes to receive row
         sum(pairs of d's experts before e) + (pairs of e from sources < s) + (pairs of e in s's (t', j') < (t, j)).
     pairs_ptr: the counts vector's pairs per expert [E] (every rank's); the others as in `early_dispatch_kernel`.
-    Each pair sent releases 1 onto flag (this rank, chunk 0) at d; the last program waits until each source's flag
-    holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T. The last program also writes
+    Each pair sent releases 1 onto flag (this rank, chunk 0) at d, after its row and its entry (s * T_max + t) * k
+    + j of d's pair rows region (`pair_rows_offset`: the row, which d's combine reads, kernels/pair_combine.py); the
+    last program waits until each source's flag holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T. The last program also writes
     this rank's expert offsets [L + 1] into `offsets_ptr` (the exclusive prefix sum of its experts' pairs, what the
     bases kernel writes into the tables' `expert_offsets` under one chunk; zeros when the call is refused), from
     which the grouped GEMMs' tile tables can be built (`grouped_tiles.fill_tile_tables`) without the task tables.
@@ -468,6 +470,8 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                     dst = local_ptr + tl.cast(row, tl.int64) * H
                 else:
                     dst = peer_ptr(peer_base_ptr, dest, recv_offset, tl.bfloat16, True) + tl.cast(row, tl.int64) * H
+                    tl.store(peer_ptr(peer_base_ptr, dest, pair_rows_offset, tl.int32)
+                             + (rank * max_tokens + token) * K + pair % KP, row)
                 src = x + tl.cast(token, tl.int64) * H
                 for h0 in range(0, H, BLOCK_H):
                     cols = h0 + offs_h
@@ -538,6 +542,10 @@ class PairDispatch:
                 raise ValueError(f"the pairs of {self.max_call_tokens} tokens from each of {P} ranks ({P * need} "
                                  f"rows) do not fit the receive region ({region} rows): give local rows (EP = 1) "
                                  f"or size the region (the workspace's recv_rows)")
+            if workspace.pair_slots < P * T * self.constants["K"]:
+                raise ValueError(f"the workspace's pair rows region has {workspace.pair_slots} entries, the pair "
+                                 f"dispatch writes up to {P * T * self.constants['K']} (EP * T_max * k): attach "
+                                 f"the layer with recv_rows")
         if local is not None:
             if P != 1 or local.dtype != torch.bfloat16 or local.dim() != 2 or local.shape[1] != self.hidden_size \
                     or local.shape[0] < need or not local.is_contiguous():
@@ -553,7 +561,8 @@ class PairDispatch:
                 or not rows.is_contiguous():
             raise ValueError(f"rows must be contiguous int32 {list(self.rows_shape)}")
         return (all_ids, all_ids.stride(0), tokens, tokens.stride(0), pairs, io, workspace.peer_bases,
-                workspace.recv_offset, workspace.flags_offsets[0], workspace.flags(0), status,
+                workspace.recv_offset, workspace.pair_rows_offset, workspace.flags_offsets[0], workspace.flags(0),
+                status,
                 rows if offsets is None else offsets, rows, rows if local is None else local, rank, P, T,
                 self.hidden_size, timeout_ns)
 

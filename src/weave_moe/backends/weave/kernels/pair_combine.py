@@ -144,39 +144,19 @@ class PairCombine:
 # receive region and, after the grouped GEMMs, y in that order. The combine is then the megakernel's, with positions
 # computed from the ids instead of read from the emit's tables:
 # - at d (`pair_combine_send_kernel`): for each (source s, token t) with an expert on d, the sum over t's slots j on
-#   d, in slot order, of w[s, t, j] * y[row(s, t, j)] in fp32, rounded once, written to s's combine region at row
+#   d, in slot order, of w[s, t, j] * y[row(s, t, j)] in fp32, rounded once (row(s, t, j): entry (s * T_max + t) * k
+#   + j of d's pair rows region, which s's pair dispatch wrote with the row before releasing it), written to s's combine region at row
 #   d * T_max + t, and one count released onto s's combine flag d (`tiles.combine_rows` and the megakernel's combine
 #   phase do the same with the tables' positions);
 # - at s (`pair_reduce_kernel`): once every flag d holds the rows d owes (s's tokens with an expert on d: its own
 #   ids), out[t] = the sum over those d, ascending, of the rows (fp32, rounded once), as `tiles.reduce_rows`.
 
 
-@triton.jit
-def _pair_row(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, source, token, slot, expert, rank,
-              max_tokens, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
-              BLOCK_E: tl.constexpr):
-    """The receive row at this rank (expert `expert`'s destination) of pair (source, token, slot): the pairs of this
-    rank's experts before `expert`, those of `expert` from earlier sources, those of `expert` in the source's earlier
-    (token, slot) (`early_dispatch.pair_dispatch_kernel`'s formula)."""
-    ee = tl.arange(0, BLOCK_E)
-    pairs = tl.load(pairs_ptr + ee, mask=(ee >= rank * L) & (ee < expert), other=0)
-    row = tl.sum(pairs, axis=0)
-    for earlier in range(0, source):
-        n_tok = tl.load(tokens_ptr + earlier * tokens_stride)
-        theirs = ids_block(ids_ptr, ids_stride, earlier, n_tok, 0, max_tokens, K, KP, BLOCK_T)
-        row += tl.sum(tl.sum((theirs == expert).to(tl.int32), axis=1), axis=0)
-    n_tok = tl.load(tokens_ptr + source * tokens_stride)
-    mine = ids_block(ids_ptr, ids_stride, source, n_tok, 0, max_tokens, K, KP, BLOCK_T)
-    flat = tl.arange(0, BLOCK_T)[:, None] * KP + tl.arange(0, KP)[None, :]
-    row += tl.sum(tl.sum(((mine == expert) & (flat < token * KP + slot)).to(tl.int32), axis=1), axis=0)
-    return row
-
-
 @triton.jit(do_not_specialize=["rank", "world_size", "comb_offset", "flags_offset"])
-def pair_combine_send_kernel(ids_ptr, ids_stride, weights_ptr, weights_stride, tokens_ptr, tokens_stride, pairs_ptr,
-                             y_ptr, peer_base_ptr, comb_offset, flags_offset, status_ptr, rank, world_size,
-                             max_tokens, H, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+def pair_combine_send_kernel(ids_ptr, ids_stride, weights_ptr, weights_stride, tokens_ptr, tokens_stride,
+                             pair_rows_ptr, y_ptr, peer_base_ptr, comb_offset, flags_offset, status_ptr, rank,
+                             world_size, max_tokens, H, L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                             MC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """The destination side: items (source, token) dealt round-robin to the programs; see the block comment above.
     A refused call sends nothing (the sources' reduce writes NaN rows)."""
     pid = tl.program_id(0)
@@ -201,8 +181,8 @@ def pair_combine_send_kernel(ids_ptr, ids_stride, weights_ptr, weights_stride, t
                         for j in tl.static_range(K):
                             expert = tl.load(ids_ptr + tl.cast(source, tl.int64) * ids_stride + token * K + j)
                             if (expert >= rank * L) & (expert < (rank + 1) * L):
-                                row = _pair_row(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, source,
-                                                token, j, expert, rank, max_tokens, L, K, KP, BLOCK_T, BLOCK_E)
+                                row = tl.load(pair_rows_ptr + (tl.cast(source, tl.int64) * max_tokens + token) * K
+                                              + j)
                                 weight = tl.load(weights_ptr + tl.cast(source, tl.int64) * weights_stride
                                                  + token * K + j)
                                 values = tl.load(y_ptr + tl.cast(row, tl.int64) * H + cols, mask=cols < H, other=0.0)
@@ -268,14 +248,17 @@ class PeerPairCombine:
         self.reduce_programs = max(1, min(num_programs, max_call_tokens * triton.cdiv(hidden_size, block_h)))
         self.constants = dict(L=num_experts // world_size, K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_T=BLOCK_T,
                               BLOCK_H=block_h)
-        self.block_e = triton.next_power_of_2(num_experts)
 
-    def send_arguments(self, all_ids, all_weights, tokens, pairs, y, workspace, status, rank: int) -> tuple:
+    def send_arguments(self, all_ids, all_weights, tokens, y, workspace, status, rank: int) -> tuple:
         """(arguments, compile-time switches) of `send`'s launch."""
-        return ((all_ids, all_ids.stride(0), all_weights, all_weights.stride(0), tokens, tokens.stride(0), pairs, y,
-                 workspace.peer_bases, workspace.comb_offsets[0], workspace.flags_offsets[0], status, rank,
-                 self.world_size, self.max_tokens, self.hidden_size),
-                dict(self.constants, MC=MAX_CHUNKS, BLOCK_E=self.block_e, num_warps=NUM_WARPS))
+        slots = self.world_size * self.max_tokens * self.top_k
+        if workspace.pair_rows().numel() < slots:
+            raise ValueError(f"the workspace's pair rows region has {workspace.pair_rows().numel()} entries, the "
+                             f"combine reads up to {slots} (EP * T_max * k): attach the layer with recv_rows")
+        return ((all_ids, all_ids.stride(0), all_weights, all_weights.stride(0), tokens, tokens.stride(0),
+                 workspace.pair_rows(), y, workspace.peer_bases, workspace.comb_offsets[0], workspace.flags_offsets[0],
+                 status, rank, self.world_size, self.max_tokens, self.hidden_size),
+                dict(self.constants, MC=MAX_CHUNKS, num_warps=NUM_WARPS))
 
     def reduce_arguments(self, all_ids, tokens, io, workspace, status, rank: int, timeout_ns: int) -> tuple:
         """(arguments, compile-time switches) of `reduce`'s launch."""
@@ -283,10 +266,11 @@ class PeerPairCombine:
                  status, rank, self.world_size, self.max_tokens, self.hidden_size, timeout_ns),
                 dict(self.constants, BLOCK_P=triton.next_power_of_2(self.world_size), num_warps=NUM_WARPS))
 
-    def send(self, all_ids, all_weights, tokens, pairs, y, workspace, status, rank: int) -> None:
+    def send(self, all_ids, all_weights, tokens, y, workspace, status, rank: int) -> None:
         """At this rank (a destination): its rows of every source's tokens, from y (its pairs in expert order, as
-        the GEMMs leave them after `PairDispatch`), into the sources' parity-0 combine regions of `workspace`."""
-        args, options = self.send_arguments(all_ids, all_weights, tokens, pairs, y, workspace, status, rank)
+        the GEMMs leave them after `PairDispatch`, at the rows its pair rows region names), into the sources'
+        parity-0 combine regions of `workspace`."""
+        args, options = self.send_arguments(all_ids, all_weights, tokens, y, workspace, status, rank)
         pair_combine_send_kernel[(self.send_programs,)](*args, **options)
 
     def reduce(self, all_ids, tokens, io, workspace, status, rank: int, timeout_ns: int) -> None:
@@ -294,11 +278,10 @@ class PeerPairCombine:
         args, options = self.reduce_arguments(all_ids, tokens, io, workspace, status, rank, timeout_ns)
         pair_reduce_kernel[(self.reduce_programs,)](*args, **options)
 
-    def warmup(self, all_ids, all_weights, tokens, pairs, y, io, workspace, status, rank: int,
-               timeout_ns: int) -> None:
+    def warmup(self, all_ids, all_weights, tokens, y, io, workspace, status, rank: int, timeout_ns: int) -> None:
         """Compile `send` and `reduce` for these arguments' specialisation without launching (the layer's first
         call, before it enqueues anything)."""
-        args, options = self.send_arguments(all_ids, all_weights, tokens, pairs, y, workspace, status, rank)
+        args, options = self.send_arguments(all_ids, all_weights, tokens, y, workspace, status, rank)
         pair_combine_send_kernel.warmup(*args, **options, grid=(self.send_programs,))
         args, options = self.reduce_arguments(all_ids, tokens, io, workspace, status, rank, timeout_ns)
         pair_reduce_kernel.warmup(*args, **options, grid=(self.reduce_programs,))
