@@ -143,6 +143,33 @@ def sync_pdl() -> bool:
     return sync.PDL
 
 
+@pytest.mark.parametrize("world_size, num_experts, top_k, hidden, call_tokens",
+                         [(2, 128, 8, 2048, 512), (2, 256, 8, 7168, 128), (8, 64, 6, 4096, 256)])
+def test_pair_dispatch_into_peers_four_pairs_per_step_compiles_for_sm90(world_size, num_experts, top_k, hidden,
+                                                                        call_tokens):
+    """KernelConfig.pair_peers' long calls: the pair dispatch at EP > 1 walking four pairs per step (`_peer_pairs`),
+    as launched: no local memory, rows in 16-byte vectors, its counts released at system scope and the owed rows
+    acquired at system scope."""
+    from weave_moe.backends.weave.kernels import early_dispatch as ed
+    from weave_moe.backends.weave.kernels import sm90
+
+    i32, slots = dict(dtype=torch.int32), world_size * call_tokens * top_k
+    workspace = types.SimpleNamespace(peer_bases=torch.zeros(world_size, dtype=torch.int64), flags_offsets=(0, 256),
+                                      recv_offset=1 << 20, flags=lambda parity: torch.zeros(64, **i32),
+                                      recv_rows=slots, pair_rows_offset=1 << 19, pair_slots=slots)
+    launcher = ed.PairDispatch(world_size, num_experts, top_k, hidden, call_tokens, call_tokens, 132, recv_rows=slots)
+    assert launcher.pipe == ed.PIPE_PAIRS
+    args = launcher._arguments(torch.zeros(world_size, call_tokens, top_k, **i32), torch.zeros(world_size, **i32),
+                               torch.zeros(num_experts, **i32), torch.zeros(2, dtype=torch.int64), workspace,
+                               torch.zeros(4, **i32), 1, 10 ** 9, None, torch.zeros(launcher.rows_shape, **i32), None)
+    variant = dict(launcher._variant(None, None), num_warps=ed.NUM_WARPS)
+    assert variant["PIPE"] == ed.PIPE_PAIRS and not variant["LOCAL"]
+    ptx = sm90.compile_for_sm90(ed.pair_dispatch_kernel, args, variant).asm["ptx"]
+    assert ".local" not in ptx
+    assert re.search(r"ld\.global(\.[a-z]+)*\.v4", ptx) and re.search(r"st\.global(\.[a-z]+)*\.v4", ptx)
+    assert re.search(r"atom\.global\.sys\.release\.add", ptx) and re.search(r"atom\.global\.sys\.acquire", ptx)
+
+
 def test_pair_dispatch_refuses_what_the_tables_would_not_match():
     from weave_moe.backends.weave.kernels.early_dispatch import PairDispatch
 
@@ -178,8 +205,9 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
 def test_pair_dispatch_spreads_only_a_pipelined_walk_over_more_programs():
     """KernelConfig.pair_programs (`spread`): a pair dispatch of four pairs per step into local rows (EP = 1) on
     `spread` times the SMs' programs, no more than the longest call's steps; one of one pair per step keeps one
-    program per SM, and its walk is not turned into the pipelined one by the spread; nor does an EP > 1 dispatch (no
-    local rows: the plain walk) spread. The backend spreads the long size class only (test_weave_host.py)."""
+    program per SM, and its walk is not turned into the pipelined one by the spread; an EP > 1 dispatch (into the
+    peers' receive regions) walks four pairs per step too, on one program per SM at most. The backend spreads the
+    long size class only (test_weave_host.py)."""
     from weave_moe.backends.weave.kernels.early_dispatch import PIPE_PAIRS, PairDispatch
 
     long = PairDispatch(1, 128, 8, 2048, 2048, 512, 132, spread=4)   # Qwen3-30B-A3B at EP = 2, 4096 pairs
@@ -189,7 +217,8 @@ def test_pair_dispatch_spreads_only_a_pipelined_walk_over_more_programs():
     assert (shorter.pipe, shorter.num_programs) == (PIPE_PAIRS, 256)
     decode = PairDispatch(1, 128, 8, 2048, 2048, 64, 132, spread=4)
     assert (decode.pipe, decode.num_programs) == (1, 132)
-    assert PairDispatch(2, 128, 8, 2048, 4096, 512, 132, spread=4).num_programs == 132
+    peers = PairDispatch(2, 128, 8, 2048, 512, 512, 132, spread=4, recv_rows=2 * 512 * 8)
+    assert (peers.pipe, peers.num_programs) == (PIPE_PAIRS, 132)
     with pytest.raises(ValueError, match="spread"):
         PairDispatch(1, 128, 8, 2048, 2048, 512, 132, spread=0)
 

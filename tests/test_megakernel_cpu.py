@@ -931,7 +931,8 @@ class _PairRig:
 
     H, MAX_TOKENS, MAX_CALL_TOKENS = 40, 4, 4
 
-    def __init__(self, rank: int, world_size: int, E: int, k: int):
+    def __init__(self, rank: int, world_size: int, E: int, k: int, programs: int = 5):
+        """`programs`: the pair dispatch's (5: one pair per step; 2: four, the long calls' walk, `_peer_pairs`)."""
         import torch
         import torch.distributed as dist
 
@@ -956,7 +957,8 @@ class _PairRig:
         self.io = torch.zeros(2, dtype=torch.int64)
         self.ctrl = torch.zeros(64, dtype=torch.int32)
         self.dispatch = PairDispatch(world_size, E, k, self.H, self.MAX_TOKENS, self.MAX_CALL_TOKENS,
-                                     num_programs=5, recv_rows=self.ws.recv_rows)
+                                     num_programs=programs, recv_rows=self.ws.recv_rows)
+        assert (self.dispatch.pipe > 1) == (programs == 2), (programs, self.dispatch.pipe)
 
     def call(self, call: int, T: int, out, bad_id: bool):
         """One call of T tokens on this rank with `out` as its output; returns a namespace of its ids, weights and x,
@@ -990,7 +992,7 @@ class _PairRig:
                                      all_tokens=all_tokens, pairs=pairs, offsets=offsets, rows=rows)
 
 
-def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: int) -> list:
+def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: int, programs: int) -> list:
     """One rank of test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order (`_PairRig`): the receive region
     (poisoned first) against the torch tables: row p holds the x row of the pair the tables put at p (`gather_rows[p]`
     names its dedup receive row, i.e. its source and token), bitwise, and nothing past the pairs is written; each
@@ -1004,7 +1006,7 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
     from weave_moe.backends.weave.layout import build_layout
     from weave_moe.plan import MAX_CHUNKS
 
-    rig = _PairRig(rank, world_size, E, k)
+    rig = _PairRig(rank, world_size, E, k, programs)
     H, max_tokens, local, status, ws = rig.H, rig.MAX_TOKENS, E // world_size, rig.status, rig.ws
     results = []
     dist.barrier()
@@ -1050,7 +1052,8 @@ def _pair_dispatch_worker(rank: int, world_size: int, calls: list, E: int, k: in
                                          ([[3, 2], [4, 1], [0, 4], [1, 1]], 8, 2),
                                          ([[2, 1, 3, 0], [4, 4, 1, 2], [1, 2, 1, 1]], 16, 3)],
                          ids=["ep1", "ep2", "ep4"])
-def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, calls, E, k):
+@pytest.mark.parametrize("programs", [5, 2], ids=["pair-per-step", "four-per-step"])
+def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, calls, E, k, programs):
     """`PairDispatch` (KernelConfig.pair_dispatch; docs/perf-notes.md entry 36's rows in expert order) at EP 1 (where
     the backend uses it), 2 and 4 between real processes, under the interpreter: every pair row of every rank lands
     at the row the torch tables' expert order gives it (bitwise), nothing else is written, each source's flag counts
@@ -1059,7 +1062,8 @@ def test_pair_dispatch_sends_each_pair_to_its_row_in_expert_order(monkeypatch, c
     from weave_moe.testing import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # inherited by the spawned ranks, before they import triton
-    results = run_distributed(_pair_dispatch_worker, len(calls[0]), calls, E, k, backend="gloo", timeout_s=600,
+    results = run_distributed(_pair_dispatch_worker, len(calls[0]), calls, E, k, programs, backend="gloo",
+                              timeout_s=600,
                               env=dict(TRITON_INTERPRET="1"), shared_device=True)
     for rank, per_call in enumerate(results):
         assert len(per_call) == len(calls), (rank, per_call)
@@ -1111,7 +1115,7 @@ def _peer_pair_combine_worker(rank: int, world_size: int, calls: list, E: int, k
 
     from weave_moe.backends.weave.kernels.pair_combine import PeerPairCombine
 
-    rig = _PairRig(rank, world_size, E, k)
+    rig = _PairRig(rank, world_size, E, k, programs=2)   # the long calls' walk (the other: the dispatch test)
     H, max_tokens, local, ws = rig.H, rig.MAX_TOKENS, E // world_size, rig.ws
     combine = PeerPairCombine(world_size, E, k, H, max_tokens, rig.MAX_CALL_TOKENS, num_programs=3)
     results = []

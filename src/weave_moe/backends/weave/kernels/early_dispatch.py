@@ -340,16 +340,16 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 
 @triton.jit
 def _local_pair(pair, end, ids_ptr, cursor, ee, rows_ptr, K: tl.constexpr, KP: tl.constexpr):
-    """`_local_pairs`' step for `pair` (token * KP + slot): (its row in expert order, its token, whether it has one:
-    a slot of this program's range that names an expert, the cursors after it), its entry of the rows table written
-    (-1 for a named slot without an expert). `cursor` [BLOCK_E]: each expert's next row, advanced past this pair's.
+    """`_local_pairs`' and `_peer_pairs`' step for `pair` (token * KP + slot): (its row in expert order, its token,
+    its expert (-1: none, also for a pair outside this program's range or a slot past K), the cursors after it), its
+    entry of the rows table written (-1 for a named slot without an expert). `cursor` [BLOCK_E]: each expert's next row, advanced past this pair's.
     A pair at or past `end` has none and writes nothing. Its expert is loaded from this rank's ids (`ids_ptr`; the
     counts launch has replaced bad ids by -1 there, or refused the call)."""
     named = (pair < end) & ((pair % KP) < K)   # a (token, slot) of this program's range of the call's pairs
     expert = tl.load(ids_ptr + (pair // KP) * K + pair % KP, mask=named, other=-1)
     row = tl.sum(tl.where(ee == expert, cursor, 0), axis=0)
     tl.store(rows_ptr + (pair // KP) * K + pair % KP, tl.where(expert < 0, -1, row), mask=named)
-    return row, pair // KP, expert >= 0, tl.where(ee == expert, cursor + 1, cursor)
+    return row, pair // KP, expert, tl.where(ee == expert, cursor + 1, cursor)
 
 
 @triton.jit
@@ -372,11 +372,13 @@ def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_
     cursor = tl.cumsum(pairs, axis=0) - pairs + before   # [BLOCK_E] each expert's next row
     ids_ptr = ids_ptr + rank * ids_stride
     for first in range(begin, end, PIPE):
-        row0, token0, ok0, cursor = _local_pair(first, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
-        row1, token1, ok1, cursor = _local_pair(first + 1, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+        row0, token0, e0, cursor = _local_pair(first, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+        row1, token1, e1, cursor = _local_pair(first + 1, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+        ok0, ok1 = e0 >= 0, e1 >= 0
         if PIPE > 2:
-            row2, token2, ok2, cursor = _local_pair(first + 2, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
-            row3, token3, ok3, cursor = _local_pair(first + 3, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+            row2, token2, e2, cursor = _local_pair(first + 2, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+            row3, token3, e3, cursor = _local_pair(first + 3, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+            ok2, ok3 = e2 >= 0, e3 >= 0
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + offs_h
             inside = cols < H
@@ -390,6 +392,94 @@ def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_
             if PIPE > 2:
                 tl.store(local_ptr + tl.cast(row2, tl.int64) * H + cols, v2, mask=inside & ok2)
                 tl.store(local_ptr + tl.cast(row3, tl.int64) * H + cols, v3, mask=inside & ok3)
+
+
+@triton.jit
+def _peer_row_ptr(row, expert, peer_base_ptr, recv_offset, H, L: tl.constexpr):
+    """The start of receive row `row` at `expert`'s destination (`expert` < 0: rank 0's, never stored to)."""
+    return (peer_ptr(peer_base_ptr, tl.maximum(expert, 0) // L, recv_offset, tl.bfloat16, True)
+            + tl.cast(row, tl.int64) * H)
+
+
+@triton.jit
+def _peer_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, tokens_ptr, tokens_stride,
+                peer_base_ptr, recv_offset, pair_rows_offset, flags_offset, rank, world_size, max_tokens, H,
+                L: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, PIPE: tl.constexpr):
+    """`pair_dispatch_kernel`'s walk into the destinations' receive regions (not LOCAL) with PIPE (2 or 4) pairs
+    per step, as `_local_pairs` walks into local rows: one contiguous range of the call's pairs per program, each
+    expert's cursor starting at its row in its destination's expert order, (pairs of the destination's experts
+    before it) + (its pairs from earlier sources: one histogram of each earlier source's ids) + (its pairs of this
+    source before the range: one histogram), advanced by one per pair walked. Each pair's row index goes into its
+    destination's pair rows region with the first column block; the program counts its pairs per destination and
+    releases each count once, after all its stores (one system-scope atomic per destination, not per pair)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    n_pairs = tl.minimum(tl.load(tokens_ptr + rank * tokens_stride), BLOCK_T) * KP
+    per = tl.cdiv(n_pairs, grid)
+    begin = pid * per
+    end = tl.minimum(begin + per, n_pairs)
+    ids = tl.reshape(mine, [BLOCK_T * KP])
+    cursor = tl.histogram(ids, BLOCK_E, mask=(tl.reshape(flat, [BLOCK_T * KP]) < begin) & (ids >= 0))
+    for source in range(0, rank):
+        theirs = tl.reshape(_pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K, KP,
+                                      BLOCK_T), [BLOCK_T * KP])
+        cursor += tl.histogram(theirs, BLOCK_E, mask=theirs >= 0)
+    dd = tl.arange(0, BLOCK_P)
+    # the pairs of the experts of destinations before d, [BLOCK_P]; then each expert's destination's, [BLOCK_E]
+    dest_start = tl.sum(tl.where(ee[None, :] < dd[:, None] * L, pairs[None, :], 0), axis=1)
+    expert_dest_start = tl.sum(tl.where(ee[:, None] // L == dd[None, :], dest_start[None, :], 0), axis=1)
+    cursor += tl.cumsum(pairs, axis=0) - pairs - expert_dest_start
+    sent = tl.zeros([BLOCK_P], dtype=tl.int32)
+    ids_ptr = ids_ptr + rank * ids_stride
+    for first in range(begin, end, PIPE):
+        row0, token0, e0, cursor = _local_pair(first, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+        row1, token1, e1, cursor = _local_pair(first + 1, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+        if PIPE > 2:
+            row2, token2, e2, cursor = _local_pair(first + 2, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+            row3, token3, e3, cursor = _local_pair(first + 3, end, ids_ptr, cursor, ee, rows_ptr, K, KP)
+        dst0 = _peer_row_ptr(row0, e0, peer_base_ptr, recv_offset, H, L)
+        dst1 = _peer_row_ptr(row1, e1, peer_base_ptr, recv_offset, H, L)
+        if PIPE > 2:
+            dst2 = _peer_row_ptr(row2, e2, peer_base_ptr, recv_offset, H, L)
+            dst3 = _peer_row_ptr(row3, e3, peer_base_ptr, recv_offset, H, L)
+        for h0 in range(0, H, BLOCK_H):   # the step's loads, then its stores (as `_local_pairs`)
+            cols = h0 + offs_h
+            inside = cols < H
+            v0 = tl.load(x + tl.cast(token0, tl.int64) * H + cols, mask=inside & (e0 >= 0))
+            v1 = tl.load(x + tl.cast(token1, tl.int64) * H + cols, mask=inside & (e1 >= 0))
+            if PIPE > 2:
+                v2 = tl.load(x + tl.cast(token2, tl.int64) * H + cols, mask=inside & (e2 >= 0))
+                v3 = tl.load(x + tl.cast(token3, tl.int64) * H + cols, mask=inside & (e3 >= 0))
+            tl.store(dst0 + cols, v0, mask=inside & (e0 >= 0))
+            tl.store(dst1 + cols, v1, mask=inside & (e1 >= 0))
+            if PIPE > 2:
+                tl.store(dst2 + cols, v2, mask=inside & (e2 >= 0))
+                tl.store(dst3 + cols, v3, mask=inside & (e3 >= 0))
+        sent += _peer_pair_index(row0, token0, first % KP, e0, peer_base_ptr, pair_rows_offset, rank, max_tokens,
+                                 dd, L, K)
+        sent += _peer_pair_index(row1, token1, (first + 1) % KP, e1, peer_base_ptr, pair_rows_offset, rank,
+                                 max_tokens, dd, L, K)
+        if PIPE > 2:
+            sent += _peer_pair_index(row2, token2, (first + 2) % KP, e2, peer_base_ptr, pair_rows_offset, rank,
+                                     max_tokens, dd, L, K)
+            sent += _peer_pair_index(row3, token3, (first + 3) % KP, e3, peer_base_ptr, pair_rows_offset, rank,
+                                     max_tokens, dd, L, K)
+    for d in range(0, world_size):
+        count = tl.sum(tl.where(dd == d, sent, 0), axis=0)
+        if count > 0:
+            sync.signal_add(peer_ptr(peer_base_ptr, d, flags_offset, tl.int32) + rank * MC, count, True)
+
+
+@triton.jit
+def _peer_pair_index(row, token, slot, expert, peer_base_ptr, pair_rows_offset, rank, max_tokens, dd,
+                     L: tl.constexpr, K: tl.constexpr):
+    """`_peer_pairs`' index of one pair (`expert` < 0: none): `row` into its destination's pair rows region at
+    (this rank, token, slot); returns [BLOCK_P] one at its destination (what the program releases there)."""
+    ok = expert >= 0
+    dest = tl.maximum(expert, 0) // L
+    tl.store(peer_ptr(peer_base_ptr, dest, pair_rows_offset, tl.int32) + (rank * max_tokens + token) * K + slot, row,
+             mask=ok)
+    return ((dd == dest) & ok).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "pair_rows_offset", "flags_offset",
@@ -423,10 +513,11 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     offsets. PDL (launched with programmatic dependent launch, KernelConfig.chain_pairs): wait for the counts
     kernel before the first load, then let the next kernel's CTAs start (`sync.pdl_enter`): a preloading GEMM0's
     (kernels/ws_decode.py, PRELOAD), which reads only what launches before this one wrote until it waits for it.
-    PIPE (LOCAL only; 1, 2 or 4): a program walks one contiguous range of the pairs PIPE at a time, their rows' loads
-    issued together before their stores, the rows counted once per program (`_local_pairs`), so a long call's
-    program waits one load latency per PIPE pairs, not per pair, and reduces over the call's ids once, not per
-    pair."""
+    PIPE (1, 2 or 4): a program walks one contiguous range of the pairs PIPE at a time, their rows' loads issued
+    together before their stores, the rows counted once per program (`_local_pairs` into local rows, `_peer_pairs`
+    into the destinations' regions, which also releases one count per destination per program instead of one per
+    pair), so a long call's program waits one load latency per PIPE pairs, not per pair, and reduces over the
+    call's ids once, not per pair."""
     if PDL:
         sync.pdl_enter()
     pid = tl.program_id(0)
@@ -447,6 +538,10 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     if idle == 0 and LOCAL and PIPE > 1:   # EP = 1, PIPE pairs' rows in flight at once (`_local_pairs`)
         _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
                      tokens_stride, rank, H, K, KP, BLOCK_T, BLOCK_E, BLOCK_H, PIPE)
+    elif idle == 0 and PIPE > 1:   # the same into the destinations' receive regions (`_peer_pairs`)
+        _peer_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, tokens_ptr, tokens_stride,
+                    peer_base_ptr, recv_offset, pair_rows_offset, flags_offset, rank, world_size, max_tokens, H, L, K,
+                    KP, MC, BLOCK_T, BLOCK_E, BLOCK_P, BLOCK_H, PIPE)
     elif idle == 0:   # every program has pairs to walk: no more programs than pairs
         offs_h = tl.arange(0, BLOCK_H)
         n_tok = tl.load(tokens_ptr + rank * tokens_stride)
@@ -478,17 +573,15 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
                     tl.store(dst + cols, tl.load(src + cols, mask=cols < H), mask=cols < H)
                 if not LOCAL:
                     sync.signal_add(peer_ptr(peer_base_ptr, dest, flags_offset, tl.int32) + rank * MC, 1, True)
-        if pid == grid - 1 and not LOCAL:
-            pp = tl.arange(0, BLOCK_P * MC)
-            owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
-            for source in range(0, world_size):
-                theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K, KP,
-                                   BLOCK_T)
-                here = tl.sum(tl.sum(((theirs >= rank * L) & (theirs < (rank + 1) * L)).to(tl.int32), axis=1),
-                              axis=0)
-                owed = tl.where(pp == source * MC, here, owed)
-            sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
-                                 timeout_ns, BLOCK_P * MC, True, GROUP=MC)
+    if idle == 0 and pid == grid - 1 and not LOCAL:
+        pp = tl.arange(0, BLOCK_P * MC)
+        owed = tl.zeros([BLOCK_P * MC], dtype=tl.int32)
+        for source in range(0, world_size):
+            theirs = _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K, KP, BLOCK_T)
+            here = tl.sum(tl.sum(((theirs >= rank * L) & (theirs < (rank + 1) * L)).to(tl.int32), axis=1), axis=0)
+            owed = tl.where(pp == source * MC, here, owed)
+        sync.wait_all_values(arrival_ptr, owed, world_size * MC, status_ptr, sync.ERROR_ARRIVAL_TIMEOUT, 0,
+                             timeout_ns, BLOCK_P * MC, True, GROUP=MC)
 
 
 class PairDispatch:
@@ -525,7 +618,7 @@ class PairDispatch:
         self.pipe = PIPE_PAIRS if max_call_tokens * top_k >= PIPE_PAIRS * self.num_programs else 1
         if spread < 1:
             raise ValueError(f"spread must be >= 1, got {spread}")
-        if self.pipe > 1 and world_size == 1:   # the pipelined walk is EP = 1's (local rows)
+        if self.pipe > 1 and world_size == 1:   # spread: EP = 1's (local rows) only
             self.num_programs = min(self.num_programs * spread, triton.cdiv(max_call_tokens * top_k, self.pipe))
         self.constants = dict(L=local, K=top_k, KP=KP, MC=MAX_CHUNKS, BLOCK_T=BLOCK_T,
                               BLOCK_E=triton.next_power_of_2(num_experts),
@@ -569,7 +662,7 @@ class PairDispatch:
     def _variant(self, local, offsets, pdl: bool = False) -> dict:
         """The launch's compile-time switches for these arguments (and its launch option); PIPE only where it is not 1
         (the plain walk's compile keeps its key)."""
-        pipe = dict(PIPE=self.pipe) if local is not None and self.pipe > 1 else {}
+        pipe = dict(PIPE=self.pipe) if self.pipe > 1 else {}
         return dict(self.constants, LOCAL=local is not None, OFFSETS=offsets is not None, **pipe,
                     **sync.optional_pdl(pdl))
 
