@@ -353,6 +353,21 @@ def _local_pair(pair, end, ids_ptr, cursor, ee, rows_ptr, K: tl.constexpr, KP: t
 
 
 @triton.jit
+def _pair_range(pid, grid, tokens_ptr, tokens_stride, rank, mine, flat, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_E: tl.constexpr):
+    """This program's contiguous range [begin, end) of this rank's call's pairs (token * KP + slot order, an equal
+    share per program) and [BLOCK_E] each expert's pairs of this rank before it (a histogram of the ids tile
+    `mine`): what `_local_pairs` and `_peer_pairs` start their cursors from."""
+    n_pairs = tl.minimum(tl.load(tokens_ptr + rank * tokens_stride), BLOCK_T) * KP
+    per = tl.cdiv(n_pairs, grid)
+    begin = pid * per
+    end = tl.minimum(begin + per, n_pairs)
+    ids = tl.reshape(mine, [BLOCK_T * KP])
+    before = tl.histogram(ids, BLOCK_E, mask=(tl.reshape(flat, [BLOCK_T * KP]) < begin) & (ids >= 0))
+    return begin, end, before
+
+
+@triton.jit
 def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_ptr, local_ptr, tokens_ptr,
                  tokens_stride, rank, H, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PIPE: tl.constexpr):
@@ -363,12 +378,7 @@ def _local_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_
     rows are loaded before any of them is stored (one load latency per step, where the plain walk waits one per
     pair); a pair past the range is neither read nor written (`_local_pair`)."""
     offs_h = tl.arange(0, BLOCK_H)
-    n_pairs = tl.minimum(tl.load(tokens_ptr + rank * tokens_stride), BLOCK_T) * KP
-    per = tl.cdiv(n_pairs, grid)
-    begin = pid * per
-    end = tl.minimum(begin + per, n_pairs)
-    ids = tl.reshape(mine, [BLOCK_T * KP])
-    before = tl.histogram(ids, BLOCK_E, mask=(tl.reshape(flat, [BLOCK_T * KP]) < begin) & (ids >= 0))
+    begin, end, before = _pair_range(pid, grid, tokens_ptr, tokens_stride, rank, mine, flat, KP, BLOCK_T, BLOCK_E)
     cursor = tl.cumsum(pairs, axis=0) - pairs + before   # [BLOCK_E] each expert's next row
     ids_ptr = ids_ptr + rank * ids_stride
     for first in range(begin, end, PIPE):
@@ -414,12 +424,7 @@ def _peer_pairs(pid, grid, ids_ptr, ids_stride, mine, flat, pairs, ee, x, rows_p
     destination's pair rows region with the first column block; the program counts its pairs per destination and
     releases each count once, after all its stores (one system-scope atomic per destination, not per pair)."""
     offs_h = tl.arange(0, BLOCK_H)
-    n_pairs = tl.minimum(tl.load(tokens_ptr + rank * tokens_stride), BLOCK_T) * KP
-    per = tl.cdiv(n_pairs, grid)
-    begin = pid * per
-    end = tl.minimum(begin + per, n_pairs)
-    ids = tl.reshape(mine, [BLOCK_T * KP])
-    cursor = tl.histogram(ids, BLOCK_E, mask=(tl.reshape(flat, [BLOCK_T * KP]) < begin) & (ids >= 0))
+    begin, end, cursor = _pair_range(pid, grid, tokens_ptr, tokens_stride, rank, mine, flat, KP, BLOCK_T, BLOCK_E)
     for source in range(0, rank):
         theirs = tl.reshape(_pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens, K, KP,
                                       BLOCK_T), [BLOCK_T * KP])
