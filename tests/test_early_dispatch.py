@@ -190,7 +190,7 @@ def test_pair_dispatch_refuses_what_the_tables_would_not_match():
     i32 = dict(dtype=torch.int32)
     args = (torch.zeros(1, 16, 4, **i32), torch.zeros(1, **i32), torch.zeros(16, **i32), None,
             types.SimpleNamespace(peer_bases=None, recv_offset=0, pair_rows_offset=0, flags_offsets=(0, 0),
-                                  flags=lambda parity: None),
+                                  flags=lambda parity: None, recv_rows=16, pair_slots=64),
             None, 0, 1, torch.zeros(17, **i32), torch.zeros(alone.rows_shape, **i32))
     with pytest.raises(ValueError, match="do not fit the receive region"):
         alone._arguments(*args, None)
@@ -403,7 +403,7 @@ def test_peer_pair_combine_compiles_for_sm90(world_size, num_experts, top_k, hid
                                       flags_offsets=(0, 0), comb=lambda parity: torch.zeros(rows, hidden,
                                                                                             dtype=torch.bfloat16),
                                       comb_flags=lambda parity: torch.zeros(world_size, **i32),
-                                      pair_rows=lambda: torch.zeros(rows * top_k, **i32))
+                                      pair_rows=lambda: torch.zeros(rows * top_k, **i32), pair_slots=rows * top_k)
     ids, tokens = torch.zeros(world_size, 2048, top_k, **i32), torch.zeros(world_size, **i32)
     weights, status = torch.zeros(world_size, 2048, top_k), torch.zeros(4, **i32)
     send = combine.send_arguments(ids, weights, tokens, torch.zeros(rows * top_k, hidden, dtype=torch.bfloat16),

@@ -73,7 +73,8 @@ def test_a_paired_layer_sizes_the_receive_region_for_its_pairs():
     assert plain.recv().data_ptr() == paired.recv().data_ptr()
     spans = sorted([_span(paired.flags(0)), _span(paired.flags(1)), _span(paired.recv()), _span(plain.comb(0)),
                     _span(plain.comb(1))])
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= ws.buffer.data_ptr() + ws.buffer.numel()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] <= ws.buffer.data_ptr() + ws.buffer.numel()
     assert ws.comb_offsets[0] == ws.recv_offset + ws.capacity.recv
     # the pair rows region: one int32 per receive row of the paired layer, none for the other
     assert paired.pair_rows().shape == (48,) and plain.pair_rows().numel() == 0 and ws.capacity.pair_rows == 256

@@ -136,7 +136,8 @@ class ExpertParallelMoE(torch.nn.Module):
 
     Construction is collective at EP > 1: every rank of the group builds its layers in the same order, and ranks that
     disagree on spec, max_tokens_per_rank, backend, policy or (weave) the KernelConfig (`config`, else
-    WEAVE_MOE_KERNEL_CONFIG) raise LayerMismatchError naming the field, on every rank. The layer is inference-only: its forward runs without autograd, and a backward through it raises.
+    WEAVE_MOE_KERNEL_CONFIG) raise LayerMismatchError naming the field, on every rank. The layer is inference-only:
+    its forward runs without autograd, and a backward through it raises.
     Expert weights are held by the backend, not registered as parameters: `.to()` does not move them.
     """
 

@@ -669,9 +669,15 @@ class WeaveBackend:
         copy_status(self.status, self.status_host)
 
     def _local_pair_rows(self) -> torch.Tensor | None:
-        """Where the pair dispatch writes the pairs' rows and GEMM0 reads them: this rank's y at EP = 1 (the pair
-        dispatch's `local`), None at EP > 1 (the destinations' receive regions, `pair_peers`)."""
+        """The pair dispatch's `local` rows: this rank's y at EP = 1, None at EP > 1 (the destinations' receive
+        regions, `pair_peers`)."""
         return self.workspace.y() if self.world_size == 1 else None
+
+    def _pair_rows(self) -> torch.Tensor:
+        """The rows GEMM0 of a paired call reads, where the pair dispatch left them (`_local_pair_rows`, else this
+        rank's receive region)."""
+        local = self._local_pair_rows()
+        return self.workspace.recv() if local is None else local
 
     def _pairs(self, counts: torch.Tensor, local: bool = False) -> torch.Tensor:
         """The counts vector's (token, expert) pairs per expert: every expert's [E], or this rank's experts' [E_local]
@@ -1163,14 +1169,11 @@ class WeaveBackend:
 
     def _paired_gemms(self, configs, tables, preload: bool = False) -> None:
         """The grouped GEMMs after a pair dispatch (`_resident_paired`), on its tile `tables` (`_grouped_prologue`'s,
-        or the counts launch's): GEMM0 reading the pair rows (in expert order, in y at EP = 1, in the receive region
-        at EP > 1: `_local_pair_rows`) contiguously through TMA (no
-        gather; `preload`: launched programmatically after the pair dispatch, `_preloads`), and GEMM1 into y (rows in
-        the same expert order; it starts once GEMM0 has ended)."""
+        or the counts launch's): GEMM0 reading the pair rows (in expert order, `_pair_rows`) contiguously through
+        TMA (no gather; `preload`: launched programmatically after the pair dispatch, `_preloads`), and GEMM1 into y
+        (rows in the same expert order; it starts once GEMM0 has ended)."""
         keys, chained = _tile_keys(configs), self._chains(configs)
-        rows = self._local_pair_rows()
-        self._gemm0(self.workspace.recv() if rows is None else rows, tables[keys[0]], configs[0], chained=chained,
-                    preload=preload)
+        self._gemm0(self._pair_rows(), tables[keys[0]], configs[0], chained=chained, preload=preload)
         self._gemm1(tables[keys[1]], configs[1], chained=chained)
 
     def _grouped_prologue(self, offsets, keys, device_serial: bool, side: bool = False,
@@ -1260,9 +1263,7 @@ class WeaveBackend:
                     if not self._gathers_in_gemm0(config):
                         self._gemm0(y, table, config, chained=chained)
                     if self.pair_dispatches:   # the pair rows where the pair dispatch leaves them (_paired_gemms)
-                        pair_rows = self._local_pair_rows()
-                        self._gemm0(self.workspace.recv() if pair_rows is None else pair_rows, table, config,
-                                    chained=chained)
+                        self._gemm0(self._pair_rows(), table, config, chained=chained)
                     if self._preloads([config], True in chains):   # the chained paired call's GEMM0
                         self._gemm0(y, table, config, chained=chained, preload=True)
             for config in configs[1]:

@@ -474,7 +474,7 @@ class WorkspaceView:
         return self._recv
 
     def pair_rows(self) -> torch.Tensor:
-        """[recv_rows] int32 (empty without `attach(recv_rows=)`): where the pairs sent here at EP > 1 lie
+        """[pair_slots] int32 (empty without `attach(recv_rows=)`): where the pairs sent here at EP > 1 lie
         (module docstring)."""
         return self._pair_rows
 

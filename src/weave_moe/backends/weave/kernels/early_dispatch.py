@@ -342,9 +342,9 @@ def _pairs_of(ids_ptr, ids_stride, tokens_ptr, tokens_stride, source, max_tokens
 def _local_pair(pair, end, ids_ptr, cursor, ee, rows_ptr, K: tl.constexpr, KP: tl.constexpr):
     """`_local_pairs`' and `_peer_pairs`' step for `pair` (token * KP + slot): (its row in expert order, its token,
     its expert (-1: none, also for a pair outside this program's range or a slot past K), the cursors after it), its
-    entry of the rows table written (-1 for a named slot without an expert). `cursor` [BLOCK_E]: each expert's next row, advanced past this pair's.
-    A pair at or past `end` has none and writes nothing. Its expert is loaded from this rank's ids (`ids_ptr`; the
-    counts launch has replaced bad ids by -1 there, or refused the call)."""
+    entry of the rows table written (-1 for a named slot without an expert). `cursor` [BLOCK_E]: each expert's next
+    row, advanced past this pair's. A pair at or past `end` has none and writes nothing. Its expert is loaded from
+    this rank's ids (`ids_ptr`; the counts launch has replaced bad ids by -1 there, or refused the call)."""
     named = (pair < end) & ((pair % KP) < K)   # a (token, slot) of this program's range of the call's pairs
     expert = tl.load(ids_ptr + (pair // KP) * K + pair % KP, mask=named, other=-1)
     row = tl.sum(tl.where(ee == expert, cursor, 0), axis=0)
@@ -490,8 +490,8 @@ def _peer_pair_index(row, token, slot, expert, peer_base_ptr, pair_rows_offset, 
 @triton.jit(do_not_specialize=["rank", "world_size", "recv_offset", "pair_rows_offset", "flags_offset",
                                "timeout_ns"])
 def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_ptr, io_ptr, peer_base_ptr,
-                         recv_offset, pair_rows_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr, local_ptr,
-                         rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
+                         recv_offset, pair_rows_offset, flags_offset, arrival_ptr, status_ptr, offsets_ptr, rows_ptr,
+                         local_ptr, rank, world_size, max_tokens, H, timeout_ns, L: tl.constexpr,
                          K: tl.constexpr, KP: tl.constexpr, MC: tl.constexpr, BLOCK_T: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
                          LOCAL: tl.constexpr, OFFSETS: tl.constexpr, PDL: tl.constexpr = False,
@@ -504,7 +504,8 @@ def pair_dispatch_kernel(ids_ptr, ids_stride, tokens_ptr, tokens_stride, pairs_p
     pairs_ptr: the counts vector's pairs per expert [E] (every rank's); the others as in `early_dispatch_kernel`.
     Each pair sent releases 1 onto flag (this rank, chunk 0) at d, after its row and its entry (s * T_max + t) * k
     + j of d's pair rows region (`pair_rows_offset`: the row, which d's combine reads, kernels/pair_combine.py); the
-    last program waits until each source's flag holds the pairs it owes this rank. One block of tokens: every rank's T <= BLOCK_T. The last program also writes
+    last program waits until each source's flag holds the pairs it owes this rank. One block of tokens: every
+    rank's T <= BLOCK_T. The last program also writes
     this rank's expert offsets [L + 1] into `offsets_ptr` (the exclusive prefix sum of its experts' pairs, what the
     bases kernel writes into the tables' `expert_offsets` under one chunk; zeros when the call is refused), from
     which the grouped GEMMs' tile tables can be built (`grouped_tiles.fill_tile_tables`) without the task tables.
@@ -635,11 +636,10 @@ class PairDispatch:
         P, T, L = self.world_size, self.max_tokens, self.constants["L"]
         need = self.max_call_tokens * self.rows_shape[1]   # rows of the longest call's pairs
         if local is None:
-            region = self.recv_rows if P * need > self.recv_rows else min(self.recv_rows, workspace.recv_rows)
-            if P * need > region:
+            if P * need > workspace.recv_rows:
                 raise ValueError(f"the pairs of {self.max_call_tokens} tokens from each of {P} ranks ({P * need} "
-                                 f"rows) do not fit the receive region ({region} rows): give local rows (EP = 1) "
-                                 f"or size the region (the workspace's recv_rows)")
+                                 f"rows) do not fit the receive region ({workspace.recv_rows} rows): give local "
+                                 f"rows (EP = 1) or size the region (the workspace's recv_rows)")
             if workspace.pair_slots < P * T * self.constants["K"]:
                 raise ValueError(f"the workspace's pair rows region has {workspace.pair_slots} entries, the pair "
                                  f"dispatch writes up to {P * T * self.constants['K']} (EP * T_max * k): attach "

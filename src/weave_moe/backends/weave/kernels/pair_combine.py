@@ -142,12 +142,12 @@ class PairCombine:
 # ---- at EP > 1 (docs/perf-notes.md entry 41; the backend's paired calls at EP > 1, KernelConfig.pair_peers) ---------
 # After `PairDispatch` (without local rows) each destination d holds every pair of its experts in expert order in its
 # receive region and, after the grouped GEMMs, y in that order. The combine is then the megakernel's, with positions
-# computed from the ids instead of read from the emit's tables:
+# read from the pair rows region instead of the emit's tables:
 # - at d (`pair_combine_send_kernel`): for each (source s, token t) with an expert on d, the sum over t's slots j on
 #   d, in slot order, of w[s, t, j] * y[row(s, t, j)] in fp32, rounded once (row(s, t, j): entry (s * T_max + t) * k
-#   + j of d's pair rows region, which s's pair dispatch wrote with the row before releasing it), written to s's combine region at row
-#   d * T_max + t, and one count released onto s's combine flag d (`tiles.combine_rows` and the megakernel's combine
-#   phase do the same with the tables' positions);
+#   + j of d's pair rows region, which s's pair dispatch wrote with the row before releasing it), written to s's
+#   combine region at row d * T_max + t, and one count released onto s's combine flag d (`tiles.combine_rows` and
+#   the megakernel's combine phase do the same with the tables' positions);
 # - at s (`pair_reduce_kernel`): once every flag d holds the rows d owes (s's tokens with an expert on d: its own
 #   ids), out[t] = the sum over those d, ascending, of the rows (fp32, rounded once), as `tiles.reduce_rows`.
 
@@ -252,8 +252,8 @@ class PeerPairCombine:
     def send_arguments(self, all_ids, all_weights, tokens, y, workspace, status, rank: int) -> tuple:
         """(arguments, compile-time switches) of `send`'s launch."""
         slots = self.world_size * self.max_tokens * self.top_k
-        if workspace.pair_rows().numel() < slots:
-            raise ValueError(f"the workspace's pair rows region has {workspace.pair_rows().numel()} entries, the "
+        if workspace.pair_slots < slots:
+            raise ValueError(f"the workspace's pair rows region has {workspace.pair_slots} entries, the "
                              f"combine reads up to {slots} (EP * T_max * k): attach the layer with recv_rows")
         return ((all_ids, all_ids.stride(0), all_weights, all_weights.stride(0), tokens, tokens.stride(0),
                  workspace.pair_rows(), y, workspace.peer_bases, workspace.comb_offsets[0], workspace.flags_offsets[0],
